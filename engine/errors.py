@@ -1,0 +1,5 @@
+"""The one base class of errors a user can fix; their messages say how. Importing it needs no torch."""
+
+
+class FfmemError(Exception):
+    """An error caused by input or environment, shown as one line (CLI) or a 4xx (web), never a traceback."""

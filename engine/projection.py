@@ -1,0 +1,68 @@
+"""Value vectors → vocabulary: each value's top and bottom tokens under two readouts.
+
+- raw:  v·Eᵀ, the paper's readout (E the output embedding, no bias, no norm).
+- norm: lm_head(final_norm(v)), the model's own path from a residual to logits applied to v alone.
+Probabilities are a softmax over the full vocabulary. Work is chunked over keys, on the model's
+device, so all values of a 30-layer model project in one pass without holding [keys, vocab] for
+more than a chunk at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.adapters.base import resolve
+from engine.loading import LoadedModel
+
+READOUTS = ("raw", "norm")
+
+
+@dataclass
+class ValueTokens:
+    """Top (direction +1) or bottom (−1) tokens of every value of one layer under one readout."""
+
+    layer: int
+    readout: str
+    direction: int
+    token_ids: torch.Tensor  # [keys, n] int64
+    logits: torch.Tensor  # [keys, n]
+    probs: torch.Tensor  # [keys, n]
+
+
+def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> torch.Tensor:
+    """Logits over the vocabulary for value rows: [keys, d] → [keys, vocab]."""
+    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+    if readout == "raw":
+        return values @ unembedding.weight.T  # [keys, vocab]
+    if readout == "norm":
+        return unembedding(resolve(loaded.model, loaded.adapter.final_norm)(values))  # [keys, vocab]
+    raise ValueError(f"unknown readout {readout!r}; choose from {READOUTS}")
+
+
+def project_layer(
+    loaded: LoadedModel, layer: int, n: int = 30, chunk: int = 512
+) -> Iterator[ValueTokens]:
+    """Top and bottom `n` tokens of every value of `layer`, for each readout."""
+    block = loaded.adapter.blocks(loaded.model)[layer]
+    values = loaded.adapter.value_matrix(block)  # [keys, d]
+    with torch.inference_mode():
+        for readout in READOUTS:
+            parts = {1: [], -1: []}
+            for start in range(0, values.shape[0], chunk):
+                logits = value_logits(loaded, values[start : start + chunk], readout).float()  # [chunk, vocab]
+                log_z = logits.logsumexp(dim=-1, keepdim=True)  # [chunk, 1]
+                for direction in (1, -1):
+                    top, ids = logits.topk(n, dim=-1, largest=direction == 1)  # [chunk, n] each
+                    parts[direction].append((ids, top, (top - log_z).exp()))
+            for direction in (1, -1):
+                ids, top, probs = (torch.cat(t).cpu() for t in zip(*parts[direction]))
+                yield ValueTokens(layer, readout, direction, ids, top, probs)
+
+
+def value_norms(loaded: LoadedModel, layer: int) -> torch.Tensor:
+    """‖v_i‖ for every value of the layer: [keys]."""
+    block = loaded.adapter.blocks(loaded.model)[layer]
+    return loaded.adapter.value_matrix(block).detach().float().norm(dim=-1).cpu()

@@ -1,0 +1,153 @@
+"""Mining equals a brute-force computation, whatever the batch size, split, merge or resume."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.corpus import length_bucketed_batches
+from engine.hooks import capture
+from engine.mining import MiningState, histogram_bins, histogram_edges, mine_batches, shard_batches
+
+TOP_K = 5
+
+
+@pytest.fixture(scope="module")
+def sentences(tiny):
+    """40 sentences of random token ids, 1 to 30 tokens; a few start with a 'BOS' not to be mined."""
+    rng = random.Random(1)
+    vocab = tiny.config.vocab_size
+    ids = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(40)]
+    first = [1 if i % 7 == 3 and len(s) > 1 else 0 for i, s in enumerate(ids)]
+    return ids, first
+
+
+def brute_force(tiny, ids, first):
+    """Each sentence alone, unpadded: per layer the coefficients [pos, keys] of its mined positions."""
+    per_sentence = []
+    with torch.inference_mode(), capture(tiny.model, tiny.adapter, fields=("coefficients",)) as captured:
+        for sentence, start in zip(ids, first):
+            tiny.model.base_model(input_ids=torch.tensor([sentence]))
+            per_sentence.append({layer: c[0, start:].clone() for layer, c in captured.coefficients.items()})
+    return per_sentence
+
+
+def expected_triggers(per_sentence, layer, key, sign):
+    """Top-k (coefficient, sentence, position), by s·coefficient desc then sentence asc."""
+    rows = []
+    for index, coefficients in enumerate(per_sentence):
+        column = sign * coefficients[layer][:, key]  # [positions]
+        best = column.max()
+        position = int(column.argmax())
+        rows.append((float(best), index, position))
+    rows.sort(key=lambda r: (-r[0], r[1]))
+    return rows[:TOP_K]
+
+
+def mine(tiny, ids, first, batch_tokens, shard_sentences=1000, shards=None):
+    state = MiningState(tiny.n_layers, tiny.n_keys, TOP_K)
+    n_shards = -(-len(ids) // shard_sentences)
+    for shard in shards if shards is not None else range(n_shards):
+        batches = shard_batches(ids, first, shard=shard, shard_sentences=shard_sentences,
+                                batch_tokens=batch_tokens, pad_id=0)
+        mine_batches(tiny, batches, state)
+    return state
+
+
+def assert_matches_brute_force(state, per_sentence, first):
+    n_layers, n_keys = state.n_layers, state.n_keys
+    for layer in range(n_layers):
+        for sign in (1, -1):
+            coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T]
+            for key in range(n_keys):
+                expected = expected_triggers(per_sentence, layer, key, sign)
+                got_sentences = sentence[key].tolist()
+                assert got_sentences == [e[1] for e in expected], f"layer {layer} key {key} sign {sign}"
+                got_positions = position[key].tolist()
+                assert got_positions == [e[2] + first[e[1]] for e in expected]
+                want = torch.tensor([sign * e[0] for e in expected])
+                diff = (coefficients[key] - want).abs().max()
+                assert torch.allclose(coefficients[key], want, rtol=1e-5, atol=1e-4), f"max diff {diff}"
+        every = torch.cat([c[layer] for c in per_sentence])  # [positions, keys]
+        mean_diff = (state.mean(layer) - every.double().mean(0)).abs().max()
+        assert mean_diff < 1e-4, f"max |mean − brute force| = {mean_diff}"
+        assert torch.equal(state.positive_share(layer), (every > 0).double().mean(0))
+        edges = torch.tensor(histogram_edges(), dtype=torch.float64)
+        # reference binning: bucketize with the documented convention (edges go to the larger magnitude)
+        neg = torch.bucketize(every.double(), edges, right=False)
+        pos = torch.bucketize(every.double(), edges, right=True)
+        reference = torch.where(every < 0, neg, torch.clamp(pos, min=21))
+        counts = torch.stack([torch.bincount(reference[:, k], minlength=42) for k in range(n_keys)])
+        assert torch.equal(state.histogram[layer], counts)
+    assert state.positions == sum(len(c[0]) for c in per_sentence)
+
+
+@pytest.mark.parametrize("batch_tokens", [30, 64, 257, 10_000])
+def test_mining_equals_brute_force_for_any_batch_size(tiny, sentences, batch_tokens):
+    ids, first = sentences
+    state = mine(tiny, ids, first, batch_tokens)
+    assert_matches_brute_force(state, brute_force(tiny, ids, first), first)
+
+
+def test_two_shards_mined_apart_and_merged_equal_one_pass(tiny, sentences):
+    ids, first = sentences
+    one = mine(tiny, ids, first, 100, shard_sentences=16)
+    a = mine(tiny, ids, first, 100, shard_sentences=16, shards=[0, 2])
+    b = mine(tiny, ids, first, 100, shard_sentences=16, shards=[1])
+    merged = b.merge(a)  # order does not matter
+    assert_same_state(one, merged)
+    assert_matches_brute_force(merged, brute_force(tiny, ids, first), first)
+
+
+def test_checkpoint_and_resume_equal_one_pass(tiny, sentences, tmp_path):
+    ids, first = sentences
+    one = mine(tiny, ids, first, 100, shard_sentences=16)
+    partial = mine(tiny, ids, first, 100, shard_sentences=16, shards=[0])
+    torch.save(partial.state_dict(), tmp_path / "checkpoint.pt")
+    resumed = MiningState.from_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True))
+    for shard in (1, 2):
+        mine_batches(tiny, shard_batches(ids, first, shard=shard, shard_sentences=16, batch_tokens=100, pad_id=0),
+                     resumed)
+    assert_same_state(one, resumed)
+
+
+def assert_same_state(a: MiningState, b: MiningState):
+    for sign in (1, -1):
+        for layer in range(a.n_layers):
+            ca, sa, pa = a.triggers(layer, sign)
+            cb, sb, pb = b.triggers(layer, sign)
+            assert torch.equal(sa, sb) and torch.equal(pa, pb)
+            assert (ca - cb).abs().max() < 1e-5
+    assert torch.equal(a.histogram, b.histogram)
+    assert torch.equal(a.positive, b.positive)
+    assert (a.total - b.total).abs().max() < 1e-4
+    assert (a.positions, a.sentences) == (b.positions, b.sentences)
+
+
+def test_fewer_sentences_than_top_k_leave_empty_slots(tiny, sentences):
+    ids, first = sentences
+    state = mine(tiny, ids[:3], first[:3], 100)
+    _, sentence, _ = state.triggers(0, 1)
+    assert sentence[:, :3].ge(0).all() and sentence[:, 3:].eq(-1).all()
+
+
+def test_histogram_bins_follow_the_edges():
+    values = torch.tensor([-5000.0, -1024.0, -1000.0, -1.0, -0.5, -1e-4, -0.0, 0.0, 1e-4, 2.0 ** -9, 0.75, 1.0,
+                           1023.0, 1024.0, 1e6])
+    assert histogram_bins(values[:, None])[:, 0].tolist() == [
+        0, 0, 1, 10, 11, 20, 21, 21, 21, 22, 30, 31, 40, 41, 41
+    ]
+
+
+def test_length_bucketing_pads_little_and_respects_the_budget():
+    rng = random.Random(0)
+    ids = [[1] * rng.randint(3, 128) for _ in range(2048)]
+    batches = list(length_bucketed_batches(ids, [0] * len(ids), start=0, batch_tokens=4096, pad_id=0))
+    real = sum(b.real_tokens for b in batches)
+    computed = sum(b.computed_tokens for b in batches)
+    assert real == sum(map(len, ids))
+    assert all(b.computed_tokens <= 4096 for b in batches)
+    assert real / computed >= 0.9, f"padding efficiency {real / computed:.3f}"
+    assert sorted(int(i) for b in batches for i in b.sentence_index) == list(range(2048))

@@ -1,0 +1,1 @@
+"""The worker: holds a model and does the heavy work (index runs)."""
