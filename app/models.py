@@ -70,7 +70,9 @@ class Token(Base):
 
     __tablename__ = "tokens"
 
-    model_id: Mapped[int] = mapped_column(ForeignKey("language_models.id", ondelete="CASCADE"), primary_key=True)
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("language_models.id", ondelete="CASCADE"), primary_key=True
+    )
     token_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     text: Mapped[str] = mapped_column(Text)
     piece: Mapped[str] = mapped_column(Text)

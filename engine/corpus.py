@@ -103,7 +103,7 @@ def _paragraphs(source: str, path: Path, raw: bytes, skipped: Counter) -> Iterat
             yield article["extract"]
         return
     jsonl = path.suffix == ".jsonl"
-    for line in raw.split(b"\n"):
+    for line in raw.splitlines():
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError:
@@ -154,19 +154,24 @@ def length_bucketed_batches(
     start: int,
     batch_tokens: int,
     pad_id: int,
+    min_fill: float = 0.9,
 ) -> Iterator[Batch]:
     """Batches of one shard (sentences start, start+1, …), longest first, packed to a token budget.
 
-    Sorting the shard by length keeps the padding small: each batch holds sentences of nearly
-    the same length, and batch size × padded length stays within `batch_tokens`.
+    Sorting the shard by length keeps the padding small: a batch takes the next sentences while
+    batch size × padded length stays within `batch_tokens` and each is at least `min_fill` of the
+    batch's padded length, so at least that share of the tokens computed are real ones.
     """
     order = sorted(range(len(token_ids)), key=lambda i: (-len(token_ids[i]), i))
     i = 0
     while i < len(order):
         width = len(token_ids[order[i]])
         rows = max(1, batch_tokens // width)
-        members = order[i : i + rows]
-        i += len(members)
+        members = [order[i]]
+        i += 1
+        while i < len(order) and len(members) < rows and len(token_ids[order[i]]) >= min_fill * width:
+            members.append(order[i])
+            i += 1
         input_ids = torch.full((len(members), width), pad_id, dtype=torch.long)  # [batch, pos]
         attention_mask = torch.zeros((len(members), width), dtype=torch.long)  # [batch, pos]
         mined = torch.zeros((len(members), width), dtype=torch.bool)  # [batch, pos]

@@ -143,11 +143,13 @@ def load_model(
         target = str(folder)
     else:
         target = source
+        if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+            raise ModelLoadError(f"{source} is not a Hugging Face model folder: it has no config.json")
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
-    except OSError as error:
-        if os.path.isdir(source):
+    except (OSError, ValueError) as error:
+        if os.path.isdir(target):
             raise ModelLoadError(f"{source} is not a Hugging Face model folder: {error}") from None
         raise ModelLoadError(
             f"could not load {source!r} from the Hugging Face hub ({error}). Without network access, "

@@ -1,4 +1,7 @@
-"""Tiny random models saved as real Hugging Face folders (config, safetensors, fast tokenizer): no hub."""
+"""Tiny random models saved as real Hugging Face folders (config, safetensors, fast tokenizer): no hub.
+
+Shared by every test folder through tests/conftest.py.
+"""
 
 from __future__ import annotations
 

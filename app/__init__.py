@@ -1,0 +1,1 @@
+"""ffmem's web process and its database layer: reads the index database, never imports torch."""

@@ -1,0 +1,378 @@
+"""Keyword-only reads and writes of the index database. No torch here: array inputs are numpy arrays.
+
+Bulk writes (triggers, value tokens, key stats, sentences, vocabulary) go through `_bulk_insert`:
+COPY on Postgres, a driver-level executemany per chunk on SQLite (about twice as fast as Core's
+dict rows), always inside the session's transaction.
+Postgres text cannot hold NUL characters, so every stored text has "\\x00" replaced by "␀" (U+2400),
+on every backend alike; the replacement keeps lengths, so character offsets stay valid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timezone
+from itertools import islice, repeat
+
+import numpy as np
+from sqlalchemy import JSON, Table, delete, exists, insert, select
+from sqlalchemy.orm import Session
+
+from app.models import Corpus, KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+
+CHUNK_ROWS = 50_000  # rows per executemany
+NUL_SHOWN_AS = "\u2400"
+
+
+# ---- models and vocabulary ----------------------------------------------------------------------
+
+
+def upsert_model(
+    *,
+    session: Session,
+    slug: str,
+    source: str,
+    revision: str | None,
+    architecture: str,
+    family: str,
+    n_layers: int,
+    n_keys: int,
+    d_model: int,
+    vocab_size: int,
+    activation: str,
+    gated: bool,
+) -> LanguageModel:
+    """The model row for `slug`, created or updated to these fields."""
+    fields = dict(
+        source=source, revision=revision, architecture=architecture, family=family, n_layers=int(n_layers),
+        n_keys=int(n_keys), d_model=int(d_model), vocab_size=int(vocab_size), activation=activation,
+        gated=bool(gated),
+    )
+    model = session.scalars(select(LanguageModel).where(LanguageModel.slug == slug)).one_or_none()
+    if model is None:
+        model = LanguageModel(slug=slug, created_at=_now(), **fields)
+        session.add(model)
+    else:
+        for name, value in fields.items():
+            setattr(model, name, value)
+    session.flush()
+    return model
+
+
+def store_vocabulary(*, session: Session, model_id: int, texts: list[str], pieces: list[str]) -> None:
+    """Store the model's vocabulary (token id = list index); a no-op if it is already stored."""
+    if len(texts) != len(pieces):
+        raise ValueError(f"{len(texts)} texts but {len(pieces)} pieces")
+    if session.scalar(select(exists().where(Token.model_id == model_id))):
+        return
+    pairs = enumerate(zip(texts, pieces, strict=True))
+    rows = ((model_id, token_id, _text(text), _text(piece)) for token_id, (text, piece) in pairs)
+    _bulk_insert(session, Token.__table__, ("model_id", "token_id", "text", "piece"), rows)
+
+
+# ---- corpora ------------------------------------------------------------------------------------
+
+
+def find_corpus(*, session: Session, fingerprint: str) -> Corpus | None:
+    """The corpus tokenized with this fingerprint, if stored."""
+    return session.scalars(select(Corpus).where(Corpus.fingerprint == fingerprint)).one_or_none()
+
+
+def store_corpus(
+    *,
+    session: Session,
+    name: str,
+    source: str,
+    source_sha256: str,
+    fingerprint: str,
+    tokenizer: str,
+    max_tokens: int,
+    skipped: dict,
+    sentences: Iterable[tuple[str, list[int], list[tuple[int, int]], int]],
+) -> Corpus:
+    """Store a corpus and its sentences (text, token ids, offsets, first position), indexed 0..N-1."""
+    corpus = Corpus(
+        name=name, source=source, source_sha256=source_sha256, fingerprint=fingerprint, tokenizer=tokenizer,
+        max_tokens=int(max_tokens), n_sentences=0, n_tokens=0, skipped=dict(skipped), created_at=_now(),
+    )
+    session.add(corpus)
+    session.flush()
+    counts = {"sentences": 0, "tokens": 0}
+
+    def rows() -> Iterator[tuple]:
+        for index, (text, token_ids, offsets, first_position) in enumerate(sentences):
+            counts["sentences"] += 1
+            counts["tokens"] += len(token_ids)
+            yield (
+                corpus.id, index, _text(text), [int(t) for t in token_ids],
+                [[int(start), int(end)] for start, end in offsets], int(first_position),
+            )
+
+    columns = ("corpus_id", "index", "text", "token_ids", "offsets", "first_position")
+    _bulk_insert(session, Sentence.__table__, columns, rows())
+    corpus.n_sentences, corpus.n_tokens = counts["sentences"], counts["tokens"]
+    session.flush()
+    return corpus
+
+
+def load_sentence_tokens(*, session: Session, corpus_id: int) -> list[list[int]]:
+    """Token ids of every sentence of the corpus, by index."""
+    query = select(Sentence.token_ids).where(Sentence.corpus_id == corpus_id).order_by(Sentence.index)
+    return list(session.scalars(query))
+
+
+def load_first_positions(*, session: Session, corpus_id: int) -> list[int]:
+    """First mined position of every sentence of the corpus, by index."""
+    query = select(Sentence.first_position).where(Sentence.corpus_id == corpus_id).order_by(Sentence.index)
+    return list(session.scalars(query))
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+
+
+def create_run(
+    *,
+    session: Session,
+    model_id: int,
+    corpus_id: int,
+    top_k: int,
+    n_value_tokens: int,
+    n_sentences: int,
+    dtype: str,
+    device: str,
+    package_version: str,
+    provenance: dict,
+    histogram_edges: list[float],
+) -> Run:
+    """A new run, status "running", started now (UTC)."""
+    run = Run(
+        model_id=model_id, corpus_id=corpus_id, status="running", top_k=int(top_k),
+        n_value_tokens=int(n_value_tokens), n_sentences=int(n_sentences), n_tokens=0, dtype=dtype,
+        device=device, package_version=package_version, provenance=dict(provenance),
+        histogram_edges=[float(edge) for edge in histogram_edges], started_at=_now(),
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
+def finish_run(*, session: Session, run_id: int, n_tokens: int) -> Run:
+    """Mark the run done, with the number of positions mined."""
+    run = _run(session, run_id)
+    run.status, run.n_tokens, run.finished_at = "done", int(n_tokens), _now()
+    session.flush()
+    return run
+
+
+def fail_run(*, session: Session, run_id: int, error: BaseException) -> Run:
+    """Mark the run failed, storing the error as {type, message, traceback}."""
+    run = _run(session, run_id)
+    run.status, run.finished_at = "failed", _now()
+    run.error = {
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+    }
+    session.flush()
+    return run
+
+
+def delete_run(*, session: Session, run_id: int) -> None:
+    """Delete a run; the database cascades to its triggers, value tokens and key stats."""
+    session.execute(delete(Run).where(Run.id == run_id))
+
+
+def get_run(*, session: Session, run_id: int) -> Run | None:
+    """The run with this id, if any."""
+    return session.get(Run, run_id)
+
+
+def find_finished_run(*, session: Session, model_slug: str, n_sentences: int) -> Run | None:
+    """The latest finished run of the model `model_slug` over `n_sentences` sentences, if any."""
+    query = (
+        select(Run)
+        .join(LanguageModel, Run.model_id == LanguageModel.id)
+        .where(LanguageModel.slug == model_slug, Run.n_sentences == n_sentences, Run.status == "done")
+        .order_by(Run.id.desc())
+        .limit(1)
+    )
+    return session.scalars(query).first()
+
+
+# ---- per-key results ----------------------------------------------------------------------------
+
+
+def store_triggers(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    sign: int,
+    coefficients: np.ndarray,
+    sentence_index: np.ndarray,
+    position: np.ndarray,
+) -> int:
+    """Store one layer's top-T triggers of one sign ([n_keys, T] arrays, rank = column); returns rows stored.
+
+    Entries with sentence_index -1 (fewer sentences than T) are skipped.
+    """
+    sentence_index, position, coefficients = _same_shape(2, sentence_index=sentence_index, position=position,
+                                                          coefficients=coefficients)
+    keys, ranks = np.indices(sentence_index.shape).reshape(2, -1)
+    kept = sentence_index.reshape(-1) >= 0
+    rows = zip(
+        repeat(run_id), repeat(int(layer)), keys[kept].tolist(), repeat(int(sign)), ranks[kept].tolist(),
+        sentence_index.reshape(-1)[kept].tolist(), position.reshape(-1)[kept].tolist(),
+        coefficients.reshape(-1)[kept].tolist(),
+    )
+    columns = ("run_id", "layer", "key", "sign", "rank", "sentence_index", "position", "coefficient")
+    _bulk_insert(session, Trigger.__table__, columns, rows)
+    return int(kept.sum())
+
+
+def store_value_tokens(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    readout: str,
+    direction: int,
+    token_ids: np.ndarray,
+    logits: np.ndarray,
+    probs: np.ndarray,
+) -> int:
+    """Store one layer's top (+1) or bottom (-1) value tokens under one readout ([n_keys, n] arrays)."""
+    token_ids, logits, probs = _same_shape(2, token_ids=token_ids, logits=logits, probs=probs)
+    keys, ranks = np.indices(token_ids.shape).reshape(2, -1)
+    rows = zip(
+        repeat(run_id), repeat(int(layer)), keys.tolist(), repeat(readout), repeat(int(direction)),
+        ranks.tolist(), token_ids.reshape(-1).tolist(), logits.reshape(-1).tolist(),
+        probs.reshape(-1).tolist(),
+    )
+    columns = ("run_id", "layer", "key", "readout", "direction", "rank", "token_id", "logit", "prob")
+    _bulk_insert(session, ValueToken.__table__, columns, rows)
+    return token_ids.size
+
+
+def store_key_stats(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    mean: np.ndarray,
+    positive_share: np.ndarray,
+    max_coefficient: np.ndarray,
+    min_coefficient: np.ndarray,
+    value_norm: np.ndarray,
+    histogram: np.ndarray,
+) -> None:
+    """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]); NaN or ±inf max/min → NULL."""
+    mean, positive_share, max_coefficient, min_coefficient, value_norm = _same_shape(
+        1, mean=mean, positive_share=positive_share, max_coefficient=max_coefficient,
+        min_coefficient=min_coefficient, value_norm=value_norm,
+    )
+    histogram = np.asarray(histogram)
+    if histogram.ndim != 2 or histogram.shape[0] != mean.shape[0]:
+        raise ValueError(f"histogram has shape {histogram.shape}; expected [{mean.shape[0]}, n_bins]")
+    rows = zip(
+        repeat(run_id), repeat(int(layer)), range(mean.shape[0]), mean.tolist(), positive_share.tolist(),
+        map(_finite_or_none, max_coefficient.tolist()), map(_finite_or_none, min_coefficient.tolist()),
+        value_norm.tolist(), histogram.tolist(),
+    )
+    columns = ("run_id", "layer", "key", "mean", "positive_share", "max_coefficient", "min_coefficient",
+               "value_norm", "histogram")
+    _bulk_insert(session, KeyStats.__table__, columns, rows)
+
+
+def get_triggers(*, session: Session, run_id: int, layer: int, key: int, sign: int) -> list[Trigger]:
+    """A key's triggers of one sign, strongest first."""
+    query = select(Trigger).where(
+        Trigger.run_id == run_id, Trigger.layer == layer, Trigger.key == key, Trigger.sign == sign
+    )
+    return list(session.scalars(query.order_by(Trigger.rank)))
+
+
+def get_value_tokens(
+    *, session: Session, run_id: int, layer: int, key: int, readout: str, direction: int
+) -> list[ValueToken]:
+    """A value's top (+1) or bottom (-1) tokens under one readout, by rank."""
+    query = select(ValueToken).where(
+        ValueToken.run_id == run_id, ValueToken.layer == layer, ValueToken.key == key,
+        ValueToken.readout == readout, ValueToken.direction == direction,
+    )
+    return list(session.scalars(query.order_by(ValueToken.rank)))
+
+
+def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
+    """A key's statistics in the run, if stored."""
+    return session.get(KeyStats, (run_id, layer, key))
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
+    """Insert tuples of `columns` in the session's transaction: COPY on Postgres, executemany on SQLite."""
+    connection = session.connection()
+    dialect = connection.dialect.name
+    if dialect not in ("postgresql", "sqlite"):  # any other backend: the portable, slower Core path
+        for chunk in _chunks(rows, CHUNK_ROWS):
+            connection.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in chunk])
+        return
+    json_columns = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, JSON)]
+    if json_columns:
+        rows = (_json_encoded(row, json_columns) for row in rows)
+    quote = connection.dialect.identifier_preparer
+    target = f"{quote.format_table(table)} ({', '.join(quote.quote(column) for column in columns)})"
+    if dialect == "postgresql":
+        driver = connection.connection.driver_connection  # psycopg: COPY joins the session's transaction
+        with driver.cursor() as cursor, cursor.copy(f"COPY {target} FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+    else:
+        sql = f"INSERT INTO {target} VALUES ({', '.join('?' * len(columns))})"
+        for chunk in _chunks(rows, CHUNK_ROWS):
+            connection.exec_driver_sql(sql, chunk)
+
+
+def _json_encoded(row: tuple, json_columns: list[int]) -> tuple:
+    row = list(row)
+    for i in json_columns:
+        row[i] = json.dumps(row[i])
+    return tuple(row)
+
+
+def _chunks(rows: Iterable[tuple], size: int) -> Iterator[list[tuple]]:
+    iterator = iter(rows)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
+
+
+def _same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:
+    """The arrays as numpy arrays, checked to share one shape of `ndim` dimensions (named in the error)."""
+    arrays = {name: np.asarray(array) for name, array in arrays.items()}
+    shapes = {name: array.shape for name, array in arrays.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != ndim:
+        raise ValueError(f"arrays must share one {ndim}-d shape, got {shapes}")
+    return list(arrays.values())
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _text(text: str) -> str:
+    return text.replace("\x00", NUL_SHOWN_AS)
+
+
+def _run(session: Session, run_id: int) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise LookupError(f"no run with id {run_id}")
+    return run
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)

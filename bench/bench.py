@@ -1,0 +1,139 @@
+"""`make bench`: speed and memory of the index path, as ratios measured in one run.
+
+- mining throughput over a bare forward pass of the same backbone on the same batches (target ≥ 0.90)
+- padding efficiency of the length-bucketed batches of the default index (target ≥ 0.90)
+- projection time of every value (all layers, both readouts)
+- peak memory of mining two corpus sizes, each in a fresh process (should not grow with the corpus)
+Prints the figures and writes them to bench-results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.config import get_settings  # noqa: E402
+from engine.corpus import read_corpus, tokenize  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+from engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
+from engine.projection import project_layer  # noqa: E402
+
+
+def batches_for(loaded, n_sentences: int, settings):
+    tokenized = tokenize(read_corpus("wiki-vital", n_sentences).sentences, loaded.tokenizer,
+                         settings.max_sentence_tokens)
+    ids = [s.token_ids for s in tokenized]
+    first = [s.first_position for s in tokenized]
+    batches = []
+    for shard in range(-(-len(ids) // settings.shard_sentences)):
+        batches += shard_batches(ids, first, shard=shard, shard_sentences=settings.shard_sentences,
+                                 batch_tokens=settings.batch_tokens, pad_id=loaded.tokenizer.eos_token_id or 0)
+    return batches
+
+
+def mining_over_forward(loaded, batches, repeats: int) -> dict:
+    """Best-of-`repeats` seconds for a bare forward and for mining, interleaved on the same batches."""
+    backbone = loaded.model.base_model
+    tokens = sum(b.real_tokens for b in batches)
+    bare, mining = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for batch in batches:
+                backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        bare.append(time.perf_counter() - start)
+        state = MiningState(loaded.n_layers, loaded.n_keys, get_settings().top_k, device=loaded.device)
+        start = time.perf_counter()
+        mine_batches(loaded, batches, state)
+        mining.append(time.perf_counter() - start)
+    return {
+        "tokens": tokens,
+        "bare_forward_tokens_per_s": tokens / min(bare),
+        "mining_tokens_per_s": tokens / min(mining),
+        "mining_over_forward": min(bare) / min(mining),
+        "target": 0.90,
+    }
+
+
+def projection_seconds(loaded) -> float:
+    start = time.perf_counter()
+    for layer in range(loaded.n_layers):
+        for _ in project_layer(loaded, layer, get_settings().value_tokens):
+            pass
+    return time.perf_counter() - start
+
+
+def peak_memory_child(n_sentences: int) -> None:
+    """Run in a fresh process: mine n sentences, print the process's peak RSS in MiB."""
+    settings = get_settings()
+    loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
+    batches = batches_for(loaded, n_sentences, settings)
+    mine_batches(loaded, batches, MiningState(loaded.n_layers, loaded.n_keys, settings.top_k))
+    print(json.dumps({"sentences": n_sentences, "tokens": sum(b.real_tokens for b in batches),
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sentences", type=int, default=300, help="sentences for the throughput ratio")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--memory-sizes", type=int, nargs=2, default=(200, 1000))
+    parser.add_argument("--peak-memory-child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.peak_memory_child:
+        peak_memory_child(args.peak_memory_child)
+        return
+    settings = get_settings()
+    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
+    results: dict = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                                 "device": str(loaded.device), "dtype": str(loaded.dtype),
+                                 "threads": torch.get_num_threads()},
+                     "model": loaded.slug}
+
+    default_batches = batches_for(loaded, settings.sentences, settings)
+    real = sum(b.real_tokens for b in default_batches)
+    results["padding_efficiency"] = {
+        "sentences": settings.sentences, "batches": len(default_batches), "real_tokens": real,
+        "computed_tokens": sum(b.computed_tokens for b in default_batches),
+        "efficiency": real / sum(b.computed_tokens for b in default_batches), "target": 0.90,
+    }
+    print(f"padding efficiency (default index): {results['padding_efficiency']['efficiency']:.3f}")
+
+    results["mining"] = mining_over_forward(loaded, batches_for(loaded, args.sentences, settings), args.repeats)
+    m = results["mining"]
+    print(f"mining {m['mining_tokens_per_s']:.0f} tok/s over bare forward {m['bare_forward_tokens_per_s']:.0f} "
+          f"tok/s = {m['mining_over_forward']:.3f}")
+
+    results["projection"] = {"seconds_all_values": projection_seconds(loaded),
+                             "values": loaded.n_layers * loaded.n_keys, "readouts": 2}
+    print(f"projection of all {loaded.n_layers * loaded.n_keys} values: "
+          f"{results['projection']['seconds_all_values']:.1f} s")
+
+    peaks = []
+    for n in args.memory_sizes:
+        out = subprocess.run([sys.executable, __file__, "--peak-memory-child", str(n)], capture_output=True,
+                             text=True, check=True, cwd=ROOT)
+        peaks.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results["peak_memory"] = {"runs": peaks, "growth": peaks[1]["peak_rss_mib"] / peaks[0]["peak_rss_mib"]}
+    print("peak memory: " + ", ".join(f"{p['sentences']} sentences {p['peak_rss_mib']:.0f} MiB" for p in peaks))
+
+    path = ROOT / "bench-results.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    previous["index"] = results
+    path.write_text(json.dumps(previous, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Every write in app.queries round-trips exactly, on SQLite and Postgres."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select
+
+from app import queries
+from app.models import KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+
+MODEL = dict(
+    slug="tiny", source="hf-internal/tiny", revision="abc123", architecture="LlamaForCausalLM",
+    family="llama", n_layers=2, n_keys=3, d_model=8, vocab_size=5, activation="silu", gated=True,
+)
+
+
+def reread(session) -> None:
+    """Commit and forget every loaded object, so the next reads come from the database."""
+    session.commit()
+    session.expunge_all()
+
+
+@pytest.fixture
+def model(session) -> LanguageModel:
+    return queries.upsert_model(session=session, **MODEL)
+
+
+@pytest.fixture
+def corpus(session):
+    return queries.store_corpus(
+        session=session, name="tiny.txt", source="/data/tiny.txt", source_sha256="a" * 64,
+        fingerprint="f" * 64, tokenizer="tiny@abc123", max_tokens=16, skipped={"empty": 2},
+        sentences=[
+            ("Hello world.", [0, 7, 9], [(0, 0), (0, 5), (5, 12)], 1),
+            ("Bye.", [0, 4], [(0, 0), (0, 4)], 1),
+        ],
+    )
+
+
+@pytest.fixture
+def run(session, model, corpus) -> Run:
+    return queries.create_run(
+        session=session, model_id=model.id, corpus_id=corpus.id, top_k=2, n_value_tokens=2, n_sentences=2,
+        dtype="float32", device="cpu", package_version="0.1.0", provenance={"torch": "2.4"},
+        histogram_edges=[-1.0, 0.0, 1.0],
+    )
+
+
+def test_upsert_model_creates_then_updates(session, model):
+    again = queries.upsert_model(session=session, **{**MODEL, "revision": "def456", "n_keys": 4})
+    reread(session)
+    stored = session.scalars(select(LanguageModel)).one()
+    assert again.id == model.id == stored.id
+    assert (stored.slug, stored.revision, stored.n_keys, stored.gated) == ("tiny", "def456", 4, True)
+    assert isinstance(stored.created_at, datetime)
+
+
+def test_vocabulary_round_trips_once(session, model):
+    texts, pieces = ["a", " b", "\x00"], ["a", "Ġb", "Ā"]
+    queries.store_vocabulary(session=session, model_id=model.id, texts=texts, pieces=pieces)
+    queries.store_vocabulary(session=session, model_id=model.id, texts=["x"] * 3, pieces=["y"] * 3)
+    reread(session)
+    rows = session.execute(select(Token.token_id, Token.text, Token.piece).order_by(Token.token_id)).all()
+    assert [tuple(row) for row in rows] == [(0, "a", "a"), (1, " b", "Ġb"), (2, "\u2400", "Ā")]
+
+
+def test_corpus_round_trips(session, corpus):
+    reread(session)
+    found = queries.find_corpus(session=session, fingerprint="f" * 64)
+    assert found is not None and found.id == corpus.id
+    assert (found.n_sentences, found.n_tokens, found.skipped) == (2, 5, {"empty": 2})
+    assert queries.find_corpus(session=session, fingerprint="0" * 64) is None
+    assert queries.load_sentence_tokens(session=session, corpus_id=found.id) == [[0, 7, 9], [0, 4]]
+    assert queries.load_first_positions(session=session, corpus_id=found.id) == [1, 1]
+    first = session.get(Sentence, (found.id, 0))
+    assert (first.text, first.offsets) == ("Hello world.", [[0, 0], [0, 5], [5, 12]])
+
+
+def test_run_lifecycle(session, model, run):
+    assert run.status == "running" and run.started_at is not None and run.finished_at is None
+    queries.finish_run(session=session, run_id=run.id, n_tokens=np.int64(123))
+    reread(session)
+    stored = queries.get_run(session=session, run_id=run.id)
+    assert (stored.status, stored.n_tokens, stored.histogram_edges) == ("done", 123, [-1.0, 0.0, 1.0])
+    assert stored.provenance == {"torch": "2.4"} and stored.finished_at is not None and stored.error is None
+    found = queries.find_finished_run(session=session, model_slug="tiny", n_sentences=2)
+    assert found is not None and found.id == run.id
+    assert queries.find_finished_run(session=session, model_slug="tiny", n_sentences=3) is None
+
+
+def test_fail_run_stores_the_traceback(session, run):
+    try:
+        raise RuntimeError("out of memory on layer 3")
+    except RuntimeError as error:
+        queries.fail_run(session=session, run_id=run.id, error=error)
+    reread(session)
+    stored = queries.get_run(session=session, run_id=run.id)
+    assert stored.status == "failed" and stored.finished_at is not None
+    assert stored.error["type"] == "RuntimeError"
+    assert stored.error["message"] == "out of memory on layer 3"
+    assert "Traceback (most recent call last)" in stored.error["traceback"]
+    assert "test_fail_run_stores_the_traceback" in stored.error["traceback"]
+
+
+def test_triggers_round_trip_and_skip_missing(session, run):
+    coefficients = np.array([[2.5, 1.25], [0.1, -7.0], [3.0, 0.0]], dtype=np.float32)
+    sentence_index = np.array([[1, 0], [0, -1], [-1, -1]], dtype=np.int64)
+    position = np.array([[2, 1], [3, 0], [0, 0]], dtype=np.int64)
+    stored = queries.store_triggers(
+        session=session, run_id=run.id, layer=1, sign=-1, coefficients=coefficients,
+        sentence_index=sentence_index, position=position,
+    )
+    reread(session)
+    assert stored == 3
+    assert session.scalar(select(func.count()).select_from(Trigger)) == 3
+    def triggers(key: int) -> list[tuple]:
+        rows = queries.get_triggers(session=session, run_id=run.id, layer=1, key=key, sign=-1)
+        return [(t.rank, t.sentence_index, t.position, t.coefficient) for t in rows]
+
+    assert triggers(0) == [(0, 1, 2, 2.5), (1, 0, 1, 1.25)]
+    assert triggers(1) == [(0, 0, 3, float(np.float32(0.1)))]
+    assert type(triggers(1)[0][3]) is float
+    assert triggers(2) == []
+    assert queries.get_triggers(session=session, run_id=run.id, layer=1, key=0, sign=1) == []
+
+
+def test_value_tokens_round_trip(session, run):
+    token_ids = np.array([[4, 1], [0, 2], [3, 3]], dtype=np.int64)
+    logits = np.array([[9.5, 8.25], [1.0, -2.0], [0.5, 0.5]], dtype=np.float32)
+    probs = np.array([[0.5, 0.25], [0.125, 0.0625], [1e-8, 1e-9]], dtype=np.float32)
+    for readout, direction in (("raw", 1), ("norm", -1)):
+        queries.store_value_tokens(session=session, run_id=run.id, layer=0, readout=readout,
+                                   direction=direction, token_ids=token_ids, logits=logits, probs=probs)
+    reread(session)
+    assert session.scalar(select(func.count()).select_from(ValueToken)) == 12
+    def values(key: int, readout: str, direction: int) -> list[tuple]:
+        rows = queries.get_value_tokens(session=session, run_id=run.id, layer=0, key=key, readout=readout,
+                                        direction=direction)
+        return [(v.rank, v.token_id, v.logit, v.prob) for v in rows]
+
+    tiny, tinier = float(np.float32(1e-8)), float(np.float32(1e-9))
+    assert values(2, "norm", -1) == [(0, 3, 0.5, tiny), (1, 3, 0.5, tinier)]
+    assert values(0, "raw", 1) == [(0, 4, 9.5, 0.5), (1, 1, 8.25, 0.25)]
+    assert values(2, "raw", -1) == []
+
+
+def test_key_stats_round_trip_with_null_extremes(session, run):
+    queries.store_key_stats(
+        session=session, run_id=run.id, layer=1, mean=np.array([0.5, -0.25, 0.0], dtype=np.float32),
+        positive_share=np.array([0.75, 0.125, 0.0]), max_coefficient=np.array([3.0, np.inf, np.nan]),
+        min_coefficient=np.array([-1.5, -np.inf, np.nan]), value_norm=np.array([1.0, 2.0, 4.0]),
+        histogram=np.array([[1, 2], [0, 3], [0, 0]], dtype=np.int64),
+    )
+    reread(session)
+    first = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=0)
+    assert (first.mean, first.positive_share, first.max_coefficient, first.min_coefficient, first.value_norm,
+            first.histogram) == (0.5, 0.75, 3.0, -1.5, 1.0, [1, 2])
+    second = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=1)
+    assert (second.max_coefficient, second.min_coefficient, second.histogram) == (None, None, [0, 3])
+    third = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=2)
+    assert (third.max_coefficient, third.min_coefficient) == (None, None)
+    assert queries.get_key_stats(session=session, run_id=run.id, layer=0, key=0) is None
+
+
+def test_mismatched_shapes_are_refused(session, run):
+    with pytest.raises(ValueError, match="shape"):
+        queries.store_triggers(session=session, run_id=run.id, layer=0, sign=1, coefficients=np.zeros((3, 2)),
+                               sentence_index=np.zeros((3, 1), dtype=np.int64), position=np.zeros((3, 2)))
+
+
+def _fill(session, run) -> None:
+    ones = np.ones((3, 2))
+    ints = np.ones((3, 2), dtype=np.int64)
+    queries.store_triggers(session=session, run_id=run.id, layer=0, sign=1, coefficients=ones,
+                           sentence_index=ints, position=ints)
+    queries.store_value_tokens(session=session, run_id=run.id, layer=0, readout="raw", direction=1,
+                               token_ids=ints, logits=ones, probs=ones)
+    queries.store_key_stats(session=session, run_id=run.id, layer=0, mean=np.zeros(3),
+                            positive_share=np.zeros(3), max_coefficient=np.ones(3),
+                            min_coefficient=np.ones(3), value_norm=np.ones(3), histogram=ints)
+
+
+def _counts(session) -> tuple[int, int, int, int]:
+    tables = (Run, Trigger, ValueToken, KeyStats)
+    return tuple(session.scalar(select(func.count()).select_from(table)) for table in tables)
+
+
+def test_deleting_a_run_cascades(session, run):
+    _fill(session, run)
+    reread(session)
+    assert _counts(session) == (1, 6, 6, 3)
+    queries.delete_run(session=session, run_id=run.id)
+    reread(session)
+    assert _counts(session) == (0, 0, 0, 0)
+
+
+def test_deleting_a_model_cascades_to_its_runs(session, model, run):
+    _fill(session, run)
+    queries.store_vocabulary(session=session, model_id=model.id, texts=["a"], pieces=["a"])
+    reread(session)
+    session.delete(session.get(LanguageModel, model.id))
+    reread(session)
+    assert _counts(session) == (0, 0, 0, 0)

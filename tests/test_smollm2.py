@@ -1,0 +1,73 @@
+"""The real embedded SmolLM2-135M on 50 Wikipedia sentences: stored triggers recompute exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sqlalchemy import select
+
+from app import queries
+from app.config import get_settings
+from app.db import make_engine, make_sessionmaker, upgrade
+from app.models import Run, Sentence, Token
+from engine import loading
+from engine.hooks import capture
+from engine.loading import dequantized_folder, embedded_gguf, load_model
+from worker.index import IndexOptions, build_index
+
+pytestmark = pytest.mark.smollm2
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m", device="cpu", cache_dir=get_settings().cache_dir)
+
+
+def test_predicts_paris(smollm2):
+    ids = smollm2.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = smollm2.model(ids).logits[0, -1]  # [vocab]
+    assert smollm2.tokenizer.decode(logits.argmax()) == " Paris"
+    assert (smollm2.n_layers, smollm2.n_keys, smollm2.adapter.family) == (30, 1536, "llama")
+
+
+def test_the_dequantized_cache_is_reused(smollm2, monkeypatch):
+    gguf = embedded_gguf("smollm2-135m")
+    folder, sha = dequantized_folder(gguf, get_settings().cache_dir)
+    assert json.loads((folder / "ffmem.json").read_text())["sha256"] == sha == smollm2.revision
+
+    def no_dequantizing(*args, **kwargs):
+        raise AssertionError("the GGUF was dequantized again")
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", no_dequantizing)
+    assert dequantized_folder(gguf, get_settings().cache_dir) == (folder, sha)
+
+
+def test_index_of_50_sentences_recomputes(smollm2, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ffmem.db'}"
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    options = IndexOptions(sentences=50, top_k=5, value_tokens=5, device="cpu", dtype="float32",
+                           cache_dir=tmp_path / "cache", progress=False)
+    summary = build_index(options, sessions, loaded=smollm2)
+    assert summary.sentences == 50 and summary.padding_efficiency >= 0.9
+    generator = torch.Generator().manual_seed(0)
+    with sessions() as session:
+        run = session.get(Run, summary.run_id)
+        assert run.provenance["model_revision"] == smollm2.revision
+        paris = session.scalars(select(Token).where(Token.model_id == run.model_id, Token.token_id == 7042)).one()
+        assert (paris.text, paris.piece) == (" Paris", "ĠParis")
+        for _ in range(6):
+            layer = int(torch.randint(30, (1,), generator=generator))
+            key = int(torch.randint(1536, (1,), generator=generator))
+            for sign in (1, -1):
+                top = queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=sign)[0]
+                sentence = session.get(Sentence, (run.corpus_id, top.sentence_index))
+                with torch.inference_mode(), capture(smollm2.model, smollm2.adapter, [layer]) as captured:
+                    smollm2.model(torch.tensor([sentence.token_ids]))
+                m = captured.coefficients[layer][0, :, key]  # [pos]
+                assert top.coefficient == pytest.approx(float(m[top.position]), rel=1e-4, abs=1e-4)
+                extreme = m.max() if sign == 1 else m.min()
+                assert top.coefficient == pytest.approx(float(extreme), rel=1e-4, abs=1e-4)

@@ -1,0 +1,118 @@
+"""An index run end to end on a tiny model: what is stored equals a direct recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sqlalchemy import func, select
+
+from app import queries
+from app.db import make_engine, make_sessionmaker
+from app.models import KeyStats, Run, Sentence, Trigger, ValueToken
+from engine import mining
+from engine.hooks import capture
+from engine.projection import value_logits
+from worker.index import IndexOptions, build_index
+
+SENTENCES = [
+    "The capital of France is Paris.",
+    "Paris is a city on the Seine, famous for its museums.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "The quick brown fox jumps over the lazy dog.",
+    "In 1969, astronauts landed on the Moon for the first time.",
+    "Mozart wrote more than six hundred works of music.",
+    "Café culture <script>alert(1)</script> spread across Europe.",
+]
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(SENTENCES * 3) + "\n\n")
+    return path
+
+
+def options(tiny_model_dir, corpus_file, tmp_path, **changes) -> IndexOptions:
+    base = dict(model=str(tiny_model_dir), corpus=str(corpus_file), sentences=None, top_k=4, device="cpu",
+                dtype="float32", batch_tokens=64, shard_sentences=8, value_tokens=5,
+                cache_dir=tmp_path / "cache", progress=False)
+    return IndexOptions(**(base | changes))
+
+
+def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model_dir, corpus_file, tmp_path):
+    sessions = make_sessionmaker(make_engine(db_url))
+    summary = build_index(options(tiny_model_dir, corpus_file, tmp_path), sessions, loaded=tiny)
+    assert summary.sentences == 21 and summary.layers == 3 and summary.keys == 48
+    with sessions() as session:
+        run = session.get(Run, summary.run_id)
+        assert run.status == "done" and run.finished_at is not None
+        assert run.provenance["corpus"] == "corpus.txt" and run.top_k == 4
+        assert run.n_tokens == summary.tokens
+        assert session.scalar(select(func.count()).select_from(Trigger)) == summary.triggers == 3 * 48 * 2 * 4
+        assert session.scalar(select(func.count()).select_from(ValueToken)) == 3 * 48 * 2 * 2 * 5
+        assert session.scalar(select(func.count()).select_from(KeyStats)) == 3 * 48
+        for layer, key in [(0, 0), (1, 17), (2, 47)]:
+            for sign in (1, -1):
+                triggers = queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=sign)
+                assert [t.rank for t in triggers] == [0, 1, 2, 3]
+                for trigger in triggers:
+                    sentence = session.get(Sentence, (run.corpus_id, trigger.sentence_index))
+                    with torch.inference_mode(), capture(tiny.model, tiny.adapter, [layer]) as captured:
+                        tiny.model(torch.tensor([sentence.token_ids]))
+                    m = captured.coefficients[layer][0, :, key]  # [pos]
+                    best = m.argmax() if sign == 1 else m.argmin()
+                    assert trigger.position == int(best)
+                    assert trigger.coefficient == pytest.approx(float(m[best]), rel=1e-5, abs=1e-5)
+                    assert sentence.text in SENTENCES
+            stats = queries.get_key_stats(session=session, run_id=run.id, layer=layer, key=key)
+            value = tiny.adapter.value_matrix(tiny.adapter.blocks(tiny.model)[layer])[key]  # [d]
+            assert stats.value_norm == pytest.approx(float(value.detach().norm()), rel=1e-5)
+            assert sum(stats.histogram) == run.n_tokens
+            for readout in ("raw", "norm"):
+                logits = value_logits(tiny, value[None], readout)[0].detach()  # [vocab]
+                probs = logits.softmax(-1)
+                top = queries.get_value_tokens(session=session, run_id=run.id, layer=layer, key=key,
+                                               readout=readout, direction=1)
+                assert [t.token_id for t in top] == logits.topk(5).indices.tolist()
+                assert top[0].prob == pytest.approx(float(probs.max()), rel=1e-4)
+                bottom = queries.get_value_tokens(session=session, run_id=run.id, layer=layer, key=key,
+                                                  readout=readout, direction=-1)
+                assert [t.token_id for t in bottom] == logits.topk(5, largest=False).indices.tolist()
+
+
+def test_a_crashed_index_resumes_from_its_checkpoint(tmp_path, tiny, tiny_model_dir, corpus_file, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'ffmem.db'}"
+    from app.db import upgrade
+
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    uninterrupted = build_index(options(tiny_model_dir, corpus_file, tmp_path / "a"), sessions, loaded=tiny)
+
+    real = mining.mine_batches
+    calls = {"n": 0}
+
+    def crash_on_second_shard(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("simulated crash")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("worker.index.mine_batches", crash_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(options(tiny_model_dir, corpus_file, tmp_path / "b"), sessions, loaded=tiny)
+    monkeypatch.setattr("worker.index.mine_batches", real)
+    resumed = build_index(options(tiny_model_dir, corpus_file, tmp_path / "b"), sessions, loaded=tiny)
+    assert resumed.resumed_shards == 1
+    with sessions() as session:
+        def rows(run_id):
+            return session.execute(
+                select(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank, Trigger.sentence_index,
+                       Trigger.position, Trigger.coefficient).where(Trigger.run_id == run_id)
+                .order_by(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank)
+            ).all()
+
+        assert rows(uninterrupted.run_id) == rows(resumed.run_id)
+        a = session.get(KeyStats, (uninterrupted.run_id, 1, 5))
+        b = session.get(KeyStats, (resumed.run_id, 1, 5))
+        assert (a.histogram, a.positive_share) == (b.histogram, b.positive_share)
+    assert not list((tmp_path / "b" / "cache" / "checkpoints").glob("*.pt"))  # removed once stored
