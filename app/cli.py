@@ -11,8 +11,11 @@ import typer
 from app.config import get_settings
 from engine.errors import FfmemError
 
-cli = typer.Typer(help="Explore the key-value memories inside transformer feed-forward layers.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+cli = typer.Typer(
+    help="Explore the key-value memories inside transformer feed-forward layers.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 db_cli = typer.Typer(help="Database maintenance.", no_args_is_help=True)
 cli.add_typer(db_cli, name="db")
 
@@ -45,13 +48,21 @@ def db_upgrade(db: DbOption = None) -> None:
 
 @cli.command()
 def index(
-    model: Annotated[str | None, typer.Option(help="smollm2-135m, a Hugging Face id, a local folder or a .gguf file.")] = None,
-    corpus: Annotated[str | None, typer.Option(help="wiki-vital, a .txt file or a .jsonl file with a 'text' field.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="smollm2-135m, a Hugging Face id, a local folder or a .gguf file.")
+    ] = None,
+    corpus: Annotated[
+        str | None, typer.Option(help="wiki-vital, a .txt file or a .jsonl file with a 'text' field.")
+    ] = None,
     sentences: Annotated[int | None, typer.Option(min=1, help="Number of corpus sentences to mine.")] = None,
-    top_k: Annotated[int | None, typer.Option("--top-k", min=1, max=1000, help="Trigger sentences kept per key and sign.")] = None,
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", min=1, max=1000, help="Trigger sentences kept per key and sign.")
+    ] = None,
     db: DbOption = None,
     device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
-    dtype: Annotated[Dtype, typer.Option(help="auto: float32 on CPU, bfloat16 (or float16) on GPU.")] = Dtype.auto,
+    dtype: Annotated[
+        Dtype, typer.Option(help="auto: float32 on CPU, bfloat16 (or float16) on GPU.")
+    ] = Dtype.auto,
 ) -> None:
     """Mine trigger prefixes of every FF key, project every value, and store the index."""
     settings = get_settings()
@@ -63,23 +74,29 @@ def index(
 
         upgrade(url)
         options = IndexOptions(
-            model=model or settings.model, corpus=corpus or settings.corpus,
-            sentences=sentences or settings.sentences, top_k=top_k or settings.top_k,
-            device=device.value, dtype=dtype.value, max_sentence_tokens=settings.max_sentence_tokens,
-            batch_tokens=settings.batch_tokens, shard_sentences=settings.shard_sentences,
-            value_tokens=settings.value_tokens, cache_dir=Path(settings.cache_dir),
+            model=model or settings.model,
+            corpus=corpus or settings.corpus,
+            sentences=sentences or settings.sentences,
+            top_k=top_k or settings.top_k,
+            device=device.value,
+            dtype=dtype.value,
+            max_sentence_tokens=settings.max_sentence_tokens,
+            batch_tokens=settings.batch_tokens,
+            shard_sentences=settings.shard_sentences,
+            value_tokens=settings.value_tokens,
+            cache_dir=Path(settings.cache_dir),
         )
         return build_index(options, make_sessionmaker(make_engine(url)))
 
-    summary = _fail_cleanly(run)
+    s = _fail_cleanly(run)
+    resumed = f", resumed after {s.resumed_shards} shards" if s.resumed_shards else ""
     typer.echo(
-        f"stored run {summary.run_id}: {summary.model} over {summary.sentences:,} sentences of {summary.corpus} "
-        f"({summary.tokens:,} tokens), {summary.layers} layers × {summary.keys:,} keys\n"
-        f"  {summary.triggers:,} triggers, {summary.value_tokens:,} value tokens\n"
-        f"  mining {summary.mining_seconds:.1f} s ({summary.tokens / max(summary.mining_seconds, 1e-9):,.0f} tok/s, "
-        f"padding efficiency {summary.padding_efficiency:.1%}"
-        + (f", resumed after {summary.resumed_shards} shards" if summary.resumed_shards else "")
-        + f"), projection {summary.projection_seconds:.1f} s, storing {summary.storing_seconds:.1f} s\n"
+        f"stored run {s.run_id}: {s.model} over {s.sentences:,} sentences of {s.corpus} "
+        f"({s.tokens:,} tokens), {s.layers} layers × {s.keys:,} keys\n"
+        f"  {s.triggers:,} triggers, {s.value_tokens:,} value tokens\n"
+        f"  mining {s.mining_seconds:.1f} s ({s.tokens / max(s.mining_seconds, 1e-9):,.0f} tok/s, "
+        f"padding efficiency {s.padding_efficiency:.1%}{resumed}), "
+        f"projection {s.projection_seconds:.1f} s, storing {s.storing_seconds:.1f} s\n"
         f"  database: {url}"
     )
 
@@ -96,7 +113,9 @@ def demo(db: DbOption = None) -> None:
 
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
-            return queries.find_finished_run(session=session, model_slug=settings.model, n_sentences=settings.sentences)
+            return queries.find_finished_run(
+                session=session, model_slug=settings.model, n_sentences=settings.sentences
+            )
 
     run = _fail_cleanly(existing)
     if run is not None:

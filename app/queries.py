@@ -46,8 +46,15 @@ def upsert_model(
 ) -> LanguageModel:
     """The model row for `slug`, created or updated to these fields."""
     fields = dict(
-        source=source, revision=revision, architecture=architecture, family=family, n_layers=int(n_layers),
-        n_keys=int(n_keys), d_model=int(d_model), vocab_size=int(vocab_size), activation=activation,
+        source=source,
+        revision=revision,
+        architecture=architecture,
+        family=family,
+        n_layers=int(n_layers),
+        n_keys=int(n_keys),
+        d_model=int(d_model),
+        vocab_size=int(vocab_size),
+        activation=activation,
         gated=bool(gated),
     )
     model = session.scalars(select(LanguageModel).where(LanguageModel.slug == slug)).one_or_none()
@@ -94,8 +101,16 @@ def store_corpus(
 ) -> Corpus:
     """Store a corpus and its sentences (text, token ids, offsets, first position), indexed 0..N-1."""
     corpus = Corpus(
-        name=name, source=source, source_sha256=source_sha256, fingerprint=fingerprint, tokenizer=tokenizer,
-        max_tokens=int(max_tokens), n_sentences=0, n_tokens=0, skipped=dict(skipped), created_at=_now(),
+        name=name,
+        source=source,
+        source_sha256=source_sha256,
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        max_tokens=int(max_tokens),
+        n_sentences=0,
+        n_tokens=0,
+        skipped=dict(skipped),
+        created_at=_now(),
     )
     session.add(corpus)
     session.flush()
@@ -106,8 +121,12 @@ def store_corpus(
             counts["sentences"] += 1
             counts["tokens"] += len(token_ids)
             yield (
-                corpus.id, index, _text(text), [int(t) for t in token_ids],
-                [[int(start), int(end)] for start, end in offsets], int(first_position),
+                corpus.id,
+                index,
+                _text(text),
+                [int(t) for t in token_ids],
+                [[int(start), int(end)] for start, end in offsets],
+                int(first_position),
             )
 
     columns = ("corpus_id", "index", "text", "token_ids", "offsets", "first_position")
@@ -148,10 +167,19 @@ def create_run(
 ) -> Run:
     """A new run, status "running", started now (UTC)."""
     run = Run(
-        model_id=model_id, corpus_id=corpus_id, status="running", top_k=int(top_k),
-        n_value_tokens=int(n_value_tokens), n_sentences=int(n_sentences), n_tokens=0, dtype=dtype,
-        device=device, package_version=package_version, provenance=dict(provenance),
-        histogram_edges=[float(edge) for edge in histogram_edges], started_at=_now(),
+        model_id=model_id,
+        corpus_id=corpus_id,
+        status="running",
+        top_k=int(top_k),
+        n_value_tokens=int(n_value_tokens),
+        n_sentences=int(n_sentences),
+        n_tokens=0,
+        dtype=dtype,
+        device=device,
+        package_version=package_version,
+        provenance=dict(provenance),
+        histogram_edges=[float(edge) for edge in histogram_edges],
+        started_at=_now(),
     )
     session.add(run)
     session.flush()
@@ -218,13 +246,19 @@ def store_triggers(
 
     Entries with sentence_index -1 (fewer sentences than T) are skipped.
     """
-    sentence_index, position, coefficients = _same_shape(2, sentence_index=sentence_index, position=position,
-                                                          coefficients=coefficients)
+    sentence_index, position, coefficients = _same_shape(
+        2, sentence_index=sentence_index, position=position, coefficients=coefficients
+    )
     keys, ranks = np.indices(sentence_index.shape).reshape(2, -1)
     kept = sentence_index.reshape(-1) >= 0
     rows = zip(
-        repeat(run_id), repeat(int(layer)), keys[kept].tolist(), repeat(int(sign)), ranks[kept].tolist(),
-        sentence_index.reshape(-1)[kept].tolist(), position.reshape(-1)[kept].tolist(),
+        repeat(run_id),
+        repeat(int(layer)),
+        keys[kept].tolist(),
+        repeat(int(sign)),
+        ranks[kept].tolist(),
+        sentence_index.reshape(-1)[kept].tolist(),
+        position.reshape(-1)[kept].tolist(),
         coefficients.reshape(-1)[kept].tolist(),
     )
     columns = ("run_id", "layer", "key", "sign", "rank", "sentence_index", "position", "coefficient")
@@ -247,8 +281,14 @@ def store_value_tokens(
     token_ids, logits, probs = _same_shape(2, token_ids=token_ids, logits=logits, probs=probs)
     keys, ranks = np.indices(token_ids.shape).reshape(2, -1)
     rows = zip(
-        repeat(run_id), repeat(int(layer)), keys.tolist(), repeat(readout), repeat(int(direction)),
-        ranks.tolist(), token_ids.reshape(-1).tolist(), logits.reshape(-1).tolist(),
+        repeat(run_id),
+        repeat(int(layer)),
+        keys.tolist(),
+        repeat(readout),
+        repeat(int(direction)),
+        ranks.tolist(),
+        token_ids.reshape(-1).tolist(),
+        logits.reshape(-1).tolist(),
         probs.reshape(-1).tolist(),
     )
     columns = ("run_id", "layer", "key", "readout", "direction", "rank", "token_id", "logit", "prob")
@@ -270,19 +310,38 @@ def store_key_stats(
 ) -> None:
     """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]); NaN or ±inf max/min → NULL."""
     mean, positive_share, max_coefficient, min_coefficient, value_norm = _same_shape(
-        1, mean=mean, positive_share=positive_share, max_coefficient=max_coefficient,
-        min_coefficient=min_coefficient, value_norm=value_norm,
+        1,
+        mean=mean,
+        positive_share=positive_share,
+        max_coefficient=max_coefficient,
+        min_coefficient=min_coefficient,
+        value_norm=value_norm,
     )
     histogram = np.asarray(histogram)
     if histogram.ndim != 2 or histogram.shape[0] != mean.shape[0]:
         raise ValueError(f"histogram has shape {histogram.shape}; expected [{mean.shape[0]}, n_bins]")
     rows = zip(
-        repeat(run_id), repeat(int(layer)), range(mean.shape[0]), mean.tolist(), positive_share.tolist(),
-        map(_finite_or_none, max_coefficient.tolist()), map(_finite_or_none, min_coefficient.tolist()),
-        value_norm.tolist(), histogram.tolist(),
+        repeat(run_id),
+        repeat(int(layer)),
+        range(mean.shape[0]),
+        mean.tolist(),
+        positive_share.tolist(),
+        map(_finite_or_none, max_coefficient.tolist()),
+        map(_finite_or_none, min_coefficient.tolist()),
+        value_norm.tolist(),
+        histogram.tolist(),
     )
-    columns = ("run_id", "layer", "key", "mean", "positive_share", "max_coefficient", "min_coefficient",
-               "value_norm", "histogram")
+    columns = (
+        "run_id",
+        "layer",
+        "key",
+        "mean",
+        "positive_share",
+        "max_coefficient",
+        "min_coefficient",
+        "value_norm",
+        "histogram",
+    )
     _bulk_insert(session, KeyStats.__table__, columns, rows)
 
 
@@ -299,8 +358,11 @@ def get_value_tokens(
 ) -> list[ValueToken]:
     """A value's top (+1) or bottom (-1) tokens under one readout, by rank."""
     query = select(ValueToken).where(
-        ValueToken.run_id == run_id, ValueToken.layer == layer, ValueToken.key == key,
-        ValueToken.readout == readout, ValueToken.direction == direction,
+        ValueToken.run_id == run_id,
+        ValueToken.layer == layer,
+        ValueToken.key == key,
+        ValueToken.readout == readout,
+        ValueToken.direction == direction,
     )
     return list(session.scalars(query.order_by(ValueToken.rank)))
 

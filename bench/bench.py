@@ -31,14 +31,21 @@ from engine.projection import project_layer  # noqa: E402
 
 
 def batches_for(loaded, n_sentences: int, settings):
-    tokenized = tokenize(read_corpus("wiki-vital", n_sentences).sentences, loaded.tokenizer,
-                         settings.max_sentence_tokens)
+    tokenized = tokenize(
+        read_corpus("wiki-vital", n_sentences).sentences, loaded.tokenizer, settings.max_sentence_tokens
+    )
     ids = [s.token_ids for s in tokenized]
     first = [s.first_position for s in tokenized]
     batches = []
     for shard in range(-(-len(ids) // settings.shard_sentences)):
-        batches += shard_batches(ids, first, shard=shard, shard_sentences=settings.shard_sentences,
-                                 batch_tokens=settings.batch_tokens, pad_id=loaded.tokenizer.eos_token_id or 0)
+        batches += shard_batches(
+            ids,
+            first,
+            shard=shard,
+            shard_sentences=settings.shard_sentences,
+            batch_tokens=settings.batch_tokens,
+            pad_id=loaded.tokenizer.eos_token_id or 0,
+        )
     return batches
 
 
@@ -80,8 +87,15 @@ def peak_memory_child(n_sentences: int) -> None:
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
     batches = batches_for(loaded, n_sentences, settings)
     mine_batches(loaded, batches, MiningState(loaded.n_layers, loaded.n_keys, settings.top_k))
-    print(json.dumps({"sentences": n_sentences, "tokens": sum(b.real_tokens for b in batches),
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(
+        json.dumps(
+            {
+                "sentences": n_sentences,
+                "tokens": sum(b.real_tokens for b in batches),
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -95,38 +109,65 @@ def main() -> None:
         peak_memory_child(args.peak_memory_child)
         return
     settings = get_settings()
-    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
-    results: dict = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                                 "device": str(loaded.device), "dtype": str(loaded.dtype),
-                                 "threads": torch.get_num_threads()},
-                     "model": loaded.slug}
+    loaded = load_model(
+        settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir
+    )
+    results: dict = {
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": str(loaded.device),
+            "dtype": str(loaded.dtype),
+            "threads": torch.get_num_threads(),
+        },
+        "model": loaded.slug,
+    }
 
     default_batches = batches_for(loaded, settings.sentences, settings)
     real = sum(b.real_tokens for b in default_batches)
     results["padding_efficiency"] = {
-        "sentences": settings.sentences, "batches": len(default_batches), "real_tokens": real,
+        "sentences": settings.sentences,
+        "batches": len(default_batches),
+        "real_tokens": real,
         "computed_tokens": sum(b.computed_tokens for b in default_batches),
-        "efficiency": real / sum(b.computed_tokens for b in default_batches), "target": 0.90,
+        "efficiency": real / sum(b.computed_tokens for b in default_batches),
+        "target": 0.90,
     }
     print(f"padding efficiency (default index): {results['padding_efficiency']['efficiency']:.3f}")
 
-    results["mining"] = mining_over_forward(loaded, batches_for(loaded, args.sentences, settings), args.repeats)
+    results["mining"] = mining_over_forward(
+        loaded, batches_for(loaded, args.sentences, settings), args.repeats
+    )
     m = results["mining"]
-    print(f"mining {m['mining_tokens_per_s']:.0f} tok/s over bare forward {m['bare_forward_tokens_per_s']:.0f} "
-          f"tok/s = {m['mining_over_forward']:.3f}")
+    print(
+        f"mining {m['mining_tokens_per_s']:.0f} tok/s over bare forward {m['bare_forward_tokens_per_s']:.0f} "
+        f"tok/s = {m['mining_over_forward']:.3f}"
+    )
 
-    results["projection"] = {"seconds_all_values": projection_seconds(loaded),
-                             "values": loaded.n_layers * loaded.n_keys, "readouts": 2}
-    print(f"projection of all {loaded.n_layers * loaded.n_keys} values: "
-          f"{results['projection']['seconds_all_values']:.1f} s")
+    results["projection"] = {
+        "seconds_all_values": projection_seconds(loaded),
+        "values": loaded.n_layers * loaded.n_keys,
+        "readouts": 2,
+    }
+    print(
+        f"projection of all {loaded.n_layers * loaded.n_keys} values: "
+        f"{results['projection']['seconds_all_values']:.1f} s"
+    )
 
     peaks = []
     for n in args.memory_sizes:
-        out = subprocess.run([sys.executable, __file__, "--peak-memory-child", str(n)], capture_output=True,
-                             text=True, check=True, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, __file__, "--peak-memory-child", str(n)],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
         peaks.append(json.loads(out.stdout.strip().splitlines()[-1]))
     results["peak_memory"] = {"runs": peaks, "growth": peaks[1]["peak_rss_mib"] / peaks[0]["peak_rss_mib"]}
-    print("peak memory: " + ", ".join(f"{p['sentences']} sentences {p['peak_rss_mib']:.0f} MiB" for p in peaks))
+    print(
+        "peak memory: " + ", ".join(f"{p['sentences']} sentences {p['peak_rss_mib']:.0f} MiB" for p in peaks)
+    )
 
     path = ROOT / "bench-results.json"
     previous = json.loads(path.read_text()) if path.exists() else {}

@@ -65,7 +65,9 @@ class Batch:
         return self.input_ids.numel()
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.mined, self.sentence_index)))
+        return Batch(
+            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.mined, self.sentence_index))
+        )
 
 
 def read_corpus(source: str, limit: int | None = None) -> CorpusText:
@@ -139,7 +141,7 @@ def tokenize(sentences: list[str], tokenizer, max_tokens: int = 128) -> list[Tok
     )
     bos = tokenizer.bos_token_id
     out = []
-    for text, ids, offsets in zip(sentences, encoded["input_ids"], encoded["offset_mapping"]):
+    for text, ids, offsets in zip(sentences, encoded["input_ids"], encoded["offset_mapping"], strict=True):
         first = 1 if bos is not None and len(ids) > 1 and ids[0] == bos else 0
         if len(ids) <= first:
             continue

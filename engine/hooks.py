@@ -11,7 +11,7 @@ Hooks are removed when the block exits, also after an exception.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -45,7 +45,14 @@ def capture(
     adapter: Adapter,
     layers: Iterable[int] | None = None,
     fields: Iterable[str] = FIELDS,
+    on_coefficients: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Iterator[Captured]:
+    """Capture `fields` of `layers` (default all) on every forward pass inside the block.
+
+    With `on_coefficients`, each layer's coefficients are handed to it as soon as the block has
+    run, instead of being kept: one layer's [batch, pos, d_ff] is alive at a time, and the callee
+    may overwrite the tensor (the forward pass no longer needs it).
+    """
     fields = set(fields)
     unknown = fields - set(FIELDS)
     if unknown:
@@ -62,7 +69,9 @@ def capture(
             block = blocks[layer]
             projection = adapter.value_projection(block)
             if "coefficients" in fields:
-                handles.append(projection.register_forward_pre_hook(_store_input(captured.coefficients, layer)))
+                handles.append(
+                    projection.register_forward_pre_hook(_store_input(captured.coefficients, layer))
+                )
             if need_y:
                 handles.append(projection.register_forward_hook(_store_output(captured.ff_output, layer)))
             norm = adapter.residual_norm(model, block)
@@ -70,7 +79,7 @@ def capture(
                 handles.append(norm.register_forward_pre_hook(_store_input(captured.residual, layer)))
             # Always hooked: it also gives [batch, pos, ·] back to tensors the block flattened (OPT).
             derive_r = "residual" in fields and norm is None
-            on_output = _store_block_output(captured, layer, need_o, derive_r)
+            on_output = _store_block_output(captured, layer, need_o, derive_r, on_coefficients)
             handles.append(block.register_forward_hook(on_output))
         yield captured
     finally:
@@ -85,7 +94,13 @@ def _store_input(store: dict[int, torch.Tensor], layer: int):
     return hook
 
 
-def _store_block_output(captured: Captured, layer: int, keep_output: bool, derive_residual: bool):
+def _store_block_output(
+    captured: Captured,
+    layer: int,
+    keep_output: bool,
+    derive_residual: bool,
+    on_coefficients: Callable[[int, torch.Tensor], None] | None,
+):
     def hook(module, inputs, output):
         o = _first(output)  # [batch, pos, d]
         for store in (captured.coefficients, captured.ff_output, captured.residual):
@@ -95,6 +110,8 @@ def _store_block_output(captured: Captured, layer: int, keep_output: bool, deriv
             captured.layer_output[layer] = o
         if derive_residual:
             captured.residual[layer] = o - captured.ff_output[layer]
+        if on_coefficients is not None and layer in captured.coefficients:
+            on_coefficients(layer, captured.coefficients.pop(layer))
 
     return hook
 

@@ -4,7 +4,7 @@ The semantics follow the paper's code: for each sentence and key, the coefficien
 the sentence's positions and where it occurs (the argmax position; the trigger prefix is the
 sentence up to and including it). Signed activations (GELU, SwiGLU) get the same treatment for
 the most negative coefficient. Alongside, per key: a histogram over fixed bins, the sum (for the
-mean) and the number of positive coefficients.
+mean); the share of positive coefficients comes from the histogram.
 
 The state is bounded (T entries per key and sign, whatever the corpus size), mergeable (two
 shards mined apart and merged equal one pass) and orderless: ties are broken by the sentence
@@ -26,26 +26,31 @@ SIGNS = (1, -1)  # +1: highest coefficients; −1: most negative
 
 
 OCTAVES = 21  # magnitude bins per sign: |m| < 2^-9, [2^-9, 2^-8), …, [2^9, 2^10), ≥ 2^10
+ZERO_BIN = OCTAVES  # +0.0 (and positive subnormals) sit between the negative and positive bins
 LOWEST_EXPONENT = 118  # float32 biased exponent of 2^-9
 
 
 def histogram_edges() -> list[float]:
-    """Bin edges shared by every key: −2^10 … −2^-9, 0, 2^-9 … 2^10 (one bin per octave and sign).
+    """Bin edges shared by every key: −2^10 … −2^-9, 0, 0, 2^-9 … 2^10 (43 bins).
 
-    Bins 0…20 hold negative coefficients by magnitude (bin 0: m ≤ −2^10), bins 21…41 the rest
-    (bin 21: 0 ≤ m < 2^-9, bin 41: m ≥ 2^10). A value exactly on an edge goes to the bin of larger
-    magnitude. Octave bins are read straight off the float's exponent bits, which keeps the
-    histogram cheap enough to take over every mined position.
+    Bins 0…20 hold negative coefficients by magnitude (bin 0: m ≤ −2^10, bin 20: −2^-9 < m ≤ −0.0),
+    bin 21 holds +0.0 exactly, bins 22…42 positive ones (bin 22: 0 < m < 2^-9, bin 42: m ≥ 2^10).
+    A value exactly on an edge goes to the bin of larger magnitude. Bins are read straight off the
+    float's sign and exponent bits, which keeps the histogram cheap enough to take over every
+    mined position; the positive share is the mass of bins 22…42.
     """
-    magnitudes = [2.0 ** e for e in range(-9, 11)]  # 20 edges per sign
-    return [-m for m in reversed(magnitudes)] + [0.0] + magnitudes
+    magnitudes = [2.0**e for e in range(-9, 11)]  # 20 edges per sign
+    return [-m for m in reversed(magnitudes)] + [0.0, 0.0] + magnitudes
 
 
-def histogram_bins(flat: torch.Tensor) -> torch.Tensor:
-    """Bin index (see histogram_edges) of each float32 coefficient: [n, keys] → [n, keys] int32."""
-    code = flat.float().view(torch.int32) >> 23  # sign and biased exponent bits
-    octave = (code & 255).sub_(LOWEST_EXPONENT - 1).clamp_(0, OCTAVES - 1)  # 0 … 20 by magnitude
-    return torch.where(flat < 0, (OCTAVES - 1) - octave, OCTAVES + octave)  # −0.0 counts as 0
+def histogram_bins(coefficients: torch.Tensor) -> torch.Tensor:
+    """Bin index (see histogram_edges) of each float32 coefficient, same shape, int32."""
+    code = coefficients.float().contiguous().view(torch.int32) >> 23  # sign and biased exponent bits
+    sign = code >> 8  # −1 where the sign bit is set, else 0
+    positive = code > 0  # sign bit clear and a nonzero exponent
+    octave = code.bitwise_and_(255).sub_(LOWEST_EXPONENT - 1).clamp_(0, OCTAVES - 1)  # 0 … 20 by magnitude
+    # 21 + octave (+1 when positive), or 20 − octave where negative; +0.0 lands on ZERO_BIN.
+    return octave.bitwise_xor_(sign).add_(positive).add_(ZERO_BIN)
 
 
 @dataclass
@@ -72,10 +77,9 @@ class MiningState:
             for sign in SIGNS
         }
         self.edges = histogram_edges()
-        n_bins = 2 * OCTAVES
+        n_bins = 2 * OCTAVES + 1
         self.histogram = torch.zeros((n_layers, n_keys, n_bins), dtype=torch.long, device=device)
         self.total = torch.zeros((n_layers, n_keys), dtype=torch.float64, device=device)
-        self.positive = torch.zeros((n_layers, n_keys), dtype=torch.long, device=device)
         self.positions = 0  # mined positions (the denominator of every share)
         self.sentences = 0
 
@@ -85,8 +89,18 @@ class MiningState:
 
         `coefficients` is overwritten at padded and unmined positions (the forward pass is over).
         """
-        c = coefficients if coefficients.dtype == torch.float32 else coefficients.float()  # [batch, pos, keys]
+        c = coefficients.float()  # [batch, pos, keys] (no copy when already float32)
         unmined = ~batch.mined[..., None]  # [batch, pos, 1]
+        # Statistics first, with unmined positions set to +0.0: they add nothing to the sum, and
+        # their histogram bin (ZERO_BIN) is corrected by their number.
+        c.masked_fill_(unmined, 0.0)
+        self.total[layer] += c.sum(dim=(0, 1)).double()
+        n_bins = self.histogram.shape[-1]
+        bins = histogram_bins(c).view(-1, self.n_keys).long()  # [batch·pos, keys]
+        bins += torch.arange(self.n_keys, device=bins.device) * n_bins
+        counts = torch.bincount(bins.view(-1), minlength=self.n_keys * n_bins).view(self.n_keys, n_bins)
+        counts[:, ZERO_BIN] -= int(unmined.sum())
+        self.histogram[layer] += counts
         rows = torch.arange(len(batch.sentence_index), device=c.device)  # [batch]
         for sign in SIGNS:
             # The sentence maximum of s·m; argmax only for the few (sentence, key) pairs that enter
@@ -102,21 +116,12 @@ class MiningState:
             )
             top = self.top[sign]
             _merge_into(top, candidates, layer, self.top_k)
-            key, slot = (top.position[layer] < 0).nonzero(as_tuple=True)  # [new] each
+            key, slot = (top.position[layer] < 0).nonzero(as_tuple=True)  # [new] each: entered the top-T
             if len(key):
                 row = -top.position[layer, key, slot] - 1  # [new]
                 per_position = c[row, :, key]  # [new, pos]
                 where = per_position.argmax(dim=1) if sign == 1 else per_position.argmin(dim=1)
                 top.position[layer, key, slot] = where
-        flat = c[batch.mined]  # [positions, keys]
-        self.total[layer] += flat.sum(dim=0).double()
-        self.positive[layer] += torch.count_nonzero(flat > 0, dim=0)
-        n_bins = self.histogram.shape[-1]
-        bins = histogram_bins(flat).long()  # [positions, keys]
-        bins += torch.arange(self.n_keys, device=bins.device) * n_bins
-        self.histogram[layer] += torch.bincount(bins.view(-1), minlength=self.n_keys * n_bins).view(
-            self.n_keys, n_bins
-        )
 
     def count(self, batch: Batch) -> None:
         """Count a batch's positions and sentences once (after its layers were folded in)."""
@@ -133,13 +138,17 @@ class MiningState:
             for layer in range(self.n_layers):
                 _merge_into(
                     self.top[sign],
-                    TopK(*(t[layer : layer + 1].to(self.total.device) for t in (theirs.values, theirs.sentence, theirs.position))),
+                    TopK(
+                        *(
+                            t[layer : layer + 1].to(self.total.device)
+                            for t in (theirs.values, theirs.sentence, theirs.position)
+                        )
+                    ),
                     layer,
                     self.top_k,
                 )
         self.histogram += other.histogram.to(self.histogram.device)
         self.total += other.total.to(self.total.device)
-        self.positive += other.positive.to(self.positive.device)
         self.positions += other.positions
         self.sentences += other.sentences
         return self
@@ -149,7 +158,6 @@ class MiningState:
             "shape": (self.n_layers, self.n_keys, self.top_k),
             "histogram": self.histogram.cpu(),
             "total": self.total.cpu(),
-            "positive": self.positive.cpu(),
             "positions": self.positions,
             "sentences": self.sentences,
         }
@@ -165,7 +173,6 @@ class MiningState:
             mined.top[sign] = TopK(*(t.to(device) for t in state[f"top{sign:+d}"]))
         mined.histogram = state["histogram"].to(device)
         mined.total = state["total"].to(device)
-        mined.positive = state["positive"].to(device)
         mined.positions, mined.sentences = state["positions"], state["sentences"]
         return mined
 
@@ -181,21 +188,39 @@ class MiningState:
         return (self.total[layer] / max(self.positions, 1)).cpu()  # [keys]
 
     def positive_share(self, layer: int) -> torch.Tensor:
-        return (self.positive[layer].double() / max(self.positions, 1)).cpu()  # [keys]
+        positive = self.histogram[layer, :, ZERO_BIN + 1 :].sum(dim=-1)  # [keys]: count of m > 0
+        return (positive.double() / max(self.positions, 1)).cpu()  # [keys]
+
+
+def _order_key(values: torch.Tensor, sentence: torch.Tensor) -> torch.Tensor:
+    """One int64 per entry whose order is: value descending, then sentence ascending, empty last.
+
+    The high 32 bits are the float32 value's bits made order-preserving as a signed integer; the
+    low 32 bits are 2³²−1 − sentence (0 for an empty slot). A single topk then gives a total order.
+    """
+    bits = values.float().contiguous().view(torch.int32)  # [keys, n]
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # [keys, n]: int order = float order
+    tie = torch.where(sentence < 0, 0, 0xFFFFFFFF - sentence)  # [keys, n]
+    return (ordered << 32) | tie
 
 
 def _merge_into(state: TopK, candidates: TopK, layer: int, top_k: int) -> None:
-    """Keep the top-T of state ∪ candidates for one layer, ordered by value desc, sentence asc."""
-    values = torch.cat([state.values[layer], candidates.values[0]], dim=1)  # [keys, T + n]
-    sentence = torch.cat([state.sentence[layer], candidates.sentence[0]], dim=1)  # [keys, T + n]
-    position = torch.cat([state.position[layer], candidates.position[0]], dim=1)  # [keys, T + n]
-    # Two stable sorts give a total order: by value, ties by sentence index (empty slots last).
-    by_sentence = torch.where(sentence < 0, torch.iinfo(torch.long).max, sentence).argsort(dim=1, stable=True)
-    values, sentence, position = (t.gather(1, by_sentence) for t in (values, sentence, position))
-    by_value = values.argsort(dim=1, descending=True, stable=True)[:, :top_k]  # [keys, T]
-    state.values[layer] = values.gather(1, by_value)
-    state.sentence[layer] = sentence.gather(1, by_value)
-    state.position[layer] = position.gather(1, by_value)
+    """Keep the top-T of state ∪ candidates for one layer, ordered by value desc, sentence asc.
+
+    Only keys with a candidate at least as high as their current T-th entry can change; the
+    sort runs on those alone (once the top-T has filled up, a batch touches few keys).
+    """
+    threshold = state.values[layer, :, -1:]  # [keys, 1]
+    keys = (candidates.values[0] >= threshold).any(dim=1).nonzero().squeeze(1)  # [changed]
+    if len(keys) == 0:
+        return
+    values = torch.cat([state.values[layer, keys], candidates.values[0, keys]], dim=1)  # [changed, T + n]
+    sentence = torch.cat([state.sentence[layer, keys], candidates.sentence[0, keys]], dim=1)  # [changed, T + n]
+    position = torch.cat([state.position[layer, keys], candidates.position[0, keys]], dim=1)  # [changed, T + n]
+    by_value = _order_key(values, sentence).topk(top_k, dim=1).indices  # [changed, T]
+    state.values[layer, keys] = values.gather(1, by_value)
+    state.sentence[layer, keys] = sentence.gather(1, by_value)
+    state.position[layer, keys] = position.gather(1, by_value)
 
 
 def mine_batches(
@@ -206,13 +231,19 @@ def mine_batches(
 ) -> MiningState:
     """Run each batch through the model (no unembedding) and fold every layer's coefficients in."""
     backbone = loaded.model.base_model
-    with torch.inference_mode(), capture(loaded.model, loaded.adapter, fields=("coefficients",)) as captured:
+    current: list[Batch] = []
+
+    def fold(layer: int, coefficients: torch.Tensor) -> None:
+        state.update(layer, coefficients, current[0])  # coefficients: [batch, pos, keys]
+
+    with (
+        torch.inference_mode(),
+        capture(loaded.model, loaded.adapter, fields=("coefficients",), on_coefficients=fold),
+    ):
         for batch in batches:
-            batch = batch.to(loaded.device)
+            current[:] = [batch.to(loaded.device)]
+            batch = current[0]
             backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-            for layer, coefficients in captured.coefficients.items():
-                state.update(layer, coefficients, batch)  # coefficients: [batch, pos, keys]
-            captured.clear()
             state.count(batch)
             if on_batch is not None:
                 on_batch(batch)
@@ -233,6 +264,10 @@ def shard_batches(
     stop = min(start + shard_sentences, len(token_ids))
     return list(
         length_bucketed_batches(
-            token_ids[start:stop], first_positions[start:stop], start=start, batch_tokens=batch_tokens, pad_id=pad_id
+            token_ids[start:stop],
+            first_positions[start:stop],
+            start=start,
+            batch_tokens=batch_tokens,
+            pad_id=pad_id,
         )
     )

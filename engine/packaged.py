@@ -16,7 +16,9 @@ def package_file(package: str, name: str, install: str) -> Path:
     """The path of `name` inside the installed `package`; a clear error with `install` if missing."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FfmemError(f"the file {name} comes with the package {package}, which is not installed: {install}")
+        raise FfmemError(
+            f"the file {name} comes with the package {package}, which is not installed: {install}"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / name
     if not path.is_file():
         raise FfmemError(f"{path} is missing from the installed package {package}; reinstall it: {install}")

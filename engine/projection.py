@@ -42,9 +42,7 @@ def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> tor
     raise ValueError(f"unknown readout {readout!r}; choose from {READOUTS}")
 
 
-def project_layer(
-    loaded: LoadedModel, layer: int, n: int = 30, chunk: int = 512
-) -> Iterator[ValueTokens]:
+def project_layer(loaded: LoadedModel, layer: int, n: int = 30, chunk: int = 512) -> Iterator[ValueTokens]:
     """Top and bottom `n` tokens of every value of `layer`, for each readout."""
     block = loaded.adapter.blocks(loaded.model)[layer]
     values = loaded.adapter.value_matrix(block)  # [keys, d]
@@ -52,13 +50,15 @@ def project_layer(
         for readout in READOUTS:
             parts = {1: [], -1: []}
             for start in range(0, values.shape[0], chunk):
-                logits = value_logits(loaded, values[start : start + chunk], readout).float()  # [chunk, vocab]
+                logits = value_logits(
+                    loaded, values[start : start + chunk], readout
+                ).float()  # [chunk, vocab]
                 log_z = logits.logsumexp(dim=-1, keepdim=True)  # [chunk, 1]
                 for direction in (1, -1):
                     top, ids = logits.topk(n, dim=-1, largest=direction == 1)  # [chunk, n] each
                     parts[direction].append((ids, top, (top - log_z).exp()))
             for direction in (1, -1):
-                ids, top, probs = (torch.cat(t).cpu() for t in zip(*parts[direction]))
+                ids, top, probs = (torch.cat(t).cpu() for t in zip(*parts[direction], strict=True))
                 yield ValueTokens(layer, readout, direction, ids, top, probs)
 
 

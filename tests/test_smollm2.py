@@ -49,15 +49,24 @@ def test_index_of_50_sentences_recomputes(smollm2, tmp_path):
     url = f"sqlite:///{tmp_path / 'ffmem.db'}"
     upgrade(url)
     sessions = make_sessionmaker(make_engine(url))
-    options = IndexOptions(sentences=50, top_k=5, value_tokens=5, device="cpu", dtype="float32",
-                           cache_dir=tmp_path / "cache", progress=False)
+    options = IndexOptions(
+        sentences=50,
+        top_k=5,
+        value_tokens=5,
+        device="cpu",
+        dtype="float32",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     summary = build_index(options, sessions, loaded=smollm2)
     assert summary.sentences == 50 and summary.padding_efficiency >= 0.9
     generator = torch.Generator().manual_seed(0)
     with sessions() as session:
         run = session.get(Run, summary.run_id)
         assert run.provenance["model_revision"] == smollm2.revision
-        paris = session.scalars(select(Token).where(Token.model_id == run.model_id, Token.token_id == 7042)).one()
+        paris = session.scalars(
+            select(Token).where(Token.model_id == run.model_id, Token.token_id == 7042)
+        ).one()
         assert (paris.text, paris.piece) == (" Paris", "ĠParis")
         for _ in range(6):
             layer = int(torch.randint(30, (1,), generator=generator))

@@ -60,21 +60,36 @@ class IndexSummary:
     storing_seconds: float
 
 
-def build_index(options: IndexOptions, sessions: sessionmaker, loaded: LoadedModel | None = None) -> IndexSummary:
+def build_index(
+    options: IndexOptions, sessions: sessionmaker, loaded: LoadedModel | None = None
+) -> IndexSummary:
     """Build (or resume) one index run and store it; returns what was stored."""
-    loaded = loaded or load_model(options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir)
+    loaded = loaded or load_model(
+        options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
+    )
     text = read_corpus(options.corpus, options.sentences)
     tokenizer_name = f"{loaded.slug}@{loaded.revision or 'unknown'}"
-    fingerprint = _sha({"corpus": text.sha256, "n": len(text.sentences), "tokenizer": tokenizer_name,
-                        "max_tokens": options.max_sentence_tokens})
+    fingerprint = _sha(
+        {
+            "corpus": text.sha256,
+            "n": len(text.sentences),
+            "tokenizer": tokenizer_name,
+            "max_tokens": options.max_sentence_tokens,
+        }
+    )
     with sessions() as session:
         model_row = _store_model(session, loaded)
         corpus = queries.find_corpus(session=session, fingerprint=fingerprint)
         if corpus is None:
             tokenized = tokenize(text.sentences, loaded.tokenizer, options.max_sentence_tokens)
             corpus = queries.store_corpus(
-                session=session, name=text.name, source=text.source, source_sha256=text.sha256,
-                fingerprint=fingerprint, tokenizer=tokenizer_name, max_tokens=options.max_sentence_tokens,
+                session=session,
+                name=text.name,
+                source=text.source,
+                source_sha256=text.sha256,
+                fingerprint=fingerprint,
+                tokenizer=tokenizer_name,
+                max_tokens=options.max_sentence_tokens,
                 skipped=dict(text.skipped),
                 sentences=((s.text, s.token_ids, s.offsets, s.first_position) for s in tokenized),
             )
@@ -85,9 +100,22 @@ def build_index(options: IndexOptions, sessions: sessionmaker, loaded: LoadedMod
         model_id = model_row.id
 
     # ---- mining, one shard at a time, checkpointed --------------------------------------------
-    checkpoint = Path(options.cache_dir) / "checkpoints" / (
-        _sha({"model": loaded.revision or loaded.source, "slug": loaded.slug, "corpus": fingerprint,
-              "top_k": options.top_k, "dtype": str(loaded.dtype), "shard": options.shard_sentences}) + ".pt"
+    checkpoint = (
+        Path(options.cache_dir)
+        / "checkpoints"
+        / (
+            _sha(
+                {
+                    "model": loaded.revision or loaded.source,
+                    "slug": loaded.slug,
+                    "corpus": fingerprint,
+                    "top_k": options.top_k,
+                    "dtype": str(loaded.dtype),
+                    "shard": options.shard_sentences,
+                }
+            )
+            + ".pt"
+        )
     )
     n_shards = -(-len(token_ids) // options.shard_sentences)
     state, done = _resume(checkpoint, loaded)
@@ -96,8 +124,15 @@ def build_index(options: IndexOptions, sessions: sessionmaker, loaded: LoadedMod
     pad_id = _pad_id(loaded)
     real = computed = 0
     started = time.perf_counter()
-    bar = tqdm(total=len(token_ids), unit="sent", desc=f"mining {loaded.slug}", disable=not options.progress,
-               initial=sum(min(options.shard_sentences, len(token_ids) - s * options.shard_sentences) for s in range(done)))
+    bar = tqdm(
+        total=len(token_ids),
+        unit="sent",
+        desc=f"mining {loaded.slug}",
+        disable=not options.progress,
+        initial=sum(
+            min(options.shard_sentences, len(token_ids) - s * options.shard_sentences) for s in range(done)
+        ),
+    )
     mined_tokens = 0
 
     def advance(batch) -> None:
@@ -106,12 +141,20 @@ def build_index(options: IndexOptions, sessions: sessionmaker, loaded: LoadedMod
         computed += batch.computed_tokens
         mined_tokens += batch.real_tokens
         elapsed = time.perf_counter() - started
-        bar.set_postfix_str(f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, padding eff. {real / computed:.1%}")
+        bar.set_postfix_str(
+            f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, padding eff. {real / computed:.1%}"
+        )
         bar.update(len(batch.sentence_index))
 
     for shard in range(done, n_shards):
-        batches = shard_batches(token_ids, first_positions, shard=shard, shard_sentences=options.shard_sentences,
-                                batch_tokens=options.batch_tokens, pad_id=pad_id)
+        batches = shard_batches(
+            token_ids,
+            first_positions,
+            shard=shard,
+            shard_sentences=options.shard_sentences,
+            batch_tokens=options.batch_tokens,
+            pad_id=pad_id,
+        )
         mine_batches(loaded, batches, state, on_batch=advance)
         _save_checkpoint(checkpoint, state, shard + 1)
     bar.close()
@@ -119,25 +162,43 @@ def build_index(options: IndexOptions, sessions: sessionmaker, loaded: LoadedMod
 
     # ---- projection and storage, layer by layer -------------------------------------------------
     provenance = {
-        "model_source": loaded.source, "model_revision": loaded.revision, "architecture": type(loaded.model).__name__,
-        "corpus": corpus_name, "corpus_sha256": corpus_sha, "sentences": len(token_ids),
-        "max_sentence_tokens": options.max_sentence_tokens, "batch_tokens": options.batch_tokens,
-        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "model_source": loaded.source,
+        "model_revision": loaded.revision,
+        "architecture": type(loaded.model).__name__,
+        "corpus": corpus_name,
+        "corpus_sha256": corpus_sha,
+        "sentences": len(token_ids),
+        "max_sentence_tokens": options.max_sentence_tokens,
+        "batch_tokens": options.batch_tokens,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
     }
     projection_seconds = storing_seconds = 0.0
     triggers = value_token_rows = 0
     with sessions() as session:
         run = queries.create_run(
-            session=session, model_id=model_id, corpus_id=corpus_id, top_k=options.top_k,
-            n_value_tokens=options.value_tokens, n_sentences=len(token_ids), dtype=str(loaded.dtype).removeprefix("torch."),
-            device=str(loaded.device), package_version=version("ffmem"), provenance=provenance,
+            session=session,
+            model_id=model_id,
+            corpus_id=corpus_id,
+            top_k=options.top_k,
+            n_value_tokens=options.value_tokens,
+            n_sentences=len(token_ids),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            device=str(loaded.device),
+            package_version=version("ffmem"),
+            provenance=provenance,
             histogram_edges=state.edges,
         )
         session.commit()
         run_id = run.id
         try:
-            for layer in tqdm(range(loaded.n_layers), desc="projecting and storing", unit="layer",
-                              disable=not options.progress):
+            for layer in tqdm(
+                range(loaded.n_layers),
+                desc="projecting and storing",
+                unit="layer",
+                disable=not options.progress,
+            ):
                 t0 = time.perf_counter()
                 projected = list(project_layer(loaded, layer, options.value_tokens))
                 norms = value_norms(loaded, layer)
@@ -156,25 +217,43 @@ def build_index(options: IndexOptions, sessions: sessionmaker, loaded: LoadedMod
             raise
     checkpoint.unlink(missing_ok=True)
     return IndexSummary(
-        run_id=run_id, model=loaded.slug, corpus=corpus_name, sentences=state.sentences, tokens=state.positions,
-        layers=loaded.n_layers, keys=loaded.n_keys, triggers=triggers, value_tokens=value_token_rows,
-        padding_efficiency=real / computed if computed else 1.0, resumed_shards=done,
-        mining_seconds=mining_seconds, projection_seconds=projection_seconds, storing_seconds=storing_seconds,
+        run_id=run_id,
+        model=loaded.slug,
+        corpus=corpus_name,
+        sentences=state.sentences,
+        tokens=state.positions,
+        layers=loaded.n_layers,
+        keys=loaded.n_keys,
+        triggers=triggers,
+        value_tokens=value_token_rows,
+        padding_efficiency=real / computed if computed else 1.0,
+        resumed_shards=done,
+        mining_seconds=mining_seconds,
+        projection_seconds=projection_seconds,
+        storing_seconds=storing_seconds,
     )
 
 
 def _store_model(session: Session, loaded: LoadedModel):
     config = loaded.config
     model_row = queries.upsert_model(
-        session=session, slug=loaded.slug, source=loaded.source, revision=loaded.revision,
-        architecture=type(loaded.model).__name__, family=loaded.adapter.family, n_layers=loaded.n_layers,
-        n_keys=loaded.n_keys, d_model=config.hidden_size if hasattr(config, "hidden_size") else config.n_embd,
-        vocab_size=len(loaded.tokenizer), activation=loaded.adapter.activation(config),
+        session=session,
+        slug=loaded.slug,
+        source=loaded.source,
+        revision=loaded.revision,
+        architecture=type(loaded.model).__name__,
+        family=loaded.adapter.family,
+        n_layers=loaded.n_layers,
+        n_keys=loaded.n_keys,
+        d_model=config.hidden_size if hasattr(config, "hidden_size") else config.n_embd,
+        vocab_size=len(loaded.tokenizer),
+        activation=loaded.adapter.activation(config),
         gated=loaded.adapter.gates is not None,
     )
     ids = list(range(len(loaded.tokenizer)))
     queries.store_vocabulary(
-        session=session, model_id=model_row.id,
+        session=session,
+        model_id=model_row.id,
         texts=[loaded.tokenizer.decode([i]) for i in ids],
         pieces=[str(p) for p in loaded.tokenizer.convert_ids_to_tokens(ids)],
     )
@@ -182,25 +261,43 @@ def _store_model(session: Session, loaded: LoadedModel):
 
 
 def _store_layer(session: Session, run_id: int, layer: int, state: MiningState, projected, norms) -> int:
+    """Store one layer's triggers (both signs), key statistics and value tokens; returns triggers stored."""
     stored = 0
     for sign in (1, -1):
         coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T] each
-        queries.store_triggers(session=session, run_id=run_id, layer=layer, sign=sign,
-                               coefficients=coefficients.numpy(), sentence_index=sentence.numpy(),
-                               position=position.numpy())
-        stored += int((sentence >= 0).sum())
+        stored += queries.store_triggers(
+            session=session,
+            run_id=run_id,
+            layer=layer,
+            sign=sign,
+            coefficients=coefficients.numpy(),
+            sentence_index=sentence.numpy(),
+            position=position.numpy(),
+        )
     top, _, _ = state.triggers(layer, 1)
     bottom, _, _ = state.triggers(layer, -1)
     queries.store_key_stats(
-        session=session, run_id=run_id, layer=layer, mean=state.mean(layer).numpy(),
-        positive_share=state.positive_share(layer).numpy(), max_coefficient=top[:, 0].numpy(),
-        min_coefficient=bottom[:, 0].numpy(), value_norm=norms.numpy(),
+        session=session,
+        run_id=run_id,
+        layer=layer,
+        mean=state.mean(layer).numpy(),
+        positive_share=state.positive_share(layer).numpy(),
+        max_coefficient=top[:, 0].numpy(),
+        min_coefficient=bottom[:, 0].numpy(),
+        value_norm=norms.numpy(),
         histogram=state.histogram[layer].cpu().numpy(),
     )
     for p in projected:
-        queries.store_value_tokens(session=session, run_id=run_id, layer=layer, readout=p.readout,
-                                   direction=p.direction, token_ids=p.token_ids.numpy(),
-                                   logits=p.logits.numpy(), probs=p.probs.numpy())
+        queries.store_value_tokens(
+            session=session,
+            run_id=run_id,
+            layer=layer,
+            readout=p.readout,
+            direction=p.direction,
+            token_ids=p.token_ids.numpy(),
+            logits=p.logits.numpy(),
+            probs=p.probs.numpy(),
+        )
     return stored
 
 
@@ -228,4 +325,3 @@ def _pad_id(loaded: LoadedModel) -> int:
 
 def _sha(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-

@@ -45,7 +45,9 @@ def upgrade() -> None:
         sa.Column("text", sa.Text(), nullable=False),
         sa.Column("piece", sa.Text(), nullable=False),
         sa.ForeignKeyConstraint(
-            ["model_id"], ["language_models.id"], name=op.f("fk_tokens_model_id_language_models"),
+            ["model_id"],
+            ["language_models.id"],
+            name=op.f("fk_tokens_model_id_language_models"),
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("model_id", "token_id", name=op.f("pk_tokens")),
@@ -99,7 +101,9 @@ def upgrade() -> None:
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(["corpus_id"], ["corpora.id"], name=op.f("fk_runs_corpus_id_corpora")),
         sa.ForeignKeyConstraint(
-            ["model_id"], ["language_models.id"], name=op.f("fk_runs_model_id_language_models"),
+            ["model_id"],
+            ["language_models.id"],
+            name=op.f("fk_runs_model_id_language_models"),
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_runs")),

@@ -23,16 +23,39 @@ def settings_in_tmp(tmp_path, monkeypatch):
 
 def test_index_command_stores_a_run_and_prints_a_summary(tmp_path, tiny_model_dir):
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('{"text": "The capital of France is Paris. Water boils at one hundred degrees."}\n{bad\n')
+    corpus.write_text(
+        '{"text": "The capital of France is Paris. Water boils at one hundred degrees."}\n{bad\n'
+    )
     url = f"sqlite:///{tmp_path / 'cli.db'}"
-    result = CliRunner().invoke(cli, ["index", "--model", str(tiny_model_dir), "--corpus", str(corpus),
-                                      "--sentences", "10", "--top-k", "2", "--db", url, "--device", "cpu"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "index",
+            "--model",
+            str(tiny_model_dir),
+            "--corpus",
+            str(corpus),
+            "--sentences",
+            "10",
+            "--top-k",
+            "2",
+            "--db",
+            url,
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "stored run 1:" in result.output and "over 2 sentences of corpus.jsonl" in result.output
     assert "3 layers × 48 keys" in result.output
     with make_sessionmaker(make_engine(url))() as session:
         run = session.get(Run, 1)
-        assert (run.status, run.top_k, run.n_value_tokens, run.corpus.skipped) == ("done", 2, 3, {"invalid_json": 1})
+        assert (run.status, run.top_k, run.n_value_tokens, run.corpus.skipped) == (
+            "done",
+            2,
+            3,
+            {"invalid_json": 1},
+        )
         assert session.scalar(select(func.count()).select_from(Trigger)) == 3 * 48 * 2 * 2
 
 
@@ -44,7 +67,15 @@ def test_index_command_stores_a_run_and_prints_a_summary(tmp_path, tiny_model_di
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, tiny_model_dir, args, message):
-    base = ["index", "--model", str(tiny_model_dir), "--db", f"sqlite:///{tmp_path / 'x.db'}", "--device", "cpu"]
+    base = [
+        "index",
+        "--model",
+        str(tiny_model_dir),
+        "--db",
+        f"sqlite:///{tmp_path / 'x.db'}",
+        "--device",
+        "cpu",
+    ]
     result = CliRunner().invoke(cli, base + args)
     assert result.exit_code == 2
     assert message in result.output
@@ -64,6 +95,8 @@ def test_db_upgrade(tmp_path):
 
 
 def test_unreachable_postgres_is_a_clear_error():
-    result = CliRunner().invoke(cli, ["db", "upgrade", "--db", "postgresql+psycopg://nobody@127.0.0.1:1/none"])
+    result = CliRunner().invoke(
+        cli, ["db", "upgrade", "--db", "postgresql+psycopg://nobody@127.0.0.1:1/none"]
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.output.startswith("error: ")

@@ -12,8 +12,17 @@ from app import queries
 from app.models import KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
 
 MODEL = dict(
-    slug="tiny", source="hf-internal/tiny", revision="abc123", architecture="LlamaForCausalLM",
-    family="llama", n_layers=2, n_keys=3, d_model=8, vocab_size=5, activation="silu", gated=True,
+    slug="tiny",
+    source="hf-internal/tiny",
+    revision="abc123",
+    architecture="LlamaForCausalLM",
+    family="llama",
+    n_layers=2,
+    n_keys=3,
+    d_model=8,
+    vocab_size=5,
+    activation="silu",
+    gated=True,
 )
 
 
@@ -31,8 +40,14 @@ def model(session) -> LanguageModel:
 @pytest.fixture
 def corpus(session):
     return queries.store_corpus(
-        session=session, name="tiny.txt", source="/data/tiny.txt", source_sha256="a" * 64,
-        fingerprint="f" * 64, tokenizer="tiny@abc123", max_tokens=16, skipped={"empty": 2},
+        session=session,
+        name="tiny.txt",
+        source="/data/tiny.txt",
+        source_sha256="a" * 64,
+        fingerprint="f" * 64,
+        tokenizer="tiny@abc123",
+        max_tokens=16,
+        skipped={"empty": 2},
         sentences=[
             ("Hello world.", [0, 7, 9], [(0, 0), (0, 5), (5, 12)], 1),
             ("Bye.", [0, 4], [(0, 0), (0, 4)], 1),
@@ -43,8 +58,16 @@ def corpus(session):
 @pytest.fixture
 def run(session, model, corpus) -> Run:
     return queries.create_run(
-        session=session, model_id=model.id, corpus_id=corpus.id, top_k=2, n_value_tokens=2, n_sentences=2,
-        dtype="float32", device="cpu", package_version="0.1.0", provenance={"torch": "2.4"},
+        session=session,
+        model_id=model.id,
+        corpus_id=corpus.id,
+        top_k=2,
+        n_value_tokens=2,
+        n_sentences=2,
+        dtype="float32",
+        device="cpu",
+        package_version="0.1.0",
+        provenance={"torch": "2.4"},
         histogram_edges=[-1.0, 0.0, 1.0],
     )
 
@@ -110,12 +133,18 @@ def test_triggers_round_trip_and_skip_missing(session, run):
     sentence_index = np.array([[1, 0], [0, -1], [-1, -1]], dtype=np.int64)
     position = np.array([[2, 1], [3, 0], [0, 0]], dtype=np.int64)
     stored = queries.store_triggers(
-        session=session, run_id=run.id, layer=1, sign=-1, coefficients=coefficients,
-        sentence_index=sentence_index, position=position,
+        session=session,
+        run_id=run.id,
+        layer=1,
+        sign=-1,
+        coefficients=coefficients,
+        sentence_index=sentence_index,
+        position=position,
     )
     reread(session)
     assert stored == 3
     assert session.scalar(select(func.count()).select_from(Trigger)) == 3
+
     def triggers(key: int) -> list[tuple]:
         rows = queries.get_triggers(session=session, run_id=run.id, layer=1, key=key, sign=-1)
         return [(t.rank, t.sentence_index, t.position, t.coefficient) for t in rows]
@@ -132,13 +161,23 @@ def test_value_tokens_round_trip(session, run):
     logits = np.array([[9.5, 8.25], [1.0, -2.0], [0.5, 0.5]], dtype=np.float32)
     probs = np.array([[0.5, 0.25], [0.125, 0.0625], [1e-8, 1e-9]], dtype=np.float32)
     for readout, direction in (("raw", 1), ("norm", -1)):
-        queries.store_value_tokens(session=session, run_id=run.id, layer=0, readout=readout,
-                                   direction=direction, token_ids=token_ids, logits=logits, probs=probs)
+        queries.store_value_tokens(
+            session=session,
+            run_id=run.id,
+            layer=0,
+            readout=readout,
+            direction=direction,
+            token_ids=token_ids,
+            logits=logits,
+            probs=probs,
+        )
     reread(session)
     assert session.scalar(select(func.count()).select_from(ValueToken)) == 12
+
     def values(key: int, readout: str, direction: int) -> list[tuple]:
-        rows = queries.get_value_tokens(session=session, run_id=run.id, layer=0, key=key, readout=readout,
-                                        direction=direction)
+        rows = queries.get_value_tokens(
+            session=session, run_id=run.id, layer=0, key=key, readout=readout, direction=direction
+        )
         return [(v.rank, v.token_id, v.logit, v.prob) for v in rows]
 
     tiny, tinier = float(np.float32(1e-8)), float(np.float32(1e-9))
@@ -149,15 +188,26 @@ def test_value_tokens_round_trip(session, run):
 
 def test_key_stats_round_trip_with_null_extremes(session, run):
     queries.store_key_stats(
-        session=session, run_id=run.id, layer=1, mean=np.array([0.5, -0.25, 0.0], dtype=np.float32),
-        positive_share=np.array([0.75, 0.125, 0.0]), max_coefficient=np.array([3.0, np.inf, np.nan]),
-        min_coefficient=np.array([-1.5, -np.inf, np.nan]), value_norm=np.array([1.0, 2.0, 4.0]),
+        session=session,
+        run_id=run.id,
+        layer=1,
+        mean=np.array([0.5, -0.25, 0.0], dtype=np.float32),
+        positive_share=np.array([0.75, 0.125, 0.0]),
+        max_coefficient=np.array([3.0, np.inf, np.nan]),
+        min_coefficient=np.array([-1.5, -np.inf, np.nan]),
+        value_norm=np.array([1.0, 2.0, 4.0]),
         histogram=np.array([[1, 2], [0, 3], [0, 0]], dtype=np.int64),
     )
     reread(session)
     first = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=0)
-    assert (first.mean, first.positive_share, first.max_coefficient, first.min_coefficient, first.value_norm,
-            first.histogram) == (0.5, 0.75, 3.0, -1.5, 1.0, [1, 2])
+    assert (
+        first.mean,
+        first.positive_share,
+        first.max_coefficient,
+        first.min_coefficient,
+        first.value_norm,
+        first.histogram,
+    ) == (0.5, 0.75, 3.0, -1.5, 1.0, [1, 2])
     second = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=1)
     assert (second.max_coefficient, second.min_coefficient, second.histogram) == (None, None, [0, 3])
     third = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=2)
@@ -167,20 +217,44 @@ def test_key_stats_round_trip_with_null_extremes(session, run):
 
 def test_mismatched_shapes_are_refused(session, run):
     with pytest.raises(ValueError, match="shape"):
-        queries.store_triggers(session=session, run_id=run.id, layer=0, sign=1, coefficients=np.zeros((3, 2)),
-                               sentence_index=np.zeros((3, 1), dtype=np.int64), position=np.zeros((3, 2)))
+        queries.store_triggers(
+            session=session,
+            run_id=run.id,
+            layer=0,
+            sign=1,
+            coefficients=np.zeros((3, 2)),
+            sentence_index=np.zeros((3, 1), dtype=np.int64),
+            position=np.zeros((3, 2)),
+        )
 
 
 def _fill(session, run) -> None:
     ones = np.ones((3, 2))
     ints = np.ones((3, 2), dtype=np.int64)
-    queries.store_triggers(session=session, run_id=run.id, layer=0, sign=1, coefficients=ones,
-                           sentence_index=ints, position=ints)
-    queries.store_value_tokens(session=session, run_id=run.id, layer=0, readout="raw", direction=1,
-                               token_ids=ints, logits=ones, probs=ones)
-    queries.store_key_stats(session=session, run_id=run.id, layer=0, mean=np.zeros(3),
-                            positive_share=np.zeros(3), max_coefficient=np.ones(3),
-                            min_coefficient=np.ones(3), value_norm=np.ones(3), histogram=ints)
+    queries.store_triggers(
+        session=session, run_id=run.id, layer=0, sign=1, coefficients=ones, sentence_index=ints, position=ints
+    )
+    queries.store_value_tokens(
+        session=session,
+        run_id=run.id,
+        layer=0,
+        readout="raw",
+        direction=1,
+        token_ids=ints,
+        logits=ones,
+        probs=ones,
+    )
+    queries.store_key_stats(
+        session=session,
+        run_id=run.id,
+        layer=0,
+        mean=np.zeros(3),
+        positive_share=np.zeros(3),
+        max_coefficient=np.ones(3),
+        min_coefficient=np.ones(3),
+        value_norm=np.ones(3),
+        histogram=ints,
+    )
 
 
 def _counts(session) -> tuple[int, int, int, int]:

@@ -31,8 +31,13 @@ def test_text_file_skips_and_counts_bad_lines(tmp_path):
 
 def test_jsonl_reads_the_text_field(tmp_path):
     path = tmp_path / "corpus.jsonl"
-    lines = [json.dumps({"text": "One. Two."}), "{not json", json.dumps({"title": "no text"}), json.dumps([1]),
-             json.dumps({"text": "Three."})]
+    lines = [
+        json.dumps({"text": "One. Two."}),
+        "{not json",
+        json.dumps({"title": "no text"}),
+        json.dumps([1]),
+        json.dumps({"text": "Three."}),
+    ]
     path.write_text("\n".join(lines))
     corpus = read_corpus(str(path))
     assert corpus.sentences == ["One.", "Two.", "Three."]

@@ -33,9 +33,19 @@ def corpus_file(tmp_path):
 
 
 def options(tiny_model_dir, corpus_file, tmp_path, **changes) -> IndexOptions:
-    base = dict(model=str(tiny_model_dir), corpus=str(corpus_file), sentences=None, top_k=4, device="cpu",
-                dtype="float32", batch_tokens=64, shard_sentences=8, value_tokens=5,
-                cache_dir=tmp_path / "cache", progress=False)
+    base = dict(
+        model=str(tiny_model_dir),
+        corpus=str(corpus_file),
+        sentences=None,
+        top_k=4,
+        device="cpu",
+        dtype="float32",
+        batch_tokens=64,
+        shard_sentences=8,
+        value_tokens=5,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     return IndexOptions(**(base | changes))
 
 
@@ -53,7 +63,9 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
         assert session.scalar(select(func.count()).select_from(KeyStats)) == 3 * 48
         for layer, key in [(0, 0), (1, 17), (2, 47)]:
             for sign in (1, -1):
-                triggers = queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=sign)
+                triggers = queries.get_triggers(
+                    session=session, run_id=run.id, layer=layer, key=key, sign=sign
+                )
                 assert [t.rank for t in triggers] == [0, 1, 2, 3]
                 for trigger in triggers:
                     sentence = session.get(Sentence, (run.corpus_id, trigger.sentence_index))
@@ -71,16 +83,20 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
             for readout in ("raw", "norm"):
                 logits = value_logits(tiny, value[None], readout)[0].detach()  # [vocab]
                 probs = logits.softmax(-1)
-                top = queries.get_value_tokens(session=session, run_id=run.id, layer=layer, key=key,
-                                               readout=readout, direction=1)
+                top = queries.get_value_tokens(
+                    session=session, run_id=run.id, layer=layer, key=key, readout=readout, direction=1
+                )
                 assert [t.token_id for t in top] == logits.topk(5).indices.tolist()
                 assert top[0].prob == pytest.approx(float(probs.max()), rel=1e-4)
-                bottom = queries.get_value_tokens(session=session, run_id=run.id, layer=layer, key=key,
-                                                  readout=readout, direction=-1)
+                bottom = queries.get_value_tokens(
+                    session=session, run_id=run.id, layer=layer, key=key, readout=readout, direction=-1
+                )
                 assert [t.token_id for t in bottom] == logits.topk(5, largest=False).indices.tolist()
 
 
-def test_a_crashed_index_resumes_from_its_checkpoint(tmp_path, tiny, tiny_model_dir, corpus_file, monkeypatch):
+def test_a_crashed_index_resumes_from_its_checkpoint(
+    tmp_path, tiny, tiny_model_dir, corpus_file, monkeypatch
+):
     url = f"sqlite:///{tmp_path / 'ffmem.db'}"
     from app.db import upgrade
 
@@ -104,10 +120,19 @@ def test_a_crashed_index_resumes_from_its_checkpoint(tmp_path, tiny, tiny_model_
     resumed = build_index(options(tiny_model_dir, corpus_file, tmp_path / "b"), sessions, loaded=tiny)
     assert resumed.resumed_shards == 1
     with sessions() as session:
+
         def rows(run_id):
             return session.execute(
-                select(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank, Trigger.sentence_index,
-                       Trigger.position, Trigger.coefficient).where(Trigger.run_id == run_id)
+                select(
+                    Trigger.layer,
+                    Trigger.key,
+                    Trigger.sign,
+                    Trigger.rank,
+                    Trigger.sentence_index,
+                    Trigger.position,
+                    Trigger.coefficient,
+                )
+                .where(Trigger.run_id == run_id)
                 .order_by(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank)
             ).all()
 
