@@ -100,7 +100,7 @@ def peak_memory_child(n_sentences: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sentences", type=int, default=300, help="sentences for the throughput ratio")
+    parser.add_argument("--sentences", type=int, default=1000, help="sentences for the throughput ratio")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory-sizes", type=int, nargs=2, default=(200, 1000))
     parser.add_argument("--peak-memory-child", type=int, help=argparse.SUPPRESS)

@@ -8,6 +8,7 @@ Lines that are not valid UTF-8, empty lines and unparsable JSON are skipped and 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections import Counter
@@ -55,6 +56,11 @@ class Batch:
     attention_mask: torch.Tensor  # [batch, pos] 1 on real tokens
     mined: torch.Tensor  # [batch, pos] bool: real tokens from first_position on
     sentence_index: torch.Tensor  # [batch] global sentence index in the corpus
+
+    @functools.cached_property
+    def unmined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) of the positions not mined: padding, and a BOS where there is one."""
+        return (~self.mined).nonzero(as_tuple=True)  # [unmined] each
 
     @property
     def real_tokens(self) -> int:

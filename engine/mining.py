@@ -13,6 +13,7 @@ index, so the result does not depend on batch size or split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -43,14 +44,34 @@ def histogram_edges() -> list[float]:
     return [-m for m in reversed(magnitudes)] + [0.0, 0.0] + magnitudes
 
 
-def histogram_bins(coefficients: torch.Tensor) -> torch.Tensor:
-    """Bin index (see histogram_edges) of each float32 coefficient, same shape, int32."""
-    code = coefficients.float().contiguous().view(torch.int32) >> 23  # sign and biased exponent bits
-    sign = code >> 8  # −1 where the sign bit is set, else 0
-    positive = code > 0  # sign bit clear and a nonzero exponent
+def histogram_bins(coefficients: torch.Tensor, workspace: dict | None = None) -> torch.Tensor:
+    """Bin index (see histogram_edges) of each float32 coefficient, same shape, int32.
+
+    `workspace` keeps the scratch tensors between calls: fresh multi-megabyte allocations cost
+    more in page faults than the arithmetic itself.
+    """
+    bits = coefficients.float().contiguous().view(torch.int32)
+    code, sign, positive = (
+        _scratch(workspace, name, bits.shape, dtype, bits.device)
+        for name, dtype in (("code", torch.int32), ("sign", torch.int32), ("positive", torch.bool))
+    )
+    torch.bitwise_right_shift(bits, 23, out=code)  # sign and biased exponent bits
+    torch.bitwise_right_shift(code, 8, out=sign)  # −1 where the sign bit is set, else 0
+    torch.gt(code, 0, out=positive)  # sign bit clear and a nonzero exponent
     octave = code.bitwise_and_(255).sub_(LOWEST_EXPONENT - 1).clamp_(0, OCTAVES - 1)  # 0 … 20 by magnitude
     # 21 + octave (+1 when positive), or 20 − octave where negative; +0.0 lands on ZERO_BIN.
     return octave.bitwise_xor_(sign).add_(positive).add_(ZERO_BIN)
+
+
+def _scratch(workspace: dict | None, name: str, shape, dtype, device) -> torch.Tensor:
+    """A reusable tensor of `shape` (grown as needed) from `workspace`, or a new one without it."""
+    numel = math.prod(shape)
+    if workspace is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffer = workspace.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.device != device:
+        buffer = workspace[name] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
 
 
 @dataclass
@@ -81,6 +102,8 @@ class MiningState:
         self.histogram = torch.zeros((n_layers, n_keys, n_bins), dtype=torch.long, device=device)
         self.total = torch.zeros((n_layers, n_keys), dtype=torch.float64, device=device)
         self.positions = 0  # mined positions (the denominator of every share)
+        self._key_offsets = torch.arange(n_keys, device=device) * n_bins  # [keys]
+        self._workspace: dict[str, torch.Tensor] = {}
         self.sentences = 0
 
     # -- update ---------------------------------------------------------------------------------
@@ -90,25 +113,24 @@ class MiningState:
         `coefficients` is overwritten at padded and unmined positions (the forward pass is over).
         """
         c = coefficients.float()  # [batch, pos, keys] (no copy when already float32)
-        unmined = ~batch.mined[..., None]  # [batch, pos, 1]
+        unmined = batch.unmined  # (rows, positions) of padded and unmined positions; few after bucketing
         # Statistics first, with unmined positions set to +0.0: they add nothing to the sum, and
         # their histogram bin (ZERO_BIN) is corrected by their number.
-        c.masked_fill_(unmined, 0.0)
+        c[unmined] = 0.0
         self.total[layer] += c.sum(dim=(0, 1)).double()
         n_bins = self.histogram.shape[-1]
-        bins = histogram_bins(c).view(-1, self.n_keys).long()  # [batch·pos, keys]
-        bins += torch.arange(self.n_keys, device=bins.device) * n_bins
-        counts = torch.bincount(bins.view(-1), minlength=self.n_keys * n_bins).view(self.n_keys, n_bins)
-        counts[:, ZERO_BIN] -= int(unmined.sum())
+        bins = histogram_bins(c, self._workspace).view(-1, self.n_keys)  # [batch·pos, keys] int32
+        index = _scratch(self._workspace, "index", bins.shape, torch.long, bins.device)  # [batch·pos, keys]
+        index.copy_(bins).add_(self._key_offsets)  # one bincount for every key at once
+        counts = torch.bincount(index.view(-1), minlength=self.n_keys * n_bins).view(self.n_keys, n_bins)
+        counts[:, ZERO_BIN] -= len(unmined[0])
         self.histogram[layer] += counts
         rows = torch.arange(len(batch.sentence_index), device=c.device)  # [batch]
         for sign in SIGNS:
             # The sentence maximum of s·m; argmax only for the few (sentence, key) pairs that enter
             # the top-T, which keeps the full-width reduction a cheap amax.
-            if sign == 1:
-                best = c.masked_fill_(unmined, float("-inf")).amax(dim=1)  # [batch, keys]
-            else:
-                best = -c.masked_fill_(unmined, float("inf")).amin(dim=1)  # [batch, keys]
+            c[unmined] = float("-inf") if sign == 1 else float("inf")
+            best = c.amax(dim=1) if sign == 1 else -c.amin(dim=1)  # [batch, keys]
             candidates = TopK(
                 values=best.T.unsqueeze(0),  # [1, keys, batch]
                 sentence=batch.sentence_index[None, None, :].expand(1, self.n_keys, -1),  # [1, keys, batch]
@@ -215,8 +237,12 @@ def _merge_into(state: TopK, candidates: TopK, layer: int, top_k: int) -> None:
     if len(keys) == 0:
         return
     values = torch.cat([state.values[layer, keys], candidates.values[0, keys]], dim=1)  # [changed, T + n]
-    sentence = torch.cat([state.sentence[layer, keys], candidates.sentence[0, keys]], dim=1)  # [changed, T + n]
-    position = torch.cat([state.position[layer, keys], candidates.position[0, keys]], dim=1)  # [changed, T + n]
+    sentence = torch.cat(
+        [state.sentence[layer, keys], candidates.sentence[0, keys]], dim=1
+    )  # [changed, T + n]
+    position = torch.cat(
+        [state.position[layer, keys], candidates.position[0, keys]], dim=1
+    )  # [changed, T + n]
     by_value = _order_key(values, sentence).topk(top_k, dim=1).indices  # [changed, T]
     state.values[layer, keys] = values.gather(1, by_value)
     state.sentence[layer, keys] = sentence.gather(1, by_value)

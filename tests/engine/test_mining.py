@@ -138,7 +138,23 @@ def test_fewer_sentences_than_top_k_leave_empty_slots(tiny, sentences):
 
 
 def test_histogram_bins_follow_the_edges():
-    values = [-5000.0, -1024.0, -1000.0, -1.0, -0.5, -1e-4, -0.0, 0.0, 1e-4, 2.0**-9, 0.75, 1.0, 1023.0, 1024.0, 1e6]
+    values = [
+        -5000.0,
+        -1024.0,
+        -1000.0,
+        -1.0,
+        -0.5,
+        -1e-4,
+        -0.0,
+        0.0,
+        1e-4,
+        2.0**-9,
+        0.75,
+        1.0,
+        1023.0,
+        1024.0,
+        1e6,
+    ]
     expected = [0, 0, 1, 10, 11, 20, 20, 21, 22, 23, 31, 32, 41, 42, 42]
     assert histogram_bins(torch.tensor(values)[:, None])[:, 0].tolist() == expected
 
