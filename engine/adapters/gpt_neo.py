@@ -1,15 +1,10 @@
-"""GPT-Neo family: GPT-2's block layout with nn.Linear projections (local/global attention alternates)."""
+"""GPT-Neo family: GPT-2's module paths with nn.Linear projections (local/global attention alternates).
 
-from engine.adapters.base import Adapter
+Rows are read by layout (base.rows_out / rows_in), so GPT-2's adapter serves as it is.
+"""
 
-ADAPTER = Adapter(
-    family="gpt_neo",
-    architectures=("GPTNeoForCausalLM",),
-    layers="transformer.h",
-    ff_norm="ln_2",
-    keys="mlp.c_fc",
-    values="mlp.c_proj",
-    activation=lambda config: config.activation_function,
-    final_norm="transformer.ln_f",
-    unembedding="lm_head",
-)
+from dataclasses import replace
+
+from engine.adapters import gpt2
+
+ADAPTER = replace(gpt2.ADAPTER, family="gpt_neo", architectures=("GPTNeoForCausalLM",))

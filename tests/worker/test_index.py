@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sqlalchemy import func, select
+from tiny_models import TRAINING_TEXT
 
 from app import queries
 from app.db import make_engine, make_sessionmaker
@@ -14,15 +15,7 @@ from engine.hooks import capture
 from engine.projection import value_logits
 from worker.index import IndexOptions, build_index
 
-SENTENCES = [
-    "The capital of France is Paris.",
-    "Paris is a city on the Seine, famous for its museums.",
-    "Water boils at one hundred degrees Celsius at sea level.",
-    "The quick brown fox jumps over the lazy dog.",
-    "In 1969, astronauts landed on the Moon for the first time.",
-    "Mozart wrote more than six hundred works of music.",
-    "Café culture <script>alert(1)</script> spread across Europe.",
-]
+SENTENCES = [*TRAINING_TEXT, "Café culture <script>alert(1)</script> spread across Europe."]
 
 
 @pytest.fixture
