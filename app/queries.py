@@ -164,8 +164,9 @@ def create_run(
     package_version: str,
     provenance: dict,
     histogram_edges: list[float],
+    started_at: datetime | None = None,
 ) -> Run:
-    """A new run, status "running", started now (UTC)."""
+    """A new run, status "running", started at `started_at` (default now, UTC)."""
     run = Run(
         model_id=model_id,
         corpus_id=corpus_id,
@@ -179,7 +180,7 @@ def create_run(
         package_version=package_version,
         provenance=dict(provenance),
         histogram_edges=[float(edge) for edge in histogram_edges],
-        started_at=_now(),
+        started_at=started_at or _now(),
     )
     session.add(run)
     session.flush()

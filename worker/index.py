@@ -11,6 +11,7 @@ import json
 import platform
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def build_index(
     options: IndexOptions, sessions: sessionmaker, loaded: LoadedModel | None = None
 ) -> IndexSummary:
     """Build (or resume) one index run and store it; returns what was stored."""
+    started_at = datetime.now(timezone.utc)
     loaded = loaded or load_model(
         options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
     )
@@ -189,6 +191,7 @@ def build_index(
             package_version=version("ffmem"),
             provenance=provenance,
             histogram_edges=state.edges,
+            started_at=started_at,
         )
         session.commit()
         run_id = run.id

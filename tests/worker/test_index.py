@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 from sqlalchemy import func, select
@@ -49,6 +51,7 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
     with sessions() as session:
         run = session.get(Run, summary.run_id)
         assert run.status == "done" and run.finished_at is not None
+        assert run.finished_at - run.started_at >= timedelta(seconds=summary.mining_seconds)
         assert run.provenance["corpus"] == "corpus.txt" and run.top_k == 4
         assert run.n_tokens == summary.tokens
         assert session.scalar(select(func.count()).select_from(Trigger)) == summary.triggers == 3 * 48 * 2 * 4
