@@ -76,10 +76,9 @@ def _scratch(workspace: dict | None, name: str, shape, dtype, device) -> torch.T
 
 @dataclass
 class TopK:
-    """Running top-T of s·m per key: values [layers, keys, T], sentence and position of each."""
+    """Running top-T of s·m per key, best first, as packed order keys (see _order_key)."""
 
-    values: torch.Tensor  # [layers, keys, T] float32, s·coefficient, −inf where empty
-    sentence: torch.Tensor  # [layers, keys, T] int64, −1 where empty
+    order: torch.Tensor  # [layers, keys, T] int64: s·coefficient and sentence in one sortable number
     position: torch.Tensor  # [layers, keys, T] int64; while merging, −(row + 1) marks a new entry
 
 
@@ -89,10 +88,10 @@ class MiningState:
     def __init__(self, n_layers: int, n_keys: int, top_k: int, device: torch.device | str = "cpu"):
         self.n_layers, self.n_keys, self.top_k = n_layers, n_keys, top_k
         shape = (n_layers, n_keys, top_k)
+        empty = _order_key(torch.tensor(float("-inf")), torch.tensor(-1))  # ranks below every entry
         self.top = {
             sign: TopK(
-                values=torch.full(shape, float("-inf"), device=device),
-                sentence=torch.full(shape, -1, dtype=torch.long, device=device),
+                order=torch.full(shape, int(empty), dtype=torch.long, device=device),
                 position=torch.zeros(shape, dtype=torch.long, device=device),
             )
             for sign in SIGNS
@@ -131,13 +130,9 @@ class MiningState:
             # the top-T, which keeps the full-width reduction a cheap amax.
             c[unmined] = float("-inf") if sign == 1 else float("inf")
             best = c.amax(dim=1) if sign == 1 else -c.amin(dim=1)  # [batch, keys]
-            candidates = TopK(
-                values=best.T.unsqueeze(0),  # [1, keys, batch]
-                sentence=batch.sentence_index[None, None, :].expand(1, self.n_keys, -1),  # [1, keys, batch]
-                position=-(rows + 1)[None, None, :].expand(1, self.n_keys, -1),  # [1, keys, batch]
-            )
+            order = _order_key(best.T, batch.sentence_index[None, :].expand(self.n_keys, -1))  # [keys, batch]
             top = self.top[sign]
-            _merge_into(top, candidates, layer, self.top_k)
+            _merge_into(top, layer, order, -(rows + 1)[None, :].expand(self.n_keys, -1), self.top_k)
             key, slot = (top.position[layer] < 0).nonzero(as_tuple=True)  # [new] each: entered the top-T
             if len(key):
                 row = -top.position[layer, key, slot] - 1  # [new]
@@ -155,20 +150,12 @@ class MiningState:
         """Fold another shard's state into this one (in place) and return self."""
         if (other.n_layers, other.n_keys, other.top_k) != (self.n_layers, self.n_keys, self.top_k):
             raise ValueError("cannot merge mining states of different shapes")
+        device = self.total.device
         for sign in SIGNS:
             theirs = other.top[sign]
             for layer in range(self.n_layers):
-                _merge_into(
-                    self.top[sign],
-                    TopK(
-                        *(
-                            t[layer : layer + 1].to(self.total.device)
-                            for t in (theirs.values, theirs.sentence, theirs.position)
-                        )
-                    ),
-                    layer,
-                    self.top_k,
-                )
+                order, position = theirs.order[layer].to(device), theirs.position[layer].to(device)
+                _merge_into(self.top[sign], layer, order, position, self.top_k)
         self.histogram += other.histogram.to(self.histogram.device)
         self.total += other.total.to(self.total.device)
         self.positions += other.positions
@@ -185,7 +172,7 @@ class MiningState:
         }
         for sign in SIGNS:
             top = self.top[sign]
-            state[f"top{sign:+d}"] = (top.values.cpu(), top.sentence.cpu(), top.position.cpu())
+            state[f"top{sign:+d}"] = (top.order.cpu(), top.position.cpu())
         return state
 
     @classmethod
@@ -202,8 +189,8 @@ class MiningState:
     def triggers(self, layer: int, sign: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(coefficients, sentence index, position), each [keys, T]; sentence −1 marks empty slots."""
         top = self.top[sign]
-        values = top.values[layer]  # [keys, T]
-        sentence = top.sentence[layer].masked_fill(torch.isinf(values), -1)  # [keys, T]
+        values, sentence = _unpack(top.order[layer])  # [keys, T] each
+        sentence = sentence.masked_fill(torch.isinf(values), -1)  # [keys, T]
         return (sign * values).cpu(), sentence.cpu(), top.position[layer].cpu()
 
     def mean(self, layer: int) -> torch.Tensor:
@@ -218,7 +205,8 @@ def _order_key(values: torch.Tensor, sentence: torch.Tensor) -> torch.Tensor:
     """One int64 per entry whose order is: value descending, then sentence ascending, empty last.
 
     The high 32 bits are the float32 value's bits made order-preserving as a signed integer; the
-    low 32 bits are 2³²−1 − sentence (0 for an empty slot). A single topk then gives a total order.
+    low 32 bits are 2³²−1 − sentence (0 for an empty slot). A single topk then gives a total order,
+    and the top-T is kept as these numbers alone (plus positions).
     """
     bits = values.float().contiguous().view(torch.int32)  # [keys, n]
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # [keys, n]: int order = float order
@@ -226,27 +214,20 @@ def _order_key(values: torch.Tensor, sentence: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | tie
 
 
-def _merge_into(state: TopK, candidates: TopK, layer: int, top_k: int) -> None:
-    """Keep the top-T of state ∪ candidates for one layer, ordered by value desc, sentence asc.
+def _unpack(order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of _order_key: (values float32, sentence int64 with −1 for empty)."""
+    ordered = (order >> 32).int()  # [keys, n]
+    values = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)  # [keys, n]
+    tie = order & 0xFFFFFFFF  # [keys, n]
+    return values, torch.where(tie == 0, -1, 0xFFFFFFFF - tie)
 
-    Only keys with a candidate at least as high as their current T-th entry can change; the
-    sort runs on those alone (once the top-T has filled up, a batch touches few keys).
-    """
-    threshold = state.values[layer, :, -1:]  # [keys, 1]
-    keys = (candidates.values[0] >= threshold).any(dim=1).nonzero().squeeze(1)  # [changed]
-    if len(keys) == 0:
-        return
-    values = torch.cat([state.values[layer, keys], candidates.values[0, keys]], dim=1)  # [changed, T + n]
-    sentence = torch.cat(
-        [state.sentence[layer, keys], candidates.sentence[0, keys]], dim=1
-    )  # [changed, T + n]
-    position = torch.cat(
-        [state.position[layer, keys], candidates.position[0, keys]], dim=1
-    )  # [changed, T + n]
-    by_value = _order_key(values, sentence).topk(top_k, dim=1).indices  # [changed, T]
-    state.values[layer, keys] = values.gather(1, by_value)
-    state.sentence[layer, keys] = sentence.gather(1, by_value)
-    state.position[layer, keys] = position.gather(1, by_value)
+
+def _merge_into(state: TopK, layer: int, order: torch.Tensor, position: torch.Tensor, top_k: int) -> None:
+    """Keep the top-T of one layer's state ∪ candidates (order keys and positions, [keys, n])."""
+    merged = torch.cat([state.order[layer], order], dim=1)  # [keys, T + n]
+    kept, index = merged.topk(top_k, dim=1)  # [keys, T] each, best first
+    state.order[layer] = kept
+    state.position[layer] = torch.cat([state.position[layer], position], dim=1).gather(1, index)
 
 
 def mine_batches(
