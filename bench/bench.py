@@ -50,25 +50,31 @@ def batches_for(loaded, n_sentences: int, settings):
 
 
 def mining_over_forward(loaded, batches, repeats: int) -> dict:
-    """Best-of-`repeats` seconds for a bare forward and for mining, interleaved on the same batches."""
-    backbone = loaded.model.base_model
+    """Best-of-`repeats` seconds for bare forwards and for mining, interleaved on the same batches.
+
+    Mining runs the backbone only (no unembedding: it needs no logits). The like-for-like ratio
+    divides by a bare forward of that same backbone; the model ratio by the model's full forward.
+    """
     tokens = sum(b.real_tokens for b in batches)
-    bare, mining = [], []
+    bare, full, mining = [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            for batch in batches:
-                backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-        bare.append(time.perf_counter() - start)
+        for module, times in ((loaded.model.base_model, bare), (loaded.model, full)):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                for batch in batches:
+                    module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+            times.append(time.perf_counter() - start)
         state = MiningState(loaded.n_layers, loaded.n_keys, get_settings().top_k, device=loaded.device)
         start = time.perf_counter()
         mine_batches(loaded, batches, state)
         mining.append(time.perf_counter() - start)
     return {
         "tokens": tokens,
-        "bare_forward_tokens_per_s": tokens / min(bare),
+        "bare_backbone_forward_tokens_per_s": tokens / min(bare),
+        "bare_model_forward_tokens_per_s": tokens / min(full),
         "mining_tokens_per_s": tokens / min(mining),
-        "mining_over_forward": min(bare) / min(mining),
+        "mining_over_backbone_forward": min(bare) / min(mining),
+        "mining_over_model_forward": min(full) / min(mining),
         "target": 0.90,
     }
 
@@ -140,8 +146,10 @@ def main() -> None:
     )
     m = results["mining"]
     print(
-        f"mining {m['mining_tokens_per_s']:.0f} tok/s over bare forward {m['bare_forward_tokens_per_s']:.0f} "
-        f"tok/s = {m['mining_over_forward']:.3f}"
+        f"mining {m['mining_tokens_per_s']:.0f} tok/s; over the bare backbone forward "
+        f"({m['bare_backbone_forward_tokens_per_s']:.0f} tok/s) {m['mining_over_backbone_forward']:.3f}, "
+        f"over the model's full forward ({m['bare_model_forward_tokens_per_s']:.0f} tok/s) "
+        f"{m['mining_over_model_forward']:.3f}"
     )
 
     results["projection"] = {
