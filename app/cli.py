@@ -102,8 +102,34 @@ def index(
 
 
 @cli.command()
-def demo(db: DbOption = None) -> None:
-    """Build the default index (SmolLM2-135M over 2,000 Wikipedia sentences) unless it exists."""
+def serve(
+    db: DbOption = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+) -> None:
+    """Serve the explorer (the web process reads the database only; no torch)."""
+    import uvicorn
+
+    from app.config import Settings
+    from app.db import upgrade
+    from app.main import create_app
+
+    url = db or get_settings().database_url
+    _fail_cleanly(lambda: upgrade(url))
+    app = _fail_cleanly(lambda: create_app(Settings(database_url=url)))
+    typer.echo(f"serving {url} on http://{host}:{port}")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@cli.command()
+def demo(
+    db: DbOption = None,
+    serve_after: Annotated[
+        bool, typer.Option("--serve/--no-serve", help="Serve the explorer afterwards.")
+    ] = True,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the explorer.")] = 8000,
+) -> None:
+    """Build the default index (SmolLM2-135M over 2,000 Wikipedia sentences) unless it exists; serve it."""
     settings = get_settings()
     url = db or settings.database_url
 
@@ -120,8 +146,12 @@ def demo(db: DbOption = None) -> None:
     run = _fail_cleanly(existing)
     if run is not None:
         typer.echo(f"the default index is already built (run {run.id}); database: {url}")
-        return
-    index(model=None, corpus=None, sentences=None, top_k=None, db=url, device=Device.auto, dtype=Dtype.auto)
+    else:
+        index(
+            model=None, corpus=None, sentences=None, top_k=None, db=url, device=Device.auto, dtype=Dtype.auto
+        )
+    if serve_after:
+        serve(db=url, host="127.0.0.1", port=port)
 
 
 def _fail_cleanly(action):

@@ -190,3 +190,10 @@ class KeyStats(Base):
     min_coefficient: Mapped[float | None] = mapped_column(Float)
     value_norm: Mapped[float] = mapped_column(Float)  # ‖v_i‖
     histogram: Mapped[list[int]] = mapped_column(JSON)  # counts per bin of Run.histogram_edges
+    # Added in 0002; NULL for runs stored before it.
+    density: Mapped[float | None] = mapped_column(Float)  # share of positions near the peak |m|
+    max_prob: Mapped[float | None] = mapped_column(Float)  # the value's top raw probability
+    agreement: Mapped[int | None] = mapped_column(
+        Integer
+    )  # positive triggers whose next token is a top token
+    next_token_rank: Mapped[int | None] = mapped_column(Integer)  # raw rank of the top trigger's next token

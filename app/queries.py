@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from itertools import islice, repeat
 
 import numpy as np
-from sqlalchemy import JSON, Table, delete, exists, insert, select
+from sqlalchemy import JSON, Row, Table, and_, case, delete, exists, func, insert, or_, select
 from sqlalchemy.orm import Session
 
 from app.models import Corpus, KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
@@ -308,16 +308,29 @@ def store_key_stats(
     min_coefficient: np.ndarray,
     value_norm: np.ndarray,
     histogram: np.ndarray,
+    density: np.ndarray,
+    max_prob: np.ndarray,
+    agreement: np.ndarray,
+    next_token_rank: np.ndarray,
 ) -> None:
-    """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]); NaN or ±inf max/min → NULL."""
-    mean, positive_share, max_coefficient, min_coefficient, value_norm = _same_shape(
+    """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]).
+
+    NaN or ±inf max/min → NULL; a next-token rank of −1 (no token after the top trigger) → NULL.
+    """
+    arrays = _same_shape(
         1,
         mean=mean,
         positive_share=positive_share,
         max_coefficient=max_coefficient,
         min_coefficient=min_coefficient,
         value_norm=value_norm,
+        density=density,
+        max_prob=max_prob,
+        agreement=agreement,
+        next_token_rank=next_token_rank,
     )
+    mean, positive_share, max_coefficient, min_coefficient, value_norm = arrays[:5]
+    density, max_prob, agreement, next_token_rank = arrays[5:]
     histogram = np.asarray(histogram)
     if histogram.ndim != 2 or histogram.shape[0] != mean.shape[0]:
         raise ValueError(f"histogram has shape {histogram.shape}; expected [{mean.shape[0]}, n_bins]")
@@ -331,6 +344,10 @@ def store_key_stats(
         map(_finite_or_none, min_coefficient.tolist()),
         value_norm.tolist(),
         histogram.tolist(),
+        density.tolist(),
+        max_prob.tolist(),
+        agreement.astype(int).tolist(),
+        [None if rank < 0 else rank for rank in next_token_rank.astype(int).tolist()],
     )
     columns = (
         "run_id",
@@ -342,22 +359,34 @@ def store_key_stats(
         "min_coefficient",
         "value_norm",
         "histogram",
+        "density",
+        "max_prob",
+        "agreement",
+        "next_token_rank",
     )
     _bulk_insert(session, KeyStats.__table__, columns, rows)
 
 
-def get_triggers(*, session: Session, run_id: int, layer: int, key: int, sign: int) -> list[Trigger]:
-    """A key's triggers of one sign, strongest first."""
+def get_triggers(
+    *, session: Session, run_id: int, layer: int, key: int, sign: int, limit: int | None = None
+) -> list[Trigger]:
+    """A key's triggers of one sign, strongest first (the first `limit` when given)."""
     query = select(Trigger).where(
         Trigger.run_id == run_id, Trigger.layer == layer, Trigger.key == key, Trigger.sign == sign
     )
-    return list(session.scalars(query.order_by(Trigger.rank)))
+    return list(session.scalars(query.order_by(Trigger.rank).limit(limit)))
+
+
+def count_triggers(*, session: Session, run_id: int, layer: int, key: int, sign: int) -> int:
+    """How many triggers of one sign a key has."""
+    where = (Trigger.run_id == run_id, Trigger.layer == layer, Trigger.key == key, Trigger.sign == sign)
+    return session.scalar(select(func.count()).select_from(Trigger).where(*where))
 
 
 def get_value_tokens(
     *, session: Session, run_id: int, layer: int, key: int, readout: str, direction: int
 ) -> list[ValueToken]:
-    """A value's top (+1) or bottom (-1) tokens under one readout, by rank."""
+    """A value's top (+1) or bottom (−1) tokens under one readout, rank order."""
     query = select(ValueToken).where(
         ValueToken.run_id == run_id,
         ValueToken.layer == layer,
@@ -369,11 +398,231 @@ def get_value_tokens(
 
 
 def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
-    """A key's statistics in the run, if stored."""
+    """One key's statistics, if stored."""
     return session.get(KeyStats, (run_id, layer, key))
 
 
-# ---- helpers ------------------------------------------------------------------------------------
+# ---- reads for the explorer ---------------------------------------------------------------------
+
+KEY_SORTS = (
+    "key",
+    "max_coefficient",
+    "min_coefficient",
+    "positive_share",
+    "density",
+    "agreement",
+    "max_prob",
+    "next_token_rank",
+    "value_norm",
+)
+
+
+def list_models(*, session: Session) -> list[LanguageModel]:
+    """Every indexed model, by slug, with its runs."""
+    return list(session.scalars(select(LanguageModel).order_by(LanguageModel.slug)))
+
+
+def get_model(*, session: Session, slug: str) -> LanguageModel | None:
+    """The model with this URL name, if any."""
+    return session.scalars(select(LanguageModel).where(LanguageModel.slug == slug)).one_or_none()
+
+
+def latest_finished_run(*, session: Session, model_id: int) -> Run | None:
+    """The model's newest finished run, if any."""
+    query = select(Run).where(Run.model_id == model_id, Run.status == "done").order_by(Run.id.desc())
+    return session.scalars(query.limit(1)).first()
+
+
+def token_texts(*, session: Session, model_id: int, token_ids: Iterable[int]) -> dict[int, str]:
+    """Decoded text of each of these vocabulary ids."""
+    wanted = sorted({int(t) for t in token_ids})
+    found: dict[int, str] = {}
+    for chunk in _chunks(wanted, 900):  # under SQLite's bound-parameter limit
+        query = select(Token.token_id, Token.text).where(
+            Token.model_id == model_id, Token.token_id.in_(chunk)
+        )
+        found.update((row.token_id, row.text) for row in session.execute(query))
+    return found
+
+
+def find_tokens(*, session: Session, model_id: int, texts: Iterable[str]) -> list[int]:
+    """Ids of the vocabulary entries whose decoded text is exactly one of `texts`."""
+    query = select(Token.token_id).where(Token.model_id == model_id, Token.text.in_(list(texts)))
+    return sorted(session.scalars(query))
+
+
+def get_sentences(*, session: Session, corpus_id: int, indices: Iterable[int]) -> dict[int, Sentence]:
+    """These sentences of a corpus, by index."""
+    wanted = sorted({int(i) for i in indices})
+    found: dict[int, Sentence] = {}
+    for chunk in _chunks(wanted, 900):
+        query = select(Sentence).where(Sentence.corpus_id == corpus_id, Sentence.index.in_(chunk))
+        found.update((sentence.index, sentence) for sentence in session.scalars(query))
+    return found
+
+
+def layer_summaries(*, session: Session, run_id: int) -> list[Row]:
+    """One row per layer: key count and aggregates of the key statistics (see contexts.LayerSummary)."""
+    top_agrees = case((KeyStats.next_token_rank == 0, 1.0), (KeyStats.next_token_rank.is_not(None), 0.0))
+    query = (
+        select(
+            KeyStats.layer,
+            func.count().label("keys"),
+            func.avg(KeyStats.positive_share).label("positive_share"),
+            func.avg(KeyStats.density).label("density"),
+            func.max(KeyStats.max_coefficient).label("max_coefficient"),
+            func.max(KeyStats.max_prob).label("max_prob"),
+            func.avg(KeyStats.max_prob).label("mean_max_prob"),
+            func.avg(top_agrees).label("agreement_rate"),
+            func.sum(case((KeyStats.agreement > 0, 1), else_=0)).label("agreeing_keys"),
+            func.count(KeyStats.agreement).label("keys_with_agreement"),
+            func.avg(KeyStats.value_norm).label("value_norm"),
+        )
+        .where(KeyStats.run_id == run_id)
+        .group_by(KeyStats.layer)
+        .order_by(KeyStats.layer)
+    )
+    return list(session.execute(query))
+
+
+def layer_keys(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    sort: str,
+    descending: bool,
+    offset: int,
+    limit: int,
+    token_ids: Sequence[int] | None = None,
+    readout: str = "raw",
+) -> tuple[int, list[KeyStats]]:
+    """(number of keys that pass the filter, one page of them) for the layer table.
+
+    `token_ids`: keep only keys whose value has one of these among its top tokens. NULLs sort last.
+    """
+    if sort not in KEY_SORTS:
+        raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(KEY_SORTS)}")
+    where = [KeyStats.run_id == run_id, KeyStats.layer == layer]
+    if token_ids is not None:
+        promoting = (
+            select(ValueToken.key)
+            .where(
+                ValueToken.run_id == run_id,
+                ValueToken.layer == layer,
+                ValueToken.readout == readout,
+                ValueToken.direction == 1,
+                ValueToken.token_id.in_(list(token_ids)),
+            )
+            .distinct()
+        )
+        where.append(KeyStats.key.in_(promoting))
+    total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
+    column = getattr(KeyStats, sort)
+    ordering = [column.is_(None), column.desc() if descending else column.asc(), KeyStats.key.asc()]
+    query = select(KeyStats).where(*where).order_by(*ordering).offset(offset).limit(limit)
+    return total, list(session.scalars(query))
+
+
+def top_triggers(*, session: Session, run_id: int, layer: int, keys: Sequence[int]) -> dict[int, Trigger]:
+    """Each key's strongest positive trigger."""
+    query = select(Trigger).where(
+        Trigger.run_id == run_id,
+        Trigger.layer == layer,
+        Trigger.key.in_(list(keys)),
+        Trigger.sign == 1,
+        Trigger.rank == 0,
+    )
+    return {trigger.key: trigger for trigger in session.scalars(query)}
+
+
+def top_value_tokens(
+    *, session: Session, run_id: int, layer: int, keys: Sequence[int], readout: str, n: int
+) -> dict[int, list[ValueToken]]:
+    """Each key's first `n` top value tokens under one readout, rank order."""
+    query = (
+        select(ValueToken)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.key.in_(list(keys)),
+            ValueToken.readout == readout,
+            ValueToken.direction == 1,
+            ValueToken.rank < n,
+        )
+        .order_by(ValueToken.key, ValueToken.rank)
+    )
+    found: dict[int, list[ValueToken]] = {}
+    for token in session.scalars(query):
+        found.setdefault(token.key, []).append(token)
+    return found
+
+
+def value_matches(
+    *,
+    session: Session,
+    run_id: int,
+    token_ids: Sequence[int],
+    readout: str,
+    direction: int,
+    by: str,
+    limit: int,
+) -> list[ValueToken]:
+    """Values, across all layers, with one of `token_ids` among their top (+1) or bottom (−1) tokens.
+
+    Strongest first: by probability (`by="prob"`) or logit (`"logit"`), descending for the top
+    tokens and ascending for the bottom ones.
+    """
+    column = ValueToken.prob if by == "prob" else ValueToken.logit
+    query = (
+        select(ValueToken)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.readout == readout,
+            ValueToken.token_id.in_(list(token_ids)),
+            ValueToken.direction == direction,
+        )
+        .order_by(column.desc() if direction == 1 else column.asc(), ValueToken.layer, ValueToken.key)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def sentences_containing(*, session: Session, corpus_id: int, text: str, limit: int) -> list[Sentence]:
+    """The first `limit` sentences of a corpus that contain `text`, ignoring case (LIKE wildcards escaped)."""
+    query = (
+        select(Sentence)
+        .where(
+            Sentence.corpus_id == corpus_id, func.lower(Sentence.text).contains(text.lower(), autoescape=True)
+        )
+        .order_by(Sentence.index)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def triggers_from(
+    *, session: Session, run_id: int, first_positions: dict[int, int], limit: int
+) -> list[Trigger]:
+    """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`.
+
+    `first_positions` maps a sentence index to the first position whose prefix qualifies.
+    """
+    if not first_positions:
+        return []
+    reaches = or_(
+        *(
+            and_(Trigger.sentence_index == sentence, Trigger.position >= position)
+            for sentence, position in first_positions.items()
+        )
+    )
+    query = (
+        select(Trigger)
+        .where(Trigger.run_id == run_id, Trigger.sign == 1, reaches)
+        .order_by(Trigger.coefficient.desc(), Trigger.layer, Trigger.key)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
 
 
 def _bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:

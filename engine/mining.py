@@ -27,6 +27,7 @@ SIGNS = (1, -1)  # +1: highest coefficients; −1: most negative
 
 
 OCTAVES = 21  # magnitude bins per sign: |m| < 2^-9, [2^-9, 2^-8), …, [2^9, 2^10), ≥ 2^10
+DENSITY_OCTAVES = 3  # density: positions within this many octaves of a key's peak |coefficient|
 ZERO_BIN = OCTAVES  # +0.0 (and positive subnormals) sit between the negative and positive bins
 LOWEST_EXPONENT = 118  # float32 biased exponent of 2^-9
 
@@ -199,6 +200,21 @@ class MiningState:
     def positive_share(self, layer: int) -> torch.Tensor:
         positive = self.histogram[layer, :, ZERO_BIN + 1 :].sum(dim=-1)  # [keys]: count of m > 0
         return (positive.double() / max(self.positions, 1)).cpu()  # [keys]
+
+    def density(self, layer: int, octaves: int = DENSITY_OCTAVES) -> torch.Tensor:
+        """Share of positions whose |m| lies in the key's top `octaves` occupied magnitude octaves.
+
+        With the default 3: the positions where the memory fires within about 1/8 of its peak
+        |coefficient|, either sign. Exact on the histogram's octave bins; 0 for a key never mined.
+        """
+        counts = self.histogram[layer]  # [keys, bins]
+        negative = counts[:, :ZERO_BIN].flip(-1)  # [keys, octaves]: octave 0 (smallest) first
+        magnitude = negative + counts[:, ZERO_BIN + 1 :]  # [keys, octaves]: count by |m| octave
+        octave = torch.arange(OCTAVES, device=counts.device)  # [octaves]
+        peak = torch.where(magnitude > 0, octave, -1).amax(dim=-1, keepdim=True)  # [keys, 1]
+        near_peak = (octave > peak - octaves) & (peak >= 0)  # [keys, octaves]
+        fired = (magnitude * near_peak).sum(dim=-1)  # [keys]
+        return (fired.double() / max(self.positions, 1)).cpu()  # [keys]
 
 
 def _order_key(values: torch.Tensor, sentence: torch.Tensor) -> torch.Tensor:

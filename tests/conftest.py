@@ -74,4 +74,5 @@ def session(db_url):
     engine.dispose()
 
 
+from explorer_index import explorer_db  # noqa: E402,F401  (a tiny index for the explorer)
 from tiny_models import tiny, tiny_model_dir  # noqa: E402,F401  (tiny random model fixtures)

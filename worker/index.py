@@ -176,6 +176,7 @@ def build_index(
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+    following = _following_tokens(token_ids)
     projection_seconds = storing_seconds = 0.0
     triggers = value_token_rows = 0
     with sessions() as session:
@@ -203,10 +204,14 @@ def build_index(
                 disable=not options.progress,
             ):
                 t0 = time.perf_counter()
-                projected = list(project_layer(loaded, layer, options.value_tokens))
+                _, sentence, position = state.triggers(layer, 1)  # [keys, T] each
+                next_tokens = next_token_ids(following, sentence, position)  # [keys, T]
+                projected = list(
+                    project_layer(loaded, layer, options.value_tokens, targets=next_tokens[:, 0])
+                )
                 norms = value_norms(loaded, layer)
                 t1 = time.perf_counter()
-                triggers += _store_layer(session, run_id, layer, state, projected, norms)
+                triggers += _store_layer(session, run_id, layer, state, projected, norms, next_tokens)
                 value_token_rows += sum(p.token_ids.numel() for p in projected)
                 session.commit()
                 projection_seconds += t1 - t0
@@ -263,8 +268,36 @@ def _store_model(session: Session, loaded: LoadedModel):
     return model_row
 
 
-def _store_layer(session: Session, run_id: int, layer: int, state: MiningState, projected, norms) -> int:
-    """Store one layer's triggers (both signs), key statistics and value tokens; returns triggers stored."""
+def _following_tokens(token_ids: list[list[int]]) -> torch.Tensor:
+    """[sentences, max_len + 1]: the token after each position (−1 past a sentence's end)."""
+    following = torch.full((len(token_ids), max(map(len, token_ids), default=0) + 1), -1, dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        following[row, : len(ids) - 1] = torch.tensor(ids[1:], dtype=torch.long)
+    return following
+
+
+def next_token_ids(following: torch.Tensor, sentence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The token that follows each trigger prefix ([keys, T]; −1 at a sentence's end or an empty slot)."""
+    found = following[sentence.clamp(min=0), position]  # [keys, T]
+    return torch.where(sentence >= 0, found, -1)
+
+
+def _store_layer(
+    session: Session,
+    run_id: int,
+    layer: int,
+    state: MiningState,
+    projected,
+    norms,
+    next_tokens: torch.Tensor,
+) -> int:
+    """Store one layer's triggers (both signs), key statistics and value tokens; returns triggers stored.
+
+    Key–value agreement: how many of a key's positive triggers are followed by one of its value's
+    top raw tokens; and the raw rank of the token after its top trigger (the paper's Figs. 4–5).
+    """
+    raw_top = next(p for p in projected if p.readout == "raw" and p.direction == 1)
+    agrees = (next_tokens[:, :, None] == raw_top.token_ids[:, None, :]).any(dim=-1)  # [keys, T]
     stored = 0
     for sign in (1, -1):
         coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T] each
@@ -289,6 +322,10 @@ def _store_layer(session: Session, run_id: int, layer: int, state: MiningState, 
         min_coefficient=bottom[:, 0].numpy(),
         value_norm=norms.numpy(),
         histogram=state.histogram[layer].cpu().numpy(),
+        density=state.density(layer).numpy(),
+        max_prob=raw_top.probs[:, 0].numpy(),
+        agreement=(agrees & (next_tokens >= 0)).sum(dim=-1).numpy(),
+        next_token_rank=raw_top.target_rank.numpy(),
     )
     for p in projected:
         queries.store_value_tokens(

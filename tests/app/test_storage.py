@@ -197,6 +197,10 @@ def test_key_stats_round_trip_with_null_extremes(session, run):
         min_coefficient=np.array([-1.5, -np.inf, np.nan]),
         value_norm=np.array([1.0, 2.0, 4.0]),
         histogram=np.array([[1, 2], [0, 3], [0, 0]], dtype=np.int64),
+        density=np.array([0.5, 0.25, 0.0]),
+        max_prob=np.array([0.125, 0.5, 1.0]),
+        agreement=np.array([3, 0, 0]),
+        next_token_rank=np.array([0, 17, -1]),
     )
     reread(session)
     first = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=0)
@@ -208,10 +212,12 @@ def test_key_stats_round_trip_with_null_extremes(session, run):
         first.value_norm,
         first.histogram,
     ) == (0.5, 0.75, 3.0, -1.5, 1.0, [1, 2])
+    assert (first.density, first.max_prob, first.agreement, first.next_token_rank) == (0.5, 0.125, 3, 0)
     second = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=1)
     assert (second.max_coefficient, second.min_coefficient, second.histogram) == (None, None, [0, 3])
+    assert second.next_token_rank == 17
     third = queries.get_key_stats(session=session, run_id=run.id, layer=1, key=2)
-    assert (third.max_coefficient, third.min_coefficient) == (None, None)
+    assert (third.max_coefficient, third.min_coefficient, third.next_token_rank) == (None, None, None)
     assert queries.get_key_stats(session=session, run_id=run.id, layer=0, key=0) is None
 
 
@@ -254,6 +260,10 @@ def _fill(session, run) -> None:
         min_coefficient=np.ones(3),
         value_norm=np.ones(3),
         histogram=ints,
+        density=np.zeros(3),
+        max_prob=np.ones(3),
+        agreement=np.zeros(3, dtype=np.int64),
+        next_token_rank=np.zeros(3, dtype=np.int64),
     )
 
 

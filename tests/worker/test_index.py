@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import pytest
@@ -76,6 +77,24 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
             value = tiny.adapter.value_matrix(tiny.adapter.blocks(tiny.model)[layer])[key]  # [d]
             assert stats.value_norm == pytest.approx(float(value.detach().norm()), rel=1e-5)
             assert sum(stats.histogram) == run.n_tokens
+            raw = value_logits(tiny, value[None], "raw")[0].detach()  # [vocab]
+            assert stats.max_prob == pytest.approx(float(raw.softmax(-1).max()), rel=1e-4)
+            top_ids = set(raw.topk(5).indices.tolist())
+            positive = queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=1)
+            following = []
+            for trigger in positive:
+                ids = session.get(Sentence, (run.corpus_id, trigger.sentence_index)).token_ids
+                following.append(ids[trigger.position + 1] if trigger.position + 1 < len(ids) else None)
+            assert stats.agreement == sum(token in top_ids for token in following)
+            if following[0] is None:
+                assert stats.next_token_rank is None
+            else:
+                assert stats.next_token_rank == int((raw > raw[following[0]]).sum())
+            magnitudes = [abs(m) for m in _coefficients(tiny, session, run, layer, key)]
+            peak = max(magnitudes)
+            # density: |m| within three octaves of the peak's octave [2^e, 2^(e+1)), i.e. |m| >= 2^(e-2)
+            floor = 2.0 ** (math.floor(math.log2(peak)) - 2)
+            assert stats.density == pytest.approx(sum(m >= floor for m in magnitudes) / run.n_tokens)
             for readout in ("raw", "norm"):
                 logits = value_logits(tiny, value[None], readout)[0].detach()  # [vocab]
                 probs = logits.softmax(-1)
@@ -137,3 +156,14 @@ def test_a_crashed_index_resumes_from_its_checkpoint(
         b = session.get(KeyStats, (resumed.run_id, 1, 5))
         assert (a.histogram, a.positive_share) == (b.histogram, b.positive_share)
     assert not list((tmp_path / "b" / "cache" / "checkpoints").glob("*.pt"))  # removed once stored
+
+
+def _coefficients(tiny, session, run, layer: int, key: int) -> list[float]:
+    """Every mined coefficient of one key over the run's corpus, recomputed one sentence at a time."""
+    found = []
+    sentences = session.scalars(select(Sentence).where(Sentence.corpus_id == run.corpus_id)).all()
+    for sentence in sentences:
+        with torch.inference_mode(), capture(tiny.model, tiny.adapter, [layer]) as captured:
+            tiny.model(torch.tensor([sentence.token_ids]))
+        found += captured.coefficients[layer][0, sentence.first_position :, key].tolist()
+    return found

@@ -1,0 +1,249 @@
+"""One typed context per page. The HTML template and the JSON twin render the same object.
+
+Layers and keys are 0-based. Token texts are the tokenizer's decoded strings, unchanged (a leading
+space is a real space); templates make them visible with the `visible` filter.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel
+
+
+class RunInfo(BaseModel):
+    """An index run and its provenance."""
+
+    id: int
+    status: str
+    corpus: str
+    n_sentences: int
+    n_tokens: int
+    top_k: int
+    n_value_tokens: int
+    dtype: str
+    device: str
+    package_version: str
+    started_at: datetime
+    finished_at: datetime | None
+    provenance: dict
+    error: dict | None
+
+
+class ModelInfo(BaseModel):
+    slug: str
+    source: str
+    revision: str | None
+    architecture: str
+    family: str
+    n_layers: int
+    n_keys: int
+    d_model: int
+    vocab_size: int
+    activation: str
+    gated: bool
+
+
+class ModelEntry(BaseModel):
+    model: ModelInfo
+    runs: list[RunInfo]
+
+
+class HomeContext(BaseModel):
+    page: str = "home"
+    title: str
+    models: list[ModelEntry]
+
+
+class LayerSummary(BaseModel):
+    """Per-layer statistics over the layer's keys (means unless named otherwise)."""
+
+    layer: int
+    keys: int
+    positive_share: float | None
+    density: float | None
+    max_coefficient: float | None  # the largest over the layer's keys
+    max_prob: float | None  # the largest value probability over the layer's keys
+    mean_max_prob: float | None
+    agreement_rate: float | None  # share of keys whose value's top token follows their top trigger
+    agreeing_keys: int | None  # keys with at least one trigger followed by a top value token
+    value_norm: float | None
+
+
+class ModelContext(BaseModel):
+    page: str = "model"
+    title: str
+    model: ModelInfo
+    run: RunInfo
+    layers: list[LayerSummary]
+
+
+class TokenScore(BaseModel):
+    """One of a value's top or bottom tokens."""
+
+    rank: int
+    token: str
+    token_id: int
+    logit: float
+    prob: float
+
+
+class ValueReadout(BaseModel):
+    top: list[TokenScore]
+    bottom: list[TokenScore]
+
+
+class KeyRow(BaseModel):
+    """One key in the layer table."""
+
+    key: int
+    top_trigger: Trigger | None
+    value_top: list[TokenScore]  # raw readout
+    max_coefficient: float | None
+    min_coefficient: float | None
+    positive_share: float
+    density: float | None
+    agreement: int | None
+    max_prob: float | None
+    next_token_rank: int | None
+    value_norm: float
+
+
+class Trigger(BaseModel):
+    """A trigger prefix: sentence `sentence_index` up to and including token `position`.
+
+    `prefix` is the sentence text up to the end of the trigger token; `trigger_start` is where that
+    token's text begins in `prefix` (the highlighted part is prefix[trigger_start:]).
+    """
+
+    rank: int
+    coefficient: float
+    prefix: str
+    trigger_start: int
+    trigger_token: str
+    trigger_token_id: int
+    next_token: str | None
+    next_token_id: int | None
+    sentence: str
+    sentence_index: int
+    position: int
+    value_rank: int | None = None  # rank of next_token among the value's top (or, for −, bottom) tokens
+
+
+class Agreement(BaseModel):
+    """How many trigger next-tokens are among the value's top tokens (raw readout).
+
+    Positive triggers are compared with the value's top tokens; negative triggers (m < 0 flips
+    the value) with its bottom tokens.
+    """
+
+    readout: str = "raw"
+    positive: int
+    positive_of: int
+    negative: int
+    negative_of: int
+
+
+class KeyStatsView(BaseModel):
+    mean: float
+    positive_share: float
+    density: float | None
+    max_coefficient: float | None
+    min_coefficient: float | None
+    max_prob: float | None
+    agreement: int | None
+    next_token_rank: int | None
+    value_norm: float
+
+
+class Histogram(BaseModel):
+    edges: list[float]  # shared bin edges (see engine.mining.histogram_edges)
+    labels: list[str]  # one per bin
+    counts: list[int]
+
+
+class Links(BaseModel):
+    previous: str | None
+    next: str | None
+    random: str
+    permalink: str
+    layer: str
+
+
+class KeyContext(BaseModel):
+    page: str = "key"
+    title: str
+    model: str
+    layer: int
+    key: int
+    n_layers: int
+    n_keys: int
+    run: RunInfo
+    triggers: list[Trigger]
+    negative_triggers: list[Trigger]
+    more_triggers: int  # how many more positive triggers the run holds beyond those shown
+    value: dict[str, ValueReadout]  # readout ("raw", "norm") → top and bottom tokens
+    stats: KeyStatsView | None
+    histogram: Histogram | None
+    agreement: Agreement
+    links: Links
+
+
+class LayerContext(BaseModel):
+    page: str = "layer"
+    title: str
+    model: str
+    layer: int
+    n_layers: int
+    n_keys: int
+    run: RunInfo
+    sort: str
+    order: str
+    token: str | None
+    token_ids: list[int]  # the vocabulary entries the token filter matched
+    page_number: int
+    per_page: int
+    total: int  # keys that pass the filter
+    pages: int
+    keys: list[KeyRow]
+
+
+class TokenMatch(BaseModel):
+    """A memory whose value promotes (top) or suppresses (bottom) a searched token."""
+
+    layer: int
+    key: int
+    direction: int  # +1 among the top tokens, −1 among the bottom ones
+    rank: int
+    token: str
+    token_id: int
+    logit: float
+    prob: float
+
+
+class PrefixMatch(BaseModel):
+    """A trigger prefix that contains the searched text."""
+
+    layer: int
+    key: int
+    trigger: Trigger
+
+
+class SearchContext(BaseModel):
+    page: str = "search"
+    title: str
+    model: str
+    n_layers: int
+    n_keys: int
+    run: RunInfo
+    q: str
+    readout: str
+    by: str
+    limit: int
+    token_ids: list[int]
+    promote: list[TokenMatch]
+    suppress: list[TokenMatch]
+    prefixes: list[PrefixMatch]
+
+
+KeyRow.model_rebuild()

@@ -1,0 +1,51 @@
+"""create_app(settings): routers, static files, error handlers, a Server-Timing header — wiring only."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.staticfiles import StaticFiles
+
+from app import errors
+from app.config import Settings, get_settings
+from app.db import make_engine, make_sessionmaker
+from app.routes import keys, layers, models, search
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+
+class CachedStatic(StaticFiles):
+    """Static files; vendored ones (versioned names) are cached for a year."""
+
+    def file_response(self, full_path, stat_result, scope, status_code=200):
+        response = super().file_response(full_path, stat_result, scope, status_code)
+        vendored = "/vendor/" in str(full_path)
+        response.headers["Cache-Control"] = "public, max-age=31536000, immutable" if vendored else "no-cache"
+        return response
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    app = FastAPI(
+        title="ffmem",
+        description="Explore the key-value memories inside transformer feed-forward layers.",
+        version="0.1.0",
+    )
+    engine = make_engine(settings.database_url)
+    app.state.engine = engine
+    app.state.sessions = make_sessionmaker(engine)
+    app.mount("/static", CachedStatic(directory=STATIC), name="static")
+    for module in (models, layers, keys, search):
+        app.include_router(module.router)
+    errors.install(app)
+
+    @app.middleware("http")
+    async def server_timing(request: Request, call_next):
+        start = time.perf_counter()
+        response = await call_next(request)
+        response.headers["Server-Timing"] = f"app;dur={1000 * (time.perf_counter() - start):.2f}"
+        return response
+
+    return app

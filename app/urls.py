@@ -1,0 +1,40 @@
+"""Every link of the explorer is built here; templates call these, never f-strings.
+
+`fmt="json"` gives a page's JSON twin (the same path with `.json` appended). Keyword arguments
+with a value of None are left out of the query string.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote, urlencode
+
+
+def _url(path: str, fmt: str | None = None, **query) -> str:
+    if fmt == "json":
+        path = f"{path}.json" if path != "/" else "/.json"
+    kept = {name: value for name, value in query.items() if value is not None}
+    return f"{path}?{urlencode(kept)}" if kept else path
+
+
+def home_url(fmt: str | None = None) -> str:
+    return _url("/", fmt)
+
+
+def model_url(model: str, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}", fmt, **query)
+
+
+def layer_url(model: str, layer: int, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}", fmt, **query)
+
+
+def key_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}", fmt, **query)
+
+
+def search_url(model: str, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/search", fmt, **query)
+
+
+def static_url(name: str) -> str:
+    return f"/static/{name}"

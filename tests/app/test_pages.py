@@ -1,0 +1,504 @@
+"""Every page and its JSON twin on a tiny real index, on SQLite and Postgres: exact fields, numbers
+equal to a direct computation from the stored rows, the one error shape, and escaping."""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+import pytest
+from explorer_index import HOSTILE
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from app import queries
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from app.display import visible
+from app.main import create_app
+from app.models import KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+
+TRIGGER_FIELDS = {
+    "rank",
+    "coefficient",
+    "prefix",
+    "trigger_start",
+    "trigger_token",
+    "trigger_token_id",
+    "next_token",
+    "next_token_id",
+    "sentence",
+    "sentence_index",
+    "position",
+    "value_rank",
+}
+TOKEN_FIELDS = {"rank", "token", "token_id", "logit", "prob"}
+
+
+@pytest.fixture(scope="module")
+def client(explorer_db):
+    app = create_app(Settings(database_url=explorer_db))
+    with TestClient(app) as client:
+        yield client
+    app.state.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def db(explorer_db):
+    engine = make_engine(explorer_db)
+    with make_sessionmaker(engine)() as session:
+        yield session
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def slug(db) -> str:
+    return db.scalars(select(LanguageModel.slug)).one()
+
+
+@pytest.fixture(scope="module")
+def run(db) -> Run:
+    return db.scalars(select(Run)).one()
+
+
+def json_of(client, url: str, status: int = 200) -> dict:
+    response = client.get(url)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    return response.json()
+
+
+def html_of(client, url: str, status: int = 200) -> str:
+    response = client.get(url)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("text/html")
+    return response.text
+
+
+def alternate(page: str) -> str:
+    found = re.search(r'<link rel="alternate" type="application/json" href="([^"]+)">', page)
+    assert found, "the page links its JSON twin"
+    return found.group(1).replace("&amp;", "&")
+
+
+# ---- pages and their twins ----------------------------------------------------------------------
+
+
+def test_home_lists_models_and_runs(client, slug, run):
+    page = html_of(client, "/")
+    assert alternate(page) == "/.json"
+    assert f'href="/m/{slug}"' in page
+    body = json_of(client, "/.json")
+    assert body["page"] == "home" and len(body["models"]) == 1
+    entry = body["models"][0]
+    assert (
+        entry["model"]["slug"] == slug and entry["model"]["n_layers"] == 3 and entry["model"]["n_keys"] == 48
+    )
+    assert set(entry["runs"][0]) == {
+        "id",
+        "status",
+        "corpus",
+        "n_sentences",
+        "n_tokens",
+        "top_k",
+        "n_value_tokens",
+        "dtype",
+        "device",
+        "package_version",
+        "started_at",
+        "finished_at",
+        "provenance",
+        "error",
+    }
+    assert (entry["runs"][0]["id"], entry["runs"][0]["status"], entry["runs"][0]["top_k"]) == (
+        run.id,
+        "done",
+        6,
+    )
+    assert entry["runs"][0]["n_sentences"] == 2 * (6 + len(HOSTILE))
+
+
+def test_model_page_aggregates_the_key_statistics(client, db, slug, run):
+    page = html_of(client, f"/m/{slug}")
+    assert alternate(page) == f"/m/{slug}.json"
+    assert page.count('class="chart"') == 4
+    body = json_of(client, f"/m/{slug}.json")
+    assert [layer["layer"] for layer in body["layers"]] == [0, 1, 2]
+    assert set(body["layers"][0]) == {
+        "layer",
+        "keys",
+        "positive_share",
+        "density",
+        "max_coefficient",
+        "max_prob",
+        "mean_max_prob",
+        "agreement_rate",
+        "agreeing_keys",
+        "value_norm",
+    }
+    for summary in body["layers"]:
+        stats = db.scalars(
+            select(KeyStats).where(KeyStats.run_id == run.id, KeyStats.layer == summary["layer"])
+        ).all()
+        assert summary["keys"] == len(stats) == 48
+        assert summary["positive_share"] == pytest.approx(statistics.mean(s.positive_share for s in stats))
+        assert summary["density"] == pytest.approx(statistics.mean(s.density for s in stats))
+        assert summary["max_coefficient"] == pytest.approx(max(s.max_coefficient for s in stats))
+        assert summary["max_prob"] == pytest.approx(max(s.max_prob for s in stats))
+        ranked = [s.next_token_rank for s in stats if s.next_token_rank is not None]
+        assert summary["agreement_rate"] == pytest.approx(sum(r == 0 for r in ranked) / len(ranked))
+        assert summary["agreeing_keys"] == sum(s.agreement > 0 for s in stats)
+
+
+def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
+    page = html_of(client, f"/m/{slug}/layers/1")
+    assert alternate(page) == f"/m/{slug}/layers/1.json"
+    assert '<mark class="trigger"' in page
+    body = json_of(client, f"/m/{slug}/layers/1.json?sort=max_coefficient&order=desc&per_page=10&page=2")
+    stats = db.scalars(select(KeyStats).where(KeyStats.run_id == run.id, KeyStats.layer == 1)).all()
+    expected = [s.key for s in sorted(stats, key=lambda s: (-s.max_coefficient, s.key))][10:20]
+    assert [k["key"] for k in body["keys"]] == expected
+    assert (body["total"], body["pages"], body["page_number"], body["per_page"]) == (48, 5, 2, 10)
+    row = body["keys"][0]
+    assert set(row) == {
+        "key",
+        "top_trigger",
+        "value_top",
+        "max_coefficient",
+        "min_coefficient",
+        "positive_share",
+        "density",
+        "agreement",
+        "max_prob",
+        "next_token_rank",
+        "value_norm",
+    }
+    top = db.get(Trigger, (run.id, 1, row["key"], 1, 0))
+    assert row["top_trigger"]["coefficient"] == pytest.approx(top.coefficient)
+    assert row["top_trigger"]["sentence_index"] == top.sentence_index
+    assert [t["rank"] for t in row["value_top"]] == [0, 1, 2, 3, 4]
+
+    # Filter by a value token: exactly the keys whose value has it among its top tokens.
+    token_id = row["value_top"][0]["token_id"]
+    text = db.get(Token, (run.model_id, token_id)).text
+    filtered = json_of(client, f"/m/{slug}/layers/1.json?per_page=500&token={text}")
+    holders = db.scalars(
+        select(ValueToken.key)
+        .where(
+            ValueToken.run_id == run.id,
+            ValueToken.layer == 1,
+            ValueToken.readout == "raw",
+            ValueToken.direction == 1,
+            ValueToken.token_id.in_(filtered["token_ids"]),
+        )
+        .distinct()
+    ).all()
+    assert token_id in filtered["token_ids"]
+    assert [k["key"] for k in filtered["keys"]] == sorted(holders) and filtered["total"] == len(holders)
+
+
+def test_layer_table_fragment_for_htmx(client, slug):
+    response = client.get(
+        f"/m/{slug}/layers/0?sort=density&order=desc", headers={"HX-Request": "true", "HX-Target": "keys"}
+    )
+    assert response.status_code == 200
+    assert response.text.lstrip().startswith('<section id="keys">') and "<html" not in response.text
+
+
+def test_key_page_matches_the_stored_rows(client, db, slug, run, tiny):
+    layer, key = 2, 7
+    page = html_of(client, f"/m/{slug}/layers/{layer}/keys/{key}")
+    assert alternate(page) == f"/m/{slug}/layers/{layer}/keys/{key}.json"
+    assert 'id="next-key"' in page and 'id="previous-key"' in page and 'class="trigger"' in page
+    body = json_of(client, f"/m/{slug}/layers/{layer}/keys/{key}.json")
+    assert (body["model"], body["layer"], body["key"], body["run"]["id"]) == (slug, layer, key, run.id)
+    assert {"triggers", "negative_triggers", "value", "agreement", "histogram", "stats", "links"} <= set(body)
+    assert set(body["value"]) == {"raw", "norm"}
+    for readout in ("raw", "norm"):
+        for direction, side in ((1, "top"), (-1, "bottom")):
+            listed = body["value"][readout][side]
+            assert listed and set(listed[0]) == TOKEN_FIELDS
+            stored = queries.get_value_tokens(
+                session=db, run_id=run.id, layer=layer, key=key, readout=readout, direction=direction
+            )
+            assert [(t["token_id"], t["logit"], t["prob"]) for t in listed] == [
+                (v.token_id, pytest.approx(v.logit), pytest.approx(v.prob)) for v in stored
+            ]
+            assert [t["token"] for t in listed] == [tiny.tokenizer.decode([v.token_id]) for v in stored]
+    top_ids = [t["token_id"] for t in body["value"]["raw"]["top"]]
+    bottom_ids = [t["token_id"] for t in body["value"]["raw"]["bottom"]]
+    for name, sign, value_ids in (("triggers", 1, top_ids), ("negative_triggers", -1, bottom_ids)):
+        shown = body[name]
+        stored = queries.get_triggers(session=db, run_id=run.id, layer=layer, key=key, sign=sign)
+        assert len(shown) == len(stored) == 6 and set(shown[0]) == TRIGGER_FIELDS
+        for trigger, row in zip(shown, stored, strict=True):
+            sentence = db.get(Sentence, (run.corpus_id, row.sentence_index))
+            ids = sentence.token_ids
+            assert (trigger["rank"], trigger["position"]) == (row.rank, row.position)
+            assert trigger["coefficient"] == pytest.approx(row.coefficient)
+            assert trigger["prefix"] == tiny.tokenizer.decode(ids[: row.position + 1])
+            assert trigger["prefix"][trigger["trigger_start"] :] == trigger["trigger_token"]
+            assert trigger["trigger_token"] == tiny.tokenizer.decode([ids[row.position]])
+            following = ids[row.position + 1] if row.position + 1 < len(ids) else None
+            assert trigger["next_token_id"] == following
+            assert trigger["next_token"] == (
+                None if following is None else tiny.tokenizer.decode([following])
+            )
+            assert trigger["value_rank"] == (value_ids.index(following) if following in value_ids else None)
+            assert trigger["sentence"] == sentence.text
+    agreement = body["agreement"]
+    assert agreement["positive"] == sum(t["value_rank"] is not None for t in body["triggers"])
+    assert agreement["positive"] == db.get(KeyStats, (run.id, layer, key)).agreement
+    assert agreement["positive_of"] == sum(t["next_token_id"] is not None for t in body["triggers"])
+    histogram = body["histogram"]
+    assert (
+        len(histogram["labels"]) == len(histogram["counts"]) == 43
+        and sum(histogram["counts"]) == run.n_tokens
+    )
+    links = body["links"]
+    assert links["previous"] == f"/m/{slug}/layers/2/keys/6" and links["next"] == f"/m/{slug}/layers/2/keys/8"
+    assert links["permalink"] == f"/m/{slug}/layers/2/keys/7?run={run.id}"
+    assert re.fullmatch(rf"/m/{slug}/layers/[0-2]/keys/\d+", links["random"])
+
+
+def test_key_page_edges_and_trigger_limit(client, slug):
+    first = json_of(client, f"/m/{slug}/layers/0/keys/0.json?triggers=2")
+    assert first["links"]["previous"] is None and first["links"]["next"] == f"/m/{slug}/layers/0/keys/1"
+    assert (
+        len(first["triggers"]) == 2 and len(first["negative_triggers"]) == 2 and first["more_triggers"] == 4
+    )
+    last = json_of(client, f"/m/{slug}/layers/2/keys/47.json")
+    assert last["links"]["next"] is None and last["links"]["previous"] == f"/m/{slug}/layers/2/keys/46"
+    wrap = json_of(client, f"/m/{slug}/layers/1/keys/0.json")
+    assert wrap["links"]["previous"] == f"/m/{slug}/layers/0/keys/47"
+    fragment = client.get(
+        f"/m/{slug}/layers/0/keys/0?triggers=6", headers={"HX-Request": "true", "HX-Target": "triggers"}
+    )
+    assert fragment.text.lstrip().startswith('<div id="triggers">') and fragment.text.count("<tr>") >= 12
+
+
+def test_pinned_run(client, slug, run):
+    assert json_of(client, f"/m/{slug}/layers/0/keys/3.json?run={run.id}")["run"]["id"] == run.id
+    error = json_of(client, f"/m/{slug}/layers/0/keys/3.json?run={run.id + 99}", 404)
+    assert error == {
+        "ok": False,
+        "status": 404,
+        "error": f"Model '{slug}' has no run {run.id + 99}. Its runs: {run.id}.",
+    }
+
+
+def spaced_token(db, run) -> tuple[int, str]:
+    """A token with a leading space that some value promotes, and whose text without it is no token."""
+    texts = dict(db.execute(select(Token.token_id, Token.text).where(Token.model_id == run.model_id)).all())
+    promoted = db.scalars(
+        select(ValueToken.token_id).where(ValueToken.run_id == run.id, ValueToken.readout == "raw")
+    ).all()
+    known = set(texts.values())
+    for token_id in promoted:
+        text = texts[token_id]
+        if text.startswith(" ") and text[1:].isalpha() and text[1:] not in known:
+            return token_id, text
+    raise AssertionError("the tiny index has no such token")
+
+
+def test_search_by_token_ranks_both_signs(client, db, slug, run):
+    token_id, text = spaced_token(db, run)
+    word = text[1:]
+    page = html_of(client, f"/m/{slug}/search?q=%20{word}")
+    assert alternate(page) == f"/m/{slug}/search.json?q=%20{word}"
+    for q in (f"%20{word}", word, f"%E2%90%A3{word}"):  # " word", "word" (also means " word"), "␣word"
+        assert json_of(client, f"/m/{slug}/search.json?q={q}")["token_ids"] == [token_id]
+    body = json_of(client, f"/m/{slug}/search.json?q=%20{word}&by=prob&limit=200")
+    for direction, name in ((1, "promote"), (-1, "suppress")):
+        rows = db.scalars(
+            select(ValueToken).where(
+                ValueToken.run_id == run.id,
+                ValueToken.readout == "raw",
+                ValueToken.direction == direction,
+                ValueToken.token_id == token_id,
+            )
+        ).all()
+        expected = sorted(rows, key=lambda v: (-direction * v.prob, v.layer, v.key))
+        assert [(m["layer"], m["key"], m["rank"]) for m in body[name]] == [
+            (v.layer, v.key, v.rank) for v in expected
+        ]
+        assert all(m["direction"] == direction and m["token"] == text for m in body[name])
+    assert body["promote"], "the token was picked from a value's top tokens"
+    by_logit = json_of(client, f"/m/{slug}/search.json?q=%20{word}&by=logit&readout=norm&limit=3")
+    logits = [m["logit"] for m in by_logit["promote"]]
+    assert logits == sorted(logits, reverse=True) and len(logits) <= 3
+
+
+def test_search_by_text_finds_prefixes_that_contain_it(client, db, slug, run):
+    body = json_of(client, f"/m/{slug}/search.json?q=capital%20OF&limit=200")
+    assert body["prefixes"], "the corpus has 'The capital of France is Paris.'"
+    coefficients = [p["trigger"]["coefficient"] for p in body["prefixes"]]
+    assert coefficients == sorted(coefficients, reverse=True)
+    for match in body["prefixes"]:
+        assert "capital of" in match["trigger"]["prefix"].lower()
+    # Every positive trigger in those sentences whose prefix reaches the text is found (limit permitting).
+    sentences = db.scalars(select(Sentence).where(Sentence.corpus_id == run.corpus_id)).all()
+    holding = {s.index for s in sentences if "capital of" in s.text.lower()}
+    expected = 0
+    for t in db.scalars(select(Trigger).where(Trigger.run_id == run.id, Trigger.sign == 1)):
+        if t.sentence_index in holding:
+            sentence = next(s for s in sentences if s.index == t.sentence_index)
+            expected += "capital of" in sentence.text[: sentence.offsets[t.position][1]].lower()
+    assert len(body["prefixes"]) == min(expected, 200)
+
+
+@pytest.mark.parametrize("q", ["L1 K5", "1/5", "l1k5", " 1 / 5 "])
+def test_search_jumps_to_a_key(client, slug, q):
+    response = client.get(f"/m/{slug}/search", params={"q": q}, follow_redirects=False)
+    assert response.status_code == 303 and response.headers["location"] == f"/m/{slug}/layers/1/keys/5"
+    response = client.get(f"/m/{slug}/search.json", params={"q": q}, follow_redirects=False)
+    assert response.headers["location"] == f"/m/{slug}/layers/1/keys/5.json"
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "message"),
+    [
+        ("/m/nope", 404, "There is no model 'nope'. Known models: {slug}."),
+        ("/m/{slug}/layers/3", 404, "{slug} has layers 0–2; there is no layer 3."),
+        ("/m/{slug}/layers/-1/keys/0", 404, "{slug} has layers 0–2; there is no layer -1."),
+        ("/m/{slug}/layers/0/keys/48", 404, "Layer 0 has keys 0–47; there is no key 48."),
+        ("/m/{slug}/search?q=L7%20K1", 404, "{slug} has layers 0–2; there is no layer 7."),
+        (
+            "/m/{slug}/layers/x",
+            400,
+            "layer: Input should be a valid integer, unable to parse string as an integer",
+        ),
+        ("/m/{slug}/layers/0?sort=bogus", 400, None),
+        ("/m/{slug}/layers/0?page=0", 400, "page: Input should be greater than or equal to 1"),
+        ("/m/{slug}/layers/0?per_page=100000", 400, "per_page: Input should be less than or equal to 500"),
+        ("/m/{slug}/layers/0/keys/0?triggers=0", 400, "triggers: Input should be greater than or equal to 1"),
+        ("/m/{slug}/search?by=magic", 400, "by: Input should be 'prob' or 'logit'"),
+        ("/m/{slug}/search?readout=x", 400, "readout: Input should be 'raw' or 'norm'"),
+        ("/no/such/page", 404, "No page at this address."),
+    ],
+)
+def test_one_error_shape(client, slug, path, status, message):
+    path = path.format(slug=slug)
+    twin = re.sub(r"^([^?]+?)(\?|$)", r"\1.json\2", path, count=1)
+    body = json_of(client, twin, status)
+    assert set(body) == {"ok", "error", "status"} and body["ok"] is False and body["status"] == status
+    if message is not None:
+        assert body["error"] == message.format(slug=slug)
+    page = html_of(client, path, status)
+    assert f"<h1>{status} · " in page and "Traceback" not in page
+    if message is not None:
+        assert message.format(slug=slug).replace("'", "&#39;") in page
+
+
+def test_no_models_yet(tmp_path):
+    from app.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    upgrade(url)
+    app = create_app(Settings(database_url=url))
+    with TestClient(app) as client:
+        assert json_of(client, "/.json")["models"] == []
+        assert json_of(client, "/m/x.json", 404)["error"] == (
+            "There is no model 'x'. Known models: none yet (build one with `ffmem index`)."
+        )
+    app.state.engine.dispose()
+
+
+# ---- escaping and visible tokens ----------------------------------------------------------------
+
+
+def test_corpus_markup_renders_as_text(client, db, slug, run):
+    hostile = db.scalars(
+        select(Sentence.index).where(Sentence.corpus_id == run.corpus_id, Sentence.text.in_(HOSTILE))
+    )
+    indices = set(hostile)
+    triggers = db.scalars(
+        select(Trigger).where(
+            Trigger.run_id == run.id, Trigger.sentence_index.in_(indices), Trigger.position > 8
+        )
+    ).all()
+    assert triggers, "some key is triggered inside the markup"
+    pages = {(t.layer, t.key) for t in triggers[:5]}
+    for layer, key in pages:
+        page = html_of(client, f"/m/{slug}/layers/{layer}/keys/{key}?triggers=6")
+        _assert_inert(page)
+    for q in ("script", "onerror", "<img"):
+        _assert_inert(html_of(client, f"/m/{slug}/search?q={q}"))
+    _assert_inert(html_of(client, f"/m/{slug}/search?q=%3Cscript%3Ealert(1)%3C/script%3E"))
+    _assert_inert(html_of(client, f"/m/{slug}/layers/0?token=%3Cscript%3E"))
+    _assert_inert(html_of(client, "/m/%3Cscript%3Ealert(1)%3C%2Fscript%3E", 404))
+
+
+def _assert_inert(page: str) -> None:
+    assert "<script>alert(1)</script>" not in page
+    assert "<img src=x" not in page and "onerror=alert(1)>" not in page
+    scripts = re.findall(r"<script[^>]*>", page)
+    assert all(re.fullmatch(r'<script src="/static/[^"]+"( defer)?>', s) for s in scripts), scripts
+
+
+def test_escaped_markup_is_shown(client, slug):
+    page = html_of(client, f"/m/{slug}/search?q=onerror")
+    assert "&#34;&gt;&lt;img src=x onerror=alert(1)&gt;" in page or "&quot;&gt;&lt;img src=x onerror" in page
+
+
+@pytest.mark.parametrize(
+    ("token", "shown"),
+    [
+        (" Paris", "␣Paris"),
+        ("\n", "↵"),
+        ("\n\n", "↵↵"),
+        ("\t", "⇥"),
+        ("", "∅"),
+        (None, "—"),
+        ("\u200b", "⟨U+200B⟩"),
+        ("\x00", "⟨U+0000⟩"),
+        ("\ufffd", "\ufffd"),
+        ("é", "é"),
+    ],
+)
+def test_tokens_render_visibly(token, shown):
+    assert visible(token) == shown
+
+
+def test_tokens_are_visible_in_pages(client, slug):
+    body = json_of(client, f"/m/{slug}/layers/0/keys/0.json")
+    page = html_of(client, f"/m/{slug}/layers/0/keys/0")
+    for t in body["value"]["raw"]["top"]:
+        assert f'title="token id {t["token_id"]}">{_escaped(visible(t["token"]))}</code>' in page
+
+
+def _escaped(text: str) -> str:
+    import html
+
+    return html.escape(text, quote=True).replace("&#x27;", "&#39;")
+
+
+# ---- the rest -----------------------------------------------------------------------------------
+
+
+def test_openapi_lists_every_page_and_twin(client):
+    paths = set(client.get("/openapi.json").json()["paths"])
+    pages = [
+        "/",
+        "/m/{model}",
+        "/m/{model}/layers/{layer}",
+        "/m/{model}/layers/{layer}/keys/{key}",
+        "/m/{model}/search",
+    ]
+    twins = ["/.json"] + [f"{p}.json" for p in pages[1:]]
+    assert set(pages + twins) <= paths
+
+
+def test_vendored_assets_are_served_with_long_cache(client):
+    response = client.get("/static/vendor/htmx-2.0.11.min.js")
+    assert response.status_code == 200 and "immutable" in response.headers["cache-control"]
+    assert client.get("/static/vendor/plotly-basic-3.7.0.min.js").status_code == 200
+    assert client.get("/static/app.css").headers["cache-control"] == "no-cache"
+
+
+def test_server_timing_header(client, slug):
+    timing = client.get(f"/m/{slug}/layers/0/keys/0.json").headers["server-timing"]
+    assert re.fullmatch(r"app;dur=\d+\.\d\d", timing)

@@ -1,0 +1,138 @@
+"""The explorer in a real browser: Playwright driving Debian's Chromium (never a downloaded one),
+against uvicorn serving the tiny index. Screenshots go to FFMEM_ARTIFACTS (default test-artifacts/).
+
+Skipped when Chromium is not installed, except on CI (env CI set), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from sqlalchemy import select
+
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from app.main import create_app
+from app.models import LanguageModel, Token, ValueToken
+
+CHROMIUM = os.environ.get("FFMEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(os.environ.get("FFMEM_ARTIFACTS", "test-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def server(explorer_db):
+    """The explorer on a free local port, in a thread; yields its base URL."""
+    app = create_app(Settings(database_url=explorer_db))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    app.state.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        message = "Debian's chromium is not installed (apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the browser tests: {message}", pytrace=False)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, request):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("dialog", lambda dialog: errors.append(f"dialog: {dialog.message}"))  # an alert() would be XSS
+    yield page
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    name = request.node.name.replace("[", "-").replace("]", "")
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    context.close()
+    assert errors == [], errors
+
+
+@pytest.fixture(scope="module")
+def facts(explorer_db):
+    """The model's slug and a token that some value promotes (to search for)."""
+    engine = make_engine(explorer_db)
+    with make_sessionmaker(engine)() as session:
+        model = session.scalars(select(LanguageModel)).one()
+        token_id = session.scalars(
+            select(ValueToken.token_id).where(
+                ValueToken.readout == "raw", ValueToken.direction == 1, ValueToken.rank == 0
+            )
+        ).first()
+        text = session.get(Token, (model.id, token_id)).text
+    engine.dispose()
+    return {"slug": model.slug, "token": text}
+
+
+def test_layer_page_then_key_page(page, server, facts):
+    slug = facts["slug"]
+    page.goto(f"{server}/m/{slug}/layers/1")
+    rows = page.locator("table.keys tbody tr")
+    assert rows.count() == 48
+    page.locator("a.sort", has_text="max m").click()  # htmx swaps the table and pushes the URL
+    page.wait_for_url("**sort=max_coefficient**")
+    first = page.locator("table.keys tbody tr").first.locator("a.key").inner_text()
+    page.locator("table.keys tbody tr").first.locator("a.key").click()
+    page.wait_for_url(f"**/m/{slug}/layers/1/keys/{first}")
+    assert page.locator("table.triggers.positive mark.trigger").count() == 6
+    page.wait_for_selector("#value-chart-raw .main-svg")  # plotly drew the value chart
+    assert page.locator("#value-chart-raw .bars path").count() >= 8
+    page.wait_for_selector("#histogram-chart .main-svg")
+
+
+def test_arrow_keys_walk_the_keys(page, server, facts):
+    slug = facts["slug"]
+    page.goto(f"{server}/m/{slug}/layers/0/keys/5")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_url(f"**/m/{slug}/layers/0/keys/6")
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_url(f"**/m/{slug}/layers/0/keys/5")
+    assert page.locator("h1").inner_text().startswith("Layer 0, key 5")
+
+
+def test_search_as_you_type_and_follow_a_result(page, server, facts):
+    slug, token = facts["slug"], facts["token"]
+    page.goto(f"{server}/m/{slug}/search")
+    page.locator("#q").fill(token)
+    page.wait_for_selector("a.result")
+    page.wait_for_function("() => new URL(location.href).searchParams.get('q') !== null")
+    assert page.evaluate("() => new URL(location.href).searchParams.get('q')") == token  # the URL reflects it
+    href = page.locator("a.result").first.get_attribute("href")
+    page.locator("a.result").first.click()
+    page.wait_for_url(f"**{href}")
+    assert page.locator("table.triggers").count() == 2
+
+
+def test_hostile_corpus_text_stays_text(page, server, facts):
+    page.goto(f"{server}/m/{facts['slug']}/search?q=script")
+    assert page.locator("#results img").count() == 0
+    prefixes = page.locator("#results .prefix").all_inner_texts()
+    assert any("<script" in p for p in prefixes), prefixes  # shown as the characters it is

@@ -1,0 +1,50 @@
+"""A tiny but real index for the explorer's tests: the tiny random Llama over a corpus that holds
+markup, built once per backend (SQLite, Postgres) and per test module.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import TRAINING_TEXT
+
+from app.db import make_engine, make_sessionmaker, upgrade
+from worker.index import IndexOptions, build_index
+
+HOSTILE = [
+    "Some wrote <script>alert(1)</script> into the page.",
+    'Then came "><img src=x onerror=alert(1)> as a name.',
+]
+EXPLORER_SENTENCES = [*TRAINING_TEXT, *HOSTILE]
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def explorer_db(request, tmp_path_factory, tiny, tiny_model_dir) -> str:
+    """URL of a database holding one finished index run of the tiny model (top-T 6)."""
+    folder = tmp_path_factory.mktemp("explorer")
+    if request.param == "sqlite":
+        url = f"sqlite:///{folder / 'ffmem.db'}"
+    else:
+        from conftest import _clean_postgres
+
+        url = request.getfixturevalue("postgres_url")
+        _clean_postgres(url)
+    upgrade(url)
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(EXPLORER_SENTENCES * 2) + "\n")
+    options = IndexOptions(
+        model=str(tiny_model_dir),
+        corpus=str(corpus),
+        sentences=None,
+        top_k=6,
+        device="cpu",
+        dtype="float32",
+        batch_tokens=128,
+        shard_sentences=8,
+        value_tokens=8,
+        cache_dir=folder / "cache",
+        progress=False,
+    )
+    engine = make_engine(url)
+    build_index(options, make_sessionmaker(engine), loaded=tiny)
+    engine.dispose()
+    return url
