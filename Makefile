@@ -26,6 +26,7 @@ test: install
 
 bench: install
 	$(PY) bench/bench.py
+	$(PY) bench/web.py
 
 lint: install
 	$(VENV)/bin/ruff check app engine worker tests bench

@@ -395,7 +395,7 @@ def prefix_matches(
     session: Session, model: LanguageModel, run: Run, text: str, limit: int
 ) -> list[PrefixMatch]:
     """The strongest positive triggers whose prefix contains `text` (ignoring case)."""
-    needle = text.lower()
+    needle = queries.stored_text(text).lower()
     sentences = queries.sentences_containing(session=session, corpus_id=run.corpus_id, text=text, limit=50)
     first_positions = {}
     for sentence in sentences:

@@ -75,7 +75,7 @@ def store_vocabulary(*, session: Session, model_id: int, texts: list[str], piece
     if session.scalar(select(exists().where(Token.model_id == model_id))):
         return
     pairs = enumerate(zip(texts, pieces, strict=True))
-    rows = ((model_id, token_id, _text(text), _text(piece)) for token_id, (text, piece) in pairs)
+    rows = ((model_id, token_id, stored_text(text), stored_text(piece)) for token_id, (text, piece) in pairs)
     _bulk_insert(session, Token.__table__, ("model_id", "token_id", "text", "piece"), rows)
 
 
@@ -123,7 +123,7 @@ def store_corpus(
             yield (
                 corpus.id,
                 index,
-                _text(text),
+                stored_text(text),
                 [int(t) for t in token_ids],
                 [[int(start), int(end)] for start, end in offsets],
                 int(first_position),
@@ -424,7 +424,8 @@ def list_models(*, session: Session) -> list[LanguageModel]:
 
 def get_model(*, session: Session, slug: str) -> LanguageModel | None:
     """The model with this URL name, if any."""
-    return session.scalars(select(LanguageModel).where(LanguageModel.slug == slug)).one_or_none()
+    query = select(LanguageModel).where(LanguageModel.slug == stored_text(slug))
+    return session.scalars(query).one_or_none()
 
 
 def latest_finished_run(*, session: Session, model_id: int) -> Run | None:
@@ -447,7 +448,9 @@ def token_texts(*, session: Session, model_id: int, token_ids: Iterable[int]) ->
 
 def find_tokens(*, session: Session, model_id: int, texts: Iterable[str]) -> list[int]:
     """Ids of the vocabulary entries whose decoded text is exactly one of `texts`."""
-    query = select(Token.token_id).where(Token.model_id == model_id, Token.text.in_(list(texts)))
+    query = select(Token.token_id).where(
+        Token.model_id == model_id, Token.text.in_([stored_text(t) for t in texts])
+    )
     return sorted(session.scalars(query))
 
 
@@ -590,6 +593,7 @@ def value_matches(
 
 def sentences_containing(*, session: Session, corpus_id: int, text: str, limit: int) -> list[Sentence]:
     """The first `limit` sentences of a corpus that contain `text`, ignoring case (LIKE wildcards escaped)."""
+    text = stored_text(text)
     query = (
         select(Sentence)
         .where(
@@ -675,7 +679,7 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _text(text: str) -> str:
+def stored_text(text: str) -> str:
     return text.replace("\x00", NUL_SHOWN_AS)
 
 

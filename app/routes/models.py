@@ -12,7 +12,7 @@ from app.routes import SessionDep, page
 
 router = APIRouter()
 RunQuery = Annotated[
-    int | None, Query(ge=1, description="Pin an index run (default: the newest finished one).")
+    int | None, Query(ge=1, le=2**31 - 1, description="Pin an index run (default: the newest finished one).")
 ]
 
 

@@ -378,6 +378,9 @@ def test_search_jumps_to_a_key(client, slug, q):
         ("/m/{slug}/search?by=magic", 400, "by: Input should be 'prob' or 'logit'"),
         ("/m/{slug}/search?readout=x", 400, "readout: Input should be 'raw' or 'norm'"),
         ("/no/such/page", 404, "No page at this address."),
+        ("/m/%00", 404, "There is no model '\\x00'. Known models: {slug}."),
+        ("/m/{slug}?run=0", 400, "run: Input should be greater than or equal to 1"),
+        ("/m/{slug}?run=99999999999", 400, "run: Input should be less than or equal to 2147483647"),
     ],
 )
 def test_one_error_shape(client, slug, path, status, message):
@@ -391,6 +394,12 @@ def test_one_error_shape(client, slug, path, status, message):
     assert f"<h1>{status} · " in page and "Traceback" not in page
     if message is not None:
         assert message.format(slug=slug).replace("'", "&#39;") in page
+
+
+@pytest.mark.parametrize("q", ["%00", "a%00b", "%25", "_", "%5C", "'", "%F0%9F%98%80"])
+def test_odd_queries_are_answered(client, slug, q):
+    assert json_of(client, f"/m/{slug}/search.json?q={q}")["page"] == "search"
+    assert json_of(client, f"/m/{slug}/layers/0.json?token={q}")["page"] == "layer"
 
 
 def test_no_models_yet(tmp_path):

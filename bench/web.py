@@ -1,0 +1,162 @@
+"""Explorer speed on the default index (a benchmark, not a test): `make bench` runs it after bench.py.
+
+- Server time (the Server-Timing header: routing, queries, rendering) and wall time per request for
+  the key page and the layer page, over random keys / layers, sequentially: p50 and p95.
+- 32 concurrent clients for 20 s over a mix of pages: requests, errors (non-200 or failed), p50/p95.
+
+The explorer runs as `ffmem serve` in its own process, as in production. Builds the default index
+first if the database has none. Figures go into bench-results.json under "web".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from app import queries  # noqa: E402
+from app.config import get_settings  # noqa: E402
+from app.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+
+SAMPLES = 300
+CLIENTS, SECONDS = 32, 20.0
+RESULTS = ROOT / "bench-results.json"
+FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
+
+
+def default_run(url: str) -> tuple[str, int, int]:
+    """(slug, layers, keys) of the default index, built first when missing."""
+    settings = get_settings()
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    with sessions() as session:
+        run = queries.find_finished_run(
+            session=session, model_slug=settings.model, n_sentences=settings.sentences
+        )
+    if run is None:
+        print("building the default index first (ffmem demo --no-serve)", flush=True)
+        subprocess.run([*FFMEM, "demo", "--no-serve", "--db", url], check=True, cwd=ROOT)
+    with sessions() as session:
+        model = queries.get_model(session=session, slug=settings.model)
+        return model.slug, model.n_layers, model.n_keys
+
+
+def serve(url: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [*FFMEM, "serve", "--db", url, "--port", str(port)]
+    process = subprocess.Popen(command, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/.json", timeout=2).status_code == 200:
+                return process, base
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise SystemExit("the explorer did not start")
+
+
+def percentiles(samples: list[float]) -> dict:
+    cuts = statistics.quantiles(samples, n=20, method="inclusive")
+    return {"p50_ms": round(cuts[9], 2), "p95_ms": round(cuts[18], 2), "n": len(samples)}
+
+
+def server_ms(response: httpx.Response) -> float:
+    return float(re.search(r"dur=([\d.]+)", response.headers["server-timing"]).group(1))
+
+
+def sequential(client: httpx.Client, paths: list[str]) -> dict:
+    server, wall = [], []
+    for path in paths:
+        start = time.perf_counter()
+        response = client.get(path)
+        wall.append(1000 * (time.perf_counter() - start))
+        response.raise_for_status()
+        server.append(server_ms(response))
+    return {"server": percentiles(server), "wall": percentiles(wall)}
+
+
+async def concurrent(base: str, paths: list[str]) -> dict:
+    latencies: list[float] = []
+    errors = 0
+    stop = time.monotonic() + SECONDS
+
+    async def client_loop(client: httpx.AsyncClient, seed: int) -> None:
+        nonlocal errors
+        pick = random.Random(seed)
+        while time.monotonic() < stop:
+            start = time.perf_counter()
+            try:
+                response = await client.get(pick.choice(paths))
+                ok = response.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            latencies.append(1000 * (time.perf_counter() - start))
+            errors += not ok
+
+    limits = httpx.Limits(max_connections=CLIENTS)
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client, seed) for seed in range(CLIENTS)))
+    return {
+        "clients": CLIENTS,
+        "seconds": SECONDS,
+        "requests": len(latencies),
+        "errors": errors,
+        "requests_per_s": round(len(latencies) / SECONDS, 1),
+        "latency": percentiles(latencies),
+    }
+
+
+def main() -> None:
+    url = get_settings().database_url
+    slug, n_layers, n_keys = default_run(url)
+    pick = random.Random(0)
+    key_paths = [
+        f"/m/{slug}/layers/{pick.randrange(n_layers)}/keys/{pick.randrange(n_keys)}" for _ in range(SAMPLES)
+    ]
+    layer_paths = [f"/m/{slug}/layers/{pick.randrange(n_layers)}" for _ in range(SAMPLES // 3)]
+    sorted_paths = [f"{p}?sort=max_prob&order=desc&page={pick.randint(1, 30)}" for p in layer_paths]
+    search_paths = [f"/m/{slug}/search?q={q}" for q in (" Paris", " the", "capital of", " than", "L12 K345")]
+    process, base = serve(url)
+    try:
+        with httpx.Client(base_url=base, timeout=30, follow_redirects=True) as client:
+            for path in key_paths[:20] + layer_paths[:5]:  # warm the database pages
+                client.get(path)
+            results = {
+                "database": url.split(":", 1)[0],
+                "key_page": sequential(client, key_paths),
+                "key_page_json": sequential(client, [f"{p}.json" for p in key_paths]),
+                "layer_page": sequential(client, layer_paths),
+                "layer_page_sorted": sequential(client, sorted_paths),
+                "search": sequential(client, search_paths * 4),
+                "target": {"key_page_p50_ms": 20},
+            }
+        mix = key_paths + layer_paths + sorted_paths + search_paths
+        results["concurrent"] = asyncio.run(concurrent(base, mix))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    print(json.dumps(results, indent=2))
+    existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    existing["web"] = results
+    RESULTS.write_text(json.dumps(existing, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
