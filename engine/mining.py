@@ -102,7 +102,7 @@ class MiningState:
         self.histogram = torch.zeros((n_layers, n_keys, n_bins), dtype=torch.long, device=device)
         self.total = torch.zeros((n_layers, n_keys), dtype=torch.float64, device=device)
         self.positions = 0  # mined positions (the denominator of every share)
-        self._key_offsets = torch.arange(n_keys, device=device) * n_bins  # [keys]
+        self._key_offsets = torch.arange(n_keys, dtype=torch.int32, device=device) * n_bins  # [keys]
         self._workspace: dict[str, torch.Tensor] = {}
         self.sentences = 0
 
@@ -120,9 +120,8 @@ class MiningState:
         self.total[layer] += c.sum(dim=(0, 1)).double()
         n_bins = self.histogram.shape[-1]
         bins = histogram_bins(c, self._workspace).view(-1, self.n_keys)  # [batch·pos, keys] int32
-        index = _scratch(self._workspace, "index", bins.shape, torch.long, bins.device)  # [batch·pos, keys]
-        index.copy_(bins).add_(self._key_offsets)  # one bincount for every key at once
-        counts = torch.bincount(index.view(-1), minlength=self.n_keys * n_bins).view(self.n_keys, n_bins)
+        bins.add_(self._key_offsets)  # one bincount for every key at once (int32: no int64 copy)
+        counts = torch.bincount(bins.view(-1), minlength=self.n_keys * n_bins).view(self.n_keys, n_bins)
         counts[:, ZERO_BIN] -= len(unmined[0])
         self.histogram[layer] += counts
         rows = torch.arange(len(batch.sentence_index), device=c.device)  # [batch]
