@@ -143,7 +143,10 @@ class Trigger(Base):
     """
 
     __tablename__ = "triggers"
-    __table_args__ = (Index("ix_triggers_sentence", "run_id", "sentence_index"),)
+    # Search walks one sentence's strongest triggers straight off this index (0002 added its tail).
+    __table_args__ = (
+        Index("ix_triggers_sentence", "run_id", "sentence_index", "sign", "coefficient", "position"),
+    )
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from itertools import islice, repeat
 
 import numpy as np
-from sqlalchemy import JSON, Row, Table, and_, case, delete, exists, func, insert, or_, select
+from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select
 from sqlalchemy.orm import Session
 
 from app.models import Corpus, KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
@@ -610,23 +610,25 @@ def triggers_from(
 ) -> list[Trigger]:
     """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`.
 
-    `first_positions` maps a sentence index to the first position whose prefix qualifies.
+    `first_positions` maps a sentence index to the first position whose prefix qualifies. One
+    indexed query per sentence (an OR over sentences would scan every trigger of the run).
     """
-    if not first_positions:
-        return []
-    reaches = or_(
-        *(
-            and_(Trigger.sentence_index == sentence, Trigger.position >= position)
-            for sentence, position in first_positions.items()
+    found: list[Trigger] = []
+    for sentence, position in first_positions.items():
+        query = (
+            select(Trigger)
+            .where(
+                Trigger.run_id == run_id,
+                Trigger.sentence_index == sentence,
+                Trigger.sign == 1,
+                Trigger.position >= position,
+            )
+            .order_by(Trigger.coefficient.desc())
+            .limit(limit)
         )
-    )
-    query = (
-        select(Trigger)
-        .where(Trigger.run_id == run_id, Trigger.sign == 1, reaches)
-        .order_by(Trigger.coefficient.desc(), Trigger.layer, Trigger.key)
-        .limit(limit)
-    )
-    return list(session.scalars(query))
+        found += session.scalars(query)
+    found.sort(key=lambda t: (-t.coefficient, t.layer, t.key))
+    return found[:limit]
 
 
 def _bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
