@@ -6,23 +6,13 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from app import pages
+from app import pages, queries
 from app.rendering import render
 from app.routes import SessionDep, page
 from app.routes.models import RunQuery
 
 router = APIRouter()
-Sort = Literal[
-    "key",
-    "max_coefficient",
-    "min_coefficient",
-    "positive_share",
-    "density",
-    "agreement",
-    "max_prob",
-    "next_token_rank",
-    "value_norm",
-]
+Sort = Literal[queries.KEY_SORTS]  # the columns the layer table sorts by
 
 
 @page(router, "/m/{model}/layers/{layer}", "layer")
