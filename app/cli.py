@@ -46,6 +46,27 @@ def db_upgrade(db: DbOption = None) -> None:
     typer.echo(f"database at {url} is up to date")
 
 
+def _index_options(settings, **given):
+    from worker.index import IndexOptions
+
+    chosen = {name: value for name, value in given.items() if value is not None}
+    return IndexOptions(
+        model=chosen.get("model", settings.model),
+        corpus=chosen.get("corpus", settings.corpus),
+        sentences=chosen.get("sentences", settings.sentences),
+        top_k=chosen.get("top_k", settings.top_k),
+        device=chosen.get("device", settings.device),
+        dtype=chosen.get("dtype", settings.dtype),
+        max_sentence_tokens=settings.max_sentence_tokens,
+        batch_tokens=settings.batch_tokens,
+        shard_sentences=settings.shard_sentences,
+        value_tokens=settings.value_tokens,
+        cache_dir=Path(settings.cache_dir),
+        checkpoint_batches=settings.checkpoint_batches,
+        lease_seconds=settings.lease_seconds,
+    )
+
+
 @cli.command()
 def index(
     model: Annotated[
@@ -63,33 +84,61 @@ def index(
     dtype: Annotated[
         Dtype, typer.Option(help="auto: float32 on CPU, bfloat16 (or float16) on GPU.")
     ] = Dtype.auto,
+    queue: Annotated[
+        bool, typer.Option("--queue", help="Only queue the run; `ffmem worker` builds it.")
+    ] = False,
+    again: Annotated[
+        bool, typer.Option("--again", help="Build a new run even if this one is built.")
+    ] = False,
 ) -> None:
-    """Mine trigger prefixes of every FF key, project every value, and store the index."""
+    """Mine trigger prefixes of every FF key, project every value, and store the index.
+
+    Runs in the foreground as a worker for its own run (other workers may help); running the same
+    command again after a crash resumes that run from its checkpoints.
+    """
     settings = get_settings()
     url = db or settings.database_url
+    options = _index_options(
+        settings,
+        model=model,
+        corpus=corpus,
+        sentences=sentences,
+        top_k=top_k,
+        device=device.value,
+        dtype=dtype.value,
+    )
+
+    def enqueue():
+        from app import jobs
+        from app.db import make_engine, make_sessionmaker, upgrade
+
+        upgrade(url)
+        with make_sessionmaker(make_engine(url))() as session:
+            job, what = jobs.enqueue(session=session, options=options.run_options(), again=again)
+            session.commit()
+            return job, what
+
+    if queue:
+        job, what = _fail_cleanly(enqueue)
+        said = {"created": "queued", "resumed": "already queued or running", "done": "already built"}[what]
+        typer.echo(f"job {job.id}: {said} (run {job.run_id or '—'}); `ffmem worker --db {url}` builds it")
+        return
 
     def run():
         from app.db import make_engine, make_sessionmaker, upgrade
-        from worker.index import IndexOptions, build_index
+        from worker.index import build_index
 
         upgrade(url)
-        options = IndexOptions(
-            model=model or settings.model,
-            corpus=corpus or settings.corpus,
-            sentences=sentences or settings.sentences,
-            top_k=top_k or settings.top_k,
-            device=device.value,
-            dtype=dtype.value,
-            max_sentence_tokens=settings.max_sentence_tokens,
-            batch_tokens=settings.batch_tokens,
-            shard_sentences=settings.shard_sentences,
-            value_tokens=settings.value_tokens,
-            cache_dir=Path(settings.cache_dir),
-        )
-        return build_index(options, make_sessionmaker(make_engine(url)))
+        return build_index(options, make_sessionmaker(make_engine(url)), again=again)
 
     s = _fail_cleanly(run)
-    resumed = f", resumed after {s.resumed_shards} shards" if s.resumed_shards else ""
+    if s.already_built:
+        typer.echo(
+            f"run {s.run_id} already indexes {s.model} over these {s.sentences:,} sentences of {s.corpus}: "
+            f"reusing it (pass --again to build a new run)\n  database: {url}"
+        )
+        return
+    resumed = f", resumed {s.resumed_shards} shard(s) from checkpoints" if s.resumed_shards else ""
     typer.echo(
         f"stored run {s.run_id}: {s.model} over {s.sentences:,} sentences of {s.corpus} "
         f"({s.tokens:,} tokens), {s.layers} layers × {s.keys:,} keys\n"
@@ -99,6 +148,43 @@ def index(
         f"projection {s.projection_seconds:.1f} s, storing {s.storing_seconds:.1f} s\n"
         f"  database: {url}"
     )
+
+
+@cli.command()
+def worker(
+    db: DbOption = None,
+    device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+    once: Annotated[bool, typer.Option("--once", help="Exit when there is no work left.")] = False,
+    poll: Annotated[float, typer.Option(min=0.1, help="Seconds between looks at an empty queue.")] = 2.0,
+) -> None:
+    """Claim queued index jobs and open shards from the database and build them (Ctrl-C stops)."""
+    settings = get_settings()
+    url = db or settings.database_url
+
+    def run():
+        from app import jobs
+        from app.db import make_engine, make_sessionmaker, upgrade
+        from worker.index import Worker
+
+        upgrade(url)
+        engine = make_engine(url)
+        sessions = make_sessionmaker(engine)
+        worker = Worker(sessions, _index_options(settings, device=device.value))
+        if engine.dialect.name == "sqlite":
+            with sessions() as session:
+                holder = jobs.other_live_worker(session=session, worker=worker.name)
+            if holder is not None:
+                raise FfmemError(
+                    f"SQLite runs one worker at a time and {holder} is working on {url}; "
+                    "use Postgres (--db postgresql+psycopg://…) for several workers"
+                )
+        typer.echo(
+            f"worker {worker.name} on {url}"
+            + (" (one worker: SQLite)" if engine.dialect.name == "sqlite" else "")
+        )
+        worker.work(once=once, poll_seconds=poll)
+
+    _fail_cleanly(run)
 
 
 @cli.command()

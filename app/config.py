@@ -50,6 +50,16 @@ class Settings(BaseSettings):
         ge=1,
         description="Sentences per shard: the unit of length bucketing, checkpointing and resuming.",
     )
+    checkpoint_batches: int = Field(
+        8,
+        ge=1,
+        description="A shard's running top-T is checkpointed to the database every this many batches.",
+    )
+    lease_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="A worker holds a shard or job this long after its last progress; then others may.",
+    )
     value_tokens: int = Field(30, ge=1, le=1000, description="Top and bottom tokens stored per value.")
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
     dtype: str = Field(

@@ -17,13 +17,14 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
 
 
 class Base(DeclarativeBase):
@@ -200,3 +201,62 @@ class KeyStats(Base):
         Integer
     )  # positive triggers whose next token is a top token
     next_token_rank: Mapped[int | None] = mapped_column(Integer)  # raw rank of the top trigger's next token
+
+
+class Job(Base):
+    """A piece of work for the workers: an index run ("index") with its options, queued until claimed.
+
+    The same options give the same `fingerprint`: running the same `ffmem index` again finds the
+    unfinished job and resumes its run instead of starting over.
+    """
+
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20), index=True)  # queued | running | done | failed
+    options: Mapped[dict] = mapped_column(JSON)
+    fingerprint: Mapped[str] = mapped_column(String(64), index=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    worker: Mapped[str | None] = mapped_column(String(200))  # who prepares or finishes the run
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    attempts: Mapped[int] = mapped_column(Integer)
+    error: Mapped[dict | None] = mapped_column(JSON)  # {type, message, traceback}
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    run: Mapped[Run | None] = relationship()
+
+
+class Shard(Base):
+    """Sentences [start, stop) of a run's corpus: the unit workers claim (with a lease), checkpoint and merge.
+
+    `checkpoint` is the shard's running mining state after `batches_done` batches; once the shard is
+    done its state is merged into the run's MiningSnapshot and the checkpoint is dropped.
+    """
+
+    __tablename__ = "shards"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    start: Mapped[int] = mapped_column(Integer)
+    stop: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(20))  # pending | running | done
+    worker: Mapped[str | None] = mapped_column(String(200))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    batches_done: Mapped[int] = mapped_column(Integer)
+    sentences_done: Mapped[int] = mapped_column(Integer)
+    tokens_done: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    checkpoint: Mapped[bytes | None] = deferred(mapped_column(LargeBinary))
+
+
+class MiningSnapshot(Base):
+    """A run's merged mining state over its finished shards (`shards` lists them), as bytes."""
+
+    __tablename__ = "mining_snapshots"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    shards: Mapped[list[int]] = mapped_column(JSON)
+    state: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))

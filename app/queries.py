@@ -213,6 +213,11 @@ def delete_run(*, session: Session, run_id: int) -> None:
     session.execute(delete(Run).where(Run.id == run_id))
 
 
+def count_rows(*, session: Session, table: type, run_id: int) -> int:
+    """How many rows of `table` (Trigger, ValueToken, KeyStats) the run has."""
+    return session.scalar(select(func.count()).select_from(table).where(table.run_id == run_id))
+
+
 def get_run(*, session: Session, run_id: int) -> Run | None:
     """The run with this id, if any."""
     return session.get(Run, run_id)

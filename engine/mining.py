@@ -13,10 +13,12 @@ index, so the result does not depend on batch size or split.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.corpus import Batch, length_bucketed_batches
@@ -162,27 +164,33 @@ class MiningState:
         self.sentences += other.sentences
         return self
 
-    def state_dict(self) -> dict:
-        state = {
-            "shape": (self.n_layers, self.n_keys, self.top_k),
-            "histogram": self.histogram.cpu(),
-            "total": self.total.cpu(),
-            "positions": self.positions,
-            "sentences": self.sentences,
+    def to_bytes(self) -> bytes:
+        """The whole state as an uncompressed .npz: a checkpoint, readable with numpy alone."""
+        arrays = {
+            "shape": np.array([self.n_layers, self.n_keys, self.top_k]),
+            "counts": np.array([self.positions, self.sentences]),
+            "histogram": self.histogram.cpu().numpy(),
+            "total": self.total.cpu().numpy(),
         }
         for sign in SIGNS:
             top = self.top[sign]
-            state[f"top{sign:+d}"] = (top.order.cpu(), top.position.cpu())
-        return state
+            arrays[f"order{sign:+d}"] = top.order.cpu().numpy()
+            arrays[f"position{sign:+d}"] = top.position.cpu().numpy()
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
 
     @classmethod
-    def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> MiningState:
-        mined = cls(*state["shape"], device=device)
-        for sign in SIGNS:
-            mined.top[sign] = TopK(*(t.to(device) for t in state[f"top{sign:+d}"]))
-        mined.histogram = state["histogram"].to(device)
-        mined.total = state["total"].to(device)
-        mined.positions, mined.sentences = state["positions"], state["sentences"]
+    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu") -> MiningState:
+        """The state `to_bytes` wrote."""
+        with np.load(io.BytesIO(data)) as arrays:
+            mined = cls(*(int(n) for n in arrays["shape"]), device=device)
+            for sign in SIGNS:
+                order, position = (torch.from_numpy(arrays[f"{name}{sign:+d}"]) for name in ("order", "position"))
+                mined.top[sign] = TopK(order.to(device), position.to(device))
+            mined.histogram = torch.from_numpy(arrays["histogram"]).to(device)
+            mined.total = torch.from_numpy(arrays["total"]).to(device)
+            mined.positions, mined.sentences = (int(n) for n in arrays["counts"])
         return mined
 
     # -- results --------------------------------------------------------------------------------

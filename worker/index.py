@@ -1,7 +1,11 @@
-"""An index run, end to end: load → corpus → mine (checkpointed per shard) → project → store.
+"""An index run as a job: load → corpus → mine (by shards, checkpointed in the database) → project → store.
 
-The running top-T is checkpointed to the cache folder after every shard; running the same
-index again after a crash resumes from the last finished shard and gives the same result.
+`build_index` is `ffmem index` in the foreground: it queues the job (or finds the unfinished one with
+the same options, and resumes it) and works on it until it is done. `Worker` is what `ffmem worker`
+runs: it claims queued jobs, prepares their runs, mines any run's open shards and finishes runs whose
+shards are all done. Several workers on one Postgres share the shards (app.jobs); each shard's running
+top-T is checkpointed in its row every `checkpoint_batches` batches, so a killed worker loses at most
+that much, and the shards merge exactly into the single-worker result.
 """
 
 from __future__ import annotations
@@ -10,21 +14,37 @@ import hashlib
 import json
 import platform
 import time
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 import transformers
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
-from app import queries
+from app import jobs, queries
+from app.models import Job, KeyStats, MiningSnapshot, Run, Shard, Trigger, ValueToken
 from engine.corpus import read_corpus, tokenize
+from engine.errors import FfmemError
 from engine.loading import LoadedModel, load_model
 from engine.mining import MiningState, mine_batches, shard_batches
 from engine.projection import project_layer, value_norms
+
+# The options that define a run (a job's fingerprint); device, cache and progress are the worker's own.
+RUN_FIELDS = (
+    "model",
+    "corpus",
+    "sentences",
+    "top_k",
+    "dtype",
+    "max_sentence_tokens",
+    "batch_tokens",
+    "shard_sentences",
+    "value_tokens",
+)
 
 
 @dataclass
@@ -41,6 +61,16 @@ class IndexOptions:
     value_tokens: int = 30
     cache_dir: Path = Path("data/cache")
     progress: bool = True
+    checkpoint_batches: int = 8
+    lease_seconds: float = 120.0
+
+    def run_options(self) -> dict:
+        """What the job stores: the fields that define the run."""
+        return {name: getattr(self, name) for name in RUN_FIELDS}
+
+    def with_run_options(self, options: dict) -> IndexOptions:
+        """These worker settings, with a job's run options."""
+        return IndexOptions(**(asdict(self) | {name: options[name] for name in RUN_FIELDS}))
 
 
 @dataclass
@@ -59,144 +89,274 @@ class IndexSummary:
     mining_seconds: float
     projection_seconds: float
     storing_seconds: float
+    already_built: bool = False
+
+
+class LostLease(FfmemError):
+    """Another worker took over this shard or job (our lease ran out)."""
 
 
 def build_index(
-    options: IndexOptions, sessions: sessionmaker, loaded: LoadedModel | None = None
+    options: IndexOptions, sessions: sessionmaker, loaded: LoadedModel | None = None, again: bool = False
 ) -> IndexSummary:
-    """Build (or resume) one index run and store it; returns what was stored."""
-    started_at = datetime.now(timezone.utc)
-    loaded = loaded or load_model(
-        options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
-    )
-    text = read_corpus(options.corpus, options.sentences)
-    tokenizer_name = f"{loaded.slug}@{loaded.revision or 'unknown'}"
-    fingerprint = _sha(
-        {
-            "corpus": text.sha256,
-            "n": len(text.sentences),
-            "tokenizer": tokenizer_name,
-            "max_tokens": options.max_sentence_tokens,
-        }
-    )
+    """Build (or resume) the index run for `options` in the foreground; returns what was stored.
+
+    When the same run is already built, returns it with `already_built` (unless `again`).
+    """
     with sessions() as session:
-        model_row = _store_model(session, loaded)
-        corpus = queries.find_corpus(session=session, fingerprint=fingerprint)
-        if corpus is None:
-            tokenized = tokenize(text.sentences, loaded.tokenizer, options.max_sentence_tokens)
-            corpus = queries.store_corpus(
-                session=session,
-                name=text.name,
-                source=text.source,
-                source_sha256=text.sha256,
-                fingerprint=fingerprint,
-                tokenizer=tokenizer_name,
-                max_tokens=options.max_sentence_tokens,
-                skipped=dict(text.skipped),
-                sentences=((s.text, s.token_ids, s.offsets, s.first_position) for s in tokenized),
-            )
+        job, what = jobs.enqueue(session=session, options=options.run_options(), again=again)
         session.commit()
-        token_ids = queries.load_sentence_tokens(session=session, corpus_id=corpus.id)
-        first_positions = queries.load_first_positions(session=session, corpus_id=corpus.id)
-        corpus_id, corpus_name, corpus_sha = corpus.id, corpus.name, corpus.source_sha256
-        model_id = model_row.id
+        job_id = job.id
+    worker = Worker(sessions, options, loaded=loaded)
+    if what == "done":
+        return worker.summary(job_id, already_built=True)
+    worker.work(job_id=job_id)
+    return worker.summary(job_id)
 
-    # ---- mining, one shard at a time, checkpointed --------------------------------------------
-    checkpoint = (
-        Path(options.cache_dir)
-        / "checkpoints"
-        / (
-            _sha(
-                {
-                    "model": loaded.revision or loaded.source,
-                    "slug": loaded.slug,
-                    "corpus": fingerprint,
-                    "top_k": options.top_k,
-                    "dtype": str(loaded.dtype),
-                    "shard": options.shard_sentences,
-                }
+
+@dataclass
+class Worker:
+    """Claims and does index work until its job is done (`work(job_id)`) or, for `ffmem worker`, forever."""
+
+    sessions: sessionmaker
+    options: IndexOptions  # worker settings (device, cache, progress, lease); run options come from jobs
+    loaded: LoadedModel | None = None
+    name: str = field(default_factory=jobs.worker_name)
+    timings: dict = field(default_factory=lambda: {"mining": 0.0, "projection": 0.0, "storing": 0.0})
+    padding: list = field(default_factory=lambda: [0, 0])  # real, computed tokens
+    resumed_shards: int = 0
+    _corpus: tuple | None = None  # (corpus id, token ids, first positions, following tokens)
+
+    @property
+    def lease(self) -> timedelta:
+        return timedelta(seconds=self.options.lease_seconds)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def work(self, job_id: int | None = None, poll_seconds: float = 1.0, once: bool = False) -> None:
+        """Do work until job `job_id` is done or failed (or, without one and with `once`, until no job
+        is queued or running)."""
+        try:
+            self._work(job_id, poll_seconds, once)
+        finally:
+            with self.sessions() as session:
+                jobs.release_leases(session=session, worker=self.name)
+                session.commit()
+
+    def _work(self, job_id: int | None, poll_seconds: float, once: bool) -> None:
+        with self.sessions() as session:
+            jobs.expire_dead_leases(session=session)
+            session.commit()
+        while True:
+            if job_id is not None:
+                with self.sessions() as session:
+                    job = session.get(Job, job_id)
+                    if job.status == "done":
+                        return
+                    if job.status == "failed":
+                        raise FfmemError(
+                            f"index job {job_id} failed: {job.error['type']}: {job.error['message']}"
+                        )
+            if not self.step(job_id):
+                if once and job_id is None and not self._jobs_in_progress():
+                    return
+                time.sleep(poll_seconds)
+
+    def _jobs_in_progress(self) -> bool:
+        """Whether any job is queued or running (maybe held by another worker: it may open shards)."""
+        with self.sessions() as session:
+            return (
+                session.scalars(select(Job.id).where(Job.status.in_(jobs.ACTIVE)).limit(1)).first()
+                is not None
             )
-            + ".pt"
-        )
-    )
-    n_shards = -(-len(token_ids) // options.shard_sentences)
-    state, done = _resume(checkpoint, loaded)
-    if state is None:
-        state = MiningState(loaded.n_layers, loaded.n_keys, options.top_k, device=loaded.device)
-    pad_id = _pad_id(loaded)
-    real = computed = 0
-    started = time.perf_counter()
-    bar = tqdm(
-        total=len(token_ids),
-        unit="sent",
-        desc=f"mining {loaded.slug}",
-        disable=not options.progress,
-        initial=sum(
-            min(options.shard_sentences, len(token_ids) - s * options.shard_sentences) for s in range(done)
-        ),
-    )
-    mined_tokens = 0
 
-    def advance(batch) -> None:
-        nonlocal real, computed, mined_tokens
-        real += batch.real_tokens
-        computed += batch.computed_tokens
-        mined_tokens += batch.real_tokens
-        elapsed = time.perf_counter() - started
-        bar.set_postfix_str(
-            f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, padding eff. {real / computed:.1%}"
-        )
-        bar.update(len(batch.sentence_index))
+    def step(self, job_id: int | None = None) -> bool:
+        """One unit of work: mine an open shard, or prepare / finish a job. False when there is none."""
+        with self.sessions() as session:
+            for job in jobs.open_jobs(session=session):
+                if job_id is not None and job.id != job_id:
+                    continue
+                shard = jobs.claim_shard(
+                    session=session, run_id=job.run_id, worker=self.name, lease=self.lease
+                )
+                if shard is not None:
+                    session.commit()
+                    self._guarded(job.id, lambda job=job, shard=shard: self.mine_shard(job, shard))
+                    return True
+            job = jobs.claim_job(session=session, worker=self.name, lease=self.lease, job_id=job_id)
+            if job is None:
+                session.rollback()
+                return False
+            session.commit()
+        if job.run_id is None:
+            self._guarded(job.id, lambda: self.prepare(job))
+        else:
+            self._guarded(job.id, lambda: self.finish(job))
+        return True
 
-    for shard in range(done, n_shards):
+    def _guarded(self, job_id: int, action) -> None:
+        """Run `action`; an error fails the job (stored with its traceback). A lost lease is no error:
+        the work is someone else's now. Interrupts leave everything to be resumed."""
+        try:
+            action()
+        except LostLease:
+            return
+        except Exception as error:
+            with self.sessions() as session:
+                jobs.fail_job(session=session, job_id=job_id, error=error)
+                session.commit()
+            raise
+
+    # -- the three kinds of work ------------------------------------------------------------------
+    def prepare(self, job: Job) -> None:
+        """Load the model, store the corpus, create the run and its shards; then open them to all."""
+        options = self.options.with_run_options(job.options)
+        loaded = self.model(options)
+        text = read_corpus(options.corpus, options.sentences)
+        tokenizer_name = f"{loaded.slug}@{loaded.revision or 'unknown'}"
+        fingerprint = _sha(
+            {
+                "corpus": text.sha256,
+                "n": len(text.sentences),
+                "tokenizer": tokenizer_name,
+                "max_tokens": options.max_sentence_tokens,
+            }
+        )
+        with self.sessions() as session:
+            model_row = _store_model(session, loaded)
+            corpus = queries.find_corpus(session=session, fingerprint=fingerprint)
+            if corpus is None:
+                tokenized = tokenize(text.sentences, loaded.tokenizer, options.max_sentence_tokens)
+                corpus = queries.store_corpus(
+                    session=session,
+                    name=text.name,
+                    source=text.source,
+                    source_sha256=text.sha256,
+                    fingerprint=fingerprint,
+                    tokenizer=tokenizer_name,
+                    max_tokens=options.max_sentence_tokens,
+                    skipped=dict(text.skipped),
+                    sentences=((s.text, s.token_ids, s.offsets, s.first_position) for s in tokenized),
+                )
+            if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
+                raise LostLease(f"job {job.id} was taken over")
+            empty = MiningState(loaded.n_layers, loaded.n_keys, options.top_k)
+            run = queries.create_run(
+                session=session,
+                model_id=model_row.id,
+                corpus_id=corpus.id,
+                top_k=options.top_k,
+                n_value_tokens=options.value_tokens,
+                n_sentences=corpus.n_sentences,
+                dtype=str(loaded.dtype).removeprefix("torch."),
+                device=str(loaded.device),
+                package_version=version("ffmem"),
+                provenance=_provenance(loaded, corpus, options),
+                histogram_edges=empty.edges,
+                started_at=job.started_at,
+            )
+            jobs.create_shards(
+                session=session,
+                run_id=run.id,
+                n_sentences=corpus.n_sentences,
+                shard_sentences=options.shard_sentences,
+                empty_state=empty.to_bytes(),
+            )
+            session.get(Job, job.id).run_id = run.id
+            jobs.release_job(session=session, job_id=job.id)
+            session.commit()
+
+    def mine_shard(self, job: Job, shard: Shard) -> None:
+        """Mine one shard from its last checkpoint, checkpointing as it goes; merge it into the run."""
+        options = self.options.with_run_options(job.options)
+        loaded = self.model(options)
+        with self.sessions() as session:
+            run = session.get(Run, job.run_id)
+            corpus_id, total = run.corpus_id, run.n_sentences
+            saved, batches_done = jobs.load_checkpoint(
+                session=session, run_id=shard.run_id, index=shard.index
+            )
+            done_before = jobs.progress(session=session, run=run)["sentences_done"]
+        if batches_done:
+            self.resumed_shards += 1
+        token_ids, first_positions, _ = self.corpus(corpus_id)
+        state = (
+            MiningState.from_bytes(saved)
+            if saved
+            else MiningState(loaded.n_layers, loaded.n_keys, options.top_k)
+        )
         batches = shard_batches(
             token_ids,
             first_positions,
-            shard=shard,
+            shard=shard.index,
             shard_sentences=options.shard_sentences,
             batch_tokens=options.batch_tokens,
-            pad_id=pad_id,
+            pad_id=_pad_id(loaded),
         )
-        mine_batches(loaded, batches, state, on_batch=advance)
-        _save_checkpoint(checkpoint, state, shard + 1)
-    bar.close()
-    mining_seconds = time.perf_counter() - started
+        sentences_done = sum(len(b.sentence_index) for b in batches[:batches_done])
+        tokens_done = sum(b.real_tokens for b in batches[:batches_done])
+        bar = tqdm(
+            total=total,
+            initial=done_before,
+            unit="sent",
+            desc=f"mining {loaded.slug} (shard {shard.index})",
+            disable=not options.progress,
+        )
+        started = time.perf_counter()
+        mined_tokens = 0
+        for number, batch in enumerate(batches[batches_done:], start=batches_done + 1):
+            mine_batches(loaded, [batch], state)
+            sentences_done += len(batch.sentence_index)
+            tokens_done += batch.real_tokens
+            mined_tokens += batch.real_tokens
+            self.padding[0] += batch.real_tokens
+            self.padding[1] += batch.computed_tokens
+            checkpoint = number % options.checkpoint_batches == 0 and number < len(batches)
+            with self.sessions() as session:
+                held = jobs.checkpoint_shard(
+                    session=session,
+                    shard=shard,
+                    worker=self.name,
+                    lease=self.lease,
+                    batches_done=number,
+                    sentences_done=sentences_done,
+                    tokens_done=tokens_done,
+                    state=state.to_bytes() if checkpoint else None,
+                )
+                session.commit()
+            if not held:
+                bar.close()
+                raise LostLease(f"shard {shard.index} of run {shard.run_id} was taken over")
+            elapsed = time.perf_counter() - started
+            bar.set_postfix_str(
+                f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, "
+                f"padding eff. {self.padding[0] / max(self.padding[1], 1):.1%}"
+            )
+            bar.update(len(batch.sentence_index))
+        bar.close()
+        self.timings["mining"] += time.perf_counter() - started
+        with self.sessions() as session:
+            snapshot = jobs.lock_snapshot(session=session, run_id=shard.run_id)
+            if shard.index not in snapshot.shards:  # a shard taken over and finished twice merges once
+                merged = MiningState.from_bytes(snapshot.state).merge(state)
+                snapshot.state, snapshot.shards = merged.to_bytes(), [*snapshot.shards, shard.index]
+            jobs.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
+            session.commit()
 
-    # ---- projection and storage, layer by layer -------------------------------------------------
-    provenance = {
-        "model_source": loaded.source,
-        "model_revision": loaded.revision,
-        "architecture": type(loaded.model).__name__,
-        "corpus": corpus_name,
-        "corpus_sha256": corpus_sha,
-        "sentences": len(token_ids),
-        "max_sentence_tokens": options.max_sentence_tokens,
-        "batch_tokens": options.batch_tokens,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-    following = _following_tokens(token_ids)
-    projection_seconds = storing_seconds = 0.0
-    triggers = value_token_rows = 0
-    with sessions() as session:
-        run = queries.create_run(
-            session=session,
-            model_id=model_id,
-            corpus_id=corpus_id,
-            top_k=options.top_k,
-            n_value_tokens=options.value_tokens,
-            n_sentences=len(token_ids),
-            dtype=str(loaded.dtype).removeprefix("torch."),
-            device=str(loaded.device),
-            package_version=version("ffmem"),
-            provenance=provenance,
-            histogram_edges=state.edges,
-            started_at=started_at,
-        )
-        session.commit()
-        run_id = run.id
-        try:
+    def finish(self, job: Job) -> None:
+        """Every shard is mined: project the values and store triggers, statistics and value tokens."""
+        options = self.options.with_run_options(job.options)
+        loaded = self.model(options)
+        with self.sessions() as session:
+            run_id = job.run_id
+            state = MiningState.from_bytes(
+                session.scalars(select(MiningSnapshot.state).where(MiningSnapshot.run_id == run_id)).one()
+            )
+            corpus_id = session.get(Run, run_id).corpus_id
+            for table in (Trigger, ValueToken, KeyStats):  # a finisher that died may have stored some
+                session.execute(delete(table).where(table.run_id == run_id))
+            session.commit()
+        _, _, following = self.corpus(corpus_id)
+        with self.sessions() as session:
             for layer in tqdm(
                 range(loaded.n_layers),
                 desc="projecting and storing",
@@ -211,35 +371,78 @@ def build_index(
                 )
                 norms = value_norms(loaded, layer)
                 t1 = time.perf_counter()
-                triggers += _store_layer(session, run_id, layer, state, projected, norms, next_tokens)
-                value_token_rows += sum(p.token_ids.numel() for p in projected)
+                _store_layer(session, run_id, layer, state, projected, norms, next_tokens)
+                if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
+                    session.rollback()
+                    raise LostLease(f"job {job.id} was taken over while storing")
                 session.commit()
-                projection_seconds += t1 - t0
-                storing_seconds += time.perf_counter() - t1
+                self.timings["projection"] += t1 - t0
+                self.timings["storing"] += time.perf_counter() - t1
             queries.finish_run(session=session, run_id=run_id, n_tokens=state.positions)
+            jobs.finish_job(session=session, job_id=job.id)
+            session.execute(delete(MiningSnapshot).where(MiningSnapshot.run_id == run_id))
             session.commit()
-        except BaseException as error:
-            session.rollback()
-            queries.fail_run(session=session, run_id=run_id, error=error)
-            session.commit()
-            raise
-    checkpoint.unlink(missing_ok=True)
-    return IndexSummary(
-        run_id=run_id,
-        model=loaded.slug,
-        corpus=corpus_name,
-        sentences=state.sentences,
-        tokens=state.positions,
-        layers=loaded.n_layers,
-        keys=loaded.n_keys,
-        triggers=triggers,
-        value_tokens=value_token_rows,
-        padding_efficiency=real / computed if computed else 1.0,
-        resumed_shards=done,
-        mining_seconds=mining_seconds,
-        projection_seconds=projection_seconds,
-        storing_seconds=storing_seconds,
-    )
+
+    # -- what a worker holds ----------------------------------------------------------------------
+    def model(self, options: IndexOptions) -> LoadedModel:
+        """The job's model, loaded once per worker (reloaded when a job names another)."""
+        wanted = (options.model, options.dtype)
+        if self.loaded is None or getattr(self, "_loaded_for", wanted) != wanted:
+            self.loaded = load_model(
+                options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
+            )
+        self._loaded_for = wanted
+        return self.loaded
+
+    def corpus(self, corpus_id: int) -> tuple[list[list[int]], list[int], torch.Tensor]:
+        """(token ids, first mined positions, following tokens) of a stored corpus, read once."""
+        if self._corpus is None or self._corpus[0] != corpus_id:
+            with self.sessions() as session:
+                ids = queries.load_sentence_tokens(session=session, corpus_id=corpus_id)
+                first = queries.load_first_positions(session=session, corpus_id=corpus_id)
+            self._corpus = (corpus_id, ids, first, _following_tokens(ids))
+        return self._corpus[1:]
+
+    def summary(self, job_id: int, already_built: bool = False) -> IndexSummary:
+        with self.sessions() as session:
+            job = session.get(Job, job_id)
+            run = session.get(Run, job.run_id)
+            model = run.model
+            count = queries.count_rows
+            return IndexSummary(
+                run_id=run.id,
+                model=model.slug,
+                corpus=run.corpus.name,
+                sentences=run.n_sentences,
+                tokens=run.n_tokens,
+                layers=model.n_layers,
+                keys=model.n_keys,
+                triggers=count(session=session, table=Trigger, run_id=run.id),
+                value_tokens=count(session=session, table=ValueToken, run_id=run.id),
+                padding_efficiency=self.padding[0] / self.padding[1] if self.padding[1] else 1.0,
+                resumed_shards=self.resumed_shards,
+                mining_seconds=self.timings["mining"],
+                projection_seconds=self.timings["projection"],
+                storing_seconds=self.timings["storing"],
+                already_built=already_built,
+            )
+
+
+def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
+    return {
+        "model_source": loaded.source,
+        "model_revision": loaded.revision,
+        "architecture": type(loaded.model).__name__,
+        "corpus": corpus.name,
+        "corpus_sha256": corpus.source_sha256,
+        "sentences": corpus.n_sentences,
+        "max_sentence_tokens": options.max_sentence_tokens,
+        "batch_tokens": options.batch_tokens,
+        "shard_sentences": options.shard_sentences,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _store_model(session: Session, loaded: LoadedModel):
@@ -339,20 +542,6 @@ def _store_layer(
             probs=p.probs.numpy(),
         )
     return stored
-
-
-def _resume(checkpoint: Path, loaded: LoadedModel) -> tuple[MiningState | None, int]:
-    if not checkpoint.exists():
-        return None, 0
-    saved = torch.load(checkpoint, weights_only=True)
-    return MiningState.from_state_dict(saved["state"], device=loaded.device), saved["shards_done"]
-
-
-def _save_checkpoint(checkpoint: Path, state: MiningState, shards_done: int) -> None:
-    checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    partial = checkpoint.with_suffix(".partial")
-    torch.save({"state": state.state_dict(), "shards_done": shards_done}, partial)
-    partial.replace(checkpoint)  # atomic: a crash mid-write keeps the previous checkpoint
 
 
 def _pad_id(loaded: LoadedModel) -> int:

@@ -107,8 +107,8 @@ def test_checkpoint_and_resume_equal_one_pass(tiny, sentences, tmp_path):
     ids, first = sentences
     one = mine(tiny, ids, first, 100, shard_sentences=16)
     partial = mine(tiny, ids, first, 100, shard_sentences=16, shards=[0])
-    torch.save(partial.state_dict(), tmp_path / "checkpoint.pt")
-    resumed = MiningState.from_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True))
+    (tmp_path / "checkpoint.npz").write_bytes(partial.to_bytes())
+    resumed = MiningState.from_bytes((tmp_path / "checkpoint.npz").read_bytes())
     for shard in (1, 2):
         mine_batches(
             tiny,

@@ -12,7 +12,7 @@ from tiny_models import TRAINING_TEXT
 
 from app import queries
 from app.db import make_engine, make_sessionmaker
-from app.models import KeyStats, Run, Sentence, Trigger, ValueToken
+from app.models import Job, KeyStats, MiningSnapshot, Run, Sentence, Shard, Trigger, ValueToken
 from engine import mining
 from engine.hooks import capture
 from engine.projection import value_logits
@@ -109,53 +109,75 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
                 assert [t.token_id for t in bottom] == logits.topk(5, largest=False).indices.tolist()
 
 
+def stored_rows(session, run_id: int) -> tuple[list, list, list]:
+    """Everything a run stored, in a comparable order."""
+    triggers = session.execute(
+        select(
+            Trigger.layer,
+            Trigger.key,
+            Trigger.sign,
+            Trigger.rank,
+            Trigger.sentence_index,
+            Trigger.position,
+            Trigger.coefficient,
+        )
+        .where(Trigger.run_id == run_id)
+        .order_by(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank)
+    ).all()
+    stats = session.execute(
+        select(KeyStats.layer, KeyStats.key, KeyStats.histogram, KeyStats.positive_share, KeyStats.mean)
+        .where(KeyStats.run_id == run_id)
+        .order_by(KeyStats.layer, KeyStats.key)
+    ).all()
+    values = session.execute(
+        select(
+            ValueToken.layer, ValueToken.key, ValueToken.readout, ValueToken.direction, ValueToken.token_id
+        )
+        .where(ValueToken.run_id == run_id)
+        .order_by(ValueToken.layer, ValueToken.key, ValueToken.readout, ValueToken.direction, ValueToken.rank)
+    ).all()
+    return [tuple(r) for r in triggers], [tuple(r) for r in stats], [tuple(r) for r in values]
+
+
 def test_a_crashed_index_resumes_from_its_checkpoint(
     tmp_path, tiny, tiny_model_dir, corpus_file, monkeypatch
 ):
-    url = f"sqlite:///{tmp_path / 'ffmem.db'}"
     from app.db import upgrade
 
-    upgrade(url)
-    sessions = make_sessionmaker(make_engine(url))
-    uninterrupted = build_index(options(tiny_model_dir, corpus_file, tmp_path / "a"), sessions, loaded=tiny)
+    urls = [f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db")]
+    for url in urls:
+        upgrade(url)
+    one, crashed = (make_sessionmaker(make_engine(url)) for url in urls)
+    uninterrupted = build_index(
+        options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2), one, loaded=tiny
+    )
 
     real = mining.mine_batches
     calls = {"n": 0}
 
-    def crash_on_second_shard(*args, **kwargs):
+    def crash_on_fifth_batch(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] == 5:
             raise KeyboardInterrupt("simulated crash")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("worker.index.mine_batches", crash_on_second_shard)
+    monkeypatch.setattr("worker.index.mine_batches", crash_on_fifth_batch)
     with pytest.raises(KeyboardInterrupt):
-        build_index(options(tiny_model_dir, corpus_file, tmp_path / "b"), sessions, loaded=tiny)
+        build_index(
+            options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2), crashed, loaded=tiny
+        )
+    with crashed() as session:
+        shard = session.scalars(select(Shard).where(Shard.status != "done")).first()
+        assert shard.batches_done >= 2 and session.scalars(select(Job.status)).one() == "running"
     monkeypatch.setattr("worker.index.mine_batches", real)
-    resumed = build_index(options(tiny_model_dir, corpus_file, tmp_path / "b"), sessions, loaded=tiny)
-    assert resumed.resumed_shards == 1
-    with sessions() as session:
-
-        def rows(run_id):
-            return session.execute(
-                select(
-                    Trigger.layer,
-                    Trigger.key,
-                    Trigger.sign,
-                    Trigger.rank,
-                    Trigger.sentence_index,
-                    Trigger.position,
-                    Trigger.coefficient,
-                )
-                .where(Trigger.run_id == run_id)
-                .order_by(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank)
-            ).all()
-
-        assert rows(uninterrupted.run_id) == rows(resumed.run_id)
-        a = session.get(KeyStats, (uninterrupted.run_id, 1, 5))
-        b = session.get(KeyStats, (resumed.run_id, 1, 5))
-        assert (a.histogram, a.positive_share) == (b.histogram, b.positive_share)
-    assert not list((tmp_path / "b" / "cache" / "checkpoints").glob("*.pt"))  # removed once stored
+    resumed = build_index(
+        options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2), crashed, loaded=tiny
+    )
+    assert resumed.resumed_shards == 1 and resumed.run_id == 1  # the same run, not a new one
+    with one() as a, crashed() as b:
+        assert stored_rows(a, uninterrupted.run_id) == stored_rows(b, resumed.run_id)
+        assert b.scalars(select(MiningSnapshot)).all() == []  # dropped once stored
+        assert all(s.checkpoint is None for s in b.scalars(select(Shard)))
 
 
 def _coefficients(tiny, session, run, layer: int, key: int) -> list[float]:

@@ -1,0 +1,313 @@
+"""The job queue and the shard leases, in the database (no torch here).
+
+A job is an index run to build. A worker claims a queued job and prepares its run (model, corpus,
+shards); then any number of workers claim the run's shards, each under a lease they renew as they
+go, checkpoint into the shard row, and merge into the run's snapshot when the shard is done; the
+worker that finds every shard done finishes the run (projection and storage). A worker that dies
+loses its lease, and whoever claims the shard or the job next resumes from the last checkpoint.
+
+On Postgres claims take row locks with FOR UPDATE SKIP LOCKED, so workers on many machines share one
+database. SQLite has no row locks: it runs one worker at a time (`other_live_worker` tells).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import traceback
+import uuid
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import exists, or_, select, update
+from sqlalchemy.orm import Session
+
+from app.models import Job, MiningSnapshot, Run, Shard
+
+ACTIVE = ("queued", "running")
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def worker_name() -> str:
+    """host:pid:random — unique per worker process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def fingerprint(options: dict) -> str:
+    """The same options → the same job (order-independent)."""
+    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ---- jobs ---------------------------------------------------------------------------------------
+
+
+def enqueue(*, session: Session, options: dict, again: bool = False) -> tuple[Job, str]:
+    """The job for `options` and what happened: "created", "resumed" (an unfinished job with the same
+    options exists) or "done" (already built; `again=True` queues a new one anyway)."""
+    key = fingerprint(options)
+    query = select(Job).where(Job.fingerprint == key).order_by(Job.id.desc()).limit(1)
+    existing = session.scalars(query).first()
+    if existing is not None and existing.status in ACTIVE:
+        return existing, "resumed"
+    if existing is not None and existing.status == "done" and not again:
+        return existing, "done"
+    if existing is not None and existing.status == "failed" and not again:
+        retry(session=session, job_id=existing.id)
+        return existing, "resumed"
+    job = Job(kind="index", status="queued", options=options, fingerprint=key, attempts=0, created_at=now())
+    session.add(job)
+    session.flush()
+    return job, "created"
+
+
+def retry(*, session: Session, job_id: int) -> Job:
+    """Queue a failed job again; its run resumes from its checkpoints."""
+    job = session.get(Job, job_id)
+    job.status, job.error, job.finished_at, job.worker, job.lease_until = "queued", None, None, None, None
+    if job.run is not None and job.run.status == "failed":
+        job.run.status, job.run.error, job.run.finished_at = "running", None, None
+    session.flush()
+    return job
+
+
+def claim_job(*, session: Session, worker: str, lease: timedelta, job_id: int | None = None) -> Job | None:
+    """A job for `worker` to prepare or finish, leased to it: a queued one, a running one whose
+    preparation died, or a running one whose shards are all mined and that nobody is finishing.
+    None when there is nothing to claim."""
+    moment = now()
+    unmined = exists().where(Shard.run_id == Job.run_id, Shard.status != "done")
+    unheld = or_(Job.lease_until.is_(None), Job.lease_until < moment)
+    # Running and nobody holds it: its preparation died (no run yet), or its shards are all mined.
+    orphaned = (Job.status == "running") & unheld & (Job.run_id.is_(None) | ~unmined)
+    claimable = or_(Job.status == "queued", orphaned)
+    query = select(Job).where(claimable).order_by(Job.id).limit(1).with_for_update(skip_locked=True)
+    if job_id is not None:
+        query = query.where(Job.id == job_id)
+    job = session.scalars(query).first()
+    if job is None:
+        return None
+    job.status, job.worker, job.lease_until = "running", worker, moment + lease
+    job.started_at = job.started_at or moment
+    job.attempts += 1
+    session.flush()
+    return job
+
+
+def hold_job(*, session: Session, job_id: int, worker: str, lease: timedelta) -> bool:
+    """Renew `worker`'s lease on a job it prepares or finishes; False if it lost it."""
+    renewed = session.execute(
+        update(Job).where(Job.id == job_id, Job.worker == worker).values(lease_until=now() + lease)
+    )
+    return renewed.rowcount == 1
+
+
+def release_job(*, session: Session, job_id: int) -> None:
+    """The job's run is prepared: its shards are open to every worker; nobody holds the job now."""
+    session.execute(update(Job).where(Job.id == job_id).values(worker=None, lease_until=None))
+
+
+def finish_job(*, session: Session, job_id: int) -> None:
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(status="done", worker=None, lease_until=None, finished_at=now())
+    )
+
+
+def fail_job(*, session: Session, job_id: int, error: BaseException) -> None:
+    """Mark the job and its run failed, with {type, message, traceback}."""
+    stored = {
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+    }
+    job = session.get(Job, job_id)
+    job.status, job.error, job.finished_at, job.worker, job.lease_until = "failed", stored, now(), None, None
+    if job.run is not None:
+        job.run.status, job.run.error, job.run.finished_at = "failed", stored, now()
+    session.flush()
+
+
+def open_jobs(*, session: Session) -> list[Job]:
+    """Running jobs whose runs are prepared (their shards may be claimable), oldest first."""
+    query = select(Job).where(Job.status == "running", Job.run_id.is_not(None)).order_by(Job.id)
+    return list(session.scalars(query))
+
+
+# ---- shards -------------------------------------------------------------------------------------
+
+
+def create_shards(
+    *, session: Session, run_id: int, n_sentences: int, shard_sentences: int, empty_state: bytes
+):
+    """The run's shards (all pending) and its empty snapshot."""
+    moment = now()
+    for index, start in enumerate(range(0, n_sentences, shard_sentences)):
+        session.add(
+            Shard(
+                run_id=run_id,
+                index=index,
+                start=start,
+                stop=min(start + shard_sentences, n_sentences),
+                status="pending",
+                batches_done=0,
+                sentences_done=0,
+                tokens_done=0,
+                updated_at=moment,
+            )
+        )
+    session.add(MiningSnapshot(run_id=run_id, shards=[], state=empty_state))
+    session.flush()
+
+
+def claim_shard(*, session: Session, run_id: int, worker: str, lease: timedelta) -> Shard | None:
+    """A pending shard of the run, or one whose lease ran out, leased to `worker`."""
+    moment = now()
+    claimable = or_(Shard.status == "pending", (Shard.status == "running") & (Shard.lease_until < moment))
+    query = (
+        select(Shard)
+        .where(Shard.run_id == run_id, claimable)
+        .order_by(Shard.index)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+    )
+    shard = session.scalars(query).first()
+    if shard is None:
+        return None
+    shard.status, shard.worker, shard.lease_until, shard.updated_at = (
+        "running",
+        worker,
+        moment + lease,
+        moment,
+    )
+    session.flush()
+    return shard
+
+
+def checkpoint_shard(
+    *,
+    session: Session,
+    shard: Shard,
+    worker: str,
+    lease: timedelta,
+    batches_done: int,
+    sentences_done: int,
+    tokens_done: int,
+    state: bytes | None,
+) -> bool:
+    """Record progress and renew the lease; with `state`, also checkpoint it as the state after
+    `batches_done` batches (what a resume starts from). False if the lease was lost."""
+    values = dict(
+        sentences_done=sentences_done, tokens_done=tokens_done, lease_until=now() + lease, updated_at=now()
+    )
+    if state is not None:
+        values |= dict(checkpoint=state, batches_done=batches_done)
+    held = (Shard.run_id == shard.run_id) & (Shard.index == shard.index) & (Shard.worker == worker)
+    return session.execute(update(Shard).where(held).values(**values)).rowcount == 1
+
+
+def load_checkpoint(*, session: Session, run_id: int, index: int) -> tuple[bytes | None, int]:
+    """(state, the number of batches it holds) of a shard; (None, 0) before its first checkpoint."""
+    row = session.execute(
+        select(Shard.checkpoint, Shard.batches_done).where(Shard.run_id == run_id, Shard.index == index)
+    ).one()
+    return row.checkpoint, row.batches_done if row.checkpoint is not None else 0
+
+
+def lock_snapshot(*, session: Session, run_id: int) -> MiningSnapshot:
+    """The run's snapshot, locked until the transaction ends (Postgres; SQLite has one writer)."""
+    query = select(MiningSnapshot).where(MiningSnapshot.run_id == run_id).with_for_update()
+    return session.scalars(query).one()
+
+
+def complete_shard(*, session: Session, shard: Shard, tokens_done: int) -> None:
+    moment = now()
+    session.execute(
+        update(Shard)
+        .where(Shard.run_id == shard.run_id, Shard.index == shard.index)
+        .values(
+            status="done",
+            checkpoint=None,
+            lease_until=None,
+            sentences_done=shard.stop - shard.start,
+            tokens_done=tokens_done,
+            updated_at=moment,
+        )
+    )
+
+
+def shard_counts(*, session: Session, run_id: int) -> dict[str, int]:
+    """How many of the run's shards are pending, running and done."""
+    rows = session.execute(select(Shard.status).where(Shard.run_id == run_id)).scalars()
+    counts = {"pending": 0, "running": 0, "done": 0}
+    for status in rows:
+        counts[status] += 1
+    return counts
+
+
+def other_live_worker(*, session: Session, worker: str) -> str | None:
+    """Another worker holding a live lease (on a job or a shard), if any."""
+    moment = now()
+    for model in (Job, Shard):
+        query = select(model.worker).where(
+            model.worker.is_not(None), model.worker != worker, model.lease_until > moment
+        )
+        holder = session.scalars(query.limit(1)).first()
+        if holder is not None:
+            return holder
+    return None
+
+
+def release_leases(*, session: Session, worker: str) -> None:
+    """End `worker`'s leases now (it is stopping): others may take its shard or job at once."""
+    for model in (Job, Shard):
+        session.execute(update(model).where(model.worker == worker).values(lease_until=now()))
+
+
+def expire_dead_leases(*, session: Session) -> int:
+    """End the leases of workers on this host whose process is gone (a crash or SIGKILL): rerunning
+    the same command resumes at once instead of waiting the lease out. Returns how many ended."""
+    host = socket.gethostname()
+    ended = 0
+    for model in (Job, Shard):
+        query = (
+            select(model.worker).where(model.worker.like(f"{host}:%"), model.lease_until > now()).distinct()
+        )
+        for holder in session.scalars(query).all():
+            pid = int(holder.split(":")[1])
+            if not _alive(pid):
+                ended += session.execute(
+                    update(model).where(model.worker == holder).values(lease_until=now())
+                ).rowcount
+    return ended
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def progress(*, session: Session, run: Run) -> dict:
+    """Sentences and tokens mined so far, over all shards, and the share of the corpus."""
+    rows = session.execute(
+        select(Shard.sentences_done, Shard.tokens_done, Shard.status).where(Shard.run_id == run.id)
+    ).all()
+    sentences = sum(r.sentences_done for r in rows)
+    return {
+        "sentences_done": sentences,
+        "tokens_done": sum(r.tokens_done for r in rows),
+        "shards": len(rows),
+        "shards_done": sum(r.status == "done" for r in rows),
+        "fraction": sentences / run.n_sentences if run.n_sentences else 0.0,
+    }

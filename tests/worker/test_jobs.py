@@ -1,0 +1,217 @@
+"""Index runs as jobs: the queue's rules, failure and retry, a real SIGKILL mid-run, and two worker
+processes sharing one Postgres — each ending exactly where an uninterrupted single worker ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+from test_index import SENTENCES, options, stored_rows
+
+from app import jobs
+from app.db import make_engine, make_sessionmaker, upgrade
+from app.models import Job, Run, Shard
+from worker.index import build_index
+
+FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
+
+
+@pytest.fixture
+def big_corpus(tmp_path):
+    path = tmp_path / "big.txt"
+    path.write_text("\n".join(SENTENCES * 60) + "\n")  # 420 sentences
+    return path
+
+
+def env_for(tmp_path, **settings) -> dict:
+    env = dict(os.environ, FFMEM_CACHE_DIR=str(tmp_path / "cache"))
+    defaults = {"batch_tokens": 64, "shard_sentences": 16, "top_k": 4, "value_tokens": 5, "dtype": "float32"}
+    for name, value in (defaults | settings).items():
+        env[f"FFMEM_{name.upper()}"] = str(value)
+    return env
+
+
+def cli(*args, env, check=True, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([*FFMEM, *args], env=env, capture_output=True, text=True, check=check, **kwargs)
+
+
+def reference(tmp_path, tiny, tiny_model_dir, corpus, **changes):
+    """The single-worker, uninterrupted result (SQLite, in process)."""
+    url = f"sqlite:///{tmp_path / 'reference.db'}"
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    changes = {"batch_tokens": 64, "shard_sentences": 16, "device": "cpu"} | changes
+    summary = build_index(options(tiny_model_dir, corpus, tmp_path, **changes), sessions, loaded=tiny)
+    with sessions() as session:
+        return stored_rows(session, summary.run_id)
+
+
+def same_result(a: tuple, b: tuple) -> None:
+    """Triggers, histograms, shares and values exactly; means up to float64 rounding (any shard order)."""
+    (triggers_a, stats_a, values_a), (triggers_b, stats_b, values_b) = a, b
+    assert triggers_a == triggers_b and values_a == values_b
+    assert [s[:4] for s in stats_a] == [s[:4] for s in stats_b]
+    assert [s[4] for s in stats_a] == pytest.approx([s[4] for s in stats_b], rel=1e-9, abs=1e-12)
+
+
+def test_the_queue_reuses_unfinished_and_finished_jobs(db_url, tiny, tiny_model_dir, tmp_path):
+    sessions = make_sessionmaker(make_engine(db_url))
+    run_options = options(tiny_model_dir, tmp_path / "c.txt", tmp_path).run_options()
+    with sessions() as session:
+        job, what = jobs.enqueue(session=session, options=run_options)
+        assert what == "created" and job.status == "queued"
+        again, what = jobs.enqueue(session=session, options=dict(reversed(run_options.items())))
+        assert (again.id, what) == (job.id, "resumed")
+        other, what = jobs.enqueue(session=session, options=run_options | {"top_k": 9})
+        assert what == "created" and other.id != job.id
+        job.status = "done"
+        assert jobs.enqueue(session=session, options=run_options)[1:] == ("done",)
+        fresh, what = jobs.enqueue(session=session, options=run_options, again=True)
+        assert what == "created" and fresh.id not in (job.id, other.id)
+
+
+def test_a_failed_run_keeps_its_error_and_a_retry_finishes_it(
+    db_url, tiny, tiny_model_dir, tmp_path, monkeypatch
+):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(SENTENCES) + "\n")
+    sessions = make_sessionmaker(make_engine(db_url))
+
+    def broken(*args, **kwargs):
+        raise ValueError("the device fell over")
+
+    monkeypatch.setattr("worker.index.mine_batches", broken)
+    with pytest.raises(ValueError, match="fell over"):
+        build_index(options(tiny_model_dir, corpus, tmp_path), sessions, loaded=tiny)
+    with sessions() as session:
+        job = session.scalars(select(Job)).one()
+        assert job.status == "failed" and job.run.status == "failed"
+        assert job.error["type"] == "ValueError" and job.error["message"] == "the device fell over"
+        assert (
+            "Traceback (most recent call last)" in job.error["traceback"]
+            and "broken" in job.error["traceback"]
+        )
+        assert job.run.error == job.error
+    monkeypatch.undo()
+    summary = build_index(
+        options(tiny_model_dir, corpus, tmp_path), sessions, loaded=tiny
+    )  # the same command
+    with sessions() as session:
+        job = session.scalars(select(Job)).one()
+        assert (job.status, job.error, job.run.status, summary.run_id) == ("done", None, "done", job.run_id)
+
+
+def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_model_dir, big_corpus):
+    url = f"sqlite:///{tmp_path / 'killed.db'}"
+    env = env_for(tmp_path, checkpoint_batches=2)
+    command = [
+        "index",
+        "--model",
+        str(tiny_model_dir),
+        "--corpus",
+        str(big_corpus),
+        "--db",
+        url,
+        "--device",
+        "cpu",
+    ]
+    process = subprocess.Popen(
+        [*FFMEM, *command], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    engine = None
+    deadline = time.monotonic() + 120
+    try:
+        while True:  # kill it once a few shards are merged and one is part-way, past a checkpoint
+            assert process.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+            if not (tmp_path / "killed.db").exists():
+                continue
+            engine = engine or make_engine(url)
+            with make_sessionmaker(engine)() as session:
+                try:
+                    done = session.scalars(select(Shard).where(Shard.status == "done")).all()
+                    running = session.scalars(select(Shard).where(Shard.status == "running")).all()
+                except Exception:  # noqa: BLE001 - tables not created yet
+                    continue
+                if len(done) >= 2 and any(s.batches_done >= 2 for s in running):
+                    break
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    with make_sessionmaker(engine)() as session:
+        assert session.scalars(select(Job.status)).one() == "running"
+        assert session.scalars(select(Run.status)).one() == "running"
+    finished = cli(*command, env=env, timeout=300)
+    assert "resumed 1 shard(s) from checkpoints" in finished.stdout, finished.stdout + finished.stderr
+    with make_sessionmaker(engine)() as session:
+        assert len(session.scalars(select(Run)).all()) == 1
+        result = stored_rows(session, 1)
+    engine.dispose()
+    same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus))
+    again = cli(*command, env=env, timeout=300)
+    assert "already indexes" in again.stdout and "--again" in again.stdout
+
+
+def test_two_workers_on_postgres_equal_one(postgres_url, tmp_path, tiny, tiny_model_dir, big_corpus):
+    from conftest import _clean_postgres
+
+    _clean_postgres(postgres_url)
+    env = env_for(tmp_path)
+    queued = cli(
+        "index",
+        "--queue",
+        "--model",
+        str(tiny_model_dir),
+        "--corpus",
+        str(big_corpus),
+        "--db",
+        postgres_url,
+        env=env,
+    )
+    assert queued.stdout.startswith("job 1: queued"), queued.stdout
+    workers = [
+        subprocess.Popen(
+            [*FFMEM, "worker", "--once", "--db", postgres_url, "--device", "cpu", "--poll", "0.2"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, out + err
+    engine = make_engine(postgres_url)
+    with make_sessionmaker(engine)() as session:
+        assert session.scalars(select(Job.status)).one() == "done"
+        names = set(session.scalars(select(Shard.worker)))
+        assert len(names) == 2, f"both workers mined shards: {names}"
+        result = stored_rows(session, session.scalars(select(Run.id)).one())
+    engine.dispose()
+    same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus))
+
+
+def test_sqlite_runs_one_worker(tmp_path):
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    with sessions() as session:
+        job, _ = jobs.enqueue(session=session, options={"model": "x"})
+        jobs.claim_job(session=session, worker="elsewhere:1:abc", lease=timedelta(seconds=600))
+        session.commit()
+    refused = cli("worker", "--once", "--db", url, env=dict(os.environ), check=False, timeout=120)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        f"error: SQLite runs one worker at a time and elsewhere:1:abc is working on {url}; "
+        "use Postgres (--db postgresql+psycopg://…) for several workers"
+    )
