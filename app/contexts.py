@@ -49,10 +49,47 @@ class ModelEntry(BaseModel):
     runs: list[RunInfo]
 
 
+class Progress(BaseModel):
+    """How far a run's mining has come, over all its shards."""
+
+    sentences_done: int
+    n_sentences: int
+    fraction: float
+    tokens_done: int
+    shards: int
+    shards_done: int
+    tokens_per_s: float | None
+    eta_seconds: float | None
+
+
+class JobInfo(BaseModel):
+    id: int
+    status: str  # queued | running | done | failed
+    options: dict
+    attempts: int
+    worker: str | None
+    error: dict | None  # {type, message, traceback}
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    run_id: int | None
+
+
+class JobContext(BaseModel):
+    page: str = "job"
+    title: str
+    job: JobInfo
+    run: RunInfo | None
+    model: str | None  # the run's model slug, once known
+    progress: Progress | None
+    polling: bool  # the page refreshes its progress until the job ends
+
+
 class HomeContext(BaseModel):
     page: str = "home"
     title: str
     models: list[ModelEntry]
+    jobs: list[JobInfo]  # the newest first
 
 
 class LayerSummary(BaseModel):

@@ -45,6 +45,15 @@ def fingerprint(options: dict) -> str:
 # ---- jobs ---------------------------------------------------------------------------------------
 
 
+def run_options(settings, **given) -> dict:
+    """A job's options: what defines its run, from `given` (None: the setting). The worker's IndexOptions
+    has the same fields (worker/index.RUN_FIELDS)."""
+    chosen = {name: value for name, value in given.items() if value is not None}
+    names = ("model", "corpus", "sentences", "top_k", "dtype", "max_sentence_tokens", "batch_tokens")
+    names += ("shard_sentences", "value_tokens")
+    return {name: chosen.get(name, getattr(settings, name)) for name in names}
+
+
 def enqueue(*, session: Session, options: dict, again: bool = False) -> tuple[Job, str]:
     """The job for `options` and what happened: "created", "resumed" (an unfinished job with the same
     options exists) or "done" (already built; `again=True` queues a new one anyway)."""
@@ -130,6 +139,11 @@ def fail_job(*, session: Session, job_id: int, error: BaseException) -> None:
     if job.run is not None:
         job.run.status, job.run.error, job.run.finished_at = "failed", stored, now()
     session.flush()
+
+
+def recent_jobs(*, session: Session, limit: int = 20) -> list[Job]:
+    """The newest jobs first."""
+    return list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))
 
 
 def open_jobs(*, session: Session) -> list[Job]:

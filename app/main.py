@@ -11,7 +11,7 @@ from fastapi.staticfiles import StaticFiles
 from app import errors
 from app.config import Settings, get_settings
 from app.db import make_engine, make_sessionmaker
-from app.routes import keys, layers, models, search
+from app.routes import jobs, keys, layers, models, search
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -34,10 +34,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
     )
     engine = make_engine(settings.database_url)
+    app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = make_sessionmaker(engine)
     app.mount("/static", CachedStatic(directory=STATIC), name="static")
-    for module in (models, layers, keys, search):
+    for module in (models, layers, keys, search, jobs):
         app.include_router(module.router)
     errors.install(app)
 

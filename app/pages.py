@@ -12,11 +12,13 @@ import re
 
 from sqlalchemy.orm import Session
 
-from app import queries, urls
+from app import jobs, queries, urls
 from app.contexts import (
     Agreement,
     Histogram,
     HomeContext,
+    JobContext,
+    JobInfo,
     KeyContext,
     KeyRow,
     KeyStatsView,
@@ -27,6 +29,7 @@ from app.contexts import (
     ModelEntry,
     ModelInfo,
     PrefixMatch,
+    Progress,
     RunInfo,
     SearchContext,
     TokenMatch,
@@ -35,7 +38,7 @@ from app.contexts import (
     ValueReadout,
 )
 from app.errors import AppError
-from app.models import LanguageModel, Run, Sentence
+from app.models import Job, LanguageModel, Run, Sentence
 from app.models import Trigger as TriggerRow
 
 READOUTS = ("raw", "norm")
@@ -151,7 +154,44 @@ def _trigger_token_ids(rows: list[TriggerRow], sentences: dict[int, Sentence]) -
 def home_page(session: Session) -> HomeContext:
     models = queries.list_models(session=session)
     entries = [ModelEntry(model=model_info(m), runs=[run_info(r) for r in reversed(m.runs)]) for m in models]
-    return HomeContext(title="ffmem: feed-forward memories", models=entries)
+    recent = [JobInfo.model_validate(job, from_attributes=True) for job in jobs.recent_jobs(session=session)]
+    return HomeContext(title="ffmem: feed-forward memories", models=entries, jobs=recent)
+
+
+def job_page(session: Session, job_id: int) -> JobContext:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise AppError(404, "Unknown job", f"There is no job {job_id}.")
+    run = job.run
+    progress = None
+    if run is not None:
+        done = jobs.progress(session=session, run=run)
+        elapsed = (jobs.now() - _aware(run.started_at)).total_seconds()
+        rate = done["sentences_done"] / elapsed if elapsed > 0 and done["sentences_done"] else None
+        finished = run.status == "done"
+        progress = Progress(
+            sentences_done=run.n_sentences if finished else done["sentences_done"],
+            n_sentences=run.n_sentences,
+            fraction=1.0 if finished else done["fraction"],
+            tokens_done=done["tokens_done"],
+            shards=done["shards"],
+            shards_done=done["shards_done"],
+            tokens_per_s=done["tokens_done"] / elapsed if rate and not finished else None,
+            eta_seconds=(run.n_sentences - done["sentences_done"]) / rate if rate and not finished else None,
+        )
+    return JobContext(
+        title=f"job {job.id}: {job.status}",
+        job=JobInfo.model_validate(job, from_attributes=True),
+        run=run_info(run) if run is not None else None,
+        model=run.model.slug if run is not None else None,
+        progress=progress,
+        polling=job.status in jobs.ACTIVE,
+    )
+
+
+def _aware(moment):
+    """SQLite gives back naive datetimes; they were stored as UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=jobs.now().tzinfo)
 
 
 def model_page(session: Session, slug: str, run_id: int | None) -> ModelContext:

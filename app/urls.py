@@ -36,5 +36,17 @@ def search_url(model: str, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/search", fmt, **query)
 
 
+def job_url(job_id: int, fmt: str | None = None) -> str:
+    return _url(f"/jobs/{int(job_id)}", fmt)
+
+
+def start_job_url() -> str:
+    return "/jobs"
+
+
+def retry_job_url(job_id: int) -> str:
+    return f"/jobs/{int(job_id)}/retry"
+
+
 def static_url(name: str) -> str:
     return f"/static/{name}"
