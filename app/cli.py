@@ -211,33 +211,54 @@ def serve(
 def demo(
     db: DbOption = None,
     serve_after: Annotated[
-        bool, typer.Option("--serve/--no-serve", help="Serve the explorer afterwards.")
+        bool,
+        typer.Option(
+            "--serve/--no-serve", help="Serve the explorer (building in the background) or only build."
+        ),
     ] = True,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the explorer.")] = 8000,
 ) -> None:
-    """Build the default index (SmolLM2-135M over 2,000 Wikipedia sentences) unless it exists; serve it."""
+    """The default index (SmolLM2-135M over 2,000 Wikipedia sentences) and the explorer over it.
+
+    With --serve (the default) the explorer starts at once and a background worker builds the index
+    unless it is built; its progress is on the job's page. With --no-serve the index is built in the
+    foreground and the command ends.
+    """
     settings = get_settings()
     url = db or settings.database_url
+    if not serve_after:
+        index(
+            model=None, corpus=None, sentences=None, top_k=None, db=url, device=Device.auto, dtype=Dtype.auto
+        )
+        return
 
-    def existing():
-        from app import queries
+    def enqueue():
+        from app import jobs
         from app.db import make_engine, make_sessionmaker, upgrade
 
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
-            return queries.find_finished_run(
-                session=session, model_slug=settings.model, n_sentences=settings.sentences
-            )
+            job, what = jobs.enqueue(session=session, options=jobs.run_options(settings))
+            session.commit()
+            return job.id, what
 
-    run = _fail_cleanly(existing)
-    if run is not None:
-        typer.echo(f"the default index is already built (run {run.id}); database: {url}")
+    job_id, what = _fail_cleanly(enqueue)
+    worker_process = None
+    if what == "done":
+        typer.echo(f"the default index is built (job {job_id}); database: {url}")
     else:
-        index(
-            model=None, corpus=None, sentences=None, top_k=None, db=url, device=Device.auto, dtype=Dtype.auto
-        )
-    if serve_after:
+        import subprocess
+        import sys
+
+        command = [sys.executable, "-c", "from app.cli import main; main()", "worker", "--db", url]
+        worker_process = subprocess.Popen(command)
+        typer.echo(f"building the default index in the background: http://127.0.0.1:{port}/jobs/{job_id}")
+    try:
         serve(db=url, host="127.0.0.1", port=port)
+    finally:
+        if worker_process is not None:
+            worker_process.terminate()  # its lease is released; the next `make demo` resumes the run
+            worker_process.wait(timeout=30)
 
 
 def _fail_cleanly(action):

@@ -59,6 +59,8 @@ def _describe(error: RequestValidationError) -> str:
     """FastAPI's validation errors as one readable sentence per bad parameter."""
     parts = []
     for problem in error.errors():
-        where = ".".join(str(part) for part in problem.get("loc", ()) if part not in ("query", "path", "body"))
+        where = ".".join(
+            str(part) for part in problem.get("loc", ()) if part not in ("query", "path", "body")
+        )
         parts.append(f"{where or 'request'}: {problem.get('msg', 'invalid')}")
     return "; ".join(parts) or "The request is malformed."

@@ -141,6 +141,18 @@ def fail_job(*, session: Session, job_id: int, error: BaseException) -> None:
     session.flush()
 
 
+def building(*, session: Session, model_id: int) -> Job | None:
+    """The newest queued or running job whose run is of this model, if any."""
+    query = (
+        select(Job)
+        .join(Run, Job.run_id == Run.id)
+        .where(Run.model_id == model_id, Job.status.in_(ACTIVE))
+        .order_by(Job.id.desc())
+        .limit(1)
+    )
+    return session.scalars(query).first()
+
+
 def recent_jobs(*, session: Session, limit: int = 20) -> list[Job]:
     """The newest jobs first."""
     return list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))

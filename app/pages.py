@@ -65,7 +65,13 @@ def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Ru
     if run_id is None:
         run = queries.latest_finished_run(session=session, model_id=model.id)
         if run is None:
-            raise AppError(404, "No finished index", f"Model {model.slug!r} has no finished index run yet.")
+            building = jobs.building(session=session, model_id=model.id)
+            where = (
+                f" Job {building.id} is building one: see {urls.job_url(building.id)}." if building else ""
+            )
+            raise AppError(
+                404, "No finished index", f"Model {model.slug!r} has no finished index run yet.{where}"
+            )
         return run
     run = queries.get_run(session=session, run_id=run_id)
     if run is None or run.model_id != model.id:

@@ -137,6 +137,8 @@ def test_progress_of_a_running_run(db_url, tiny, tiny_model_dir, tmp_path):
     with TestClient(app) as client:
         body = client.get("/jobs/1.json").json()
         fragment = client.get("/jobs/1", headers={"HX-Request": "true", "HX-Target": "progress"}).text
+        slug = client.get("/.json").json()["models"][0]["model"]["slug"]
+        unfinished = client.get(f"/m/{slug}/layers/0.json").json()
     app.state.engine.dispose()
     progress = body["progress"]
     assert done == 8 + 8 + 4
@@ -153,3 +155,8 @@ def test_progress_of_a_running_run(db_url, tiny, tiny_model_dir, tmp_path):
     )
     assert progress["fraction"] == pytest.approx(20 / 28) and progress["eta_seconds"] > 0
     assert fragment.lstrip().startswith('<section id="progress" hx-get="/jobs/1"') and "71.4%" in fragment
+    assert unfinished == {
+        "ok": False,
+        "status": 404,
+        "error": f"Model '{slug}' has no finished index run yet. Job 1 is building one: see /jobs/1.",
+    }

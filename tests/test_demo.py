@@ -1,0 +1,57 @@
+"""`ffmem demo` (what `make demo` runs): the explorer answers at once while a background worker builds
+the index, whose progress the job page shows; here with the tiny model instead of SmolLM2."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from explorer_index import EXPLORER_SENTENCES
+
+
+def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_dir):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(EXPLORER_SENTENCES * 4) + "\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(
+        os.environ,
+        FFMEM_DATABASE_URL=f"sqlite:///{tmp_path / 'demo.db'}",
+        FFMEM_MODEL=str(tiny_model_dir),
+        FFMEM_CORPUS=str(corpus),
+        FFMEM_CACHE_DIR=str(tmp_path / "cache"),
+        FFMEM_DEVICE="cpu",
+        FFMEM_TOP_K="4",
+        FFMEM_SHARD_SENTENCES="8",
+    )
+    command = [sys.executable, "-c", "from app.cli import main; main()", "demo", "--port", str(port)]
+    demo = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert demo.poll() is None, demo.stdout.read()
+            assert time.monotonic() < deadline, "the explorer did not come up"
+            try:
+                home = httpx.get(f"{base}/.json", timeout=2).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert [job["id"] for job in home["jobs"]] == [1]
+        deadline = time.monotonic() + 120
+        while (job := httpx.get(f"{base}/jobs/1.json").json())["job"]["status"] != "done":
+            assert job["job"]["status"] in ("queued", "running"), job
+            assert time.monotonic() < deadline, "the background worker did not finish"
+            time.sleep(0.3)
+        assert job["progress"]["fraction"] == 1.0 and job["polling"] is False
+        slug = job["model"]
+        key = httpx.get(f"{base}/m/{slug}/layers/1/keys/2.json").json()
+        assert len(key["triggers"]) == 4 and key["run"]["id"] == job["run"]["id"]
+    finally:
+        demo.terminate()
+        demo.wait(timeout=30)
