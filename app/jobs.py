@@ -20,12 +20,13 @@ import traceback
 import uuid
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import exists, or_, select, update
+from sqlalchemy import delete, exists, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.models import Job, MiningSnapshot, Run, Shard
+from app.models import Job, MinedLayerRow, Run, Shard
 
 ACTIVE = ("queued", "running")
+SNAPSHOT = -1  # the `shard` of a run's merged mined layers
 
 
 def now() -> datetime:
@@ -167,10 +168,8 @@ def open_jobs(*, session: Session) -> list[Job]:
 # ---- shards -------------------------------------------------------------------------------------
 
 
-def create_shards(
-    *, session: Session, run_id: int, n_sentences: int, shard_sentences: int, empty_state: bytes
-):
-    """The run's shards (all pending) and its empty snapshot."""
+def create_shards(*, session: Session, run_id: int, n_sentences: int, shard_sentences: int) -> None:
+    """The run's shards, all pending."""
     moment = now()
     for index, start in enumerate(range(0, n_sentences, shard_sentences)):
         session.add(
@@ -186,7 +185,6 @@ def create_shards(
                 updated_at=moment,
             )
         )
-    session.add(MiningSnapshot(run_id=run_id, shards=[], state=empty_state))
     session.flush()
 
 
@@ -223,47 +221,85 @@ def checkpoint_shard(
     batches_done: int,
     sentences_done: int,
     tokens_done: int,
-    state: bytes | None,
+    layers: list[bytes] | None,
 ) -> bool:
-    """Record progress and renew the lease; with `state`, also checkpoint it as the state after
+    """Record progress and renew the lease; with `layers`, also checkpoint them as the state after
     `batches_done` batches (what a resume starts from). False if the lease was lost."""
     values = dict(
         sentences_done=sentences_done, tokens_done=tokens_done, lease_until=now() + lease, updated_at=now()
     )
-    if state is not None:
-        values |= dict(checkpoint=state, batches_done=batches_done)
+    if layers is not None:
+        values["batches_done"] = batches_done
     held = (Shard.run_id == shard.run_id) & (Shard.index == shard.index) & (Shard.worker == worker)
-    return session.execute(update(Shard).where(held).values(**values)).rowcount == 1
+    if session.execute(update(Shard).where(held).values(**values)).rowcount != 1:
+        return False
+    if layers is not None:
+        save_layers(session=session, run_id=shard.run_id, shard=shard.index, layers=layers)
+    return True
 
 
-def load_checkpoint(*, session: Session, run_id: int, index: int) -> tuple[bytes | None, int]:
-    """(state, the number of batches it holds) of a shard; (None, 0) before its first checkpoint."""
-    row = session.execute(
-        select(Shard.checkpoint, Shard.batches_done).where(Shard.run_id == run_id, Shard.index == index)
-    ).one()
-    return row.checkpoint, row.batches_done if row.checkpoint is not None else 0
+def load_checkpoint(*, session: Session, run_id: int, index: int) -> tuple[list[bytes] | None, int]:
+    """(mined layers, the number of batches they hold) of a shard; (None, 0) before its first checkpoint."""
+    layers = load_layers(session=session, run_id=run_id, shard=index)
+    if layers is None:
+        return None, 0
+    return layers, session.scalar(
+        select(Shard.batches_done).where(Shard.run_id == run_id, Shard.index == index)
+    )
 
 
-def lock_snapshot(*, session: Session, run_id: int) -> MiningSnapshot:
-    """The run's snapshot, locked until the transaction ends (Postgres; SQLite has one writer)."""
-    query = select(MiningSnapshot).where(MiningSnapshot.run_id == run_id).with_for_update()
-    return session.scalars(query).one()
+def save_layers(*, session: Session, run_id: int, shard: int, layers: list[bytes]) -> None:
+    """Replace the mined layers stored under (run, shard)."""
+    session.execute(delete(MinedLayerRow).where(MinedLayerRow.run_id == run_id, MinedLayerRow.shard == shard))
+    rows = [
+        {"run_id": run_id, "shard": shard, "layer": layer, "data": data} for layer, data in enumerate(layers)
+    ]
+    session.execute(insert(MinedLayerRow), rows)
+
+
+def load_layers(*, session: Session, run_id: int, shard: int) -> list[bytes] | None:
+    """The mined layers stored under (run, shard), in layer order, or None."""
+    query = (
+        select(MinedLayerRow.data)
+        .where(MinedLayerRow.run_id == run_id, MinedLayerRow.shard == shard)
+        .order_by(MinedLayerRow.layer)
+    )
+    layers = list(session.scalars(query))
+    return layers or None
+
+
+def layer_parts(*, session: Session, run_id: int, layer: int) -> list[bytes]:
+    """Every stored part of one layer of a run: its snapshot and the running shards' checkpoints."""
+    query = select(MinedLayerRow.data).where(MinedLayerRow.run_id == run_id, MinedLayerRow.layer == layer)
+    return list(session.scalars(query.order_by(MinedLayerRow.shard)))
+
+
+def lock_run(*, session: Session, run_id: int) -> Run:
+    """The run row, locked until the transaction ends: merges into its snapshot happen one at a time."""
+    return session.scalars(select(Run).where(Run.id == run_id).with_for_update()).one()
 
 
 def complete_shard(*, session: Session, shard: Shard, tokens_done: int) -> None:
-    moment = now()
+    """The shard is merged into the snapshot: mark it done and drop its checkpoint."""
     session.execute(
         update(Shard)
         .where(Shard.run_id == shard.run_id, Shard.index == shard.index)
         .values(
             status="done",
-            checkpoint=None,
             lease_until=None,
             sentences_done=shard.stop - shard.start,
             tokens_done=tokens_done,
-            updated_at=moment,
+            updated_at=now(),
         )
     )
+    session.execute(
+        delete(MinedLayerRow).where(MinedLayerRow.run_id == shard.run_id, MinedLayerRow.shard == shard.index)
+    )
+
+
+def drop_layers(*, session: Session, run_id: int) -> None:
+    """The run is stored: its mined layers are no longer needed."""
+    session.execute(delete(MinedLayerRow).where(MinedLayerRow.run_id == run_id))
 
 
 def shard_counts(*, session: Session, run_id: int) -> dict[str, int]:

@@ -232,8 +232,8 @@ class Job(Base):
 class Shard(Base):
     """Sentences [start, stop) of a run's corpus: the unit workers claim (with a lease), checkpoint and merge.
 
-    `checkpoint` is the shard's running mining state after `batches_done` batches; once the shard is
-    done its state is merged into the run's MiningSnapshot and the checkpoint is dropped.
+    Its checkpoint (MinedLayer rows under its index) holds the state after `batches_done` batches;
+    when the shard is done it is merged into the run's snapshot (rows under shard −1) and dropped.
     """
 
     __tablename__ = "shards"
@@ -242,21 +242,23 @@ class Shard(Base):
     index: Mapped[int] = mapped_column(Integer, primary_key=True)
     start: Mapped[int] = mapped_column(Integer)
     stop: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(20))  # pending | running | done
+    status: Mapped[str] = mapped_column(String(20))  # pending | running | done (merged)
     worker: Mapped[str | None] = mapped_column(String(200))
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    batches_done: Mapped[int] = mapped_column(Integer)
-    sentences_done: Mapped[int] = mapped_column(Integer)
+    batches_done: Mapped[int] = mapped_column(Integer)  # batches in the checkpoint
+    sentences_done: Mapped[int] = mapped_column(Integer)  # progress, also past the checkpoint
     tokens_done: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    checkpoint: Mapped[bytes | None] = deferred(mapped_column(LargeBinary))
 
 
-class MiningSnapshot(Base):
-    """A run's merged mining state over its finished shards (`shards` lists them), as bytes."""
+class MinedLayerRow(Base):
+    """One layer of a mining state (engine.mined.MinedLayer as bytes): a running shard's checkpoint
+    (`shard` ≥ 0) or the run's snapshot of its merged shards (`shard` = −1). The web reads these for
+    provisional results while a run is mining; they are dropped once the run is stored."""
 
-    __tablename__ = "mining_snapshots"
+    __tablename__ = "mined_layers"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    shards: Mapped[list[int]] = mapped_column(JSON)
-    state: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    data: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))

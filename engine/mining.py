@@ -13,38 +13,19 @@ index, so the result does not depend on batch size or split.
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from engine import mined
 from engine.corpus import Batch, length_bucketed_batches
 from engine.hooks import capture
 from engine.loading import LoadedModel
+from engine.mined import OCTAVES, SIGNS, ZERO_BIN, MinedLayer, histogram_edges
 
-SIGNS = (1, -1)  # +1: highest coefficients; −1: most negative
-
-
-OCTAVES = 21  # magnitude bins per sign: |m| < 2^-9, [2^-9, 2^-8), …, [2^9, 2^10), ≥ 2^10
-DENSITY_OCTAVES = 3  # density: positions within this many octaves of a key's peak |coefficient|
-ZERO_BIN = OCTAVES  # +0.0 (and positive subnormals) sit between the negative and positive bins
 LOWEST_EXPONENT = 118  # float32 biased exponent of 2^-9
-
-
-def histogram_edges() -> list[float]:
-    """Bin edges shared by every key: −2^10 … −2^-9, 0, 0, 2^-9 … 2^10 (43 bins).
-
-    Bins 0…20 hold negative coefficients by magnitude (bin 0: m ≤ −2^10, bin 20: −2^-9 < m ≤ −0.0),
-    bin 21 holds +0.0 exactly, bins 22…42 positive ones (bin 22: 0 < m < 2^-9, bin 42: m ≥ 2^10).
-    A value exactly on an edge goes to the bin of larger magnitude. Bins are read straight off the
-    float's sign and exponent bits, which keeps the histogram cheap enough to take over every
-    mined position; the positive share is the mass of bins 22…42.
-    """
-    magnitudes = [2.0**e for e in range(-9, 11)]  # 20 edges per sign
-    return [-m for m in reversed(magnitudes)] + [0.0, 0.0] + magnitudes
 
 
 def histogram_bins(coefficients: torch.Tensor, workspace: dict | None = None) -> torch.Tensor:
@@ -164,34 +145,37 @@ class MiningState:
         self.sentences += other.sentences
         return self
 
-    def to_bytes(self) -> bytes:
-        """The whole state as an uncompressed .npz: a checkpoint, readable with numpy alone."""
-        arrays = {
-            "shape": np.array([self.n_layers, self.n_keys, self.top_k]),
-            "counts": np.array([self.positions, self.sentences]),
-            "histogram": self.histogram.cpu().numpy(),
-            "total": self.total.cpu().numpy(),
-        }
+    def layer(self, layer: int) -> MinedLayer:
+        """One layer of the state as numpy arrays: what checkpoints and snapshots store."""
+        coefficient, sentence, position = {}, {}, {}
         for sign in SIGNS:
-            top = self.top[sign]
-            arrays[f"order{sign:+d}"] = top.order.cpu().numpy()
-            arrays[f"position{sign:+d}"] = top.position.cpu().numpy()
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        return buffer.getvalue()
+            c, s, p = self.triggers(layer, sign)  # [keys, T] each
+            coefficient[sign], sentence[sign], position[sign] = c.numpy(), s.numpy(), p.numpy()
+        return MinedLayer(
+            coefficient=coefficient,
+            sentence=sentence,
+            position=position,
+            histogram=self.histogram[layer].cpu().numpy(),
+            total=self.total[layer].cpu().numpy(),
+            positions=self.positions,
+            sentences=self.sentences,
+        )
 
     @classmethod
-    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu") -> MiningState:
-        """The state `to_bytes` wrote."""
-        with np.load(io.BytesIO(data)) as arrays:
-            mined = cls(*(int(n) for n in arrays["shape"]), device=device)
+    def from_layers(cls, layers: list[MinedLayer], device: torch.device | str = "cpu") -> MiningState:
+        """The state whose `layer(l)` gives back `layers[l]`."""
+        first = layers[0]
+        state = cls(len(layers), first.histogram.shape[0], first.top_k, device=device)
+        for index, layer in enumerate(layers):
             for sign in SIGNS:
-                order, position = (torch.from_numpy(arrays[f"{name}{sign:+d}"]) for name in ("order", "position"))
-                mined.top[sign] = TopK(order.to(device), position.to(device))
-            mined.histogram = torch.from_numpy(arrays["histogram"]).to(device)
-            mined.total = torch.from_numpy(arrays["total"]).to(device)
-            mined.positions, mined.sentences = (int(n) for n in arrays["counts"])
-        return mined
+                values = torch.from_numpy(sign * layer.coefficient[sign]).to(device)  # [keys, T]; −inf: empty
+                sentence = torch.from_numpy(layer.sentence[sign]).to(device)  # [keys, T]
+                state.top[sign].order[index] = _order_key(values, sentence)
+                state.top[sign].position[index] = torch.from_numpy(layer.position[sign]).to(device)
+            state.histogram[index] = torch.from_numpy(layer.histogram).to(device)
+            state.total[index] = torch.from_numpy(layer.total).to(device)
+        state.positions, state.sentences = first.positions, first.sentences
+        return state
 
     # -- results --------------------------------------------------------------------------------
     def triggers(self, layer: int, sign: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,23 +189,12 @@ class MiningState:
         return (self.total[layer] / max(self.positions, 1)).cpu()  # [keys]
 
     def positive_share(self, layer: int) -> torch.Tensor:
-        positive = self.histogram[layer, :, ZERO_BIN + 1 :].sum(dim=-1)  # [keys]: count of m > 0
-        return (positive.double() / max(self.positions, 1)).cpu()  # [keys]
+        """Share of positions with m > 0, per key: [keys]."""
+        return torch.from_numpy(mined.positive_share(self.histogram[layer].cpu().numpy(), self.positions))
 
-    def density(self, layer: int, octaves: int = DENSITY_OCTAVES) -> torch.Tensor:
-        """Share of positions whose |m| lies in the key's top `octaves` occupied magnitude octaves.
-
-        With the default 3: the positions where the memory fires within about 1/8 of its peak
-        |coefficient|, either sign. Exact on the histogram's octave bins; 0 for a key never mined.
-        """
-        counts = self.histogram[layer]  # [keys, bins]
-        negative = counts[:, :ZERO_BIN].flip(-1)  # [keys, octaves]: octave 0 (smallest) first
-        magnitude = negative + counts[:, ZERO_BIN + 1 :]  # [keys, octaves]: count by |m| octave
-        octave = torch.arange(OCTAVES, device=counts.device)  # [octaves]
-        peak = torch.where(magnitude > 0, octave, -1).amax(dim=-1, keepdim=True)  # [keys, 1]
-        near_peak = (octave > peak - octaves) & (peak >= 0)  # [keys, octaves]
-        fired = (magnitude * near_peak).sum(dim=-1)  # [keys]
-        return (fired.double() / max(self.positions, 1)).cpu()  # [keys]
+    def density(self, layer: int) -> torch.Tensor:
+        """Share of positions with |m| within 3 octaves of the key's peak (engine.mined.density): [keys]."""
+        return torch.from_numpy(mined.density(self.histogram[layer].cpu().numpy(), self.positions))
 
 
 def _order_key(values: torch.Tensor, sentence: torch.Tensor) -> torch.Tensor:

@@ -26,10 +26,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from app import jobs, queries
-from app.models import Job, KeyStats, MiningSnapshot, Run, Shard, Trigger, ValueToken
+from app.models import Job, KeyStats, Run, Shard, Trigger, ValueToken
 from engine.corpus import read_corpus, tokenize
 from engine.errors import FfmemError
 from engine.loading import LoadedModel, load_model
+from engine.mined import MinedLayer, histogram_edges
 from engine.mining import MiningState, mine_batches, shard_batches
 from engine.projection import project_layer, value_norms
 
@@ -189,8 +190,14 @@ class Worker:
             session.commit()
         if job.run_id is None:
             self._guarded(job.id, lambda: self.prepare(job))
-        else:
-            self._guarded(job.id, lambda: self.finish(job))
+            return True
+        with self.sessions() as session:
+            shards = jobs.shard_counts(session=session, run_id=job.run_id)
+            if shards["pending"] or shards["running"]:  # a retried job: its shards are open again
+                jobs.release_job(session=session, job_id=job.id)
+                session.commit()
+                return True
+        self._guarded(job.id, lambda: self.finish(job))
         return True
 
     def _guarded(self, job_id: int, action) -> None:
@@ -239,7 +246,6 @@ class Worker:
                 )
             if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
                 raise LostLease(f"job {job.id} was taken over")
-            empty = MiningState(loaded.n_layers, loaded.n_keys, options.top_k)
             run = queries.create_run(
                 session=session,
                 model_id=model_row.id,
@@ -251,7 +257,7 @@ class Worker:
                 device=str(loaded.device),
                 package_version=version("ffmem"),
                 provenance=_provenance(loaded, corpus, options),
-                histogram_edges=empty.edges,
+                histogram_edges=histogram_edges(),
                 started_at=job.started_at,
             )
             jobs.create_shards(
@@ -259,7 +265,6 @@ class Worker:
                 run_id=run.id,
                 n_sentences=corpus.n_sentences,
                 shard_sentences=options.shard_sentences,
-                empty_state=empty.to_bytes(),
             )
             session.get(Job, job.id).run_id = run.id
             jobs.release_job(session=session, job_id=job.id)
@@ -279,11 +284,10 @@ class Worker:
         if batches_done:
             self.resumed_shards += 1
         token_ids, first_positions, _ = self.corpus(corpus_id)
-        state = (
-            MiningState.from_bytes(saved)
-            if saved
-            else MiningState(loaded.n_layers, loaded.n_keys, options.top_k)
-        )
+        if saved:
+            state = _state(saved, loaded.device)
+        else:
+            state = MiningState(loaded.n_layers, loaded.n_keys, options.top_k, device=loaded.device)
         batches = shard_batches(
             token_ids,
             first_positions,
@@ -320,7 +324,7 @@ class Worker:
                     batches_done=number,
                     sentences_done=sentences_done,
                     tokens_done=tokens_done,
-                    state=state.to_bytes() if checkpoint else None,
+                    layers=_layers(state) if checkpoint else None,
                 )
                 session.commit()
             if not held:
@@ -335,11 +339,15 @@ class Worker:
         bar.close()
         self.timings["mining"] += time.perf_counter() - started
         with self.sessions() as session:
-            snapshot = jobs.lock_snapshot(session=session, run_id=shard.run_id)
-            if shard.index not in snapshot.shards:  # a shard taken over and finished twice merges once
-                merged = MiningState.from_bytes(snapshot.state).merge(state)
-                snapshot.state, snapshot.shards = merged.to_bytes(), [*snapshot.shards, shard.index]
-            jobs.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
+            jobs.lock_run(session=session, run_id=shard.run_id)  # one merge at a time
+            current = session.get(Shard, (shard.run_id, shard.index), populate_existing=True)
+            if current.status != "done":  # a shard taken over and finished twice merges once
+                snapshot = jobs.load_layers(session=session, run_id=shard.run_id, shard=jobs.SNAPSHOT)
+                merged = state if snapshot is None else _state(snapshot, loaded.device).merge(state)
+                jobs.save_layers(
+                    session=session, run_id=shard.run_id, shard=jobs.SNAPSHOT, layers=_layers(merged)
+                )
+                jobs.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
             session.commit()
 
     def finish(self, job: Job) -> None:
@@ -348,8 +356,8 @@ class Worker:
         loaded = self.model(options)
         with self.sessions() as session:
             run_id = job.run_id
-            state = MiningState.from_bytes(
-                session.scalars(select(MiningSnapshot.state).where(MiningSnapshot.run_id == run_id)).one()
+            state = _state(
+                jobs.load_layers(session=session, run_id=run_id, shard=jobs.SNAPSHOT), loaded.device
             )
             corpus_id = session.get(Run, run_id).corpus_id
             for table in (Trigger, ValueToken, KeyStats):  # a finisher that died may have stored some
@@ -380,7 +388,7 @@ class Worker:
                 self.timings["storing"] += time.perf_counter() - t1
             queries.finish_run(session=session, run_id=run_id, n_tokens=state.positions)
             jobs.finish_job(session=session, job_id=job.id)
-            session.execute(delete(MiningSnapshot).where(MiningSnapshot.run_id == run_id))
+            jobs.drop_layers(session=session, run_id=run_id)
             session.commit()
 
     # -- what a worker holds ----------------------------------------------------------------------
@@ -426,6 +434,14 @@ class Worker:
                 storing_seconds=self.timings["storing"],
                 already_built=already_built,
             )
+
+
+def _layers(state: MiningState) -> list[bytes]:
+    return [state.layer(layer).to_bytes() for layer in range(state.n_layers)]
+
+
+def _state(layers: list[bytes], device) -> MiningState:
+    return MiningState.from_layers([MinedLayer.from_bytes(data) for data in layers], device=device)
 
 
 def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:

@@ -1,4 +1,4 @@
-"""Jobs, corpus shards with leases and checkpoints, and each run's merged mining snapshot.
+"""Jobs, corpus shards with leases, and mined layers (shard checkpoints and each run's snapshot).
 
 Revision ID: 0003
 Revises: 0002
@@ -43,16 +43,6 @@ def upgrade() -> None:
     op.create_index(op.f("ix_jobs_fingerprint"), "jobs", ["fingerprint"], unique=False)
     op.create_index(op.f("ix_jobs_status"), "jobs", ["status"], unique=False)
     op.create_table(
-        "mining_snapshots",
-        sa.Column("run_id", sa.Integer(), nullable=False),
-        sa.Column("shards", sa.JSON(), nullable=False),
-        sa.Column("state", sa.LargeBinary(), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_mining_snapshots_run_id_runs"), ondelete="CASCADE"
-        ),
-        sa.PrimaryKeyConstraint("run_id", name=op.f("pk_mining_snapshots")),
-    )
-    op.create_table(
         "shards",
         sa.Column("run_id", sa.Integer(), nullable=False),
         sa.Column("index", sa.Integer(), nullable=False),
@@ -65,18 +55,28 @@ def upgrade() -> None:
         sa.Column("sentences_done", sa.Integer(), nullable=False),
         sa.Column("tokens_done", sa.Integer(), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("checkpoint", sa.LargeBinary(), nullable=True),
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.id"], name=op.f("fk_shards_run_id_runs"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("run_id", "index", name=op.f("pk_shards")),
     )
+    op.create_table(
+        "mined_layers",
+        sa.Column("run_id", sa.Integer(), nullable=False),
+        sa.Column("shard", sa.Integer(), nullable=False),
+        sa.Column("layer", sa.SmallInteger(), nullable=False),
+        sa.Column("data", sa.LargeBinary(), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["run_id"], ["runs.id"], name=op.f("fk_mined_layers_run_id_runs"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("run_id", "shard", "layer", name=op.f("pk_mined_layers")),
+    )
 
 
 def downgrade() -> None:
     """Downgrade the schema."""
+    op.drop_table("mined_layers")
     op.drop_table("shards")
-    op.drop_table("mining_snapshots")
     op.drop_index(op.f("ix_jobs_status"), table_name="jobs")
     op.drop_index(op.f("ix_jobs_fingerprint"), table_name="jobs")
     op.drop_table("jobs")

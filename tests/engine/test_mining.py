@@ -9,6 +9,7 @@ import torch
 
 from engine.corpus import length_bucketed_batches
 from engine.hooks import capture
+from engine.mined import MinedLayer
 from engine.mining import MiningState, histogram_bins, histogram_edges, mine_batches, shard_batches
 
 TOP_K = 5
@@ -107,8 +108,8 @@ def test_checkpoint_and_resume_equal_one_pass(tiny, sentences, tmp_path):
     ids, first = sentences
     one = mine(tiny, ids, first, 100, shard_sentences=16)
     partial = mine(tiny, ids, first, 100, shard_sentences=16, shards=[0])
-    (tmp_path / "checkpoint.npz").write_bytes(partial.to_bytes())
-    resumed = MiningState.from_bytes((tmp_path / "checkpoint.npz").read_bytes())
+    saved = [partial.layer(layer).to_bytes() for layer in range(partial.n_layers)]  # what a checkpoint stores
+    resumed = MiningState.from_layers([MinedLayer.from_bytes(data) for data in saved])
     for shard in (1, 2):
         mine_batches(
             tiny,
@@ -116,6 +117,23 @@ def test_checkpoint_and_resume_equal_one_pass(tiny, sentences, tmp_path):
             resumed,
         )
     assert_same_state(one, resumed)
+
+
+def test_numpy_merge_of_mined_layers_equals_the_engine_merge(tiny, sentences):
+    """The web's provisional view merges stored layers with numpy; it must agree with the engine."""
+    ids, first = sentences
+    parts = [mine(tiny, ids, first, 100, shard_sentences=16, shards=[shard]) for shard in (0, 1, 2)]
+    engine = mine(tiny, ids, first, 100, shard_sentences=16)
+    for layer in range(engine.n_layers):
+        merged = MinedLayer.merge([part.layer(layer) for part in parts])
+        expected = engine.layer(layer)
+        for sign in (1, -1):
+            assert (merged.sentence[sign] == expected.sentence[sign]).all()
+            assert (merged.position[sign] == expected.position[sign]).all()
+            assert (merged.coefficient[sign] == expected.coefficient[sign]).all()
+        assert (merged.histogram == expected.histogram).all() and merged.positions == expected.positions
+        assert merged.density() == pytest.approx(engine.density(layer).numpy())
+        assert merged.positive_share() == pytest.approx(engine.positive_share(layer).numpy())
 
 
 def assert_same_state(a: MiningState, b: MiningState):

@@ -1,0 +1,131 @@
+"""One layer's mining result as plain numpy arrays (no torch): the format in which checkpoints and a
+run's snapshot are stored, one row per layer, so the web process can read provisional results.
+
+Also the statistics read off the coefficient histogram, in one place for the engine and the web:
+the bin edges, the share of positive coefficients and the density.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+SIGNS = (1, -1)  # +1: highest coefficients; −1: most negative
+OCTAVES = 21  # magnitude bins per sign: |m| < 2^-9, [2^-9, 2^-8), …, [2^9, 2^10), ≥ 2^10
+ZERO_BIN = OCTAVES  # +0.0 (and positive subnormals) sit between the negative and positive bins
+DENSITY_OCTAVES = 3  # density: positions within this many octaves of a key's peak |coefficient|
+
+
+def histogram_edges() -> list[float]:
+    """Bin edges shared by every key: −2^10 … −2^-9, 0, 0, 2^-9 … 2^10 (43 bins).
+
+    Bins 0…20 hold negative coefficients by magnitude (bin 0: m ≤ −2^10, bin 20: −2^-9 < m ≤ −0.0),
+    bin 21 holds +0.0 exactly, bins 22…42 positive ones (bin 22: 0 < m < 2^-9, bin 42: m ≥ 2^10).
+    A value exactly on an edge goes to the bin of larger magnitude. Bins are read straight off the
+    float's sign and exponent bits, which keeps the histogram cheap enough to take over every
+    mined position; the positive share is the mass of bins 22…42.
+    """
+    magnitudes = [2.0**e for e in range(-9, 11)]  # 20 edges per sign
+    return [-m for m in reversed(magnitudes)] + [0.0, 0.0] + magnitudes
+
+
+def positive_share(histogram: np.ndarray, positions: int) -> np.ndarray:
+    """Share of positions with m > 0, per key: [keys, bins] → [keys]."""
+    return histogram[:, ZERO_BIN + 1 :].sum(axis=-1) / max(positions, 1)
+
+
+def density(histogram: np.ndarray, positions: int, octaves: int = DENSITY_OCTAVES) -> np.ndarray:
+    """Share of positions whose |m| lies in the key's top `octaves` occupied magnitude octaves.
+
+    With the default 3: the positions where the memory fires within about 1/8 of its peak
+    |coefficient|, either sign. Exact on the histogram's octave bins; 0 for a key never mined.
+    """
+    magnitude = histogram[:, :ZERO_BIN][:, ::-1] + histogram[:, ZERO_BIN + 1 :]  # [keys, octaves]
+    octave = np.arange(OCTAVES)  # [octaves]
+    peak = np.where(magnitude > 0, octave, -1).max(axis=-1, keepdims=True)  # [keys, 1]
+    near_peak = (octave > peak - octaves) & (peak >= 0)  # [keys, octaves]
+    return (magnitude * near_peak).sum(axis=-1) / max(positions, 1)  # [keys]
+
+
+@dataclass
+class MinedLayer:
+    """A layer's running top-T per sign (coefficients, sentences, positions) and key statistics.
+
+    Empty slots have sentence −1 and coefficient −inf (sign +1) or +inf (sign −1).
+    """
+
+    coefficient: dict[int, np.ndarray]  # sign → [keys, T] float32
+    sentence: dict[int, np.ndarray]  # sign → [keys, T] int64
+    position: dict[int, np.ndarray]  # sign → [keys, T] int64
+    histogram: np.ndarray  # [keys, bins] int64
+    total: np.ndarray  # [keys] float64: the sum of every coefficient
+    positions: int  # positions mined
+    sentences: int  # sentences mined
+
+    @property
+    def top_k(self) -> int:
+        return self.coefficient[1].shape[1]
+
+    def to_bytes(self) -> bytes:
+        arrays = {
+            "histogram": self.histogram,
+            "total": self.total,
+            "counts": np.array([self.positions, self.sentences]),
+        }
+        for sign in SIGNS:
+            arrays[f"coefficient{sign:+d}"] = self.coefficient[sign]
+            arrays[f"sentence{sign:+d}"] = self.sentence[sign]
+            arrays[f"position{sign:+d}"] = self.position[sign]
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> MinedLayer:
+        with np.load(io.BytesIO(data)) as arrays:
+            positions, sentences = (int(n) for n in arrays["counts"])
+            return cls(
+                coefficient={sign: arrays[f"coefficient{sign:+d}"] for sign in SIGNS},
+                sentence={sign: arrays[f"sentence{sign:+d}"] for sign in SIGNS},
+                position={sign: arrays[f"position{sign:+d}"] for sign in SIGNS},
+                histogram=arrays["histogram"],
+                total=arrays["total"],
+                positions=positions,
+                sentences=sentences,
+            )
+
+    @classmethod
+    def merge(cls, parts: list[MinedLayer]) -> MinedLayer:
+        """The layer mined over every part's sentences (parts cover disjoint sentences): per key, the
+        top-T of all parts by s·m descending, then sentence ascending — the engine's order."""
+        first = parts[0]
+        coefficient, sentence, position = {}, {}, {}
+        for sign in SIGNS:
+            values = np.concatenate([sign * p.coefficient[sign] for p in parts], axis=1)  # [keys, Σ T]
+            sentences = np.concatenate([p.sentence[sign] for p in parts], axis=1)  # [keys, Σ T]
+            positions = np.concatenate([p.position[sign] for p in parts], axis=1)  # [keys, Σ T]
+            tie = np.where(sentences < 0, np.iinfo(np.int64).max, sentences)  # empty slots last
+            order = np.lexsort((tie, -values), axis=-1)[:, : first.top_k]  # [keys, T]
+            coefficient[sign] = sign * np.take_along_axis(values, order, axis=1)
+            sentence[sign] = np.take_along_axis(sentences, order, axis=1)
+            position[sign] = np.take_along_axis(positions, order, axis=1)
+        return cls(
+            coefficient=coefficient,
+            sentence=sentence,
+            position=position,
+            histogram=sum(p.histogram for p in parts),
+            total=sum(p.total for p in parts),
+            positions=sum(p.positions for p in parts),
+            sentences=sum(p.sentences for p in parts),
+        )
+
+    def mean(self) -> np.ndarray:
+        return self.total / max(self.positions, 1)  # [keys]
+
+    def positive_share(self) -> np.ndarray:
+        return positive_share(self.histogram, self.positions)  # [keys]
+
+    def density(self) -> np.ndarray:
+        return density(self.histogram, self.positions)  # [keys]
