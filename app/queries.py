@@ -402,6 +402,27 @@ def get_value_tokens(
     return list(session.scalars(query.order_by(ValueToken.rank)))
 
 
+def layer_value_tokens(
+    *, session: Session, run_id: int, layer: int, readout: str, direction: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, probabilities), each [keys, n]: every value's stored top or bottom tokens of a layer."""
+    query = (
+        select(ValueToken.key, ValueToken.token_id, ValueToken.prob)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.readout == readout,
+            ValueToken.direction == direction,
+        )
+        .order_by(ValueToken.key, ValueToken.rank)
+    )
+    rows = session.execute(query).all()
+    keys = len({row.key for row in rows})
+    ids = np.array([row.token_id for row in rows], dtype=np.int64).reshape(keys, -1)
+    probs = np.array([row.prob for row in rows], dtype=np.float64).reshape(keys, -1)
+    return ids, probs
+
+
 def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
     """One key's statistics, if stored."""
     return session.get(KeyStats, (run_id, layer, key))

@@ -30,7 +30,6 @@ class ValueTokens:
     token_ids: torch.Tensor  # [keys, n] int64
     logits: torch.Tensor  # [keys, n]
     probs: torch.Tensor  # [keys, n]
-    target_rank: torch.Tensor | None = None  # [keys]: rank of project_layer's `targets` (top only)
 
 
 def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> torch.Tensor:
@@ -43,37 +42,46 @@ def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> tor
     raise ValueError(f"unknown readout {readout!r}; choose from {READOUTS}")
 
 
-def project_layer(
-    loaded: LoadedModel, layer: int, n: int = 30, chunk: int = 512, targets: torch.Tensor | None = None
-) -> Iterator[ValueTokens]:
-    """Top and bottom `n` tokens of every value of `layer`, for each readout.
-
-    `targets` ([keys] token ids, −1 for none) adds each target's 0-based rank in its value's full
-    distribution (the number of tokens with a higher logit; −1 where there is no target) to the
-    top lists, at no extra projection.
-    """
+def layer_logits(
+    loaded: LoadedModel, layer: int, readout: str, chunk: int = 512
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first key, float32 logits [chunk, vocab]) for the layer's values, a chunk of keys at a time."""
     block = loaded.adapter.blocks(loaded.model)[layer]
     values = loaded.adapter.value_matrix(block)  # [keys, d]
     with torch.inference_mode():
-        for readout in READOUTS:
-            parts, ranks = {1: [], -1: []}, []
-            for start in range(0, values.shape[0], chunk):
-                logits = value_logits(
-                    loaded, values[start : start + chunk], readout
-                ).float()  # [chunk, vocab]
-                log_z = logits.logsumexp(dim=-1, keepdim=True)  # [chunk, 1]
-                for direction in (1, -1):
-                    top, ids = logits.topk(n, dim=-1, largest=direction == 1)  # [chunk, n] each
-                    parts[direction].append((ids, top, (top - log_z).exp()))
-                if targets is not None:
-                    target = targets[start : start + chunk].to(logits.device)[:, None]  # [chunk, 1]
-                    own = logits.gather(1, target.clamp(min=0))  # [chunk, 1]
-                    rank = (logits > own).sum(dim=-1)  # [chunk]
-                    ranks.append(torch.where(target[:, 0] >= 0, rank, -1))
+        for start in range(0, values.shape[0], chunk):
+            yield (
+                start,
+                value_logits(loaded, values[start : start + chunk], readout).float(),
+            )  # [chunk, vocab]
+
+
+def project_layer(loaded: LoadedModel, layer: int, n: int = 30, chunk: int = 512) -> Iterator[ValueTokens]:
+    """Top and bottom `n` tokens of every value of `layer`, for each readout."""
+    for readout in READOUTS:
+        parts = {1: [], -1: []}
+        for _, logits in layer_logits(loaded, layer, readout, chunk):
+            log_z = logits.logsumexp(dim=-1, keepdim=True)  # [chunk, 1]
             for direction in (1, -1):
-                ids, top, probs = (torch.cat(t).cpu() for t in zip(*parts[direction], strict=True))
-                target_rank = torch.cat(ranks).cpu() if ranks and direction == 1 else None
-                yield ValueTokens(layer, readout, direction, ids, top, probs, target_rank)
+                top, ids = logits.topk(n, dim=-1, largest=direction == 1)  # [chunk, n] each
+                parts[direction].append((ids, top, (top - log_z).exp()))
+        for direction in (1, -1):
+            ids, top, probs = (torch.cat(t).cpu() for t in zip(*parts[direction], strict=True))
+            yield ValueTokens(layer, readout, direction, ids, top, probs)
+
+
+def target_ranks(
+    loaded: LoadedModel, layer: int, targets: torch.Tensor, readout: str = "raw", chunk: int = 512
+) -> torch.Tensor:
+    """Each target's 0-based rank in its value's full distribution: the number of tokens with a
+    higher logit ([keys] token ids in, [keys] ranks out; −1 where the target is −1)."""
+    ranks = []
+    for start, logits in layer_logits(loaded, layer, readout, chunk):
+        target = targets[start : start + logits.shape[0]].to(logits.device)[:, None]  # [chunk, 1]
+        own = logits.gather(1, target.clamp(min=0))  # [chunk, 1]
+        rank = (logits > own).sum(dim=-1)  # [chunk]
+        ranks.append(torch.where(target[:, 0] >= 0, rank, -1))
+    return torch.cat(ranks).cpu()  # [keys]
 
 
 def value_norms(loaded: LoadedModel, layer: int) -> torch.Tensor:

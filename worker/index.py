@@ -32,7 +32,7 @@ from engine.errors import FfmemError
 from engine.loading import LoadedModel, load_model
 from engine.mined import MinedLayer, histogram_edges
 from engine.mining import MiningState, mine_batches, shard_batches
-from engine.projection import project_layer, value_norms
+from engine.projection import project_layer, target_ranks, value_norms
 
 # The options that define a run (a job's fingerprint); device, cache and progress are the worker's own.
 RUN_FIELDS = (
@@ -266,6 +266,7 @@ class Worker:
                 n_sentences=corpus.n_sentences,
                 shard_sentences=options.shard_sentences,
             )
+            self.project_values(session, job, run.id, loaded, options)
             session.get(Job, job.id).run_id = run.id
             jobs.release_job(session=session, job_id=job.id)
             session.commit()
@@ -351,35 +352,29 @@ class Worker:
             session.commit()
 
     def finish(self, job: Job) -> None:
-        """Every shard is mined: project the values and store triggers, statistics and value tokens."""
+        """Every shard is mined: store the triggers and key statistics (with key–value agreement)."""
         options = self.options.with_run_options(job.options)
         loaded = self.model(options)
         with self.sessions() as session:
             run_id = job.run_id
-            state = _state(
-                jobs.load_layers(session=session, run_id=run_id, shard=jobs.SNAPSHOT), loaded.device
-            )
+            layers = jobs.load_layers(session=session, run_id=run_id, shard=jobs.SNAPSHOT)
+            state = _state(layers, loaded.device)
             corpus_id = session.get(Run, run_id).corpus_id
-            for table in (Trigger, ValueToken, KeyStats):  # a finisher that died may have stored some
+            for table in (Trigger, KeyStats):  # a finisher that died may have stored some
                 session.execute(delete(table).where(table.run_id == run_id))
             session.commit()
         _, _, following = self.corpus(corpus_id)
         with self.sessions() as session:
             for layer in tqdm(
-                range(loaded.n_layers),
-                desc="projecting and storing",
-                unit="layer",
-                disable=not options.progress,
+                range(loaded.n_layers), desc="storing", unit="layer", disable=not options.progress
             ):
                 t0 = time.perf_counter()
                 _, sentence, position = state.triggers(layer, 1)  # [keys, T] each
                 next_tokens = next_token_ids(following, sentence, position)  # [keys, T]
-                projected = list(
-                    project_layer(loaded, layer, options.value_tokens, targets=next_tokens[:, 0])
-                )
-                norms = value_norms(loaded, layer)
+                ranks = target_ranks(loaded, layer, next_tokens[:, 0])  # [keys]
+                norms = value_norms(loaded, layer)  # [keys]
                 t1 = time.perf_counter()
-                _store_layer(session, run_id, layer, state, projected, norms, next_tokens)
+                _store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
                 if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
                     session.rollback()
                     raise LostLease(f"job {job.id} was taken over while storing")
@@ -390,6 +385,31 @@ class Worker:
             jobs.finish_job(session=session, job_id=job.id)
             jobs.drop_layers(session=session, run_id=run_id)
             session.commit()
+
+    def project_values(self, session: Session, job: Job, run_id: int, loaded: LoadedModel, options) -> None:
+        """Every value's top and bottom tokens under both readouts: they need no corpus, so the pages
+        show them while the run is still mining."""
+        for layer in tqdm(
+            range(loaded.n_layers), desc="projecting values", unit="layer", disable=not options.progress
+        ):
+            t0 = time.perf_counter()
+            projected = list(project_layer(loaded, layer, options.value_tokens))
+            t1 = time.perf_counter()
+            for p in projected:
+                queries.store_value_tokens(
+                    session=session,
+                    run_id=run_id,
+                    layer=layer,
+                    readout=p.readout,
+                    direction=p.direction,
+                    token_ids=p.token_ids.numpy(),
+                    logits=p.logits.numpy(),
+                    probs=p.probs.numpy(),
+                )
+            if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
+                raise LostLease(f"job {job.id} was taken over while projecting")
+            self.timings["projection"] += t1 - t0
+            self.timings["storing"] += time.perf_counter() - t1
 
     # -- what a worker holds ----------------------------------------------------------------------
     def model(self, options: IndexOptions) -> LoadedModel:
@@ -506,17 +526,20 @@ def _store_layer(
     run_id: int,
     layer: int,
     state: MiningState,
-    projected,
-    norms,
     next_tokens: torch.Tensor,
+    ranks: torch.Tensor,
+    norms: torch.Tensor,
 ) -> int:
-    """Store one layer's triggers (both signs), key statistics and value tokens; returns triggers stored.
+    """Store one layer's triggers (both signs) and key statistics; returns triggers stored.
 
     Key–value agreement: how many of a key's positive triggers are followed by one of its value's
-    top raw tokens; and the raw rank of the token after its top trigger (the paper's Figs. 4–5).
+    top raw tokens (stored when the run was prepared); and `ranks`, the raw rank of the token after
+    each key's top trigger (the paper's Figs. 4–5).
     """
-    raw_top = next(p for p in projected if p.readout == "raw" and p.direction == 1)
-    agrees = (next_tokens[:, :, None] == raw_top.token_ids[:, None, :]).any(dim=-1)  # [keys, T]
+    top_ids, top_probs = queries.layer_value_tokens(
+        session=session, run_id=run_id, layer=layer, readout="raw", direction=1
+    )  # [keys, n] each
+    agrees = (next_tokens[:, :, None] == torch.from_numpy(top_ids)[:, None, :]).any(dim=-1)  # [keys, T]
     stored = 0
     for sign in (1, -1):
         coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T] each
@@ -542,21 +565,10 @@ def _store_layer(
         value_norm=norms.numpy(),
         histogram=state.histogram[layer].cpu().numpy(),
         density=state.density(layer).numpy(),
-        max_prob=raw_top.probs[:, 0].numpy(),
+        max_prob=top_probs[:, 0],
         agreement=(agrees & (next_tokens >= 0)).sum(dim=-1).numpy(),
-        next_token_rank=raw_top.target_rank.numpy(),
+        next_token_rank=ranks.numpy(),
     )
-    for p in projected:
-        queries.store_value_tokens(
-            session=session,
-            run_id=run_id,
-            layer=layer,
-            readout=p.readout,
-            direction=p.direction,
-            token_ids=p.token_ids.numpy(),
-            logits=p.logits.numpy(),
-            probs=p.probs.numpy(),
-        )
     return stored
 
 
