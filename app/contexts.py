@@ -113,6 +113,7 @@ class ModelContext(BaseModel):
     model: ModelInfo
     run: RunInfo
     layers: list[LayerSummary]
+    provisional: float | None = None  # while the run mines: the share of the corpus these results cover
 
 
 class TokenScore(BaseModel):
@@ -143,7 +144,7 @@ class KeyRow(BaseModel):
     agreement: int | None
     max_prob: float | None
     next_token_rank: int | None
-    value_norm: float
+    value_norm: float | None
 
 
 class Trigger(BaseModel):
@@ -190,7 +191,7 @@ class KeyStatsView(BaseModel):
     max_prob: float | None
     agreement: int | None
     next_token_rank: int | None
-    value_norm: float
+    value_norm: float | None
 
 
 class Histogram(BaseModel):
@@ -224,6 +225,7 @@ class KeyContext(BaseModel):
     histogram: Histogram | None
     agreement: Agreement
     links: Links
+    provisional: float | None = None  # while the run mines: the share of the corpus these results cover
 
 
 class LayerContext(BaseModel):
@@ -243,6 +245,7 @@ class LayerContext(BaseModel):
     total: int  # keys that pass the filter
     pages: int
     keys: list[KeyRow]
+    provisional: float | None = None  # while the run mines: the share of the corpus these results cover
 
 
 class TokenMatch(BaseModel):

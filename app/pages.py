@@ -10,9 +10,10 @@ import math
 import random
 import re
 
+import numpy as np
 from sqlalchemy.orm import Session
 
-from app import jobs, queries, urls
+from app import jobs, provisional, queries, urls
 from app.contexts import (
     Agreement,
     Histogram,
@@ -61,11 +62,14 @@ def model_or_404(session: Session, slug: str) -> LanguageModel:
 
 
 def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Run:
-    """The pinned run (`?run=`) or the model's newest finished one."""
+    """The pinned run (`?run=`), or the model's newest finished one, or else the run being built
+    (provisional results) once it has mined something."""
     if run_id is None:
         run = queries.latest_finished_run(session=session, model_id=model.id)
         if run is None:
             building = jobs.building(session=session, model_id=model.id)
+            if building is not None and provisional.has_results(session, building.run):
+                return building.run
             where = (
                 f" Job {building.id} is building one: see {urls.job_url(building.id)}." if building else ""
             )
@@ -77,8 +81,10 @@ def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Ru
     if run is None or run.model_id != model.id:
         known = ", ".join(str(r.id) for r in model.runs) or "none"
         raise AppError(404, "Unknown run", f"Model {model.slug!r} has no run {run_id}. Its runs: {known}.")
-    if run.status != "done":
-        raise AppError(404, "Run not finished", f"Run {run_id} is {run.status}; its results are not stored.")
+    if run.status == "failed":
+        raise AppError(404, "Run failed", f"Run {run_id} failed; its results are not stored.")
+    if run.status != "done" and not provisional.has_results(session, run):
+        raise AppError(404, "Run not started", f"Run {run_id} has mined nothing yet.")
     return run
 
 
@@ -203,6 +209,15 @@ def _aware(moment):
 def model_page(session: Session, slug: str, run_id: int | None) -> ModelContext:
     model = model_or_404(session, slug)
     run = run_or_404(session, model, run_id)
+    if run.status != "done":
+        layers, covered = _provisional_layers(session, model, run)
+        return ModelContext(
+            title=f"{model.slug}: layers",
+            model=model_info(model),
+            run=run_info(run),
+            layers=layers,
+            provisional=covered,
+        )
     layers = []
     for row in queries.layer_summaries(session=session, run_id=run.id):
         values = row._asdict()
@@ -231,18 +246,16 @@ def layer_page(
     check_layer(model, layer)
     run = run_or_404(session, model, run_id)
     token_ids = token_candidates(session, model, token) if token else None
-    total, stats = queries.layer_keys(
-        session=session,
-        run_id=run.id,
-        layer=layer,
-        sort=sort,
-        descending=order == "desc",
-        offset=(page - 1) * per_page,
-        limit=per_page,
-        token_ids=token_ids,
-    )
+    window = dict(sort=sort, descending=order == "desc", offset=(page - 1) * per_page, limit=per_page)
+    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
+    if mined is None:
+        total, stats = queries.layer_keys(
+            session=session, run_id=run.id, layer=layer, token_ids=token_ids, **window
+        )
+        tops = queries.top_triggers(session=session, run_id=run.id, layer=layer, keys=[s.key for s in stats])
+    else:
+        total, stats, tops = provisional.layer_keys(session, run, mined, layer, token_ids=token_ids, **window)
     keys = [s.key for s in stats]
-    tops = queries.top_triggers(session=session, run_id=run.id, layer=layer, keys=keys)
     values = queries.top_value_tokens(
         session=session, run_id=run.id, layer=layer, keys=keys, readout="raw", n=5
     )
@@ -288,6 +301,7 @@ def layer_page(
         total=total,
         pages=max(1, -(-total // per_page)),
         keys=rows,
+        provisional=None if mined is None else provisional.fraction(run, mined),
     )
 
 
@@ -298,9 +312,15 @@ def key_page(
     check_key(model, layer, key)
     run = run_or_404(session, model, run_id)
     where = dict(session=session, run_id=run.id, layer=layer, key=key)
-    positive = queries.get_triggers(**where, sign=1, limit=limit)
-    negative = queries.get_triggers(**where, sign=-1, limit=limit)
-    more = queries.count_triggers(**where, sign=1) - len(positive)
+    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
+    if mined is None:
+        positive = queries.get_triggers(**where, sign=1, limit=limit)
+        negative = queries.get_triggers(**where, sign=-1, limit=limit)
+        more = queries.count_triggers(**where, sign=1) - len(positive)
+    else:
+        every = provisional.triggers(mined, run, layer, key, 1)
+        positive, more = every[:limit], len(every) - min(limit, len(every))
+        negative = provisional.triggers(mined, run, layer, key, -1, limit)
     value_rows = {
         (readout, direction): queries.get_value_tokens(**where, readout=readout, direction=direction)
         for readout in READOUTS
@@ -316,11 +336,17 @@ def key_page(
     bottom_ids = [v.token_id for v in value_rows["raw", -1]]
     triggers = [trigger_view(t, sentences[t.sentence_index], texts, top_ids) for t in positive]
     negative_triggers = [trigger_view(t, sentences[t.sentence_index], texts, bottom_ids) for t in negative]
-    stats = queries.get_key_stats(**where)
+    if mined is None:
+        stored = queries.get_key_stats(**where)
+        stats = None if stored is None else KeyStatsView.model_validate(stored, from_attributes=True)
+        counts = None if stored is None else stored.histogram
+    else:
+        stats = _provisional_stats(session, run, mined, key, every, value_rows["raw", 1])
+        counts = mined.histogram[key].tolist()
     histogram = None
-    if stats is not None:
+    if counts is not None:
         edges = run.histogram_edges
-        histogram = Histogram(edges=edges, labels=bin_labels(edges), counts=stats.histogram)
+        histogram = Histogram(edges=edges, labels=bin_labels(edges), counts=counts)
     value = {
         readout: ValueReadout(
             top=[_score(v, texts) for v in value_rows[readout, 1]],
@@ -346,8 +372,9 @@ def key_page(
         negative_triggers=negative_triggers,
         more_triggers=more,
         value=value,
-        stats=None if stats is None else KeyStatsView.model_validate(stats, from_attributes=True),
+        stats=stats,
         histogram=histogram,
+        provisional=None if mined is None else provisional.fraction(run, mined),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -362,6 +389,62 @@ def key_page(
             layer=urls.layer_url(slug, layer),
         ),
     )
+
+
+def _provisional_layers(session: Session, model: LanguageModel, run: Run) -> tuple[list[LayerSummary], float]:
+    """Layer summaries of a run still mining, and the share of the corpus they cover."""
+    layers, covered = [], 1.0
+    for layer in range(model.n_layers):
+        mined = provisional.mined_layer(session, run, layer)
+        _, probs = queries.layer_value_tokens(
+            session=session, run_id=run.id, layer=layer, readout="raw", direction=1
+        )
+        high, _ = provisional.extremes(mined)
+        covered = min(covered, provisional.fraction(run, mined))
+        layers.append(
+            LayerSummary(
+                layer=layer,
+                keys=model.n_keys,
+                positive_share=float(mined.positive_share().mean()),
+                density=float(mined.density().mean()),
+                max_coefficient=None if np.isnan(high).all() else float(np.nanmax(high)),
+                max_prob=float(probs[:, 0].max()) if probs.size else None,
+                mean_max_prob=float(probs[:, 0].mean()) if probs.size else None,
+                agreement_rate=None,
+                agreeing_keys=None,
+                value_norm=None,
+            )
+        )
+    return layers, covered
+
+
+def _provisional_stats(
+    session: Session, run: Run, mined, key: int, positive: list, raw_top: list
+) -> KeyStatsView:
+    """A key's statistics so far; agreement over every positive trigger so far (no next-token rank or
+    value norm until the run is stored)."""
+    sentences = queries.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in positive]
+    )
+    top_ids = {v.token_id for v in raw_top}
+    following = [_next_token(sentences[t.sentence_index], t.position) for t in positive]
+    high, low = (float(x[key]) for x in provisional.extremes(mined))
+    return KeyStatsView(
+        mean=float(mined.mean()[key]),
+        positive_share=float(mined.positive_share()[key]),
+        density=float(mined.density()[key]),
+        max_coefficient=None if math.isnan(high) else high,
+        min_coefficient=None if math.isnan(low) else low,
+        max_prob=raw_top[0].prob if raw_top else None,
+        agreement=sum(token in top_ids for token in following if token is not None),
+        next_token_rank=None,
+        value_norm=None,
+    )
+
+
+def _next_token(sentence: Sentence, position: int) -> int | None:
+    ids = sentence.token_ids
+    return ids[position + 1] if position + 1 < len(ids) else None
 
 
 def search_page(

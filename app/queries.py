@@ -534,23 +534,29 @@ def layer_keys(
         raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(KEY_SORTS)}")
     where = [KeyStats.run_id == run_id, KeyStats.layer == layer]
     if token_ids is not None:
-        promoting = (
-            select(ValueToken.key)
-            .where(
-                ValueToken.run_id == run_id,
-                ValueToken.layer == layer,
-                ValueToken.readout == readout,
-                ValueToken.direction == 1,
-                ValueToken.token_id.in_(list(token_ids)),
-            )
-            .distinct()
+        where.append(
+            KeyStats.key.in_(promoting_keys(run_id=run_id, layer=layer, token_ids=token_ids, readout=readout))
         )
-        where.append(KeyStats.key.in_(promoting))
     total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
     column = getattr(KeyStats, sort)
     ordering = [column.is_(None), column.desc() if descending else column.asc(), KeyStats.key.asc()]
     query = select(KeyStats).where(*where).order_by(*ordering).offset(offset).limit(limit)
     return total, list(session.scalars(query))
+
+
+def promoting_keys(*, run_id: int, layer: int, token_ids: Sequence[int], readout: str = "raw"):
+    """A query for the keys of a layer whose value has one of `token_ids` among its top tokens."""
+    return (
+        select(ValueToken.key)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.readout == readout,
+            ValueToken.direction == 1,
+            ValueToken.token_id.in_(list(token_ids)),
+        )
+        .distinct()
+    )
 
 
 def top_triggers(*, session: Session, run_id: int, layer: int, keys: Sequence[int]) -> dict[int, Trigger]:

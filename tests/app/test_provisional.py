@@ -1,0 +1,72 @@
+"""While a run mines, the model, layer and key pages show what is known so far, marked provisional;
+the numbers are exactly those of the shards mined so far; once stored, the pages show the final run."""
+
+from __future__ import annotations
+
+import pytest
+from explorer_index import EXPLORER_SENTENCES
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from app import jobs
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from app.main import create_app
+from app.models import LanguageModel
+from engine.mining import MiningState, mine_batches, shard_batches
+from worker.index import IndexOptions, Worker
+
+
+def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(EXPLORER_SENTENCES[:7] * 4) + "\n")  # 28 sentences: shards of 8, 8, 8, 4
+    chosen = dict(sentences=None, top_k=4, device="cpu", dtype="float32", batch_tokens=64, shard_sentences=8)
+    options = IndexOptions(
+        model=str(tiny_model_dir), corpus=str(corpus), cache_dir=tmp_path, progress=False, **chosen
+    )
+    sessions = make_sessionmaker(make_engine(db_url))
+    with sessions() as session:
+        job, _ = jobs.enqueue(session=session, options=options.run_options())
+        session.commit()
+    worker = Worker(sessions, options, loaded=tiny)
+    assert worker.step()  # prepare: corpus, run, shards, values
+    assert worker.step()  # mine shard 0 (sentences 0–7) and merge it
+    with sessions() as session:
+        slug = session.scalars(select(LanguageModel.slug)).one()
+        ids = [list(map(int, ids)) for ids in worker.corpus(1)[0]]
+    # What shard 0 alone mines, computed directly.
+    alone = MiningState(3, 48, 4)
+    mine_batches(
+        tiny, shard_batches(ids, [0] * len(ids), shard=0, shard_sentences=8, batch_tokens=64, pad_id=0), alone
+    )
+
+    app = create_app(Settings(database_url=db_url))
+    with TestClient(app) as client:
+        key = client.get(f"/m/{slug}/layers/1/keys/5.json").json()
+        assert key["provisional"] == pytest.approx(8 / 28) and key["run"]["status"] == "running"
+        coefficients, sentences, positions = alone.triggers(1, 1)
+        assert [t["sentence_index"] for t in key["triggers"]] == sentences[5].tolist()
+        assert [t["position"] for t in key["triggers"]] == positions[5].tolist()
+        assert [t["coefficient"] for t in key["triggers"]] == pytest.approx(coefficients[5].tolist())
+        assert key["stats"]["positive_share"] == pytest.approx(float(alone.positive_share(1)[5]))
+        assert key["stats"]["density"] == pytest.approx(float(alone.density(1)[5]))
+        assert key["histogram"]["counts"] == alone.histogram[1, 5].tolist()
+        assert key["value"]["raw"]["top"], "values are projected before mining starts"
+        assert "provisional — 29% of the corpus" in client.get(f"/m/{slug}/layers/1/keys/5").text
+
+        layer = client.get(f"/m/{slug}/layers/1.json?sort=max_coefficient&order=desc&per_page=5").json()
+        best = alone.triggers(1, 1)[0][:, 0]  # [keys]
+        assert [k["key"] for k in layer["keys"]] == best.argsort(descending=True)[:5].tolist()
+        assert layer["provisional"] == pytest.approx(8 / 28) and layer["total"] == 48
+        assert layer["keys"][0]["max_coefficient"] == pytest.approx(float(best.max()))
+        model = client.get(f"/m/{slug}.json").json()
+        assert model["provisional"] == pytest.approx(8 / 28) and len(model["layers"]) == 3
+        assert model["layers"][1]["density"] == pytest.approx(float(alone.density(1).mean()))
+        assert "provisional — 29%" in client.get(f"/m/{slug}").text
+
+        worker.work(job_id=job.id)  # the rest of the run, stored
+        final = client.get(f"/m/{slug}/layers/1/keys/5.json").json()
+        assert final["provisional"] is None and final["run"]["status"] == "done"
+        assert max(t["sentence_index"] for t in final["triggers"]) >= 0
+        assert "provisional" not in client.get(f"/m/{slug}/layers/1/keys/5").text.split("<main>")[1]
+    app.state.engine.dispose()
