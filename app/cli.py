@@ -233,26 +233,31 @@ def demo(
         return
 
     def enqueue():
-        from app import jobs
+        from app import jobs, queries
         from app.db import make_engine, make_sessionmaker, upgrade
 
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
+            built = queries.find_finished_run(
+                session=session, model_slug=settings.model, n_sentences=settings.sentences
+            )
+            if built is not None:
+                return built.id, "done"
             job, what = jobs.enqueue(session=session, options=jobs.run_options(settings))
             session.commit()
             return job.id, what
 
-    job_id, what = _fail_cleanly(enqueue)
+    number, what = _fail_cleanly(enqueue)
     worker_process = None
     if what == "done":
-        typer.echo(f"the default index is built (job {job_id}); database: {url}")
+        typer.echo(f"the default index is built (run {number}); database: {url}")
     else:
         import subprocess
         import sys
 
         command = [sys.executable, "-c", "from app.cli import main; main()", "worker", "--db", url]
         worker_process = subprocess.Popen(command)
-        typer.echo(f"building the default index in the background: http://127.0.0.1:{port}/jobs/{job_id}")
+        typer.echo(f"building the default index in the background: http://127.0.0.1:{port}/jobs/{number}")
     try:
         serve(db=url, host="127.0.0.1", port=port)
     finally:

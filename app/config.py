@@ -51,7 +51,7 @@ class Settings(BaseSettings):
         description="Sentences per shard: the unit of length bucketing, checkpointing and resuming.",
     )
     checkpoint_batches: int = Field(
-        8,
+        16,
         ge=1,
         description="A shard's running top-T is checkpointed to the database every this many batches.",
     )

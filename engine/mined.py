@@ -57,8 +57,8 @@ class MinedLayer:
     """
 
     coefficient: dict[int, np.ndarray]  # sign → [keys, T] float32
-    sentence: dict[int, np.ndarray]  # sign → [keys, T] int64
-    position: dict[int, np.ndarray]  # sign → [keys, T] int64
+    sentence: dict[int, np.ndarray]  # sign → [keys, T] int32
+    position: dict[int, np.ndarray]  # sign → [keys, T] int16 (sentences are at most 4,096 tokens)
     histogram: np.ndarray  # [keys, bins] int64
     total: np.ndarray  # [keys] float64: the sum of every coefficient
     positions: int  # positions mined

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine import mined
@@ -150,7 +151,8 @@ class MiningState:
         coefficient, sentence, position = {}, {}, {}
         for sign in SIGNS:
             c, s, p = self.triggers(layer, sign)  # [keys, T] each
-            coefficient[sign], sentence[sign], position[sign] = c.numpy(), s.numpy(), p.numpy()
+            coefficient[sign] = c.numpy()
+            sentence[sign], position[sign] = s.numpy().astype(np.int32), p.numpy().astype(np.int16)
         return MinedLayer(
             coefficient=coefficient,
             sentence=sentence,
@@ -169,9 +171,9 @@ class MiningState:
         for index, layer in enumerate(layers):
             for sign in SIGNS:
                 values = torch.from_numpy(sign * layer.coefficient[sign]).to(device)  # [keys, T]; −inf: empty
-                sentence = torch.from_numpy(layer.sentence[sign]).to(device)  # [keys, T]
+                sentence = torch.from_numpy(layer.sentence[sign]).to(device).long()  # [keys, T]
                 state.top[sign].order[index] = _order_key(values, sentence)
-                state.top[sign].position[index] = torch.from_numpy(layer.position[sign]).to(device)
+                state.top[sign].position[index] = torch.from_numpy(layer.position[sign]).to(device).long()
             state.histogram[index] = torch.from_numpy(layer.histogram).to(device)
             state.total[index] = torch.from_numpy(layer.total).to(device)
         state.positions, state.sentences = first.positions, first.sentences

@@ -62,7 +62,7 @@ class IndexOptions:
     value_tokens: int = 30
     cache_dir: Path = Path("data/cache")
     progress: bool = True
-    checkpoint_batches: int = 8
+    checkpoint_batches: int = 16
     lease_seconds: float = 120.0
 
     def run_options(self) -> dict:

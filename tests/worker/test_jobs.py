@@ -215,3 +215,49 @@ def test_sqlite_runs_one_worker(tmp_path):
         f"error: SQLite runs one worker at a time and elsewhere:1:abc is working on {url}; "
         "use Postgres (--db postgresql+psycopg://…) for several workers"
     )
+
+
+def test_a_lapsed_lease_passes_the_shard_to_another_worker(db_url, tiny, tiny_model_dir, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(SENTENCES * 4) + "\n")
+    sessions = make_sessionmaker(make_engine(db_url))
+    chosen = options(tiny_model_dir, corpus, tmp_path)
+    with sessions() as session:
+        job, _ = jobs.enqueue(session=session, options=chosen.run_options())
+        session.commit()
+    first = jobs_worker(sessions, chosen, tiny, "host-a:1:aaaaaa")
+    assert first.step()  # prepares the run
+    short = timedelta(milliseconds=50)
+    with sessions() as session:
+        run_id = session.get(Job, job.id).run_id
+        taken = jobs.claim_shard(session=session, run_id=run_id, worker=first.name, lease=short)
+        session.commit()
+        assert taken.index == 0
+    with sessions() as session:  # while the lease holds, another worker gets the next shard
+        assert (
+            jobs.claim_shard(session=session, run_id=run_id, worker="host-b:2:bbbbbb", lease=short).index == 1
+        )
+    time.sleep(0.1)  # the first worker stalls past its lease
+    with sessions() as session:
+        again = jobs.claim_shard(
+            session=session, run_id=run_id, worker="host-b:2:bbbbbb", lease=timedelta(minutes=5)
+        )
+        session.commit()
+        assert (again.index, again.worker) == (0, "host-b:2:bbbbbb")
+        lost = jobs.checkpoint_shard(
+            session=session,
+            shard=taken,
+            worker=first.name,
+            lease=short,
+            batches_done=1,
+            sentences_done=1,
+            tokens_done=1,
+            layers=None,
+        )
+        assert lost is False  # the stalled worker learns it lost the shard and stops
+
+
+def jobs_worker(sessions, chosen, tiny, name):
+    from worker.index import Worker
+
+    return Worker(sessions, chosen, loaded=tiny, name=name)

@@ -1,0 +1,208 @@
+"""Index jobs (a benchmark, not a test): `make bench` runs it after bench.py and web.py.
+
+- Checkpoint overhead: the mining loop of a shard (worker/index.Worker.mine_shard) with its database
+  checkpoints every `checkpoint_batches` batches over the same loop with progress updates only, on
+  the same batches of the default model (interleaved, best of 2). Target ≥ 0.95.
+- Two workers over one: one prepared run on Postgres, its shards mined by one `ffmem worker`, then
+  (shards reset) by two, on this machine, each worker's torch given cores / workers threads; mining
+  wall time from the first shard claimed to the last one merged.
+
+Figures go into bench-results.json under "jobs".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sqlalchemy import create_engine, delete, make_url, select, text, update  # noqa: E402
+
+from app import jobs  # noqa: E402
+from app.config import get_settings  # noqa: E402
+from app.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from app.models import Job, MinedLayerRow, Run, Shard  # noqa: E402
+from engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
+from worker.index import IndexOptions, Worker, _layers, _pad_id  # noqa: E402
+
+POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+SCHEMA = "ffmem_bench_jobs"
+RESULTS = ROOT / "bench-results.json"
+FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
+SENTENCES, SHARD_SENTENCES = 480, 120
+
+
+def bench_url() -> str:
+    admin = create_engine(POSTGRES)
+    with admin.begin() as connection:
+        connection.execute(text(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE'))
+        connection.execute(text(f'CREATE SCHEMA "{SCHEMA}"'))
+    admin.dispose()
+    url = make_url(POSTGRES).update_query_dict({"options": f"-csearch_path={SCHEMA}"})
+    return url.render_as_string(hide_password=False)
+
+
+def prepared_run(url: str) -> tuple[Worker, int, int]:
+    """A prepared run of the default model over SENTENCES sentences: (worker, job id, run id)."""
+    settings = get_settings()
+    options = IndexOptions(
+        sentences=SENTENCES,
+        shard_sentences=SHARD_SENTENCES,
+        cache_dir=Path(settings.cache_dir),
+        checkpoint_batches=settings.checkpoint_batches,
+        progress=False,
+    )
+    sessions = make_sessionmaker(make_engine(url))
+    with sessions() as session:
+        job, _ = jobs.enqueue(session=session, options=options.run_options(), again=True)
+        session.commit()
+    worker = Worker(sessions, options)
+    worker.step()  # prepare: corpus, run, shards, values
+    with sessions() as session:
+        run_id = session.get(Job, job.id).run_id
+    return worker, job.id, run_id
+
+
+def checkpoint_overhead(worker: Worker, run_id: int) -> dict:
+    """Mining one shard's batches with and without its database checkpoints, as mine_shard does."""
+    loaded = worker.loaded
+    with worker.sessions() as session:
+        corpus_id = session.get(Run, run_id).corpus_id
+    ids, first, _ = worker.corpus(corpus_id)
+    batches = shard_batches(
+        ids,
+        first,
+        shard=0,
+        shard_sentences=len(ids),
+        batch_tokens=worker.options.batch_tokens,
+        pad_id=_pad_id(loaded),
+    )
+    every = worker.options.checkpoint_batches
+    with worker.sessions() as session:
+        shard = session.scalars(select(Shard).where(Shard.run_id == run_id, Shard.index == 0)).one()
+        session.execute(update(Shard).where(Shard.run_id == run_id).values(worker=worker.name))
+        session.commit()
+
+    def mine(checkpoints: bool) -> float:
+        state = MiningState(loaded.n_layers, loaded.n_keys, worker.options.top_k)
+        start = time.perf_counter()
+        for number, batch in enumerate(batches, start=1):
+            mine_batches(loaded, [batch], state)
+            layers = _layers(state) if checkpoints and number % every == 0 else None
+            with worker.sessions() as session:
+                jobs.checkpoint_shard(
+                    session=session,
+                    shard=shard,
+                    worker=worker.name,
+                    lease=worker.lease,
+                    batches_done=number,
+                    sentences_done=0,
+                    tokens_done=0,
+                    layers=layers,
+                )
+                session.commit()
+        return time.perf_counter() - start
+
+    plain, checkpointed = [], []
+    for _ in range(2):
+        plain.append(mine(False))
+        checkpointed.append(mine(True))
+    tokens = sum(b.real_tokens for b in batches)
+    with worker.sessions() as session:
+        session.execute(delete(MinedLayerRow).where(MinedLayerRow.run_id == run_id, MinedLayerRow.shard >= 0))
+        session.execute(update(Shard).where(Shard.run_id == run_id).values(worker=None, batches_done=0))
+        session.commit()
+    return {
+        "sentences": len(ids),
+        "tokens": tokens,
+        "batches": len(batches),
+        "checkpoint_every_batches": every,
+        "checkpoints": len(batches) // every,
+        "without_tokens_per_s": tokens / min(plain),
+        "with_tokens_per_s": tokens / min(checkpointed),
+        "ratio": min(plain) / min(checkpointed),
+        "target": 0.95,
+    }
+
+
+def mining_wall(url: str, run_id: int, workers: int) -> float:
+    """Seconds from the first shard claimed to the last one merged, with `workers` worker processes."""
+    sessions = make_sessionmaker(make_engine(url))
+    # The machine's cores shared out: each worker's torch gets cores / workers threads.
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // workers)))
+    processes = [
+        subprocess.Popen([*FFMEM, "worker", "--once", "--db", url, "--poll", "0.2"], cwd=ROOT, env=env)
+        for _ in range(workers)
+    ]
+    started = None
+    try:
+        while True:
+            time.sleep(0.1)
+            with sessions() as session:
+                counts = jobs.shard_counts(session=session, run_id=run_id)
+            if started is None and (counts["running"] or counts["done"]):
+                started = time.perf_counter()
+            if counts["done"] == sum(counts.values()):
+                return time.perf_counter() - started
+    finally:
+        for process in processes:
+            process.wait(timeout=600)
+
+
+def reset(url: str, job_id: int, run_id: int) -> None:
+    """The run's shards back to pending (values stay): mine it again."""
+    sessions = make_sessionmaker(make_engine(url))
+    with sessions() as session:
+        session.execute(delete(MinedLayerRow).where(MinedLayerRow.run_id == run_id))
+        session.execute(
+            update(Shard)
+            .where(Shard.run_id == run_id)
+            .values(
+                status="pending",
+                worker=None,
+                lease_until=None,
+                batches_done=0,
+                sentences_done=0,
+                tokens_done=0,
+            )
+        )
+        session.execute(
+            update(Job).where(Job.id == job_id).values(status="running", worker=None, lease_until=None)
+        )
+        for table in ("triggers", "key_stats"):
+            session.execute(text(f"DELETE FROM {table} WHERE run_id = :run"), {"run": run_id})
+        session.execute(text("UPDATE runs SET status = 'running' WHERE id = :run"), {"run": run_id})
+        session.commit()
+
+
+def main() -> None:
+    url = bench_url()
+    upgrade(url)
+    worker, job_id, run_id = prepared_run(url)
+    results = {"checkpoint": checkpoint_overhead(worker, run_id)}
+    one = mining_wall(url, run_id, 1)
+    reset(url, job_id, run_id)
+    two = mining_wall(url, run_id, 2)
+    results["workers"] = {
+        "sentences": SENTENCES,
+        "shards": -(-SENTENCES // SHARD_SENTENCES),
+        "one_worker_s": one,
+        "two_workers_s": two,
+        "speedup": one / two,
+        "cores": os.cpu_count(),
+    }
+    print(json.dumps(results, indent=2))
+    existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    existing["jobs"] = results
+    RESULTS.write_text(json.dumps(existing, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
