@@ -23,6 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results import record  # noqa: E402
+
 from app.config import get_settings  # noqa: E402
 from engine.corpus import read_corpus, tokenize  # noqa: E402
 from engine.loading import load_model  # noqa: E402
@@ -177,11 +179,7 @@ def main() -> None:
         "peak memory: " + ", ".join(f"{p['sentences']} sentences {p['peak_rss_mib']:.0f} MiB" for p in peaks)
     )
 
-    path = ROOT / "bench-results.json"
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    previous["index"] = results
-    path.write_text(json.dumps(previous, indent=2) + "\n")
-    print(f"wrote {path}")
+    record("index", results)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from results import record  # noqa: E402
 from sqlalchemy import create_engine, delete, make_url, select, text, update  # noqa: E402
 
 from app import jobs  # noqa: E402
@@ -33,7 +34,6 @@ from worker.index import IndexOptions, Worker, _layers, _pad_id  # noqa: E402
 
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEMA = "ffmem_bench_jobs"
-RESULTS = ROOT / "bench-results.json"
 FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
 SENTENCES, SHARD_SENTENCES = 480, 120
 
@@ -198,10 +198,7 @@ def main() -> None:
         "cores": os.cpu_count(),
     }
     print(json.dumps(results, indent=2))
-    existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    existing["jobs"] = results
-    RESULTS.write_text(json.dumps(existing, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    record("jobs", results)
 
 
 if __name__ == "__main__":

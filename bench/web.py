@@ -26,13 +26,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from results import record  # noqa: E402
+
 from app import queries  # noqa: E402
 from app.config import get_settings  # noqa: E402
 from app.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 
 SAMPLES = 300
 CLIENTS, SECONDS = 32, 20.0
-RESULTS = ROOT / "bench-results.json"
 FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
 
 
@@ -152,10 +153,7 @@ def main() -> None:
         process.terminate()
         process.wait(timeout=30)
     print(json.dumps(results, indent=2))
-    existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    existing["web"] = results
-    RESULTS.write_text(json.dumps(existing, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    record("web", results)
 
 
 if __name__ == "__main__":
