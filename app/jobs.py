@@ -208,6 +208,7 @@ def claim_shard(*, session: Session, run_id: int, worker: str, lease: timedelta)
         moment + lease,
         moment,
     )
+    shard.started_at = shard.started_at or moment
     session.flush()
     return shard
 
@@ -361,12 +362,13 @@ def _alive(pid: int) -> bool:
 
 
 def progress(*, session: Session, run: Run) -> dict:
-    """Sentences and tokens mined so far, over all shards, and the share of the corpus."""
-    rows = session.execute(
-        select(Shard.sentences_done, Shard.tokens_done, Shard.status).where(Shard.run_id == run.id)
-    ).all()
+    """Sentences and tokens mined so far, over all shards, the share of the corpus, and since when."""
+    query = select(Shard.sentences_done, Shard.tokens_done, Shard.status, Shard.started_at)
+    rows = session.execute(query.where(Shard.run_id == run.id)).all()
     sentences = sum(r.sentences_done for r in rows)
+    started = [r.started_at for r in rows if r.started_at is not None]
     return {
+        "mining_since": min(started) if started else None,
         "sentences_done": sentences,
         "tokens_done": sum(r.tokens_done for r in rows),
         "shards": len(rows),

@@ -248,6 +248,7 @@ class Shard(Base):
     batches_done: Mapped[int] = mapped_column(Integer)  # batches in the checkpoint
     sentences_done: Mapped[int] = mapped_column(Integer)  # progress, also past the checkpoint
     tokens_done: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # first claimed
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 

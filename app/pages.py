@@ -178,7 +178,8 @@ def job_page(session: Session, job_id: int) -> JobContext:
     progress = None
     if run is not None:
         done = jobs.progress(session=session, run=run)
-        elapsed = (jobs.now() - _aware(run.started_at)).total_seconds()
+        since = done["mining_since"]
+        elapsed = (jobs.now() - _aware(since)).total_seconds() if since else 0.0
         rate = done["sentences_done"] / elapsed if elapsed > 0 and done["sentences_done"] else None
         finished = run.status == "done"
         progress = Progress(

@@ -54,6 +54,7 @@ def upgrade() -> None:
         sa.Column("batches_done", sa.Integer(), nullable=False),
         sa.Column("sentences_done", sa.Integer(), nullable=False),
         sa.Column("tokens_done", sa.Integer(), nullable=False),
+        sa.Column("started_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.id"], name=op.f("fk_shards_run_id_runs"), ondelete="CASCADE"
