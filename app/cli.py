@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -182,6 +183,7 @@ def worker(
             f"worker {worker.name} on {url}"
             + (" (one worker: SQLite)" if engine.dialect.name == "sqlite" else "")
         )
+        signal.signal(signal.SIGTERM, _stop)  # like Ctrl-C: release the leases on the way out
         worker.work(once=once, poll_seconds=poll)
 
     _fail_cleanly(run)
@@ -248,6 +250,7 @@ def demo(
             return job.id, what
 
     number, what = _fail_cleanly(enqueue)
+    signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down: stop the worker too
     worker_process = None
     if what == "done":
         typer.echo(f"the default index is built (run {number}); database: {url}")
@@ -264,6 +267,10 @@ def demo(
         if worker_process is not None:
             worker_process.terminate()  # its lease is released; the next `make demo` resumes the run
             worker_process.wait(timeout=30)
+
+
+def _stop(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _fail_cleanly(action):

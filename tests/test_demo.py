@@ -53,5 +53,13 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
         key = httpx.get(f"{base}/m/{slug}/layers/1/keys/2.json").json()
         assert len(key["triggers"]) == 4 and key["run"]["id"] == job["run"]["id"]
     finally:
-        demo.terminate()
+        demo.terminate()  # SIGTERM, as a service manager stops it
         demo.wait(timeout=30)
+    database = str(tmp_path / "demo.db")
+    deadline = time.monotonic() + 15
+    while (
+        subprocess.run(["pgrep", "-f", f"worker --db sqlite:///{database}"], capture_output=True).returncode
+        == 0
+    ):
+        assert time.monotonic() < deadline, "the background worker outlived the demo"
+        time.sleep(0.2)
