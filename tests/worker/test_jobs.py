@@ -109,7 +109,7 @@ def test_a_failed_run_keeps_its_error_and_a_retry_finishes_it(
 
 def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_model_dir, big_corpus):
     url = f"sqlite:///{tmp_path / 'killed.db'}"
-    env = env_for(tmp_path, checkpoint_batches=2)
+    env = env_for(tmp_path, checkpoint_batches=2, shard_sentences=64)  # 7 shards of ~16 batches
     command = [
         "index",
         "--model",
@@ -127,7 +127,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_m
     engine = None
     deadline = time.monotonic() + 120
     try:
-        while True:  # kill it once a few shards are merged and one is part-way, past a checkpoint
+        while True:  # kill it once a shard is merged and another is part-way, past a checkpoint
             assert process.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.02)
@@ -140,7 +140,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_m
                     running = session.scalars(select(Shard).where(Shard.status == "running")).all()
                 except Exception:  # noqa: BLE001 - tables not created yet
                     continue
-                if len(done) >= 2 and any(s.batches_done >= 2 for s in running):
+                if len(done) >= 1 and any(s.batches_done >= 2 for s in running):
                     break
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
@@ -156,7 +156,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_m
         assert len(session.scalars(select(Run)).all()) == 1
         result = stored_rows(session, 1)
     engine.dispose()
-    same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus))
+    same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus, shard_sentences=64))
     again = cli(*command, env=env, timeout=300)
     assert "already indexes" in again.stdout and "--again" in again.stdout
 
