@@ -47,21 +47,14 @@ def db_upgrade(db: DbOption = None) -> None:
     typer.echo(f"database at {url} is up to date")
 
 
-def _index_options(settings, **given):
+def _index_options(settings, device: str | None = None, **given):
+    """A worker's IndexOptions: the run's options (given, else the settings) and the worker's own."""
+    from app.jobs import run_options
     from worker.index import IndexOptions
 
-    chosen = {name: value for name, value in given.items() if value is not None}
     return IndexOptions(
-        model=chosen.get("model", settings.model),
-        corpus=chosen.get("corpus", settings.corpus),
-        sentences=chosen.get("sentences", settings.sentences),
-        top_k=chosen.get("top_k", settings.top_k),
-        device=chosen.get("device", settings.device),
-        dtype=chosen.get("dtype", settings.dtype),
-        max_sentence_tokens=settings.max_sentence_tokens,
-        batch_tokens=settings.batch_tokens,
-        shard_sentences=settings.shard_sentences,
-        value_tokens=settings.value_tokens,
+        **run_options(settings, **given),
+        device=device or settings.device,
         cache_dir=Path(settings.cache_dir),
         checkpoint_batches=settings.checkpoint_batches,
         lease_seconds=settings.lease_seconds,

@@ -46,13 +46,25 @@ def fingerprint(options: dict) -> str:
 # ---- jobs ---------------------------------------------------------------------------------------
 
 
+# What defines a run (a job's options and fingerprint): settings of these names, fields of the
+# worker's IndexOptions. Device, cache and progress are each worker's own.
+RUN_FIELDS = (
+    "model",
+    "corpus",
+    "sentences",
+    "top_k",
+    "dtype",
+    "max_sentence_tokens",
+    "batch_tokens",
+    "shard_sentences",
+    "value_tokens",
+)
+
+
 def run_options(settings, **given) -> dict:
-    """A job's options: what defines its run, from `given` (None: the setting). The worker's IndexOptions
-    has the same fields (worker/index.RUN_FIELDS)."""
+    """A job's options: what defines its run, from `given` (None: the setting)."""
     chosen = {name: value for name, value in given.items() if value is not None}
-    names = ("model", "corpus", "sentences", "top_k", "dtype", "max_sentence_tokens", "batch_tokens")
-    names += ("shard_sentences", "value_tokens")
-    return {name: chosen.get(name, getattr(settings, name)) for name in names}
+    return {name: chosen.get(name, getattr(settings, name)) for name in RUN_FIELDS}
 
 
 def enqueue(*, session: Session, options: dict, again: bool = False) -> tuple[Job, str]:
@@ -267,6 +279,11 @@ def load_layers(*, session: Session, run_id: int, shard: int) -> list[bytes] | N
     )
     layers = list(session.scalars(query))
     return layers or None
+
+
+def has_layers(*, session: Session, run_id: int) -> bool:
+    """Whether anything of the run is mined and stored (a checkpoint or its snapshot)."""
+    return session.scalar(select(exists().where(MinedLayerRow.run_id == run_id)))
 
 
 def layer_parts(*, session: Session, run_id: int, layer: int) -> list[bytes]:

@@ -398,7 +398,7 @@ def _provisional_layers(session: Session, model: LanguageModel, run: Run) -> tup
     for layer in range(model.n_layers):
         mined = provisional.mined_layer(session, run, layer)
         _, probs = queries.layer_value_tokens(
-            session=session, run_id=run.id, layer=layer, readout="raw", direction=1
+            session=session, run_id=run.id, layer=layer, readout="raw", direction=1, n=1
         )
         high, _ = provisional.extremes(mined)
         covered = min(covered, provisional.fraction(run, mined))

@@ -17,7 +17,7 @@ from engine.mined import MinedLayer
 
 def has_results(session: Session, run: Run) -> bool:
     """Whether the run has mined anything the pages can show."""
-    return bool(jobs.layer_parts(session=session, run_id=run.id, layer=0))
+    return jobs.has_layers(session=session, run_id=run.id)
 
 
 def mined_layer(session: Session, run: Run, layer: int) -> MinedLayer | None:
@@ -79,7 +79,7 @@ def layer_keys(
     one page of (unsaved) KeyStats rows with what is known so far, their top triggers)."""
     n_keys = mined.histogram.shape[0]
     _, probs = queries.layer_value_tokens(
-        session=session, run_id=run.id, layer=layer, readout="raw", direction=1
+        session=session, run_id=run.id, layer=layer, readout="raw", direction=1, n=1
     )
     high, low = extremes(mined)
     unknown = np.full(n_keys, np.nan)

@@ -403,9 +403,10 @@ def get_value_tokens(
 
 
 def layer_value_tokens(
-    *, session: Session, run_id: int, layer: int, readout: str, direction: int
+    *, session: Session, run_id: int, layer: int, readout: str, direction: int, n: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, probabilities), each [keys, n]: every value's stored top or bottom tokens of a layer."""
+    """(token ids, probabilities), each [keys, n]: every value's stored top or bottom tokens of a layer
+    (the first `n` of each, or all)."""
     query = (
         select(ValueToken.key, ValueToken.token_id, ValueToken.prob)
         .where(
@@ -416,6 +417,8 @@ def layer_value_tokens(
         )
         .order_by(ValueToken.key, ValueToken.rank)
     )
+    if n is not None:
+        query = query.where(ValueToken.rank < n)
     rows = session.execute(query).all()
     keys = len({row.key for row in rows})
     ids = np.array([row.token_id for row in rows], dtype=np.int64).reshape(keys, -1)

@@ -6,9 +6,11 @@ sentence up to and including it). Signed activations (GELU, SwiGLU) get the same
 the most negative coefficient. Alongside, per key: a histogram over fixed bins, the sum (for the
 mean); the share of positive coefficients comes from the histogram.
 
-The state is bounded (T entries per key and sign, whatever the corpus size), mergeable (two
-shards mined apart and merged equal one pass) and orderless: ties are broken by the sentence
-index, so the result does not depend on batch size or split.
+The state is bounded (T entries per key and sign, whatever the corpus size), mergeable (its
+layers as engine.mined.MinedLayer: two shards mined apart and merged equal one pass) and orderless:
+ties are broken by the sentence index, so the result does not depend on how sentences are split
+into batches or shards (up to the last bits of float32 between batch shapes, which can flip an
+exact tie between identical sentences).
 """
 
 from __future__ import annotations
@@ -129,23 +131,7 @@ class MiningState:
         self.positions += int(batch.mined.sum())
         self.sentences += len(batch.sentence_index)
 
-    # -- merge and checkpoint -------------------------------------------------------------------
-    def merge(self, other: MiningState) -> MiningState:
-        """Fold another shard's state into this one (in place) and return self."""
-        if (other.n_layers, other.n_keys, other.top_k) != (self.n_layers, self.n_keys, self.top_k):
-            raise ValueError("cannot merge mining states of different shapes")
-        device = self.total.device
-        for sign in SIGNS:
-            theirs = other.top[sign]
-            for layer in range(self.n_layers):
-                order, position = theirs.order[layer].to(device), theirs.position[layer].to(device)
-                _merge_into(self.top[sign], layer, order, position, self.top_k)
-        self.histogram += other.histogram.to(self.histogram.device)
-        self.total += other.total.to(self.total.device)
-        self.positions += other.positions
-        self.sentences += other.sentences
-        return self
-
+    # -- checkpoints (shards merge as MinedLayer, engine.mined) ------------------------------------
     def layer(self, layer: int) -> MinedLayer:
         """One layer of the state as numpy arrays: what checkpoints and snapshots store."""
         coefficient, sentence, position = {}, {}, {}

@@ -10,8 +10,6 @@ that much, and the shards merge exactly into the single-worker result.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,19 +32,6 @@ from engine.mined import MinedLayer, histogram_edges
 from engine.mining import MiningState, mine_batches, shard_batches
 from engine.projection import project_layer, target_ranks, value_norms
 
-# The options that define a run (a job's fingerprint); device, cache and progress are the worker's own.
-RUN_FIELDS = (
-    "model",
-    "corpus",
-    "sentences",
-    "top_k",
-    "dtype",
-    "max_sentence_tokens",
-    "batch_tokens",
-    "shard_sentences",
-    "value_tokens",
-)
-
 
 @dataclass
 class IndexOptions:
@@ -67,11 +52,11 @@ class IndexOptions:
 
     def run_options(self) -> dict:
         """What the job stores: the fields that define the run."""
-        return {name: getattr(self, name) for name in RUN_FIELDS}
+        return {name: getattr(self, name) for name in jobs.RUN_FIELDS}
 
     def with_run_options(self, options: dict) -> IndexOptions:
         """These worker settings, with a job's run options."""
-        return IndexOptions(**(asdict(self) | {name: options[name] for name in RUN_FIELDS}))
+        return IndexOptions(**(asdict(self) | {name: options[name] for name in jobs.RUN_FIELDS}))
 
 
 @dataclass
@@ -127,6 +112,7 @@ class Worker:
     padding: list = field(default_factory=lambda: [0, 0])  # real, computed tokens
     resumed_shards: int = 0
     _corpus: tuple | None = None  # (corpus id, token ids, first positions, following tokens)
+    _loaded_for: tuple | None = None  # (model, dtype) of `loaded`; None: as given
 
     @property
     def lease(self) -> timedelta:
@@ -220,7 +206,7 @@ class Worker:
         loaded = self.model(options)
         text = read_corpus(options.corpus, options.sentences)
         tokenizer_name = f"{loaded.slug}@{loaded.revision or 'unknown'}"
-        fingerprint = _sha(
+        fingerprint = jobs.fingerprint(
             {
                 "corpus": text.sha256,
                 "n": len(text.sentences),
@@ -344,9 +330,17 @@ class Worker:
             current = session.get(Shard, (shard.run_id, shard.index), populate_existing=True)
             if current.status != "done":  # a shard taken over and finished twice merges once
                 snapshot = jobs.load_layers(session=session, run_id=shard.run_id, shard=jobs.SNAPSHOT)
-                merged = state if snapshot is None else _state(snapshot, loaded.device).merge(state)
+                layers = [state.layer(layer) for layer in range(state.n_layers)]
+                if snapshot is not None:
+                    layers = [
+                        MinedLayer.merge([MinedLayer.from_bytes(s), m])
+                        for s, m in zip(snapshot, layers, strict=True)
+                    ]
                 jobs.save_layers(
-                    session=session, run_id=shard.run_id, shard=jobs.SNAPSHOT, layers=_layers(merged)
+                    session=session,
+                    run_id=shard.run_id,
+                    shard=jobs.SNAPSHOT,
+                    layers=[m.to_bytes() for m in layers],
                 )
                 jobs.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
             session.commit()
@@ -415,7 +409,7 @@ class Worker:
     def model(self, options: IndexOptions) -> LoadedModel:
         """The job's model, loaded once per worker (reloaded when a job names another)."""
         wanted = (options.model, options.dtype)
-        if self.loaded is None or getattr(self, "_loaded_for", wanted) != wanted:
+        if self.loaded is None or self._loaded_for not in (None, wanted):
             self.loaded = load_model(
                 options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
             )
@@ -578,7 +572,3 @@ def _pad_id(loaded: LoadedModel) -> int:
         if candidate is not None:
             return candidate
     return 0
-
-
-def _sha(payload: dict) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

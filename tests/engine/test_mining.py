@@ -99,7 +99,10 @@ def test_two_shards_mined_apart_and_merged_equal_one_pass(tiny, sentences):
     one = mine(tiny, ids, first, 100, shard_sentences=16)
     a = mine(tiny, ids, first, 100, shard_sentences=16, shards=[0, 2])
     b = mine(tiny, ids, first, 100, shard_sentences=16, shards=[1])
-    merged = b.merge(a)  # order does not matter
+    layers = [
+        MinedLayer.merge([b.layer(layer), a.layer(layer)]) for layer in range(one.n_layers)
+    ]  # any order
+    merged = MiningState.from_layers(layers)  # what the worker stores as the run's snapshot
     assert_same_state(one, merged)
     assert_matches_brute_force(merged, brute_force(tiny, ids, first), first)
 
