@@ -2,7 +2,7 @@
 
 - Checkpoint overhead: the mining loop of a shard (worker/index.Worker.mine_shard) with its database
   checkpoints every `checkpoint_batches` batches over the same loop with progress updates only, on
-  the same batches of the default model (interleaved, best of 2). Target ≥ 0.95.
+  the same batches of the default model (interleaved, best of 3). Target ≥ 0.95.
 - Two workers over one: one prepared run on Postgres, its shards mined by one `ffmem worker`, then
   (shards reset) by two, on this machine, each worker's torch given cores / workers threads; mining
   wall time from the first shard claimed to the last one merged.
@@ -110,7 +110,7 @@ def checkpoint_overhead(worker: Worker, run_id: int) -> dict:
         return time.perf_counter() - start
 
     plain, checkpointed = [], []
-    for _ in range(2):
+    for _ in range(3):
         plain.append(mine(False))
         checkpointed.append(mine(True))
     tokens = sum(b.real_tokens for b in batches)
