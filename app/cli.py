@@ -6,6 +6,7 @@ import signal
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import typer
 
@@ -25,6 +26,11 @@ class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+
+
+class Readout(str, Enum):
+    norm = "norm"
+    raw = "raw"
 
 
 class Dtype(str, Enum):
@@ -150,8 +156,21 @@ def worker(
     device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
     once: Annotated[bool, typer.Option("--once", help="Exit when there is no work left.")] = False,
     poll: Annotated[float, typer.Option(min=0.1, help="Seconds between looks at an empty queue.")] = 2.0,
+    live: Annotated[
+        bool, typer.Option("--live/--no-live", help="Answer live traces over HTTP beside the index work.")
+    ] = True,
+    host: Annotated[
+        str | None, typer.Option(help="Live traces: interface (default: from worker_url).")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(min=1, max=65535, help="Live traces: port (default: from worker_url).")
+    ] = None,
+    preload: Annotated[
+        str | None,
+        typer.Option(help="Model loaded for live traces at start (default: settings.model; '' for none)."),
+    ] = None,
 ) -> None:
-    """Claim queued index jobs and open shards from the database and build them (Ctrl-C stops)."""
+    """Claim queued index jobs and open shards and build them; answer live traces (Ctrl-C stops)."""
     settings = get_settings()
     url = db or settings.database_url
 
@@ -172,14 +191,54 @@ def worker(
                     f"SQLite runs one worker at a time and {holder} is working on {url}; "
                     "use Postgres (--db postgresql+psycopg://…) for several workers"
                 )
+        server = None
+        if live:
+            address = urlsplit(settings.worker_url)
+            where = (host or address.hostname or "127.0.0.1", port or address.port or 8001)
+            model = settings.model if preload is None else preload
+            server = _serve_live(settings, device.value, model, *where)
         typer.echo(
             f"worker {worker.name} on {url}"
             + (" (one worker: SQLite)" if engine.dialect.name == "sqlite" else "")
+            + (f"; live traces on http://{server.config.host}:{server.config.port}" if server else "")
         )
         signal.signal(signal.SIGTERM, _stop)  # like Ctrl-C: release the leases on the way out
-        worker.work(once=once, poll_seconds=poll)
+        try:
+            worker.work(once=once, poll_seconds=poll)
+        finally:
+            if server is not None:
+                server.should_exit = True
 
     _fail_cleanly(run)
+
+
+def _serve_live(settings, device: str, preload: str, host: str, port: int):
+    """Start the live worker's HTTP server on a thread; None (with a warning) if it cannot listen."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from worker.live import Live, create_live_app
+
+    live = Live(
+        device=device,
+        cache_dir=Path(settings.cache_dir),
+        max_tokens=settings.max_prompt_tokens,
+        queue=settings.trace_queue,
+        models=settings.live_models,
+    )
+    if preload:
+        live.preload(preload)
+    server = uvicorn.Server(uvicorn.Config(create_live_app(live), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="ffmem-live-http", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.05)
+    if not server.started:
+        typer.secho(f"warning: cannot listen on {host}:{port} (in use?); live traces are off", err=True)
+        return None
+    return server
 
 
 @cli.command()
@@ -187,19 +246,136 @@ def serve(
     db: DbOption = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    worker_url: Annotated[
+        str | None,
+        typer.Option(help="A running live worker (e.g. http://gpu-box:8001); without it one starts here."),
+    ] = None,
 ) -> None:
-    """Serve the explorer (the web process reads the database only; no torch)."""
+    """Serve the explorer (the web process reads the database only; no torch) and start a local worker
+    for live traces and index jobs unless --worker-url names one."""
     import uvicorn
 
-    from app.config import Settings
     from app.db import upgrade
     from app.main import create_app
 
-    url = db or get_settings().database_url
+    settings = get_settings()
+    url = db or settings.database_url
     _fail_cleanly(lambda: upgrade(url))
-    app = _fail_cleanly(lambda: create_app(Settings(database_url=url)))
-    typer.echo(f"serving {url} on http://{host}:{port}")
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    live_url = worker_url or settings.worker_url
+    configured = settings.model_copy(update={"database_url": url, "worker_url": live_url})
+    app = _fail_cleanly(lambda: create_app(configured))
+    worker_process = None
+    if worker_url is None:
+        import subprocess
+        import sys
+
+        address = urlsplit(live_url)
+        command = [sys.executable, "-c", "from app.cli import main; main()", "worker", "--db", url]
+        command += ["--host", address.hostname or "127.0.0.1", "--port", str(address.port or 8001)]
+        worker_process = subprocess.Popen(command)
+    signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down: stop the worker too
+    typer.echo(f"serving {url} on http://{host}:{port}; live worker {live_url}")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        if worker_process is not None:
+            worker_process.terminate()  # its leases are released; the next start resumes its work
+            worker_process.wait(timeout=30)
+
+
+@cli.command("trace")
+def trace_command(
+    text: Annotated[str, typer.Argument(help="The prompt.")],
+    model: Annotated[str | None, typer.Option(help="Model (default: settings.model).")] = None,
+    position: Annotated[int | None, typer.Option(min=0, help="Token position (default: the last).")] = None,
+    memories: Annotated[int, typer.Option(min=1, max=100, help="Memories listed per layer.")] = 3,
+    readout: Annotated[
+        Readout, typer.Option(help="norm: the model's final norm + unembedding; raw: r·E.")
+    ] = (Readout.norm),
+    intervene: Annotated[
+        str, typer.Option(help="Memories to edit: L12K345 (off), L12K345*0.5 (scale), L12K345=3.2 (on).")
+    ] = "",
+    generate: Annotated[int, typer.Option(min=0, max=20, help="Greedy tokens, with and without edits.")] = 0,
+    device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+) -> None:
+    """Trace a prompt: per layer top(r), top(y), top(o), the final token under r, the case, the memories."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from app.display import visible
+
+    settings = get_settings()
+
+    def run():
+        from engine.interventions import parse_interventions
+        from engine.loading import load_model
+        from engine.trace import trace
+
+        loaded = load_model(model or settings.model, device=device.value, cache_dir=settings.cache_dir)
+        ids = loaded.tokenizer(text).input_ids
+        if not text.strip() or not ids:
+            raise FfmemError("the prompt is empty")
+        if len(ids) > settings.max_prompt_tokens:
+            raise FfmemError(f"the prompt has {len(ids)} tokens; the limit is {settings.max_prompt_tokens}")
+        if position is not None and position >= len(ids):
+            raise FfmemError(f"position {position} is past the prompt's {len(ids)} tokens (0–{len(ids) - 1})")
+        edits = parse_interventions(intervene, loaded.n_layers, loaded.n_keys)
+        result = trace(
+            loaded,
+            ids,
+            position,
+            memories=memories,
+            readout=readout.value,
+            interventions=edits,
+            generate_tokens=generate,
+            value_tokens=3,
+        )
+        return loaded, result
+
+    loaded, result = _fail_cleanly(run)
+
+    def tok(token_id: int) -> str:
+        return visible(loaded.tokenizer.decode([token_id]))
+
+    console = Console(highlight=False)
+    chips = " ".join(
+        f"[{'reverse' if i == result.position else 'dim'}]{i}:{tok(t)}[/]"
+        for i, t in enumerate(result.token_ids)
+    )
+    console.print(chips)
+    console.print(
+        f"prediction after position {result.position}: [bold]{tok(result.prediction)}[/] ({result.readout} readout)"
+    )
+    table = Table(
+        "layer", "top(r)", "top(y)", "top(o)", "p(final|r)", "rank", "case", "memories (m: value tokens)"
+    )
+    for layer in result.layers:
+        listed = "; ".join(
+            f"K{m.key} {m.coefficient:+.2f}: {' '.join(tok(t) for t in m.tokens)}" for m in layer.memories
+        )
+        case = layer.case + (" ✓" if layer.settled else "")
+        table.add_row(
+            str(layer.layer),
+            tok(layer.top_r),
+            tok(layer.top_y),
+            tok(layer.top_o),
+            f"{layer.final_prob:.3f}",
+            str(layer.final_rank),
+            case,
+            listed,
+        )
+    console.print(table)
+    shown = Table("token", "p", *(["p edited", "change"] if result.interventions else []), title="top tokens")
+    for change in result.top_tokens:
+        extra = (
+            [f"{change.after:.3f}", f"{change.after - change.before:+.3f}"] if result.interventions else []
+        )
+        shown.add_row(tok(change.token_id), f"{change.before:.3f}", *extra)
+    console.print(shown)
+    if result.generated:
+        console.print(f"greedy: {visible(loaded.tokenizer.decode(result.generated))}")
+    if result.generated_edited:
+        console.print(f"greedy, edited: {visible(loaded.tokenizer.decode(result.generated_edited))}")
 
 
 @cli.command()
@@ -215,8 +391,8 @@ def demo(
 ) -> None:
     """The default index (SmolLM2-135M over 2,000 Wikipedia sentences) and the explorer over it.
 
-    With --serve (the default) the explorer starts at once and a background worker builds the index
-    unless it is built; its progress is on the job's page. With --no-serve the index is built in the
+    With --serve (the default) the explorer starts at once with its worker, which builds the index
+    unless it is built (its progress is on the job's page) and answers live traces. With --no-serve the index is built in the
     foreground and the command ends.
     """
     settings = get_settings()
@@ -243,23 +419,11 @@ def demo(
             return job.id, what
 
     number, what = _fail_cleanly(enqueue)
-    signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down: stop the worker too
-    worker_process = None
     if what == "done":
         typer.echo(f"the default index is built (run {number}); database: {url}")
     else:
-        import subprocess
-        import sys
-
-        command = [sys.executable, "-c", "from app.cli import main; main()", "worker", "--db", url]
-        worker_process = subprocess.Popen(command)
         typer.echo(f"building the default index in the background: http://127.0.0.1:{port}/jobs/{number}")
-    try:
-        serve(db=url, host="127.0.0.1", port=port)
-    finally:
-        if worker_process is not None:
-            worker_process.terminate()  # its lease is released; the next `make demo` resumes the run
-            worker_process.wait(timeout=30)
+    serve(db=url, host="127.0.0.1", port=port, worker_url=None)
 
 
 def _stop(signum, frame) -> None:

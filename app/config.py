@@ -61,6 +61,21 @@ class Settings(BaseSettings):
         description="A worker holds a shard or job this long after its last progress; then others may.",
     )
     value_tokens: int = Field(30, ge=1, le=1000, description="Top and bottom tokens stored per value.")
+    worker_url: str = Field(
+        "http://127.0.0.1:8001",
+        description="Where the web process finds the live worker (`ffmem worker` listens there; "
+        "`ffmem serve` starts one unless --worker-url names another).",
+    )
+    worker_timeout: float = Field(
+        60.0, gt=0, description="Seconds the web process waits for the live worker's answer."
+    )
+    max_prompt_tokens: int = Field(
+        512, ge=1, le=8192, description="Longest prompt a live trace accepts, in tokens."
+    )
+    trace_queue: int = Field(
+        16, ge=1, description="Live traces that may wait for the worker; past it the app answers 503."
+    )
+    live_models: int = Field(1, ge=1, description="Models the live worker keeps loaded at once.")
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
     dtype: str = Field(
         "auto", description="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."

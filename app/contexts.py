@@ -287,3 +287,115 @@ class SearchContext(BaseModel):
 
 
 KeyRow.model_rebuild()
+
+
+class TokenRef(BaseModel):
+    token_id: int
+    token: str
+
+
+class PromptToken(TokenRef):
+    position: int
+    url: str  # this trace with the position selected
+
+
+class TraceMemory(BaseModel):
+    """One memory at the selected position, ranked by |m_i|·‖v_i‖."""
+
+    layer: int
+    key: int
+    coefficient: float  # signed: m < 0 flips the value's effect
+    score: float
+    tokens: list[TokenRef]  # top tokens of sign(m)·v under the trace's readout (from the index)
+    agrees: bool | None  # top(y) is among them (None: the index has no value tokens)
+    url: str  # the key page
+    edit: str | None  # this memory's intervention in the trace, if any
+    off_url: str  # this trace with the memory switched off
+    scale_url: str  # … scaled ×2
+    flip_url: str  # … scaled ×−1
+
+
+class TraceLayer(BaseModel):
+    layer: int
+    top_r: TokenRef  # the residual before the FF
+    top_y: TokenRef  # the FF output
+    top_o: TokenRef  # the layer output
+    final_prob: float  # probability of the final prediction under the residual
+    final_rank: int
+    case: str  # agreement | residual | ffn | composition
+    settled: bool  # top(r) is already the final prediction
+    agrees: bool | None  # one of the listed memories' top tokens is top(y)
+    memories: list[TraceMemory]
+
+
+class TokenChangeView(TokenRef):
+    before: float
+    after: float
+    change: float
+
+
+class EditView(BaseModel):
+    text: str  # L12K345*0.5
+    layer: int
+    key: int
+    mode: str  # off | scale | set
+    value: float
+    coefficient: float | None  # m at the selected position before the edit
+    url: str  # the key page
+    remove_url: str  # this trace without it
+
+
+class Generation(BaseModel):
+    tokens: int
+    clean: str
+    edited: str | None  # with the interventions (None without any)
+
+
+class TraceContext(BaseModel):
+    page: str = "trace"
+    title: str
+    model: str
+    n_layers: int
+    n_keys: int
+    text: str | None  # None: no prompt yet (the form only)
+    position: int | None
+    readout: str
+    memories: int
+    generate: int
+    interventions: str  # the set as the URL keeps it
+    max_tokens: int
+    worker: dict  # the live worker's state (status: ready | loading | idle | down)
+    notice: str | None = None  # why there is no trace (worker down, loading or busy)
+    run: int | None = None  # the index run whose value tokens name the memories' tokens
+    tokens: list[PromptToken] = []
+    prediction: TokenRef | None = None
+    top_tokens: list[TokenChangeView] = []
+    layers: list[TraceLayer] = []
+    heatmap: dict = {}  # {"active": [layers][positions], "ff_logit": [layers][positions]}
+    edits: list[EditView] = []
+    generation: Generation | None = None
+    cases: dict[str, int] = {}  # layers per case
+
+
+class AblationRow(BaseModel):
+    prefix: str  # the trigger prefix, ending at the trigger token
+    coefficient: float
+    next_token: TokenRef | None
+    value_before: float  # probability of the value's top token, memory on
+    value_after: float  # … and switched off
+    next_before: float | None
+    next_after: float | None
+
+
+class AblationContext(BaseModel):
+    page: str = "ablation"
+    title: str
+    model: str
+    layer: int
+    key: int
+    run: int
+    value_token: TokenRef  # the value's top token (raw readout)
+    rows: list[AblationRow]
+    mean_value_change: float
+    mean_next_change: float | None
+    trace_url: str  # the top trigger's prefix in the live view, with this memory off

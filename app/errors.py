@@ -18,9 +18,10 @@ log = logging.getLogger("ffmem")
 class AppError(Exception):
     """An error a person can act on: an HTTP status, a short title, and a message that says what to do."""
 
-    def __init__(self, status: int, title: str, message: str) -> None:
+    def __init__(self, status: int, title: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.title, self.message = status, title, message
+        self.headers = headers or {}  # e.g. Retry-After on a 503
 
 
 def install(app: FastAPI) -> None:

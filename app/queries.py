@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from itertools import islice, repeat
 
 import numpy as np
-from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select
+from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 from app.models import Corpus, KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
@@ -593,6 +593,29 @@ def top_value_tokens(
     found: dict[int, list[ValueToken]] = {}
     for token in session.scalars(query):
         found.setdefault(token.key, []).append(token)
+    return found
+
+
+def memory_value_tokens(
+    *, session: Session, run_id: int, readout: str, memories: Iterable[tuple[int, int, int]], n: int
+) -> dict[tuple[int, int, int], list[int]]:
+    """(layer, key, direction) → the first `n` token ids of that value's top (+1) or bottom (−1) list."""
+    wanted = list(set(memories))
+    if not wanted:
+        return {}
+    query = (
+        select(ValueToken.layer, ValueToken.key, ValueToken.direction, ValueToken.token_id)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.readout == readout,
+            ValueToken.rank < n,
+            tuple_(ValueToken.layer, ValueToken.key, ValueToken.direction).in_(wanted),
+        )
+        .order_by(ValueToken.layer, ValueToken.key, ValueToken.direction, ValueToken.rank)
+    )
+    found: dict[tuple[int, int, int], list[int]] = {}
+    for row in session.execute(query):
+        found.setdefault((row.layer, row.key, row.direction), []).append(row.token_id)
     return found
 
 

@@ -25,14 +25,23 @@ def wants_json(request: Request) -> bool:
     return request.url.path.endswith(".json")
 
 
-def render(request: Request, template: str, ctx: BaseModel, fragment: str | None = None) -> Response:
+def render(
+    request: Request,
+    template: str,
+    ctx: BaseModel,
+    fragment: str | None = None,
+    *,
+    status_code: int = 200,
+    headers: dict[str, str] | None = None,
+) -> Response:
     """The page for `ctx`: JSON for `.json`, `fragment` for htmx requests that target it, else the page."""
     if wants_json(request):
-        return JSONResponse(ctx.model_dump(mode="json"))
+        return JSONResponse(ctx.model_dump(mode="json"), status_code=status_code, headers=headers)
     name = template
     if fragment and request.headers.get("HX-Request") and request.headers.get("HX-Target") == fragment:
         name = f"_{fragment}.html"
-    return templates.TemplateResponse(request, name, {"ctx": ctx, "json_url": twin_url(request)})
+    context = {"ctx": ctx, "json_url": twin_url(request)}
+    return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
 
 
 def twin_url(request: Request) -> str:
@@ -46,7 +55,11 @@ def render_error(request: Request, error: AppError) -> Response:
     """The one error shape."""
     if wants_json(request):
         body = {"ok": False, "error": error.message, "status": error.status}
-        return JSONResponse(body, status_code=error.status)
+        return JSONResponse(body, status_code=error.status, headers=error.headers)
     return templates.TemplateResponse(
-        request, "error.html", {"error": error, "json_url": None}, status_code=error.status
+        request,
+        "error.html",
+        {"error": error, "json_url": None},
+        status_code=error.status,
+        headers=error.headers,
     )

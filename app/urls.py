@@ -50,3 +50,11 @@ def retry_job_url(job_id: int) -> str:
 
 def static_url(name: str) -> str:
     return f"/static/{name}"
+
+
+def trace_url(model: str, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/trace", fmt, **query)
+
+
+def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/ablation", fmt, **query)

@@ -12,6 +12,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -58,6 +59,13 @@ class LoadedModel:
     @property
     def n_keys(self) -> int:
         return self.adapter.value_matrix(self.adapter.blocks(self.model)[0]).shape[0]
+
+    @cached_property
+    def value_norms(self) -> torch.Tensor:
+        """‖v_i‖ of every memory, computed once (weights do not change): [layers, d_ff] float32."""
+        blocks = self.adapter.blocks(self.model)
+        with torch.inference_mode():
+            return torch.stack([self.adapter.value_matrix(block).float().norm(dim=-1) for block in blocks])
 
     @property
     def bos_prepended(self) -> bool:

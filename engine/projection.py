@@ -32,14 +32,21 @@ class ValueTokens:
     probs: torch.Tensor  # [keys, n]
 
 
-def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> torch.Tensor:
-    """Logits over the vocabulary for value rows: [keys, d] → [keys, vocab]."""
-    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+def readout_input(loaded: LoadedModel, vectors: torch.Tensor, readout: str) -> torch.Tensor:
+    """What the output embedding reads under `readout`: the vectors (raw) or final_norm(vectors):
+    [..., d] → [..., d]."""
     if readout == "raw":
-        return values @ unembedding.weight.T  # [keys, vocab]
+        return vectors
     if readout == "norm":
-        return unembedding(resolve(loaded.model, loaded.adapter.final_norm)(values))  # [keys, vocab]
+        return resolve(loaded.model, loaded.adapter.final_norm)(vectors)
     raise ValueError(f"unknown readout {readout!r}; choose from {READOUTS}")
+
+
+def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> torch.Tensor:
+    """Logits over the vocabulary for value rows (or any vectors): [keys, d] → [keys, vocab]."""
+    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+    read = readout_input(loaded, values, readout)  # [keys, d]
+    return read @ unembedding.weight.T if readout == "raw" else unembedding(read)  # [keys, vocab]
 
 
 def layer_logits(
@@ -82,9 +89,3 @@ def target_ranks(
         rank = (logits > own).sum(dim=-1)  # [chunk]
         ranks.append(torch.where(target[:, 0] >= 0, rank, -1))
     return torch.cat(ranks).cpu()  # [keys]
-
-
-def value_norms(loaded: LoadedModel, layer: int) -> torch.Tensor:
-    """‖v_i‖ for every value of the layer: [keys]."""
-    block = loaded.adapter.blocks(loaded.model)[layer]
-    return loaded.adapter.value_matrix(block).detach().float().norm(dim=-1).cpu()

@@ -30,7 +30,7 @@ from engine.errors import FfmemError
 from engine.loading import LoadedModel, load_model
 from engine.mined import MinedLayer, histogram_edges
 from engine.mining import MiningState, mine_batches, shard_batches
-from engine.projection import project_layer, target_ranks, value_norms
+from engine.projection import project_layer, target_ranks
 
 
 @dataclass
@@ -366,7 +366,7 @@ class Worker:
                 _, sentence, position = state.triggers(layer, 1)  # [keys, T] each
                 next_tokens = next_token_ids(following, sentence, position)  # [keys, T]
                 ranks = target_ranks(loaded, layer, next_tokens[:, 0])  # [keys]
-                norms = value_norms(loaded, layer)  # [keys]
+                norms = loaded.value_norms[layer].cpu()  # [keys]
                 t1 = time.perf_counter()
                 _store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
                 if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
