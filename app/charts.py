@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from app.contexts import Histogram, LayerSummary, ValueReadout
+from app.contexts import Histogram, LayerSummary, TraceContext, ValueReadout
 from app.display import visible
 
 POSITIVE, NEGATIVE, NEUTRAL = "#2b6cb0", "#c05621", "#4a5568"
@@ -103,5 +103,92 @@ def layer_lines(layers: list[LayerSummary], field: str) -> dict:
             "title": {"text": LAYER_SERIES[field]},
             "xaxis": {"title": {"text": "layer (0-based)"}, "dtick": 1 if len(layers) <= 32 else None},
             "height": 280,
+        },
+    }
+
+
+def trace_heatmap(ctx: TraceContext) -> dict:
+    """Layers × positions: the FF's change to each position's predicted-token logit, or the number of
+    active memories (a button switches); the selected position is outlined."""
+    x = [f"{t.position}: {label(t.token)}" for t in ctx.tokens]
+    y = list(range(len(ctx.layers)))
+    maps = [
+        ("FF → logit of the prediction", ctx.heatmap["ff_logit"], "RdBu", 0),
+        ("active memories", ctx.heatmap["active"], "Viridis", None),
+    ]
+    data = [
+        {
+            "type": "heatmap",
+            "x": x,
+            "y": y,
+            "z": z,
+            "colorscale": scale,
+            **({"zmid": mid} if mid is not None else {}),
+            "visible": i == 0,
+            "name": title,
+            "hovertemplate": "layer %{y}<br>position %{x}<br>" + title + " %{z:.3g}<extra></extra>",
+        }
+        for i, (title, z, scale, mid) in enumerate(maps)
+    ]
+    buttons = [
+        {"label": title, "method": "update", "args": [{"visible": [j == i for j in range(len(maps))]}]}
+        for i, (title, *_rest) in enumerate(maps)
+    ]
+    return {
+        "data": data,
+        "layout": BASE_LAYOUT
+        | {
+            "height": 200 + 14 * len(y),
+            "margin": {"l": 50, "r": 20, "t": 40, "b": 110},
+            "xaxis": {"type": "category", "tickangle": -50, "title": {"text": "position (click to select)"}},
+            "yaxis": {"title": {"text": "layer"}, "autorange": True},
+            "updatemenus": [
+                {
+                    "type": "buttons",
+                    "direction": "right",
+                    "x": 0,
+                    "y": 1.12,
+                    "xanchor": "left",
+                    "buttons": buttons,
+                }
+            ],
+            "shapes": [
+                {
+                    "type": "rect",
+                    "xref": "x",
+                    "yref": "paper",
+                    "x0": ctx.position - 0.5,
+                    "x1": ctx.position + 0.5,
+                    "y0": 0,
+                    "y1": 1,
+                    "line": {"color": "#1a202c", "width": 2},
+                }
+            ],
+        },
+    }
+
+
+def residual_confidence(ctx: TraceContext) -> dict:
+    """Per layer: the probability of the final prediction under the residual (the paper's Fig. 10)."""
+    return {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "x": [layer.layer for layer in ctx.layers],
+                "y": [layer.final_prob for layer in ctx.layers],
+                "marker": {"color": [POSITIVE if layer.settled else NEUTRAL for layer in ctx.layers]},
+                "line": {"color": POSITIVE},
+                "hovertemplate": "layer %{x}<br>p(final | r) %{y:.3f}<extra></extra>",
+            }
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {
+                "text": f"p({label(ctx.prediction.token if ctx.prediction else '')} | residual) by layer"
+            },
+            "height": 260,
+            "xaxis": {"title": {"text": "layer"}, "dtick": 1 if len(ctx.layers) <= 16 else 2},
+            "yaxis": {"title": {"text": "probability"}, "range": [0, 1]},
         },
     }

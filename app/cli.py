@@ -157,8 +157,12 @@ def worker(
     once: Annotated[bool, typer.Option("--once", help="Exit when there is no work left.")] = False,
     poll: Annotated[float, typer.Option(min=0.1, help="Seconds between looks at an empty queue.")] = 2.0,
     live: Annotated[
-        bool, typer.Option("--live/--no-live", help="Answer live traces over HTTP beside the index work.")
-    ] = True,
+        bool | None,
+        typer.Option(
+            "--live/--no-live",
+            help="Answer live traces over HTTP beside the index work (default: unless --once).",
+        ),
+    ] = None,
     host: Annotated[
         str | None, typer.Option(help="Live traces: interface (default: from worker_url).")
     ] = None,
@@ -192,7 +196,7 @@ def worker(
                     "use Postgres (--db postgresql+psycopg://…) for several workers"
                 )
         server = None
-        if live:
+        if live if live is not None else not once:
             address = urlsplit(settings.worker_url)
             where = (host or address.hostname or "127.0.0.1", port or address.port or 8001)
             model = settings.model if preload is None else preload

@@ -11,7 +11,8 @@ from fastapi.staticfiles import StaticFiles
 from app import errors
 from app.config import Settings, get_settings
 from app.db import make_engine, make_sessionmaker
-from app.routes import jobs, keys, layers, models, search
+from app.live import LiveWorker
+from app.routes import jobs, keys, layers, models, search, trace
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -26,7 +27,8 @@ class CachedStatic(StaticFiles):
         return response
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, live: LiveWorker | None = None) -> FastAPI:
+    """The explorer over `settings.database_url`; live traces go to `live` (default: settings.worker_url)."""
     settings = settings or get_settings()
     app = FastAPI(
         title="ffmem",
@@ -37,8 +39,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = make_sessionmaker(engine)
+    app.state.live = live or LiveWorker(settings.worker_url, settings.worker_timeout)
     app.mount("/static", CachedStatic(directory=STATIC), name="static")
-    for module in (models, layers, keys, search, jobs):
+    for module in (models, layers, keys, search, jobs, trace):
         app.include_router(module.router)
     errors.install(app)
 

@@ -151,6 +151,14 @@ def trigger_view(
     )
 
 
+def positive_triggers(session: Session, run: Run, layer: int, key: int, limit: int) -> list[TriggerRow]:
+    """A key's strongest positive triggers: stored, or merged so far while its run mines."""
+    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
+    if mined is None:
+        return queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=limit)
+    return provisional.triggers(mined, run, layer, key, 1, limit)
+
+
 def _trigger_token_ids(rows: list[TriggerRow], sentences: dict[int, Sentence]) -> set[int]:
     """The trigger and next token ids of these triggers (for one vocabulary lookup)."""
     found = set()

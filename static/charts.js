@@ -7,6 +7,15 @@
       var figure = JSON.parse(el.dataset.figure);
       window.Plotly.newPlot(el, figure.data, figure.layout, { displayModeBar: false, responsive: true });
       el.dataset.drawn = "1";
+      if (el.id === "trace-heatmap") {
+        // A click on a column selects that position: the same as clicking its token chip.
+        el.on("plotly_click", function (data) {
+          var point = data.points && data.points[0];
+          var column = point && Array.isArray(point.pointIndex) ? point.pointIndex[1] : null;
+          var chip = column === null ? null : document.getElementById("token-" + column);
+          if (chip) chip.click();
+        });
+      }
     });
   }
   window.addEventListener("load", function () { draw(document); });

@@ -1,0 +1,75 @@
+"""The live view: a prompt traced by the live worker, interventions, and one memory switched off."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+
+from app import live_view, pages
+from app.errors import AppError
+from app.rendering import render, wants_json
+from app.routes import SessionDep, page
+from app.routes.models import RunQuery
+
+router = APIRouter()
+
+
+@page(router, "/m/{model}/trace", "trace")
+def trace(
+    request: Request,
+    session: SessionDep,
+    model: str,
+    text: Annotated[
+        str | None, Query(max_length=100_000, description="The prompt (the URL is the share link).")
+    ] = None,
+    position: Annotated[
+        int | None, Query(ge=0, le=2**31 - 1, description="Token position to break down (default: the last).")
+    ] = None,
+    intervene: Annotated[
+        str | None,
+        Query(
+            max_length=4000,
+            description="Memories to edit: L12K345 (off), L12K345*0.5 (scale), L12K345=3.2 (on).",
+        ),
+    ] = None,
+    readout: Annotated[
+        Literal["norm", "raw"], Query(description="norm: the model's final norm + unembedding; raw: r·E.")
+    ] = "norm",
+    memories: Annotated[int, Query(ge=1, le=100, description="Memories listed per layer.")] = 10,
+    generate: Annotated[
+        int, Query(ge=0, le=20, description="Greedy tokens, with and without the edits.")
+    ] = 0,
+):
+    """Type a prompt: which memories fire, how the prediction forms layer by layer, and edits."""
+    settings = request.app.state.settings
+    live = request.app.state.live
+    q = live_view.TraceQuery(
+        pages.model_or_404(session, model), text, position, readout, memories, generate, intervene
+    )
+    try:
+        ctx = live_view.trace_page(session, live, q, settings.max_prompt_tokens)
+    except AppError as error:
+        if error.status < 500 or wants_json(request):
+            raise
+        # The page says why there is no trace and keeps the form; the browse pages work on.
+        ctx = live_view.trace_form(session, live, q, settings.max_prompt_tokens, notice=error.message)
+        return render(request, "trace.html", ctx, "trace", status_code=error.status, headers=error.headers)
+    return render(request, "trace.html", ctx, fragment="trace")
+
+
+@page(router, "/m/{model}/layers/{layer}/keys/{key}/ablation", "ablation")
+def ablation(
+    request: Request,
+    session: SessionDep,
+    model: str,
+    layer: int,
+    key: int,
+    run: RunQuery = None,
+    triggers: Annotated[int, Query(ge=1, le=100, description="Top trigger prefixes to test on.")] = 10,
+):
+    """Switch one memory off on its own top triggers: its value's top token and the true next token."""
+    ctx = live_view.ablation_page(
+        session, request.app.state.live, model, layer, key, run_id=run, limit=triggers
+    )
+    return render(request, "ablation.html", ctx, fragment="ablation")

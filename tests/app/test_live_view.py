@@ -1,0 +1,313 @@
+"""The live view through the web app and a real live worker (its ASGI app in-process), on the tiny
+index, SQLite and Postgres: exact fields, numbers equal to the engine's, tokens from the index, the
+one error shape for bad input, 503 with Retry-After when the worker is down or full, escaping."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from app.live import LiveWorker
+from app.main import create_app
+from app.models import LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+from engine.intervene import intervene
+from engine.interventions import Intervention
+from engine.trace import trace
+from worker.live import Live, LiveError, create_live_app
+
+PROMPT = "The capital of France is"  # 15 tokens of the tiny tokenizer
+pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
+TRACE_FIELDS = {
+    "page", "title", "model", "n_layers", "n_keys", "text", "position", "readout", "memories", "generate",
+    "interventions", "max_tokens", "worker", "notice", "run", "tokens", "prediction", "top_tokens", "layers",
+    "heatmap", "edits", "generation", "cases",
+}  # fmt: skip
+LAYER_FIELDS = {
+    "layer",
+    "top_r",
+    "top_y",
+    "top_o",
+    "final_prob",
+    "final_rank",
+    "case",
+    "settled",
+    "agrees",
+    "memories",
+}
+MEMORY_FIELDS = {
+    "layer",
+    "key",
+    "coefficient",
+    "score",
+    "tokens",
+    "agrees",
+    "url",
+    "edit",
+    "off_url",
+    "scale_url",
+    "flip_url",
+}
+
+
+@pytest.fixture(scope="module")
+def live(tiny, tiny_model_dir):
+    live = Live(device="cpu", max_tokens=56, queue=4)
+    live.models[str(tiny_model_dir)] = tiny
+    return live
+
+
+@pytest.fixture(scope="module")
+def client(explorer_db, live):
+    worker = TestClient(create_live_app(live), base_url="http://worker")
+    app = create_app(Settings(database_url=explorer_db), live=LiveWorker("http://worker", 30, client=worker))
+    with TestClient(app) as client:
+        yield client
+    app.state.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def db(explorer_db):
+    engine = make_engine(explorer_db)
+    with make_sessionmaker(engine)() as session:
+        yield session
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def slug(db) -> str:
+    return db.scalars(select(LanguageModel.slug)).one()
+
+
+def texts(db) -> dict[int, str]:
+    return {t.token_id: t.text for t in db.scalars(select(Token))}
+
+
+def test_trace_json_equals_the_engine_named_with_the_index(client, db, slug, tiny):
+    body = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "memories": 5}).json()
+    assert set(body) == TRACE_FIELDS
+    ids = tiny.tokenizer(PROMPT).input_ids
+    expected = trace(tiny, ids, memories=5)
+    names = texts(db)
+    assert [t["token_id"] for t in body["tokens"]] == ids
+    assert [t["token"] for t in body["tokens"]] == [names[i] for i in ids]
+    assert body["position"] == len(ids) - 1 and body["prediction"]["token_id"] == expected.prediction
+    assert len(body["layers"]) == tiny.n_layers and sum(body["cases"].values()) == tiny.n_layers
+    assert body["heatmap"]["active"] == expected.active
+    run_id = body["run"]
+    for layer, want in zip(body["layers"], expected.layers, strict=True):
+        assert set(layer) == LAYER_FIELDS
+        assert layer["top_y"] == {"token_id": want.top_y, "token": names[want.top_y]}
+        assert layer["case"] == want.case and layer["final_prob"] == pytest.approx(want.final_prob)
+        for memory, m in zip(layer["memories"], want.memories, strict=True):
+            assert set(memory) == MEMORY_FIELDS
+            assert (memory["key"], memory["coefficient"]) == (m.key, pytest.approx(m.coefficient))
+            direction = 1 if m.coefficient >= 0 else -1  # m < 0: the value's bottom tokens
+            stored = db.scalars(
+                select(ValueToken.token_id)
+                .where(ValueToken.run_id == run_id, ValueToken.layer == m.layer, ValueToken.key == m.key)
+                .where(ValueToken.readout == "norm", ValueToken.direction == direction, ValueToken.rank < 5)
+                .order_by(ValueToken.rank)
+            ).all()
+            assert [t["token_id"] for t in memory["tokens"]] == stored
+            assert memory["agrees"] == (want.top_y in stored)
+            assert memory["url"] == f"/m/{slug}/layers/{m.layer}/keys/{m.key}"
+            assert memory["off_url"].endswith(f"intervene=L{m.layer}K{m.key}&memories=5")
+        assert layer["agrees"] == any(m["agrees"] for m in layer["memories"])
+
+
+def test_interventions_in_the_url_rerun_the_prediction(client, slug, tiny):
+    params = {"text": PROMPT, "intervene": "L2K3,L1K7*-1", "generate": 4}
+    body = client.get(f"/m/{slug}/trace.json", params=params).json()
+    assert body["interventions"] == "L2K3,L1K7*-1"
+    assert [(e["text"], e["mode"], e["value"]) for e in body["edits"]] == [
+        ("L2K3", "off", 0.0),
+        ("L1K7*-1", "scale", -1.0),
+    ]
+    assert (
+        body["edits"][0]["remove_url"]
+        == f"/m/{slug}/trace?text=The+capital+of+France+is&intervene=L1K7%2A-1&generate=4"
+    )
+    ids = tiny.tokenizer(PROMPT).input_ids
+    edits = [Intervention(2, 3, "off"), Intervention(1, 7, "scale", -1.0)]
+    with torch.inference_mode():
+        before = tiny.model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        with intervene(tiny, edits):
+            after = tiny.model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+    for change in body["top_tokens"]:
+        assert change["before"] == pytest.approx(float(before[change["token_id"]]), abs=1e-5)
+        assert change["after"] == pytest.approx(float(after[change["token_id"]]), abs=1e-5)
+        assert change["change"] == pytest.approx(change["after"] - change["before"])
+    expected = trace(tiny, ids, interventions=edits, generate_tokens=4)
+    assert body["generation"] == {
+        "tokens": 4,
+        "clean": tiny.tokenizer.decode(expected.generated),
+        "edited": tiny.tokenizer.decode(expected.generated_edited),
+    }
+    edited = [m for layer in body["layers"] for m in layer["memories"] if m["edit"]]
+    assert all(m["edit"] in ("L2K3", "L1K7*-1") for m in edited)
+
+
+def test_the_page_and_its_htmx_fragment(client, slug):
+    page = client.get(f"/m/{slug}/trace", params={"text": PROMPT, "position": 1})
+    assert page.status_code == 200 and "<html" in page.text
+    assert 'id="token-1" class="chip selected"' in page.text and 'id="trace-heatmap"' in page.text
+    assert f'href="/m/{slug}/trace.json?text=The+capital+of+France+is&amp;position=1"' in page.text
+    fragment = client.get(
+        f"/m/{slug}/trace",
+        params={"text": PROMPT, "position": 2},
+        headers={"HX-Request": "true", "HX-Target": "trace"},
+    )
+    assert "<html" not in fragment.text and 'id="token-2" class="chip selected"' in fragment.text
+    form = client.get(f"/m/{slug}/trace")
+    assert (
+        form.status_code == 200 and 'id="prompt"' in form.text and "live worker: <strong>ready" in form.text
+    )
+
+
+def test_the_prompt_is_escaped(client, slug):
+    hostile = '<script>alert(1)</script> "><img src=x onerror=alert(1)>'
+    page = client.get(f"/m/{slug}/trace", params={"text": hostile})
+    assert page.status_code == 200
+    assert "<script>alert(1)</script>" not in page.text and "<img src=x" not in page.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"text": ""}, "The prompt is empty: type some text."),
+        ({"text": "   "}, "The prompt is empty: type some text."),
+        ({"text": "a " * 60}, "The prompt has 61 tokens; the limit is 56 (max_prompt_tokens)."),
+        ({"text": "a" * 20000}, "Prompts are limited to 512 tokens."),
+        ({"text": PROMPT, "position": 15}, "Position 15 is past the prompt's 15 tokens (positions 0–14)."),
+        ({"text": PROMPT, "intervene": "L3K1"}, "L3K1: layer 3 does not exist; layers are 0–2."),
+        ({"text": PROMPT, "intervene": "L0K48"}, "L0K48: key 48 does not exist; keys are 0–47."),
+        (
+            {"text": PROMPT, "intervene": "nope"},
+            "Cannot read intervention 'nope': write L12K345 (off), L12K345*0.5 (scale) or L12K345=3.2 (force on), comma separated.",
+        ),
+        ({"text": PROMPT, "position": -1}, "position: Input should be greater than or equal to 0"),
+        ({"text": PROMPT, "generate": 21}, "generate: Input should be less than or equal to 20"),
+        ({"text": PROMPT, "readout": "lens"}, "readout: Input should be 'norm' or 'raw'"),
+    ],
+)
+def test_bad_input_is_a_400_that_says_what_is_allowed(client, slug, params, message):
+    response = client.get(f"/m/{slug}/trace.json", params=params)
+    assert response.status_code == 400
+    assert response.json() == {"ok": False, "error": message, "status": 400}
+    assert client.get(f"/m/{slug}/trace", params=params).status_code == 400
+
+
+def test_unknown_model_is_a_404(client):
+    response = client.get("/m/nope/trace.json", params={"text": PROMPT})
+    assert response.status_code == 404 and response.json()["ok"] is False
+
+
+def test_a_down_worker_is_a_clear_503_and_browsing_goes_on(explorer_db, slug):
+    app = create_app(Settings(database_url=explorer_db, worker_url="http://127.0.0.1:9"))
+    with TestClient(app) as client:
+        response = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT})
+        assert response.status_code == 503 and response.headers["retry-after"] == "5"
+        assert response.json()["error"].startswith("No live worker answers at http://127.0.0.1:9")
+        page = client.get(f"/m/{slug}/trace", params={"text": PROMPT})
+        assert page.status_code == 503 and "No live trace:" in page.text and 'id="prompt"' in page.text
+        assert "live worker: <strong>down" in client.get(f"/m/{slug}/trace").text
+        assert client.get(f"/m/{slug}/layers/0/keys/0.json").status_code == 200
+    app.state.engine.dispose()
+
+
+def test_a_full_queue_answers_503_with_retry_after(tiny, tiny_model_dir):
+    """One trace at a time, `queue` waiting: the next one is refused at once, not piled up."""
+    live = Live(device="cpu", queue=2)
+    live.models[str(tiny_model_dir)] = tiny
+    gate = threading.Event()
+
+    async def burst():
+        blocked = [
+            asyncio.ensure_future(live.run(str(tiny_model_dir), lambda m: gate.wait(10) and {}))
+            for _ in range(2)
+        ]
+        await asyncio.sleep(0.05)
+        with pytest.raises(LiveError) as refused:
+            await live.run(str(tiny_model_dir), lambda m: {})
+        gate.set()
+        await asyncio.gather(*blocked)
+        return refused.value
+
+    refused = asyncio.run(burst())
+    assert (refused.status, refused.retry_after) == (503, 1)
+    assert refused.message == "the live worker is busy (2 traces waiting); try again shortly"
+    assert live.pending == 0
+
+
+def test_the_worker_refuses_while_the_model_loads(client, slug, live, tiny_model_dir):
+    live.loading = str(tiny_model_dir)
+    try:
+        response = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT})
+    finally:
+        live.loading = None
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    assert "still loading" in response.json()["error"]
+
+
+def test_switching_a_memory_off_on_its_top_triggers(client, db, slug, tiny):
+    body = client.get(f"/m/{slug}/layers/1/keys/4/ablation.json", params={"triggers": 3}).json()
+    run_id = body["run"]
+    triggers = db.scalars(
+        select(Trigger)
+        .where(Trigger.run_id == run_id, Trigger.layer == 1, Trigger.key == 4, Trigger.sign == 1)
+        .order_by(Trigger.rank)
+        .limit(3)
+    ).all()
+    top = db.scalars(
+        select(ValueToken.token_id).where(
+            ValueToken.run_id == run_id, ValueToken.layer == 1, ValueToken.key == 4,
+            ValueToken.readout == "raw", ValueToken.direction == 1, ValueToken.rank == 0,
+        )
+    ).one()  # fmt: skip
+    assert body["value_token"]["token_id"] == top and len(body["rows"]) == len(triggers)
+    corpus = db.get(Run, run_id).corpus_id
+    for row, trigger in zip(body["rows"], triggers, strict=True):
+        sentence = db.get(Sentence, (corpus, trigger.sentence_index))
+        prefix = sentence.token_ids[: trigger.position + 1]
+        assert row["prefix"] == sentence.text[: sentence.offsets[trigger.position][1]]
+        assert row["coefficient"] == pytest.approx(trigger.coefficient)
+        with torch.inference_mode():
+            on = tiny.model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
+            with intervene(tiny, [Intervention(1, 4, "off")]):
+                off = tiny.model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
+        assert (row["value_before"], row["value_after"]) == (
+            pytest.approx(float(on[top]), abs=1e-5),
+            pytest.approx(float(off[top]), abs=1e-5),
+        )
+        following = (
+            sentence.token_ids[trigger.position + 1]
+            if trigger.position + 1 < len(sentence.token_ids)
+            else None
+        )
+        if following is None:
+            assert row["next_token"] is None and row["next_before"] is None
+        else:
+            assert row["next_token"]["token_id"] == following
+            assert row["next_after"] == pytest.approx(float(off[following]), abs=1e-5)
+    rows = body["rows"]
+    assert body["mean_value_change"] == pytest.approx(
+        sum(r["value_after"] - r["value_before"] for r in rows) / len(rows)
+    )
+    fragment = client.get(
+        f"/m/{slug}/layers/1/keys/4/ablation", headers={"HX-Request": "true", "HX-Target": "ablation"}
+    )
+    assert (
+        fragment.status_code == 200
+        and "<html" not in fragment.text
+        and "switching the memory off" in fragment.text
+    )
+    key_page = client.get(f"/m/{slug}/layers/1/keys/4").text
+    assert f'hx-get="/m/{slug}/layers/1/keys/4/ablation?run={run_id}"' in key_page
