@@ -348,7 +348,8 @@ def trace_command(
     )
     console.print(chips)
     console.print(
-        f"prediction after position {result.position}: [bold]{tok(result.prediction)}[/] ({result.readout} readout)"
+        f"prediction after position {result.position}: [bold]{tok(result.prediction)}[/] "
+        f"({result.readout} readout)"
     )
     table = Table(
         "layer", "top(r)", "top(y)", "top(o)", "p(final|r)", "rank", "case", "memories (m: value tokens)"
@@ -396,8 +397,8 @@ def demo(
     """The default index (SmolLM2-135M over 2,000 Wikipedia sentences) and the explorer over it.
 
     With --serve (the default) the explorer starts at once with its worker, which builds the index
-    unless it is built (its progress is on the job's page) and answers live traces. With --no-serve the index is built in the
-    foreground and the command ends.
+    unless it is built (its progress is on the job's page) and answers live traces. With --no-serve
+    the index is built in the foreground and the command ends.
     """
     settings = get_settings()
     url = db or settings.database_url

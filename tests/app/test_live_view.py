@@ -191,7 +191,8 @@ def test_the_prompt_is_escaped(client, slug):
         ({"text": PROMPT, "intervene": "L0K48"}, "L0K48: key 48 does not exist; keys are 0–47."),
         (
             {"text": PROMPT, "intervene": "nope"},
-            "Cannot read intervention 'nope': write L12K345 (off), L12K345*0.5 (scale) or L12K345=3.2 (force on), comma separated.",
+            "Cannot read intervention 'nope': write L12K345 (off), L12K345*0.5 (scale) or L12K345=3.2 "
+            "(force on), comma separated.",
         ),
         ({"text": PROMPT, "position": -1}, "position: Input should be greater than or equal to 0"),
         ({"text": PROMPT, "generate": 21}, "generate: Input should be less than or equal to 20"),
