@@ -27,6 +27,7 @@ test: install
 bench: install
 	$(PY) bench/bench.py
 	$(PY) bench/web.py
+	$(PY) bench/trace.py
 	$(PY) bench/jobs.py
 
 lint: install

@@ -1,5 +1,6 @@
-"""`ffmem demo` (what `make demo` runs): the explorer answers at once while a background worker builds
-the index, whose progress the job page shows; here with the tiny model instead of SmolLM2."""
+"""`ffmem demo` (what `make demo` runs): the explorer answers at once while its worker builds the
+index, whose progress the job page shows, and then answers live traces; here with the tiny model
+instead of SmolLM2."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import httpx
 from explorer_index import EXPLORER_SENTENCES
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_dir):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(EXPLORER_SENTENCES * 4) + "\n")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port, worker_port = _free_port(), _free_port()
     env = dict(
         os.environ,
         FFMEM_DATABASE_URL=f"sqlite:///{tmp_path / 'demo.db'}",
@@ -28,6 +33,7 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
         FFMEM_DEVICE="cpu",
         FFMEM_TOP_K="4",
         FFMEM_SHARD_SENTENCES="8",
+        FFMEM_WORKER_URL=f"http://127.0.0.1:{worker_port}",
     )
     command = [sys.executable, "-c", "from app.cli import main; main()", "demo", "--port", str(port)]
     demo = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -52,6 +58,12 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
         slug = job["model"]
         key = httpx.get(f"{base}/m/{slug}/layers/1/keys/2.json").json()
         assert len(key["triggers"]) == 4 and key["run"]["id"] == job["run"]["id"]
+        # The same worker answers live traces (it preloaded the model it was told to index).
+        traced = httpx.get(
+            f"{base}/m/{slug}/trace.json", params={"text": "The capital of France is"}, timeout=30
+        )
+        assert traced.status_code == 200, traced.text
+        assert len(traced.json()["layers"]) == 3 and traced.json()["run"] == job["run"]["id"]
     finally:
         demo.terminate()  # SIGTERM, as a service manager stops it
         demo.wait(timeout=30)

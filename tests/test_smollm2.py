@@ -15,6 +15,7 @@ from app.models import Run, Sentence, Token
 from engine import loading
 from engine.hooks import capture
 from engine.loading import dequantized_folder, embedded_gguf, load_model
+from engine.trace import trace
 from worker.index import IndexOptions, build_index
 
 pytestmark = pytest.mark.smollm2
@@ -31,6 +32,16 @@ def test_predicts_paris(smollm2):
         logits = smollm2.model(ids).logits[0, -1]  # [vocab]
     assert smollm2.tokenizer.decode(logits.argmax()) == " Paris"
     assert (smollm2.n_layers, smollm2.n_keys, smollm2.adapter.family) == (30, 1536, "llama")
+
+
+def test_live_trace_predicts_paris_and_refines_it_layer_by_layer(smollm2):
+    result = trace(smollm2, smollm2.tokenizer("The capital of France is").input_ids)
+    assert smollm2.tokenizer.decode([result.prediction]) == " Paris"
+    assert result.layers[-1].top_o == result.prediction  # the last layer's output is the prediction
+    assert len(result.layers) == 30 and all(len(layer.memories) == 10 for layer in result.layers)
+    # The residual grows more confident in the final token with depth (the paper's Fig. 10).
+    assert result.layers[-1].final_prob > result.layers[0].final_prob
+    assert result.layers[-1].final_rank < result.layers[0].final_rank
 
 
 def test_the_dequantized_cache_is_reused(smollm2, monkeypatch):

@@ -100,3 +100,100 @@ def test_unreachable_postgres_is_a_clear_error():
     )
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.output.startswith("error: ")
+
+
+def test_trace_command_prints_the_breakdown(tiny, tiny_model_dir):
+    from engine.trace import trace
+
+    result = CliRunner().invoke(
+        cli,
+        [
+            "trace",
+            "The capital of France is",
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--intervene",
+            "L2K3",
+        ],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0, result.output
+    expected = trace(tiny, tiny.tokenizer("The capital of France is").input_ids, memories=3)
+    decoded = tiny.tokenizer.decode([expected.prediction]).replace(" ", "␣")
+    assert f"prediction after position {len(expected.token_ids) - 1}" in result.output
+    assert decoded in result.output
+    for layer in expected.layers:
+        assert f"K{layer.memories[0].key} {layer.memories[0].coefficient:+.2f}" in result.output
+        assert layer.case in result.output
+    assert "p edited" in result.output  # the edit's table
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["   "], "error: the prompt is empty"),
+        (["Paris", "--position", "99"], "error: position 99 is past the prompt's"),
+        (["Paris", "--intervene", "L9K1"], "error: L9K1: layer 9 does not exist; layers are 0–2"),
+    ],
+)
+def test_trace_command_errors_are_one_line(tiny_model_dir, arguments, message):
+    result = CliRunner().invoke(cli, ["trace", *arguments, "--model", str(tiny_model_dir), "--device", "cpu"])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_worker_answers_live_traces_over_http(tmp_path, tiny_model_dir):
+    """`ffmem worker` loads the model it is told to and answers /trace beside its (empty) job queue."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable,
+        "-c",
+        "from app.cli import main; main()",
+        "worker",
+        "--db",
+        f"sqlite:///{tmp_path / 'w.db'}",
+    ]
+    command += ["--device", "cpu", "--port", str(port), "--preload", str(tiny_model_dir)]
+    worker = subprocess.Popen(
+        command, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert worker.poll() is None, worker.stdout.read()
+            assert time.monotonic() < deadline, "the live worker did not get ready"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).json()["status"] == "ready":
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        answer = httpx.post(
+            f"{base}/trace", json={"model": str(tiny_model_dir), "text": "Paris", "memories": 2}
+        )
+        assert answer.status_code == 200 and len(answer.json()["layers"]) == 3
+        refused = httpx.post(
+            f"{base}/trace", json={"model": str(tiny_model_dir), "text": "Paris", "memories": 0}
+        )
+        assert refused.status_code == 400
+        assert refused.json() == {
+            "ok": False,
+            "error": "memories: Input should be greater than or equal to 1",
+            "status": 400,
+        }
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) is not None

@@ -1,0 +1,147 @@
+"""Live view speed (a benchmark, not a test): `make bench` runs it after web.py.
+
+1. Engine, in one process, interleaved: a trace of a 32-token prompt (`engine.trace.trace`: the
+   forward pass with every layer captured, the readouts of r, y and o at the position, memories,
+   heatmaps) over a bare forward pass of the same prompt (`model(ids)`); p50 and p95 of each and
+   the ratio of the p50s (target ≤ 1.3).
+2. Through the app: `ffmem serve` (which starts the live worker) on the default index;
+   /m/{model}/trace.json for the same prompt, one at a time: wall and server time p50 / p95.
+3. A burst of 20 concurrent traces: how many were answered (200), how many refused with the
+   documented 503 + Retry-After, and any other 5xx (errors; target 0).
+Figures go into bench-results.json under "trace".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from results import record  # noqa: E402
+from web import default_run, percentiles, serve, server_ms  # noqa: E402
+
+from app.config import get_settings  # noqa: E402
+from engine.corpus import read_corpus  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+from engine.trace import trace  # noqa: E402
+
+PROMPT_TOKENS, ROUNDS, BURST = 32, 60, 20
+
+
+def prompt(loaded) -> tuple[str, list[int]]:
+    """The first Wikipedia sentence of at least 32 tokens, cut to 32 tokens (text and ids agree)."""
+    for sentence in read_corpus("wiki-vital", 500).sentences:
+        ids = loaded.tokenizer(sentence).input_ids
+        if len(ids) >= PROMPT_TOKENS + 4:
+            text = loaded.tokenizer.decode(ids[:PROMPT_TOKENS], skip_special_tokens=True)
+            ids = loaded.tokenizer(text).input_ids
+            if len(ids) == PROMPT_TOKENS:
+                return text, ids
+    raise SystemExit("no sentence of 32 tokens in the corpus")
+
+
+def engine_ratio(loaded, ids: list[int]) -> dict:
+    tensor = torch.tensor([ids])
+
+    def bare():
+        with torch.inference_mode():
+            loaded.model(tensor)
+
+    def traced():
+        trace(loaded, ids)
+
+    for _ in range(3):  # warm up both
+        bare(), traced()
+    times = {"bare": [], "trace": []}
+    for _ in range(ROUNDS):
+        for name, run in (("bare", bare), ("trace", traced)):
+            start = time.perf_counter()
+            run()
+            times[name].append(1000 * (time.perf_counter() - start))
+    bare_p, trace_p = percentiles(times["bare"]), percentiles(times["trace"])
+    return {
+        "prompt_tokens": len(ids),
+        "bare_forward": bare_p,
+        "trace": trace_p,
+        "ratio_p50": round(trace_p["p50_ms"] / bare_p["p50_ms"], 3),
+        "ratio_p95": round(trace_p["p95_ms"] / bare_p["p95_ms"], 3),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def wait_for_worker(base: str, slug: str, text: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        response = httpx.get(f"{base}/m/{slug}/trace.json", params={"text": text}, timeout=60)
+        if response.status_code == 200:
+            return
+        time.sleep(1)
+    raise SystemExit(f"the live worker never answered: {response.status_code} {response.text[:200]}")
+
+
+def sequential(base: str, slug: str, text: str) -> dict:
+    wall, server = [], []
+    for _ in range(30):
+        start = time.perf_counter()
+        response = httpx.get(f"{base}/m/{slug}/trace.json", params={"text": text}, timeout=60)
+        wall.append(1000 * (time.perf_counter() - start))
+        assert response.status_code == 200, response.text
+        server.append(server_ms(response))
+    return {"wall": percentiles(wall), "server": percentiles(server)}
+
+
+async def burst(base: str, slug: str, text: str) -> dict:
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        start = time.perf_counter()
+        responses = await asyncio.gather(
+            *(client.get(f"/m/{slug}/trace.json", params={"text": text}) for _ in range(BURST)),
+            return_exceptions=True,
+        )
+        seconds = time.perf_counter() - start
+    statuses = [r.status_code if isinstance(r, httpx.Response) else "failed" for r in responses]
+    refused = [r for r in responses if isinstance(r, httpx.Response) and r.status_code == 503]
+    return {
+        "concurrent": BURST,
+        "seconds": round(seconds, 2),
+        "answered_200": statuses.count(200),
+        "refused_503": len(refused),
+        "refused_with_retry_after": sum("retry-after" in r.headers for r in refused),
+        "other_errors": sum(1 for s in statuses if s not in (200, 503)),
+        "statuses": {str(s): statuses.count(s) for s in sorted(set(map(str, statuses)))},
+    }
+
+
+def main() -> None:
+    settings = get_settings()
+    loaded = load_model(settings.model, device="cpu", cache_dir=settings.cache_dir)
+    text, ids = prompt(loaded)
+    print(f"prompt ({len(ids)} tokens): {text!r}", flush=True)
+    results = {"engine": engine_ratio(loaded, ids)}
+    print(results["engine"], flush=True)
+    del loaded  # the worker process holds its own copy
+
+    url = settings.database_url
+    slug, _, _ = default_run(url)
+    process, base = serve(url)
+    try:
+        wait_for_worker(base, slug, text)
+        results["app_sequential"] = sequential(base, slug, text)
+        print(results["app_sequential"], flush=True)
+        results["burst"] = asyncio.run(burst(base, slug, text))
+        print(results["burst"], flush=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    results["device"] = "cpu"
+    record("trace", results)
+
+
+if __name__ == "__main__":
+    main()

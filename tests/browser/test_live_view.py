@@ -1,0 +1,242 @@
+"""The live view (/m/{model}/trace) in a real browser: Playwright driving Debian's Chromium (never a
+downloaded one), against uvicorn serving the explorer on the tiny index and a real live worker (its own
+uvicorn, the tiny model preloaded on the CPU). Screenshots go to FFMEM_ARTIFACTS (default test-artifacts/).
+
+Skipped when Chromium is not installed, except on CI (env CI set), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import uvicorn
+from sqlalchemy import select
+
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from app.main import create_app
+from app.models import LanguageModel
+from worker.live import Live, create_live_app
+
+CHROMIUM = os.environ.get("FFMEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(os.environ.get("FFMEM_ARTIFACTS", "test-artifacts"))
+PROMPT = "The capital of France is"
+HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(1)>'
+DEAD_WORKER = "http://127.0.0.1:9"  # nothing listens there: the explorer without a live worker
+pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
+
+
+@contextmanager
+def serving(app):
+    """`app` on a free local port, in a thread; yields the port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny, tiny_model_dir):
+    """The live worker holding the tiny model (the index's LanguageModel.source); yields its URL."""
+    live = Live(device="cpu")
+    live.models[str(tiny_model_dir)] = tiny
+    with serving(create_live_app(live)) as port:
+        yield f"http://127.0.0.1:{port}"
+    live.executor.shutdown(wait=False)
+
+
+@pytest.fixture(scope="module")
+def server(explorer_db, worker):
+    """The explorer asking that worker; yields its base URL."""
+    app = create_app(Settings(database_url=explorer_db, worker_url=worker))
+    with serving(app) as port:
+        yield f"http://127.0.0.1:{port}"
+    app.state.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def lonely_server(explorer_db):
+    """The explorer with no live worker answering; yields its base URL."""
+    app = create_app(Settings(database_url=explorer_db, worker_url=DEAD_WORKER, worker_timeout=5))
+    with serving(app) as port:
+        yield f"http://127.0.0.1:{port}"
+    app.state.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def slug(explorer_db) -> str:
+    engine = make_engine(explorer_db)
+    with make_sessionmaker(engine)() as session:
+        slug = session.scalars(select(LanguageModel.slug)).one()
+    engine.dispose()
+    return slug
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        message = "Debian's chromium is not installed (apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the browser tests: {message}", pytrace=False)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def dialogs() -> list[str]:
+    """Messages of every alert/confirm/prompt the page opened: any would be XSS."""
+    return []
+
+
+@pytest.fixture
+def page(browser, request, dialogs):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+
+    def on_dialog(dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+    yield page
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    name = request.node.name.replace("[", "-").replace("]", "")
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    context.close()
+    assert errors == [], errors
+    assert dialogs == [], dialogs
+
+
+def query(page) -> dict[str, list[str]]:
+    """The current URL's query string, decoded."""
+    return parse_qs(urlsplit(page.url).query, keep_blank_values=True)
+
+
+def chips(page) -> list[str]:
+    return page.locator("#trace .chips a.chip").all_inner_texts()
+
+
+def run_trace(page, base: str, slug: str, text: str) -> None:
+    """Open the empty live view, type `text` and press trace (htmx swaps the result into #trace)."""
+    page.goto(f"{base}/m/{slug}/trace")
+    assert page.locator("#layers").count() == 0
+    page.locator("#prompt").fill(text)
+    page.locator("#run-trace").click()
+    page.wait_for_function("text => new URL(location.href).searchParams.get('text') === text", arg=text)
+    page.wait_for_selector("#layers")
+
+
+def test_type_a_prompt_and_trace_it(page, server, slug):
+    run_trace(page, server, slug, PROMPT)
+    assert page.locator("#layers > tbody > tr").count() == 3  # one row per layer of the tiny model
+    assert page.locator("#layers > tbody > tr > td:first-child").all_inner_texts() == ["0", "1", "2"]
+    page.wait_for_selector("#trace-heatmap .main-svg")  # plotly drew both charts after the swap
+    page.wait_for_selector("#confidence-chart .main-svg")
+    assert "text=The+capital" in page.url or "text=The%20capital" in page.url
+    assert query(page)["text"] == [PROMPT]
+    tokens = chips(page)
+    assert len(tokens) > 1
+    assert "".join(tokens).replace("\u2423", " ") == PROMPT  # the chips spell the prompt (␣ for spaces)
+    last = page.locator(f"#token-{len(tokens) - 1}")
+    assert last.get_attribute("class").split() == ["chip", "selected"]
+    assert page.locator("#trace .chips a.chip.selected").count() == 1
+    assert f"After position {len(tokens) - 1} the model predicts" in page.locator("#trace").inner_text()
+
+
+def test_click_a_token_chip_selects_it_without_a_reload(page, server, slug):
+    run_trace(page, server, slug, PROMPT)
+    last = len(chips(page)) - 1
+    page.evaluate("() => { window.__marker = 1; }")
+    page.locator("#token-1").click()
+    page.wait_for_url("**position=1**")
+    page.wait_for_selector("#token-1.selected")
+    assert page.evaluate("() => window.__marker") == 1  # htmx swapped #trace: no full page load
+    assert query(page)["position"] == ["1"]
+    assert "selected" in page.locator("#token-1").get_attribute("class").split()
+    assert "selected" not in page.locator(f"#token-{last}").get_attribute("class").split()
+    assert page.locator("#trace .chips a.chip.selected").count() == 1
+    assert "After position 1 the model predicts" in page.locator("#trace").inner_text()
+    assert page.locator("#layers > tbody > tr").count() == 3
+    page.wait_for_selector("#trace-heatmap .main-svg")  # the swapped-in charts are drawn too
+
+
+def test_switch_a_memory_off(page, server, slug):
+    run_trace(page, server, slug, PROMPT)
+    assert page.locator("#prediction thead th", has_text="p edited").count() == 0
+    assert page.locator("#edits").count() == 0
+    row = page.locator("#layers > tbody > tr").last
+    details = row.locator("details")
+    if details.get_attribute("open") is None:
+        details.locator("summary").click()
+    memory = details.locator("table.memories tr").filter(has=page.locator("a.off")).first
+    name = memory.locator("td").first.inner_text()  # L2K…
+    assert name.startswith("L2K"), name
+    memory.locator("a.off").click()
+    page.wait_for_url("**intervene=**")
+    page.wait_for_selector("#edits")
+    assert query(page)["intervene"] == [name]
+    assert query(page)["text"] == [PROMPT]  # the edit keeps the prompt
+    assert page.locator("#prediction thead th", has_text="p edited").count() == 1
+    assert page.locator("#edits li").count() == 1
+    assert page.locator("#edits li a").first.inner_text() == name
+    assert page.locator("#intervene").input_value() == name  # the form shows the edit
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "live-view-edited.png"), full_page=True)
+
+
+def test_hostile_prompt_stays_text(page, server, slug, dialogs):
+    run_trace(page, server, slug, HOSTILE)
+    page.wait_for_selector("#trace-heatmap .main-svg")
+    assert "".join(chips(page)).replace("\u2423", " ") == HOSTILE  # shown as the characters it is
+    assert page.locator("img").count() == 0
+    assert page.locator("#trace script").count() == 0
+    assert page.locator("#prompt").input_value() == HOSTILE
+    page.reload()  # the same trace rendered as a full page from the pushed URL
+    page.wait_for_selector("#trace-heatmap .main-svg")
+    assert "".join(chips(page)).replace("\u2423", " ") == HOSTILE
+    assert page.locator("img").count() == 0
+    assert dialogs == []
+
+
+def test_no_worker_says_so_and_browsing_goes_on(page, lonely_server, slug):
+    page.goto(f"{lonely_server}/m/{slug}/trace")
+    assert "down" in page.locator("#worker-status").inner_text()
+    page.locator("#prompt").fill(PROMPT)
+    page.locator("#run-trace").click()  # through htmx: the notice is swapped in
+    notice = page.locator("#worker-notice")
+    notice.wait_for()
+    assert "no live worker answers" in notice.inner_text().lower()
+    assert page.locator("#layers").count() == 0
+    response = page.goto(f"{lonely_server}/m/{slug}/trace?text=The+capital+of+France+is")
+    assert response.status == 503
+    assert "no live worker answers" in page.locator("#worker-notice").inner_text().lower()
+    assert page.locator("#prompt").input_value() == PROMPT  # the form keeps the prompt
+    response = page.goto(f"{lonely_server}/m/{slug}/layers/0")
+    assert response.status == 200
+    assert page.locator("table.keys tbody tr").count() == 48
