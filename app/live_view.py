@@ -25,8 +25,8 @@ from app.contexts import (
 from app.errors import AppError
 from app.live import LiveWorker
 from app.models import LanguageModel, Run
+from engine.cases import CASES
 from engine.interventions import Intervention, InterventionError, format_interventions, parse_interventions
-from engine.trace import CASES
 
 MEMORY_TOKENS = 5  # value tokens shown per memory
 DEFAULTS = {"readout": "norm", "memories": 10, "generate": 0}
@@ -38,10 +38,12 @@ class TraceQuery:
     def __init__(self, model: LanguageModel, text, position, readout, memories, generate, intervene) -> None:
         self.model, self.text, self.position = model, text, position
         self.readout, self.memories, self.generate = readout, memories, generate
+        self.typed, self.error = intervene or "", None
         try:
             self.interventions = parse_interventions(intervene, model.n_layers, model.n_keys)
-        except InterventionError as error:
-            raise AppError(400, "Bad intervention", f"{str(error)[0].upper()}{str(error)[1:]}.") from None
+        except InterventionError as error:  # raised by trace_page; the form shows what was typed
+            self.interventions = []
+            self.error = AppError(400, "Bad intervention", f"{str(error)[0].upper()}{str(error)[1:]}.")
 
     def url(self, fmt: str | None = None, **changes) -> str:
         values = {
@@ -85,7 +87,7 @@ def trace_form(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         readout=q.readout,
         memories=q.memories,
         generate=q.generate,
-        interventions=format_interventions(q.interventions),
+        interventions=q.typed if q.error else format_interventions(q.interventions),
         max_tokens=max_tokens,
         worker=live.health(),
         notice=notice,
@@ -96,6 +98,8 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
     ctx = trace_form(session, live, q, max_tokens) if q.text is None else None
     if ctx is not None:
         return ctx
+    if q.error:
+        raise q.error
     if not q.text.strip():
         raise AppError(400, "Empty prompt", "The prompt is empty: type some text.")
     if len(q.text) > 32 * max_tokens:

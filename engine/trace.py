@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.adapters.base import resolve
+from engine.cases import case_of
 from engine.hooks import capture
 from engine.intervene import generate, intervene
 from engine.interventions import Intervention
 from engine.loading import LoadedModel
 from engine.projection import readout_input, value_logits
 
-CASES = ("agreement", "residual", "ffn", "composition")
 ACTIVE_RATIO = 2.0**-3  # active: |m_i| within 3 octaves of the position's strongest memory (cf. density)
 
 
@@ -73,17 +73,6 @@ class Trace:
     edited_coefficients: list[float] = field(default_factory=list)  # each edited m_i before the edit
     generated: list[int] = field(default_factory=list)  # greedy continuation without the interventions
     generated_edited: list[int] = field(default_factory=list)  # and with them
-
-
-def case_of(top_r: int, top_y: int, top_o: int) -> str:
-    """The paper's §5.2 case of one layer."""
-    if top_r == top_y == top_o:
-        return "agreement"
-    if top_o == top_r:
-        return "residual"
-    if top_o == top_y:
-        return "ffn"
-    return "composition"
 
 
 def trace(

@@ -50,10 +50,12 @@ def trace(
     try:
         ctx = live_view.trace_page(session, live, q, settings.max_prompt_tokens)
     except AppError as error:
-        if error.status < 500 or wants_json(request):
+        if wants_json(request):
             raise
-        # The page says why there is no trace and keeps the form; the browse pages work on.
-        ctx = live_view.trace_form(session, live, q, settings.max_prompt_tokens, notice=error.message)
+        # The page keeps the form and says why there is no trace (a bad prompt or edit, or the worker
+        # down, busy or failed); the browse pages work on.
+        notice = f"{error.title}: {error.message}"
+        ctx = live_view.trace_form(session, live, q, settings.max_prompt_tokens, notice=notice)
         return render(request, "trace.html", ctx, "trace", status_code=error.status, headers=error.headers)
     return render(request, "trace.html", ctx, fragment="trace")
 

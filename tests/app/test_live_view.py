@@ -203,7 +203,10 @@ def test_bad_input_is_a_400_that_says_what_is_allowed(client, slug, params, mess
     response = client.get(f"/m/{slug}/trace.json", params=params)
     assert response.status_code == 400
     assert response.json() == {"ok": False, "error": message, "status": 400}
-    assert client.get(f"/m/{slug}/trace", params=params).status_code == 400
+    page = client.get(f"/m/{slug}/trace", params=params)
+    assert page.status_code == 400
+    if "Input should" not in message:  # not a malformed parameter: the form again, with the reason
+        assert 'id="prompt"' in page.text and 'id="worker-notice"' in page.text
 
 
 def test_unknown_model_is_a_404(client):
@@ -218,7 +221,11 @@ def test_a_down_worker_is_a_clear_503_and_browsing_goes_on(explorer_db, slug):
         assert response.status_code == 503 and response.headers["retry-after"] == "5"
         assert response.json()["error"].startswith("No live worker answers at http://127.0.0.1:9")
         page = client.get(f"/m/{slug}/trace", params={"text": PROMPT})
-        assert page.status_code == 503 and "No live trace:" in page.text and 'id="prompt"' in page.text
+        assert (
+            page.status_code == 503
+            and "No live trace</strong> — Live worker unavailable: No live worker answers" in page.text
+            and 'id="prompt"' in page.text
+        )
         assert "live worker: <strong>down" in client.get(f"/m/{slug}/trace").text
         assert client.get(f"/m/{slug}/layers/0/keys/0.json").status_code == 200
     app.state.engine.dispose()

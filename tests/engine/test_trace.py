@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.cases import case_of
 from engine.hooks import capture
 from engine.intervene import generate, intervene
 from engine.interventions import Intervention, InterventionError, format_interventions, parse_interventions
 from engine.projection import value_logits
-from engine.trace import ablation, case_of, trace
+from engine.trace import ablation, trace
 
 PROMPT = "The capital of France is Paris, a city on the Seine"
 TOL = 1e-4

@@ -31,7 +31,6 @@ ARTIFACTS = Path(os.environ.get("FFMEM_ARTIFACTS", "test-artifacts"))
 PROMPT = "The capital of France is"
 HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(1)>'
 DEAD_WORKER = "http://127.0.0.1:9"  # nothing listens there: the explorer without a live worker
-pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
 
 
 @contextmanager
@@ -158,6 +157,8 @@ def test_type_a_prompt_and_trace_it(page, server, slug):
     assert page.locator("#layers > tbody > tr > td:first-child").all_inner_texts() == ["0", "1", "2"]
     page.wait_for_selector("#trace-heatmap .main-svg")  # plotly drew both charts after the swap
     page.wait_for_selector("#confidence-chart .main-svg")
+    page.wait_for_selector("#trace-heatmap .heatmaplayer image", state="attached")  # a heatmap, not axes
+    assert page.locator("#confidence-chart .scatterlayer .trace").count() >= 1
     assert "text=The+capital" in page.url or "text=The%20capital" in page.url
     assert query(page)["text"] == [PROMPT]
     tokens = chips(page)
@@ -183,7 +184,20 @@ def test_click_a_token_chip_selects_it_without_a_reload(page, server, slug):
     assert page.locator("#trace .chips a.chip.selected").count() == 1
     assert "After position 1 the model predicts" in page.locator("#trace").inner_text()
     assert page.locator("#layers > tbody > tr").count() == 3
-    page.wait_for_selector("#trace-heatmap .main-svg")  # the swapped-in charts are drawn too
+    page.wait_for_selector("#trace-heatmap .heatmaplayer image", state="attached")  # redrawn after the swap
+
+
+def test_click_a_heatmap_column_selects_its_position(page, server, slug):
+    run_trace(page, server, slug, PROMPT)
+    page.wait_for_selector("#trace-heatmap .heatmaplayer image", state="attached")
+    n = len(chips(page))
+    plot = page.locator("#trace-heatmap .nsewdrag").first.bounding_box()  # the plot area, one column a token
+    page.evaluate("() => { window.__marker = 1; }")
+    page.mouse.click(plot["x"] + 2.5 * plot["width"] / n, plot["y"] + plot["height"] / 2)
+    page.wait_for_url("**position=2**")
+    page.wait_for_selector("#token-2.selected")
+    assert page.evaluate("() => window.__marker") == 1
+    assert page.locator("#trace .chips a.chip.selected").count() == 1
 
 
 def test_switch_a_memory_off(page, server, slug):
