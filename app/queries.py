@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from itertools import islice, repeat
 
 import numpy as np
-from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select, tuple_
+from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select
 from sqlalchemy.orm import Session
 
 from app.models import Corpus, KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
@@ -600,22 +600,30 @@ def memory_value_tokens(
     *, session: Session, run_id: int, readout: str, memories: Iterable[tuple[int, int, int]], n: int
 ) -> dict[tuple[int, int, int], list[int]]:
     """(layer, key, direction) → the first `n` token ids of that value's top (+1) or bottom (−1) list."""
-    wanted = list(set(memories))
+    wanted = set(memories)
+    keys_by_layer: dict[int, set[int]] = {}
+    for layer, key, _ in wanted:
+        keys_by_layer.setdefault(layer, set()).add(key)
     if not wanted:
         return {}
-    query = (
-        select(ValueToken.layer, ValueToken.key, ValueToken.direction, ValueToken.token_id)
-        .where(
-            ValueToken.run_id == run_id,
-            ValueToken.readout == readout,
-            ValueToken.rank < n,
-            tuple_(ValueToken.layer, ValueToken.key, ValueToken.direction).in_(wanted),
-        )
-        .order_by(ValueToken.layer, ValueToken.key, ValueToken.direction, ValueToken.rank)
-    )
+    # One query per layer: each walks the primary key (run, layer, key, …); SQLite plans an OR or a
+    # row-value IN over all layers as a scan of the run.
     found: dict[tuple[int, int, int], list[int]] = {}
-    for row in session.execute(query):
-        found.setdefault((row.layer, row.key, row.direction), []).append(row.token_id)
+    for layer, keys in sorted(keys_by_layer.items()):
+        query = (
+            select(ValueToken.key, ValueToken.direction, ValueToken.token_id)
+            .where(
+                ValueToken.run_id == run_id,
+                ValueToken.layer == layer,
+                ValueToken.key.in_(sorted(keys)),
+                ValueToken.readout == readout,
+                ValueToken.rank < n,
+            )
+            .order_by(ValueToken.key, ValueToken.direction, ValueToken.rank)
+        )
+        for row in session.execute(query):
+            if (layer, row.key, row.direction) in wanted:
+                found.setdefault((layer, row.key, row.direction), []).append(row.token_id)
     return found
 
 

@@ -42,6 +42,27 @@ def readout_input(loaded: LoadedModel, vectors: torch.Tensor, readout: str) -> t
     raise ValueError(f"unknown readout {readout!r}; choose from {READOUTS}")
 
 
+def norm_parts(
+    loaded: LoadedModel, vectors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The final norm split as final_norm(x) = linear(x)·scale(x) + bias, exactly, for the norms of the
+    supported families — LayerNorm: linear = w⊙(x − mean x), scale = 1/√(var x + ε); RMSNorm:
+    linear = w⊙x, scale = 1/√(mean x² + ε). The linear part is linear in x, so for o = r + y the
+    logits of o follow from those of r and y without another pass over the vocabulary.
+    [n, d] → (linear [n, d], scale [n, 1], bias [d] or None), float32."""
+    norm = resolve(loaded.model, loaded.adapter.final_norm)
+    x = vectors.float()  # [n, d]
+    if isinstance(norm, torch.nn.LayerNorm):
+        centered = x - x.mean(dim=-1, keepdim=True)  # [n, d]
+        scale = torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + norm.eps)  # [n, 1]
+        bias = None if norm.bias is None else norm.bias.float()
+        return centered * norm.weight.float(), scale, bias
+    if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+        scale = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.variance_epsilon)  # [n, 1]
+        return x * norm.weight.float(), scale, None
+    raise TypeError(f"ffmem cannot split a {type(norm).__name__} final norm; add it to projection.norm_parts")
+
+
 def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> torch.Tensor:
     """Logits over the vocabulary for value rows (or any vectors): [keys, d] → [keys, vocab]."""
     unembedding = resolve(loaded.model, loaded.adapter.unembedding)

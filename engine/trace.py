@@ -25,7 +25,7 @@ from engine.hooks import capture
 from engine.intervene import generate, intervene
 from engine.interventions import Intervention
 from engine.loading import LoadedModel
-from engine.projection import readout_input, value_logits
+from engine.projection import norm_parts, readout_input, value_logits
 
 ACTIVE_RATIO = 2.0**-3  # active: |m_i| within 3 octaves of the position's strongest memory (cf. density)
 
@@ -75,6 +75,20 @@ class Trace:
     generated_edited: list[int] = field(default_factory=list)  # and with them
 
 
+def top_index(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """argmax over the last dimension (the first maximum), through a blocked amax: on CPU torch's
+    max/argmax with indices runs ~10× slower than amax. [rows, vocab] → [rows]."""
+    rows, vocab = logits.shape
+    if vocab % block:
+        logits = torch.nn.functional.pad(
+            logits, (0, -vocab % block), value=-torch.inf
+        )  # [rows, blocks·block]
+    blocks = logits.view(rows, -1, block)  # [rows, blocks, block]
+    first = blocks.amax(dim=-1).argmax(dim=-1)  # [rows]: the first block that holds the maximum
+    inside = blocks[torch.arange(rows, device=logits.device), first].argmax(dim=-1)  # [rows]
+    return first * block + inside
+
+
 def trace(
     loaded: LoadedModel,
     token_ids: Sequence[int],
@@ -93,30 +107,54 @@ def trace(
     ids = torch.tensor([list(token_ids)], device=loaded.device)  # [1, pos]
     with torch.inference_mode():
         with capture(loaded.model, loaded.adapter) as captured:
-            loaded.model(ids, logits_to_keep=1)  # the unembedding runs below, once for everything
+            nothing = torch.empty(0, dtype=torch.long, device=ids.device)
+            loaded.model(ids, logits_to_keep=nothing, use_cache=False)  # no logits: the readout is below
         layers = sorted(captured.coefficients)
         r = torch.stack([captured.residual[layer][0] for layer in layers])  # [layers, pos, d]
         y = torch.stack([captured.ff_output[layer][0, position] for layer in layers])  # [layers, d]
         o = torch.stack([captured.layer_output[layer][0] for layer in layers])  # [layers, pos, d]
         m = torch.stack([captured.coefficients[layer][0] for layer in layers]).float()  # [layers, pos, d_ff]
 
-        # One read of the output embedding E: the model's logits at every position (final norm of the
-        # last layer's output, as the model computes them) and, at the selected position, r, y and o
-        # of every layer under the readout.
+        # One pass over the output embedding E: the model's logits at every position (the final norm of
+        # the last layer's output, as the model computes them) and, at the selected position, r and y
+        # of every layer. The readout is linear up to a per-vector scale and o = r + y, so the logits
+        # of o are a per-layer mix of those of r and y: 2·layers rows through E instead of 3·layers.
         unembedding = resolve(loaded.model, loaded.adapter.unembedding)
-        at = torch.cat([r[:, position], y, o[:, position]])  # [3·layers, d]
-        rows = torch.cat([readout_input(loaded, o[-1], "norm"), readout_input(loaded, at, readout)])
-        read = (rows @ unembedding.weight.T).float()  # [pos + 3·layers, vocab]
+        weight = unembedding.weight  # [vocab, d]
+        n_layers, n_vocab = len(layers), weight.shape[0]
+        finals = readout_input(loaded, o[-1], "norm")  # [pos, d]
+        r_at, o_at = r[:, position], o[:, position]  # [layers, d]
+        if readout == "norm":
+            (r_part, r_scale, bias), (y_part, y_scale, _) = norm_parts(loaded, r_at), norm_parts(loaded, y)
+            o_scale = norm_parts(loaded, o_at)[1]  # [layers, 1]
+            pairs = torch.stack([r_part * r_scale, y_part * y_scale], dim=1)  # [layers, 2, d]
+            mix = torch.cat([o_scale / r_scale, o_scale / y_scale], dim=1)  # [layers, 2]
+        else:  # raw: r·E, no norm, no bias
+            pairs, bias = torch.stack([r_at, y], dim=1).float(), None  # [layers, 2, d]
+            mix = torch.ones(n_layers, 2, device=ids.device)  # [layers, 2]
+        rows = torch.cat([finals.float(), pairs.flatten(0, 1)])  # [pos + 2·layers, d]: r₀, y₀, r₁, y₁, …
+        products = (rows.to(weight.dtype) @ weight.T).float()  # [pos + 2·layers, vocab]
+        logits = products[:n_positions]  # [pos, vocab]
+        read_ry = products[n_positions:].view(n_layers, 2, n_vocab)  # [layers, 2, vocab]
+        read_o = torch.bmm(mix[:, None, :], read_ry)[:, 0]  # [layers, vocab]: (r + y) under the readout
+        offset = None  # [vocab]: what the norm's bias and the unembedding's bias add to a readout
+        if readout == "norm" and bias is not None:
+            offset = weight.float() @ bias
         if unembedding.bias is not None:
-            read[: n_positions if readout == "raw" else None] += unembedding.bias.float()
-        best_tokens = read.max(dim=-1).indices  # [pos + 3·layers]
-        final = best_tokens[:n_positions]  # [pos]: each position's prediction
-        tops = best_tokens[n_positions:].view(3, len(layers)).tolist()  # [3][layers]: top(r), top(y), top(o)
-        logits, read = read[:n_positions], read[n_positions:].view(3, len(layers), -1)  # [pos, V], [3, L, V]
+            logits = logits + unembedding.bias.float()
+            if readout == "norm":
+                offset = unembedding.bias.float() + (0 if offset is None else offset)
+        if offset is not None:
+            read_ry += offset
+            read_o += offset
+        final = top_index(logits)  # [pos]: each position's prediction
+        top_ry = top_index(read_ry.view(2 * n_layers, n_vocab)).view(n_layers, 2)  # [layers, 2]
+        tops = [top_ry[:, 0].tolist(), top_ry[:, 1].tolist(), top_index(read_o).tolist()]  # [3][layers]
+        read_r = read_ry[:, 0]  # [layers, vocab]
         target = int(final[position])
-        log_z = read[0].logsumexp(dim=-1)  # [layers]
-        final_prob = (read[0][:, target] - log_z).exp().tolist()  # [layers]
-        final_rank = (read[0] > read[0][:, target : target + 1]).sum(dim=-1).tolist()  # [layers]
+        log_z = read_r.logsumexp(dim=-1)  # [layers]
+        final_prob = (read_r[:, target] - log_z).exp().tolist()  # [layers]
+        final_rank = (read_r > read_r[:, target : target + 1]).sum(dim=-1).tolist()  # [layers]
 
         # Over layers × positions: active memories and the FF's change to each prediction's logit.
         magnitude = m.abs()  # [layers, pos, d_ff]

@@ -41,6 +41,9 @@ from transformers.activations import ACT2FN
 from engine.adapters import ADAPTERS, UnsupportedArchitecture, adapter_for
 from engine.adapters.base import resolve
 from engine.hooks import Captured, capture
+from engine.loading import LoadedModel
+from engine.projection import norm_parts, value_logits
+from engine.trace import trace
 
 VOCAB, D, D_FF, LAYERS, HEADS = 128, 32, 64, 2, 4
 BATCH, POS = 2, 6
@@ -305,6 +308,40 @@ def test_unembedding_path(run: Run):
         logits = resolve(run.model, run.adapter.unembedding)(normed)  # [batch, pos, vocab]
     diff = _max_diff(logits, run.logits)
     assert diff < TOL, f"max |E·norm(o) − logits| = {diff}"
+
+
+def test_norm_parts_recompose_the_final_norm(run: Run):
+    """final_norm(x) = linear(x)·scale(x) + bias, and linear(r + y) = linear(r) + linear(y)."""
+    loaded = LoadedModel(
+        run.model, None, run.adapter, run.case.name, run.case.name, None, torch.device("cpu"), torch.float32
+    )
+    r, y = run.captured.residual[0][0], run.captured.ff_output[0][0]  # [pos, d]
+    with torch.no_grad():
+        linear, scale, bias = norm_parts(loaded, r + y)
+        direct = resolve(run.model, run.adapter.final_norm)(r + y)  # [pos, d]
+        assert _max_diff(linear * scale + (0 if bias is None else bias), direct) < TOL
+        assert _max_diff(norm_parts(loaded, r)[0] + norm_parts(loaded, y)[0], linear) < TOL
+
+
+@pytest.mark.parametrize("readout", ["norm", "raw"])
+def test_trace_reads_every_layer_as_the_direct_readout(run: Run, readout: str):
+    """The trace's split readout (o from r and y) picks the tokens a direct readout of r, y, o picks."""
+    loaded = LoadedModel(
+        run.model, None, run.adapter, run.case.name, run.case.name, None, torch.device("cpu"), torch.float32
+    )
+    ids = _inputs()["input_ids"][0].tolist()
+    result = trace(loaded, ids, 3, readout=readout)
+    with torch.no_grad(), capture(run.model, run.adapter) as captured:
+        logits = run.model(torch.tensor([ids])).logits[0]  # [pos, vocab]
+    assert result.prediction == int(logits[3].argmax())
+    for layer, row in enumerate(result.layers):
+        vectors = torch.stack(
+            [getattr(captured, f)[layer][0, 3] for f in ("residual", "ff_output", "layer_output")]
+        )
+        with torch.no_grad():
+            lens = value_logits(loaded, vectors, readout)  # [3, vocab]
+        assert [row.top_r, row.top_y, row.top_o] == lens.argmax(-1).tolist(), f"layer {layer}"
+        assert row.final_prob == pytest.approx(float(lens[0].softmax(-1)[result.prediction]), abs=1e-5)
 
 
 def _hooks(model: nn.Module) -> list[str]:
