@@ -181,8 +181,10 @@ def worker(
     def run():
         from app import jobs
         from app.db import make_engine, make_sessionmaker, upgrade
+        from engine.allocator import keep_freed_memory
         from worker.index import Worker
 
+        keep_freed_memory()  # a long-running process: reuse freed memory instead of faulting it back in
         upgrade(url)
         engine = make_engine(url)
         sessions = make_sessionmaker(engine)

@@ -3,7 +3,8 @@
 1. Engine, in one process, interleaved: a trace of a 32-token prompt (`engine.trace.trace`: the
    forward pass with every layer captured, the readouts of r, y and o at the position, memories,
    heatmaps) over a bare forward pass of the same prompt (`model(ids)`); p50 and p95 of each and
-   the ratio of the p50s (target ≤ 1.3).
+   the ratio of the p50s (target ≤ 1.3). The process keeps freed memory as `ffmem worker` does
+   (engine/allocator.py); without it each trace pays ~11K page faults for its logits.
 2. Through the app: `ffmem serve` (which starts the live worker) on the default index;
    /m/{model}/trace.json for the same prompt, one at a time: wall and server time p50 / p95.
 3. A burst of 20 concurrent traces: how many were answered (200), how many refused with the
@@ -28,6 +29,7 @@ from results import record  # noqa: E402
 from web import default_run, percentiles, serve, server_ms  # noqa: E402
 
 from app.config import get_settings  # noqa: E402
+from engine.allocator import keep_freed_memory  # noqa: E402
 from engine.corpus import read_corpus  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.trace import trace  # noqa: E402
@@ -119,11 +121,12 @@ async def burst(base: str, slug: str, text: str) -> dict:
 
 
 def main() -> None:
+    kept = keep_freed_memory()  # as `ffmem worker` does: both sides of the ratio run under it
     settings = get_settings()
     loaded = load_model(settings.model, device="cpu", cache_dir=settings.cache_dir)
     text, ids = prompt(loaded)
     print(f"prompt ({len(ids)} tokens): {text!r}", flush=True)
-    results = {"engine": engine_ratio(loaded, ids)}
+    results = {"engine": engine_ratio(loaded, ids) | {"freed_memory_kept": kept}}
     print(results["engine"], flush=True)
     del loaded  # the worker process holds its own copy
 
