@@ -134,8 +134,8 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
     wanted |= {t for ids in value_tokens.values() for t in ids}
     texts = queries.token_texts(session=session, model_id=q.model.id, token_ids=wanted)
 
-    def ref(token_id: int) -> TokenRef:
-        return TokenRef(token_id=token_id, token=texts.get(token_id, ""))
+    def ref(token_id: int) -> TokenRef:  # built, not validated: hundreds per page, from our own data
+        return TokenRef.model_construct(token_id=token_id, token=texts.get(token_id, ""))
 
     edits = {(i.layer, i.key): i for i in q.interventions}
     layers = []
@@ -145,7 +145,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
             ids = value_tokens.get((m["layer"], m["key"], 1 if m["coefficient"] >= 0 else -1))
             edit = edits.get((m["layer"], m["key"]))
             memories.append(
-                TraceMemory(
+                TraceMemory.model_construct(
                     layer=m["layer"],
                     key=m["key"],
                     coefficient=m["coefficient"],

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from itertools import islice, repeat
 
 import numpy as np
-from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select
+from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select, union_all
 from sqlalchemy.orm import Session
 
 from app.models import Corpus, KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
@@ -606,24 +606,25 @@ def memory_value_tokens(
         keys_by_layer.setdefault(layer, set()).add(key)
     if not wanted:
         return {}
-    # One query per layer: each walks the primary key (run, layer, key, …); SQLite plans an OR or a
-    # row-value IN over all layers as a scan of the run.
-    found: dict[tuple[int, int, int], list[int]] = {}
-    for layer, keys in sorted(keys_by_layer.items()):
-        query = (
-            select(ValueToken.key, ValueToken.direction, ValueToken.token_id)
-            .where(
-                ValueToken.run_id == run_id,
-                ValueToken.layer == layer,
-                ValueToken.key.in_(sorted(keys)),
-                ValueToken.readout == readout,
-                ValueToken.rank < n,
-            )
-            .order_by(ValueToken.key, ValueToken.direction, ValueToken.rank)
+    # One SELECT per layer, UNION ALL-ed: each walks the primary key (run, layer, key, …); SQLite plans
+    # an OR or a row-value IN over all layers as a scan of the run.
+    per_layer = [
+        select(
+            ValueToken.layer, ValueToken.key, ValueToken.direction, ValueToken.rank, ValueToken.token_id
+        ).where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.key.in_(sorted(keys)),
+            ValueToken.readout == readout,
+            ValueToken.rank < n,
         )
-        for row in session.execute(query):
-            if (layer, row.key, row.direction) in wanted:
-                found.setdefault((layer, row.key, row.direction), []).append(row.token_id)
+        for layer, keys in sorted(keys_by_layer.items())
+    ]
+    found: dict[tuple[int, int, int], list[int]] = {}
+    ordered = union_all(*per_layer).order_by("layer", "key", "direction", "rank")
+    for layer, key, direction, _, token_id in session.execute(ordered).tuples():
+        if (layer, key, direction) in wanted:
+            found.setdefault((layer, key, direction), []).append(token_id)
     return found
 
 

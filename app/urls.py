@@ -6,14 +6,17 @@ with a value of None are left out of the query string.
 
 from __future__ import annotations
 
-from urllib.parse import quote, urlencode
+from functools import lru_cache
+from urllib.parse import quote, quote_plus
+
+_encoded = lru_cache(maxsize=4096)(quote_plus)  # a page builds hundreds of links around one prompt
 
 
 def _url(path: str, fmt: str | None = None, **query) -> str:
     if fmt == "json":
         path = f"{path}.json" if path != "/" else "/.json"
-    kept = {name: value for name, value in query.items() if value is not None}
-    return f"{path}?{urlencode(kept)}" if kept else path
+    kept = "&".join(f"{name}={_encoded(str(value))}" for name, value in query.items() if value is not None)
+    return f"{path}?{kept}" if kept else path
 
 
 def home_url(fmt: str | None = None) -> str:
