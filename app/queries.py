@@ -622,7 +622,7 @@ def memory_value_tokens(
     ]
     found: dict[tuple[int, int, int], list[int]] = {}
     ordered = union_all(*per_layer).order_by("layer", "key", "direction", "rank")
-    for layer, key, direction, _, token_id in session.execute(ordered).tuples():
+    for layer, key, direction, _, token_id in session.execute(ordered):
         if (layer, key, direction) in wanted:
             found.setdefault((layer, key, direction), []).append(token_id)
     return found
