@@ -75,9 +75,9 @@ def value_run(session: Session, model: LanguageModel) -> Run | None:
     return run
 
 
-def trace_form(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: int, notice: str | None = None):
-    """The live view without a trace: the prompt form and the worker's state."""
-    return TraceContext(
+def _query_fields(q: TraceQuery, max_tokens: int) -> dict:
+    """The fields every live-view context has: what the URL asked for."""
+    return dict(
         title=f"{q.model.slug}: live view",
         model=q.model.slug,
         n_layers=q.model.n_layers,
@@ -89,9 +89,12 @@ def trace_form(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         generate=q.generate,
         interventions=q.typed if q.error else format_interventions(q.interventions),
         max_tokens=max_tokens,
-        worker=live.health(),
-        notice=notice,
     )
+
+
+def trace_form(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: int, notice: str | None = None):
+    """The live view without a trace: the prompt form and the worker's state."""
+    return TraceContext(**_query_fields(q, max_tokens), worker=live.health(), notice=notice)
 
 
 def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: int) -> TraceContext:
@@ -176,17 +179,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         )
     position = answer["position"]
     return TraceContext(
-        title=f"{q.model.slug}: live view",
-        model=q.model.slug,
-        n_layers=q.model.n_layers,
-        n_keys=q.model.n_keys,
-        text=q.text,
-        position=position,
-        readout=q.readout,
-        memories=q.memories,
-        generate=q.generate,
-        interventions=format_interventions(q.interventions),
-        max_tokens=max_tokens,
+        **_query_fields(q, max_tokens) | {"position": position},
         worker={"status": "ready"},
         run=None if run is None else run.id,
         tokens=[

@@ -74,5 +74,6 @@ def session(db_url):
     engine.dispose()
 
 
-from explorer_index import explorer_db  # noqa: E402,F401  (a tiny index for the explorer)
+from browser_fixtures import browser, dialogs, page  # noqa: E402,F401  (Playwright on Debian's Chromium)
+from explorer_index import db, explorer_db, slug  # noqa: E402,F401  (a tiny index for the explorer)
 from tiny_models import tiny, tiny_model_dir  # noqa: E402,F401  (tiny random model fixtures)

@@ -5,9 +5,11 @@ markup, built once per backend (SQLite, Postgres) and per test module.
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
 from app.db import make_engine, make_sessionmaker, upgrade
+from app.models import LanguageModel
 from worker.index import IndexOptions, build_index
 
 HOSTILE = [
@@ -48,3 +50,18 @@ def explorer_db(request, tmp_path_factory, tiny, tiny_model_dir) -> str:
     build_index(options, make_sessionmaker(engine), loaded=tiny)
     engine.dispose()
     return url
+
+
+@pytest.fixture(scope="module")
+def db(explorer_db):
+    """A session on the tiny index."""
+    engine = make_engine(explorer_db)
+    with make_sessionmaker(engine)() as session:
+        yield session
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def slug(db) -> str:
+    """The tiny model's URL name."""
+    return db.scalars(select(LanguageModel.slug)).one()

@@ -13,10 +13,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from app.config import Settings
-from app.db import make_engine, make_sessionmaker
 from app.live import LiveWorker
 from app.main import create_app
-from app.models import LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+from app.models import Run, Sentence, Token, Trigger, ValueToken
 from engine.intervene import intervene
 from engine.interventions import Intervention
 from engine.trace import trace
@@ -70,19 +69,6 @@ def client(explorer_db, live):
     with TestClient(app) as client:
         yield client
     app.state.engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def db(explorer_db):
-    engine = make_engine(explorer_db)
-    with make_sessionmaker(engine)() as session:
-        yield session
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def slug(db) -> str:
-    return db.scalars(select(LanguageModel.slug)).one()
 
 
 def texts(db) -> dict[int, str]:

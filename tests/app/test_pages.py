@@ -13,10 +13,9 @@ from sqlalchemy import select
 
 from app import queries
 from app.config import Settings
-from app.db import make_engine, make_sessionmaker
 from app.display import visible
 from app.main import create_app
-from app.models import KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+from app.models import KeyStats, Run, Sentence, Token, Trigger, ValueToken
 
 TRIGGER_FIELDS = {
     "rank",
@@ -41,19 +40,6 @@ def client(explorer_db):
     with TestClient(app) as client:
         yield client
     app.state.engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def db(explorer_db):
-    engine = make_engine(explorer_db)
-    with make_sessionmaker(engine)() as session:
-        yield session
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def slug(db) -> str:
-    return db.scalars(select(LanguageModel.slug)).one()
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,8 @@ Skipped when Chromium is not installed, except on CI (env CI set), where that is
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import threading
-import time
-from pathlib import Path
-
 import pytest
-import uvicorn
+from browser_fixtures import serving
 from sqlalchemy import select
 
 from app.config import Settings
@@ -22,58 +15,14 @@ from app.db import make_engine, make_sessionmaker
 from app.main import create_app
 from app.models import LanguageModel, Token, ValueToken
 
-CHROMIUM = os.environ.get("FFMEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(os.environ.get("FFMEM_ARTIFACTS", "test-artifacts"))
-
 
 @pytest.fixture(scope="module")
 def server(explorer_db):
     """The explorer on a free local port, in a thread; yields its base URL."""
     app = create_app(Settings(database_url=explorer_db))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as port:
+        yield f"http://127.0.0.1:{port}"
     app.state.engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None:
-        message = "Debian's chromium is not installed (apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser tests: {message}", pytrace=False)
-        pytest.skip(message)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser, request):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.on("dialog", lambda dialog: errors.append(f"dialog: {dialog.message}"))  # an alert() would be XSS
-    yield page
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    name = request.node.name.replace("[", "-").replace("]", "")
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-    context.close()
-    assert errors == [], errors
 
 
 @pytest.fixture(scope="module")

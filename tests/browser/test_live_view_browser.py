@@ -7,17 +7,10 @@ Skipped when Chromium is not installed, except on CI (env CI set), where that is
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import threading
-import time
-from contextlib import contextmanager
-from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-import uvicorn
+from browser_fixtures import ARTIFACTS, serving
 from sqlalchemy import select
 
 from app.config import Settings
@@ -26,31 +19,9 @@ from app.main import create_app
 from app.models import LanguageModel
 from worker.live import Live, create_live_app
 
-CHROMIUM = os.environ.get("FFMEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(os.environ.get("FFMEM_ARTIFACTS", "test-artifacts"))
 PROMPT = "The capital of France is"
 HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(1)>'
 DEAD_WORKER = "http://127.0.0.1:9"  # nothing listens there: the explorer without a live worker
-
-
-@contextmanager
-def serving(app):
-    """`app` on a free local port, in a thread; yields the port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -88,48 +59,6 @@ def slug(explorer_db) -> str:
         slug = session.scalars(select(LanguageModel.slug)).one()
     engine.dispose()
     return slug
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None:
-        message = "Debian's chromium is not installed (apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser tests: {message}", pytrace=False)
-        pytest.skip(message)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def dialogs() -> list[str]:
-    """Messages of every alert/confirm/prompt the page opened: any would be XSS."""
-    return []
-
-
-@pytest.fixture
-def page(browser, request, dialogs):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-
-    def on_dialog(dialog) -> None:
-        dialogs.append(dialog.message)
-        dialog.dismiss()
-
-    page.on("dialog", on_dialog)
-    yield page
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    name = request.node.name.replace("[", "-").replace("]", "")
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-    context.close()
-    assert errors == [], errors
-    assert dialogs == [], dialogs
 
 
 def query(page) -> dict[str, list[str]]:
