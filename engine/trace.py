@@ -115,38 +115,9 @@ def trace(
         o = torch.stack([captured.layer_output[layer][0] for layer in layers])  # [layers, pos, d]
         m = torch.stack([captured.coefficients[layer][0] for layer in layers]).float()  # [layers, pos, d_ff]
 
-        # One pass over the output embedding E: the model's logits at every position (the final norm of
-        # the last layer's output, as the model computes them) and, at the selected position, r and y
-        # of every layer. The readout is linear up to a per-vector scale and o = r + y, so the logits
-        # of o are a per-layer mix of those of r and y: 2·layers rows through E instead of 3·layers.
-        unembedding = resolve(loaded.model, loaded.adapter.unembedding)
-        weight = unembedding.weight  # [vocab, d]
-        n_layers, n_vocab = len(layers), weight.shape[0]
-        finals = readout_input(loaded, o[-1], "norm")  # [pos, d]
-        r_at, o_at = r[:, position], o[:, position]  # [layers, d]
-        if readout == "norm":
-            (r_part, r_scale, bias), (y_part, y_scale, _) = norm_parts(loaded, r_at), norm_parts(loaded, y)
-            o_scale = norm_parts(loaded, o_at)[1]  # [layers, 1]
-            pairs = torch.stack([r_part * r_scale, y_part * y_scale], dim=1)  # [layers, 2, d]
-            mix = torch.cat([o_scale / r_scale, o_scale / y_scale], dim=1)  # [layers, 2]
-        else:  # raw: r·E, no norm, no bias
-            pairs, bias = torch.stack([r_at, y], dim=1).float(), None  # [layers, 2, d]
-            mix = torch.ones(n_layers, 2, device=ids.device)  # [layers, 2]
-        rows = torch.cat([finals.float(), pairs.flatten(0, 1)])  # [pos + 2·layers, d]: r₀, y₀, r₁, y₁, …
-        products = (rows.to(weight.dtype) @ weight.T).float()  # [pos + 2·layers, vocab]
-        logits = products[:n_positions]  # [pos, vocab]
-        read_ry = products[n_positions:].view(n_layers, 2, n_vocab)  # [layers, 2, vocab]
-        read_o = torch.bmm(mix[:, None, :], read_ry)[:, 0]  # [layers, vocab]: (r + y) under the readout
-        offset = None  # [vocab]: what the norm's bias and the unembedding's bias add to a readout
-        if readout == "norm" and bias is not None:
-            offset = weight.float() @ bias
-        if unembedding.bias is not None:
-            logits = logits + unembedding.bias.float()
-            if readout == "norm":
-                offset = unembedding.bias.float() + (0 if offset is None else offset)
-        if offset is not None:
-            read_ry += offset
-            read_o += offset
+        finals = readout_input(loaded, o[-1], "norm")  # [pos, d]: what the model's unembedding reads
+        logits, read_ry, read_o = _read(loaded, finals, r[:, position], y, o[:, position], readout)
+        n_layers, n_vocab = read_o.shape
         final = top_index(logits)  # [pos]: each position's prediction
         top_ry = top_index(read_ry.view(2 * n_layers, n_vocab)).view(n_layers, 2)  # [layers, 2]
         tops = [top_ry[:, 0].tolist(), top_ry[:, 1].tolist(), top_index(read_o).tolist()]  # [3][layers]
@@ -225,6 +196,48 @@ def trace(
         if interventions:
             result.generated_edited = generate(loaded, token_ids, generate_tokens, interventions)
     return result
+
+
+def _read(
+    loaded: LoadedModel,
+    finals: torch.Tensor,
+    r: torch.Tensor,
+    y: torch.Tensor,
+    o: torch.Tensor,
+    readout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass over the output embedding E for the model's logits at every position (`finals`, the
+    final norm of the last layer's output, [pos, d]) and for r and y of every layer at the selected
+    position ([layers, d] each) under `readout`. The readout is linear up to a per-vector scale and
+    o = r + y, so the logits of o ([layers, d]) are a per-layer mix of those of r and y: 2·layers rows
+    through E instead of 3·layers. → (logits [pos, V], r and y [layers, 2, V], o [layers, V])."""
+    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+    weight = unembedding.weight  # [vocab, d]
+    n_layers, n_vocab = len(r), weight.shape[0]
+    if readout == "norm":
+        (r_part, r_scale, bias), (y_part, y_scale, _) = norm_parts(loaded, r), norm_parts(loaded, y)
+        o_scale = norm_parts(loaded, o)[1]  # [layers, 1]
+        pairs = torch.stack([r_part * r_scale, y_part * y_scale], dim=1)  # [layers, 2, d]
+        mix = torch.cat([o_scale / r_scale, o_scale / y_scale], dim=1)  # [layers, 2]
+    else:  # raw: r·E, no norm, no bias
+        pairs, bias = torch.stack([r, y], dim=1).float(), None  # [layers, 2, d]
+        mix = torch.ones(n_layers, 2, device=r.device)  # [layers, 2]
+    rows = torch.cat([finals.float(), pairs.flatten(0, 1)])  # [pos + 2·layers, d]: r₀, y₀, r₁, y₁, …
+    products = (rows.to(weight.dtype) @ weight.T).float()  # [pos + 2·layers, vocab]
+    logits = products[: len(finals)]  # [pos, vocab]
+    read_ry = products[len(finals) :].view(n_layers, 2, n_vocab)  # [layers, 2, vocab]
+    read_o = torch.bmm(mix[:, None, :], read_ry)[:, 0]  # [layers, vocab]: (r + y) under the readout
+    offset = None  # [vocab]: what the norm's bias and the unembedding's bias add to a readout
+    if readout == "norm" and bias is not None:
+        offset = weight.float() @ bias
+    if unembedding.bias is not None:
+        logits = logits + unembedding.bias.float()
+        if readout == "norm":
+            offset = unembedding.bias.float() + (0 if offset is None else offset)
+    if offset is not None:
+        read_ry += offset
+        read_o += offset
+    return logits, read_ry, read_o
 
 
 def _memory_tokens(
