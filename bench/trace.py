@@ -7,8 +7,8 @@
    (engine/allocator.py); without it each trace pays ~11K page faults for its logits.
 2. Through the app: `ffmem serve` (which starts the live worker) on the default index;
    /m/{model}/trace.json for the same prompt, one at a time: wall and server time p50 / p95.
-3. A burst of 20 concurrent traces: how many were answered (200), how many refused with the
-   documented 503 + Retry-After, and any other 5xx (errors; target 0).
+3. A burst of 20 concurrent traces, and an overload of 64: how many were answered (200), how many
+   refused with the documented 503 + Retry-After, and any other 5xx (errors; target 0).
 Figures go into bench-results.json under "trace".
 """
 
@@ -34,7 +34,7 @@ from engine.corpus import read_corpus  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.trace import trace  # noqa: E402
 
-PROMPT_TOKENS, ROUNDS, BURST = 32, 60, 20
+PROMPT_TOKENS, ROUNDS, BURST, OVERLOAD = 32, 60, 20, 64
 
 
 def prompt(loaded) -> tuple[str, list[int]]:
@@ -99,18 +99,19 @@ def sequential(base: str, slug: str, text: str) -> dict:
     return {"wall": percentiles(wall), "server": percentiles(server)}
 
 
-async def burst(base: str, slug: str, text: str) -> dict:
-    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+async def burst(base: str, slug: str, text: str, concurrent: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrent)
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
         start = time.perf_counter()
         responses = await asyncio.gather(
-            *(client.get(f"/m/{slug}/trace.json", params={"text": text}) for _ in range(BURST)),
+            *(client.get(f"/m/{slug}/trace.json", params={"text": text}) for _ in range(concurrent)),
             return_exceptions=True,
         )
         seconds = time.perf_counter() - start
     statuses = [str(r.status_code) if isinstance(r, httpx.Response) else "failed" for r in responses]
     refused = [r for r in responses if isinstance(r, httpx.Response) and r.status_code == 503]
     return {
-        "concurrent": BURST,
+        "concurrent": concurrent,
         "seconds": round(seconds, 2),
         "answered_200": statuses.count("200"),
         "refused_503": len(refused),
@@ -137,8 +138,10 @@ def main() -> None:
         wait_for_worker(base, slug, text)
         results["app_sequential"] = sequential(base, slug, text)
         print(results["app_sequential"], flush=True)
-        results["burst"] = asyncio.run(burst(base, slug, text))
+        results["burst"] = asyncio.run(burst(base, slug, text, BURST))
         print(results["burst"], flush=True)
+        results["overload"] = asyncio.run(burst(base, slug, text, OVERLOAD))  # past the worker's queue
+        print(results["overload"], flush=True)
     finally:
         process.terminate()
         process.wait(timeout=30)
