@@ -116,7 +116,7 @@ def trace(
         m = torch.stack([captured.coefficients[layer][0] for layer in layers]).float()  # [layers, pos, d_ff]
 
         finals = readout_input(loaded, o[-1], "norm")  # [pos, d]: what the model's unembedding reads
-        logits, read_ry, read_o = _read(loaded, finals, r[:, position], y, o[:, position], readout)
+        logits, read_ry, read_o = read_layers(loaded, finals, r[:, position], y, o[:, position], readout)
         n_layers, n_vocab = read_o.shape
         final = top_index(logits)  # [pos]: each position's prediction
         top_ry = top_index(read_ry.view(2 * n_layers, n_vocab)).view(n_layers, 2)  # [layers, 2]
@@ -198,7 +198,7 @@ def trace(
     return result
 
 
-def _read(
+def read_layers(
     loaded: LoadedModel,
     finals: torch.Tensor,
     r: torch.Tensor,

@@ -1,0 +1,77 @@
+"""The §5 analyses (engine.analysis.census) against a direct computation, prefix by prefix, with the
+live view's own trace as the reference for the readouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.analysis import census
+from engine.cases import CASES
+from engine.hooks import capture
+from engine.projection import value_logits
+from engine.trace import trace
+
+PREFIXES = [
+    "The capital of France is",
+    "Water boils at one hundred",
+    "In 1969, astronauts landed on the",
+    "Mozart wrote more than six hundred works of",
+    "The quick brown fox",
+    "Paris is a city on the Seine, famous",
+]
+
+
+def _value_top(tiny) -> torch.Tensor:
+    """[layers, 2, d_ff]: each value's top raw token, and the top token of its negation."""
+    tops = []
+    with torch.inference_mode():
+        for block in tiny.adapter.blocks(tiny.model):
+            values = tiny.adapter.value_matrix(block)  # [d_ff, d]
+            tops.append(torch.stack([value_logits(tiny, v, "raw").argmax(-1) for v in (values, -values)]))
+    return torch.stack(tops)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_census_equals_a_prefix_by_prefix_computation(tiny, batch):
+    prefixes = [tiny.tokenizer(text).input_ids for text in PREFIXES]
+    value_top = _value_top(tiny)
+    stop_ids = {prefixes[0][0], prefixes[1][0]}  # a made-up stop list: "The", "Water"
+    got = census(tiny, prefixes, value_top, stop_ids, batch=batch)
+    n, layers = len(prefixes), tiny.n_layers
+    expected = {
+        name: [0.0] * layers
+        for name in ("positive", "active", "composition", "agree", "stop", "settled", "prob")
+    }
+    cases = {case: [0.0] * layers for case in CASES}
+    for ids in prefixes:
+        t = trace(tiny, ids)
+        with torch.inference_mode(), capture(tiny.model, tiny.adapter, fields=("coefficients",)) as captured:
+            tiny.model(torch.tensor([ids]))
+        for layer, row in enumerate(t.layers):
+            m = captured.coefficients[layer][0, -1]  # [d_ff]
+            active = m.abs() >= m.abs().max() / 8
+            expected["positive"][layer] += int((m > 0).sum())
+            expected["active"][layer] += int(active.sum())
+            tops = {
+                int(value_top[layer, 0 if m[k] >= 0 else 1, k]) for k in torch.nonzero(active)[:, 0].tolist()
+            }
+            agrees = row.top_y in tops
+            expected["composition"][layer] += not agrees
+            expected["agree"][layer] += agrees
+            expected["stop"][layer] += agrees and row.top_y in stop_ids
+            expected["settled"][layer] += row.settled
+            expected["prob"][layer] += row.final_prob
+            cases[row.case][layer] += 1
+    assert got.examples == n
+    assert got.positive == pytest.approx([v / n for v in expected["positive"]])
+    assert got.active == pytest.approx([v / n for v in expected["active"]])
+    assert got.no_memory_agrees == pytest.approx([v / n for v in expected["composition"]])
+    assert got.settled == pytest.approx([v / n for v in expected["settled"]])
+    assert got.final_prob == pytest.approx([v / n for v in expected["prob"]], abs=1e-5)
+    assert got.stop_words == [
+        None if a == 0 else pytest.approx(s / a)
+        for s, a in zip(expected["stop"], expected["agree"], strict=True)
+    ]
+    assert got.cases == {case: pytest.approx([v / n for v in counts]) for case, counts in cases.items()}
+    assert all(sum(got.cases[c][layer] for c in CASES) == pytest.approx(1.0) for layer in range(layers))
