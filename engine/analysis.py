@@ -140,3 +140,50 @@ def _batch(
         "prob": prob.sum(dim=0),
         **{name: mask_.sum(dim=0) for name, mask_ in case.items()},
     }
+
+
+def token_removal(
+    loaded: LoadedModel,
+    items: Sequence[tuple[int, int, Sequence[int]]],
+    *,
+    first_position: int = 0,
+    batch: int = 32,
+) -> tuple[list[float | None], list[float | None]]:
+    """Fig. 3, shallow versus semantic keys: for each (layer, key, trigger prefix) — the prefix ending at
+    its trigger token — the relative change of the key's coefficient at the prefix's last token when
+    its first token (the first after a BOS: `first_position` 1) is removed, and when its last token is
+    removed (then read at the new last token): (m' − m) / |m|. None where the prefix is too short or
+    m = 0. → (first-token changes, last-token changes), one per item."""
+    variants = []  # (item, which, token ids)
+    for index, (_, _, prefix) in enumerate(items):
+        prefix = list(prefix)
+        variants.append((index, "full", prefix))
+        if len(prefix) - first_position >= 2:
+            variants.append((index, "first", prefix[:first_position] + prefix[first_position + 1 :]))
+            variants.append((index, "last", prefix[:-1]))
+    layers = sorted({layer for layer, _, _ in items})
+    coefficient: dict[tuple[int, str], float] = {}
+    for start in range(0, len(variants), batch):
+        chunk = variants[start : start + batch]
+        lengths = torch.tensor([len(ids) for _, _, ids in chunk], device=loaded.device)  # [B]
+        ids = torch.zeros(
+            len(chunk), int(lengths.max()), dtype=torch.long, device=loaded.device
+        )  # [B, width]
+        for row, (_, _, tokens) in enumerate(chunk):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask = (torch.arange(ids.shape[1], device=loaded.device)[None, :] < lengths[:, None]).long()
+        with (
+            torch.inference_mode(),
+            capture(loaded.model, loaded.adapter, layers, ("coefficients",)) as captured,
+        ):
+            nothing = torch.empty(0, dtype=torch.long, device=loaded.device)
+            loaded.model(ids, attention_mask=mask, logits_to_keep=nothing, use_cache=False)
+        for row, (index, which, _) in enumerate(chunk):
+            layer, key, _ = items[index]
+            coefficient[index, which] = float(captured.coefficients[layer][row, lengths[row] - 1, key])
+
+    def change(index: int, which: str) -> float | None:
+        full, other = coefficient[index, "full"], coefficient.get((index, which))
+        return None if other is None or full == 0 else (other - full) / abs(full)
+
+    return [change(i, "first") for i in range(len(items))], [change(i, "last") for i in range(len(items))]

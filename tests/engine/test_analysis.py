@@ -75,3 +75,28 @@ def test_census_equals_a_prefix_by_prefix_computation(tiny, batch):
     ]
     assert got.cases == {case: pytest.approx([v / n for v in counts]) for case, counts in cases.items()}
     assert all(sum(got.cases[c][layer] for c in CASES) == pytest.approx(1.0) for layer in range(layers))
+
+
+def test_token_removal_equals_single_forward_passes(tiny):
+    from engine.analysis import token_removal
+
+    prefixes = [tiny.tokenizer(text).input_ids for text in PREFIXES[:4]] + [[7]]
+    items = [
+        (layer, key, prefix)
+        for layer, key, prefix in zip([0, 1, 2, 1, 0], [3, 40, 7, 11, 5], prefixes, strict=True)
+    ]
+    first, last = token_removal(tiny, items, batch=3)
+
+    def m(layer, key, ids):
+        with (
+            torch.inference_mode(),
+            capture(tiny.model, tiny.adapter, [layer], ("coefficients",)) as captured,
+        ):
+            tiny.model(torch.tensor([ids]))
+        return float(captured.coefficients[layer][0, -1, key])
+
+    for (layer, key, prefix), got_first, got_last in zip(items[:4], first, last, strict=False):
+        full = m(layer, key, prefix)
+        assert got_first == pytest.approx((m(layer, key, prefix[1:]) - full) / abs(full), rel=1e-4, abs=1e-5)
+        assert got_last == pytest.approx((m(layer, key, prefix[:-1]) - full) / abs(full), rel=1e-4, abs=1e-5)
+    assert (first[4], last[4]) == (None, None)  # one token: nothing to remove
