@@ -208,6 +208,21 @@ class Links(BaseModel):
     layer: str
 
 
+class TokenRef(BaseModel):
+    token_id: int
+    token: str
+
+
+class PatternHints(BaseModel):
+    """How a key's top triggers end: the commonest final token and the commonest shared final n-gram."""
+
+    triggers: int  # the positive triggers looked at
+    final_token: TokenRef
+    final_token_share: float
+    final_ngram: list[TokenRef] | None  # None when no two triggers end alike beyond one token
+    final_ngram_share: float
+
+
 class KeyContext(BaseModel):
     page: str = "key"
     title: str
@@ -226,6 +241,7 @@ class KeyContext(BaseModel):
     agreement: Agreement
     links: Links
     provisional: float | None = None  # while the run mines: the share of the corpus these results cover
+    patterns: PatternHints | None = None  # how the shown positive triggers end
 
 
 class LayerContext(BaseModel):
@@ -287,11 +303,6 @@ class SearchContext(BaseModel):
 
 
 KeyRow.model_rebuild()
-
-
-class TokenRef(BaseModel):
-    token_id: int
-    token: str
 
 
 class PromptToken(TokenRef):

@@ -13,7 +13,7 @@ import re
 import numpy as np
 from sqlalchemy.orm import Session
 
-from app import jobs, provisional, queries, urls
+from app import jobs, patterns, provisional, queries, urls
 from app.contexts import (
     Agreement,
     Histogram,
@@ -340,6 +340,8 @@ def key_page(
     )
     wanted = _trigger_token_ids(positive + negative, sentences)
     wanted.update(v.token_id for rows in value_rows.values() for v in rows)
+    endings = [sentences[t.sentence_index].token_ids[: t.position + 1] for t in positive]
+    wanted.update(patterns.ending_token_ids(endings))
     texts = queries.token_texts(session=session, model_id=model.id, token_ids=wanted)
     top_ids = [v.token_id for v in value_rows["raw", 1]]
     bottom_ids = [v.token_id for v in value_rows["raw", -1]]
@@ -384,6 +386,7 @@ def key_page(
         stats=stats,
         histogram=histogram,
         provisional=None if mined is None else provisional.fraction(run, mined),
+        patterns=patterns.pattern_hints(endings, texts),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from unittest.mock import ANY
 
 import pytest
 from explorer_index import HOSTILE
@@ -232,6 +233,25 @@ def test_key_page_matches_the_stored_rows(client, db, slug, run, tiny):
             )
             assert trigger["value_rank"] == (value_ids.index(following) if following in value_ids else None)
             assert trigger["sentence"] == sentence.text
+    endings = [
+        db.get(Sentence, (run.corpus_id, row.sentence_index)).token_ids[: row.position + 1]
+        for row in queries.get_triggers(session=db, run_id=run.id, layer=layer, key=key, sign=1)
+    ]
+    last = [ids[-1] for ids in endings]
+    commonest = max(last, key=last.count)
+    hints = body["patterns"]
+    assert hints["triggers"] == len(endings)
+    assert hints["final_token_share"] == pytest.approx(last.count(commonest) / len(endings))
+    assert last.count(hints["final_token"]["token_id"]) == last.count(commonest)
+    found, found_count = None, 0  # the commonest final n-gram (n = 2–4) two or more share; longer on ties
+    for n in (2, 3, 4):
+        grams = [tuple(ids[-n:]) for ids in endings if len(ids) >= n]
+        best = max(grams, key=grams.count) if grams else None
+        if best is not None and grams.count(best) >= max(2, found_count):
+            found, found_count = best, grams.count(best)
+    assert hints["final_ngram"] == (None if found is None else [{"token_id": t, "token": ANY} for t in found])
+    assert hints["final_ngram_share"] == pytest.approx(found_count / len(endings))
+    assert 'id="pattern-hints"' in page
     agreement = body["agreement"]
     assert agreement["positive"] == sum(t["value_rank"] is not None for t in body["triggers"])
     assert agreement["positive"] == db.get(KeyStats, (run.id, layer, key)).agreement
