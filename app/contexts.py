@@ -131,6 +131,23 @@ class ValueReadout(BaseModel):
     bottom: list[TokenScore]
 
 
+class LabelView(BaseModel):
+    """A person's annotation of a memory (see app.models.Label)."""
+
+    pattern: str
+    tag: str  # shallow | semantic | "" (untagged)
+    author: str
+    created_at: datetime
+
+
+class LabelHit(LabelView):
+    """A search result: a memory whose label matches."""
+
+    layer: int
+    key: int
+    url: str
+
+
 class KeyRow(BaseModel):
     """One key in the layer table."""
 
@@ -145,6 +162,7 @@ class KeyRow(BaseModel):
     max_prob: float | None
     next_token_rank: int | None
     value_norm: float | None
+    label: LabelView | None = None
 
 
 class Trigger(BaseModel):
@@ -242,6 +260,9 @@ class KeyContext(BaseModel):
     links: Links
     provisional: float | None = None  # while the run mines: the share of the corpus these results cover
     patterns: PatternHints | None = None  # how the shown positive triggers end
+    label: LabelView | None = None  # the memory's label (its newest)
+    label_history: list[LabelView] = []  # its earlier labels, the newest first
+    label_url: str = ""  # where the label form posts
 
 
 class LayerContext(BaseModel):
@@ -300,6 +321,7 @@ class SearchContext(BaseModel):
     promote: list[TokenMatch]
     suppress: list[TokenMatch]
     prefixes: list[PrefixMatch]
+    labels: list[LabelHit] = []  # memories whose label matches q
 
 
 KeyRow.model_rebuild()

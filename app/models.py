@@ -263,3 +263,21 @@ class MinedLayerRow(Base):
     shard: Mapped[int] = mapped_column(Integer, primary_key=True)
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     data: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))
+
+
+class Label(Base):
+    """A person's annotation of one memory (the paper's manual annotation): a pattern description and a
+    shallow / semantic tag. Editing adds a row: a key's newest row is its label, the older ones its
+    history. Labels belong to the model, so they outlive any one index run."""
+
+    __tablename__ = "labels"
+    __table_args__ = (Index("ix_labels_memory", "model_id", "layer", "key", "id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("language_models.id", ondelete="CASCADE"))
+    layer: Mapped[int] = mapped_column(SmallInteger)
+    key: Mapped[int] = mapped_column(Integer)
+    pattern: Mapped[str] = mapped_column(Text)  # e.g. "ends with a year"
+    tag: Mapped[str] = mapped_column(String(16))  # shallow | semantic | "" (untagged)
+    author: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

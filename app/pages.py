@@ -23,6 +23,8 @@ from app.contexts import (
     KeyContext,
     KeyRow,
     KeyStatsView,
+    LabelHit,
+    LabelView,
     LayerContext,
     LayerSummary,
     Links,
@@ -39,7 +41,7 @@ from app.contexts import (
     ValueReadout,
 )
 from app.errors import AppError
-from app.models import Job, LanguageModel, Run, Sentence
+from app.models import Job, Label, LanguageModel, Run, Sentence
 from app.models import Trigger as TriggerRow
 
 READOUTS = ("raw", "norm")
@@ -122,6 +124,10 @@ def run_info(run: Run) -> RunInfo:
         provenance=run.provenance,
         error=run.error,
     )
+
+
+def label_view(label: Label) -> LabelView:
+    return LabelView(pattern=label.pattern, tag=label.tag, author=label.author, created_at=label.created_at)
 
 
 def model_info(model: LanguageModel) -> ModelInfo:
@@ -274,6 +280,7 @@ def layer_page(
     wanted = _trigger_token_ids(list(tops.values()), sentences)
     wanted.update(v.token_id for tokens in values.values() for v in tokens)
     texts = queries.token_texts(session=session, model_id=model.id, token_ids=wanted)
+    labels = queries.current_labels(session=session, model_id=model.id, layer=layer, keys=keys)
     rows = [
         KeyRow(
             key=s.key,
@@ -291,6 +298,7 @@ def layer_page(
             max_prob=s.max_prob,
             next_token_rank=s.next_token_rank,
             value_norm=s.value_norm,
+            label=label_view(labels[s.key]) if s.key in labels else None,
         )
         for s in stats
     ]
@@ -341,6 +349,7 @@ def key_page(
     wanted = _trigger_token_ids(positive + negative, sentences)
     wanted.update(v.token_id for rows in value_rows.values() for v in rows)
     endings = [sentences[t.sentence_index].token_ids[: t.position + 1] for t in positive]
+    history = queries.label_history(session=session, model_id=model.id, layer=layer, key=key)
     wanted.update(patterns.ending_token_ids(endings))
     texts = queries.token_texts(session=session, model_id=model.id, token_ids=wanted)
     top_ids = [v.token_id for v in value_rows["raw", 1]]
@@ -387,6 +396,9 @@ def key_page(
         histogram=histogram,
         provisional=None if mined is None else provisional.fraction(run, mined),
         patterns=patterns.pattern_hints(endings, texts),
+        label=label_view(history[0]) if history else None,
+        label_history=[label_view(label) for label in history[1:]],
+        label_url=urls.label_url(slug, layer, key),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -499,8 +511,20 @@ def search_page(
                 )
                 for v in rows
             )
+    labels: list[LabelHit] = []
     if len(q.strip()) >= 2:
         prefixes = prefix_matches(session, model, run, q, limit)
+        labels = [
+            LabelHit(
+                layer=label.layer,
+                key=label.key,
+                url=urls.key_url(slug, label.layer, label.key),
+                **label_view(label).model_dump(),
+            )
+            for label in queries.search_labels(
+                session=session, model_id=model.id, text=q.strip(), limit=limit
+            )
+        ]
     return SearchContext(
         title=f"{model.slug}: search",
         model=model.slug,
@@ -515,6 +539,7 @@ def search_page(
         promote=promote,
         suppress=suppress,
         prefixes=prefixes,
+        labels=labels,
     )
 
 

@@ -17,10 +17,10 @@ from datetime import datetime, timezone
 from itertools import islice, repeat
 
 import numpy as np
-from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, select, union_all
+from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, or_, select, union_all
 from sqlalchemy.orm import Session
 
-from app.models import Corpus, KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+from app.models import Corpus, KeyStats, Label, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
 
 CHUNK_ROWS = 50_000  # rows per executemany
 NUL_SHOWN_AS = "\u2400"
@@ -696,6 +696,53 @@ def triggers_from(
         found += session.scalars(query)
     found.sort(key=lambda t: (-t.coefficient, t.layer, t.key))
     return found[:limit]
+
+
+LABEL_TAGS = ("shallow", "semantic", "")
+
+
+def add_label(
+    *, session: Session, model_id: int, layer: int, key: int, pattern: str, tag: str, author: str
+) -> Label:
+    """A memory's new label; its earlier ones stay as its history."""
+    label = Label(
+        model_id=model_id, layer=layer, key=key, pattern=pattern, tag=tag, author=author, created_at=_now()
+    )
+    session.add(label)
+    session.flush()
+    return label
+
+
+def label_history(*, session: Session, model_id: int, layer: int, key: int) -> list[Label]:
+    """A memory's labels, the newest (its label) first."""
+    query = select(Label).where(Label.model_id == model_id, Label.layer == layer, Label.key == key)
+    return list(session.scalars(query.order_by(Label.id.desc())))
+
+
+def _newest_labels(model_id: int):
+    """The ids of each labelled memory's newest label."""
+    return (
+        select(func.max(Label.id)).where(Label.model_id == model_id).group_by(Label.layer, Label.key)
+    ).scalar_subquery()
+
+
+def current_labels(*, session: Session, model_id: int, layer: int, keys: Sequence[int]) -> dict[int, Label]:
+    """key → its label, for the labelled ones among `keys` of `layer`."""
+    query = select(Label).where(
+        Label.id.in_(_newest_labels(model_id)), Label.layer == layer, Label.key.in_(list(keys))
+    )
+    return {label.key: label for label in session.scalars(query)}
+
+
+def search_labels(*, session: Session, model_id: int, text: str, limit: int) -> list[Label]:
+    """Current labels whose pattern, tag or author contains `text` (any case), by layer and key."""
+    needle = stored_text(text).lower()
+    matches = [
+        func.lower(column).contains(needle, autoescape=True)
+        for column in (Label.pattern, Label.tag, Label.author)
+    ]
+    query = select(Label).where(Label.id.in_(_newest_labels(model_id)), or_(*matches))
+    return list(session.scalars(query.order_by(Label.layer, Label.key).limit(limit)))
 
 
 def _bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:

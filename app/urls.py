@@ -61,3 +61,7 @@ def trace_url(model: str, fmt: str | None = None, **query) -> str:
 
 def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/ablation", fmt, **query)
+
+
+def label_url(model: str, layer: int, key: int, fmt: str | None = None) -> str:
+    return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/labels", fmt)

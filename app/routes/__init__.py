@@ -31,3 +31,15 @@ def page(router: APIRouter, path: str, name: str) -> Callable:
         return handler
 
     return register
+
+
+def action(router: APIRouter, path: str, name: str) -> Callable:
+    """Register a form handler (POST) at `path` (answers with a redirect) and at `path.json`."""
+
+    def register(handler: Callable) -> Callable:
+        summary = (handler.__doc__ or name).strip().splitlines()[0]
+        router.post(f"{path}.json", name=f"{name}_json", summary=f"{summary} (JSON)")(handler)
+        router.post(path, name=name, summary=summary)(handler)
+        return handler
+
+    return register

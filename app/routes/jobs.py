@@ -11,7 +11,7 @@ from app import jobs, pages, urls
 from app.errors import AppError
 from app.models import Job
 from app.rendering import render, wants_json
-from app.routes import SessionDep, page
+from app.routes import SessionDep, action, page
 
 router = APIRouter()
 
@@ -22,6 +22,7 @@ def job(request: Request, session: SessionDep, job_id: int):
     return render(request, "job.html", pages.job_page(session, job_id), fragment="progress")
 
 
+@action(router, "/jobs", "start_job")
 def _start(
     request: Request,
     session: SessionDep,
@@ -43,6 +44,7 @@ def _start(
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
 
+@action(router, "/jobs/{job_id}/retry", "retry_job")
 def _retry(request: Request, session: SessionDep, job_id: int):
     """Queue a failed job again; its run resumes from its checkpoints."""
     found = session.get(Job, job_id)
@@ -57,10 +59,3 @@ def _retry(request: Request, session: SessionDep, job_id: int):
     if wants_json(request):
         return JSONResponse(pages.job_page(session, job_id).model_dump(mode="json"))
     return RedirectResponse(urls.job_url(job_id), status_code=303)
-
-
-for path, handler, name in (("/jobs", _start, "start_job"), ("/jobs/{job_id}/retry", _retry, "retry_job")):
-    router.post(f"{path}.json", name=f"{name}_json", summary=f"{handler.__doc__.splitlines()[0]} (JSON)")(
-        handler
-    )
-    router.post(path, name=name, summary=handler.__doc__.splitlines()[0])(handler)

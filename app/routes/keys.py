@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import JSONResponse, RedirectResponse
 
-from app import pages
-from app.rendering import render
-from app.routes import SessionDep, page
+from app import pages, queries, urls
+from app.errors import AppError
+from app.rendering import render, wants_json
+from app.routes import SessionDep, action, page
 from app.routes.models import RunQuery
 
 router = APIRouter()
@@ -27,3 +29,40 @@ def key(
     """One memory: its key's trigger prefixes and its value's vocabulary distribution."""
     ctx = pages.key_page(session, model, layer, key, run_id=run, limit=triggers)
     return render(request, "key.html", ctx, fragment="triggers")
+
+
+@action(router, "/m/{model}/layers/{layer}/keys/{key}/labels", "label_key")
+def label(
+    request: Request,
+    session: SessionDep,
+    model: str,
+    layer: int,
+    key: int,
+    pattern: Annotated[str, Form(max_length=500, description="What the trigger prefixes share.")] = "",
+    tag: Annotated[Literal["shallow", "semantic", ""], Form(description="shallow, semantic or none.")] = "",
+    author: Annotated[str, Form(max_length=100, description="Who labels it.")] = "",
+):
+    """Label a memory (a pattern description and a shallow/semantic tag); earlier labels stay as history."""
+    found = pages.model_or_404(session, model)
+    pages.check_key(found, layer, key)
+    pattern, author = pattern.strip(), author.strip()
+    if not pattern and not tag:
+        raise AppError(
+            400, "Empty label", "Give a pattern description, a tag (shallow or semantic), or both."
+        )
+    queries.add_label(
+        session=session,
+        model_id=found.id,
+        layer=layer,
+        key=key,
+        pattern=queries.stored_text(pattern),
+        tag=tag,
+        author=queries.stored_text(author),
+    )
+    session.commit()
+    if wants_json(request):
+        ctx = pages.key_page(session, model, layer, key, run_id=None, limit=25)
+        return JSONResponse(
+            {"label": ctx.label.model_dump(mode="json"), "history": len(ctx.label_history)}, status_code=201
+        )
+    return RedirectResponse(urls.key_url(model, layer, key), status_code=303)

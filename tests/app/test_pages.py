@@ -159,6 +159,7 @@ def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
         "max_prob",
         "next_token_rank",
         "value_norm",
+        "label",
     }
     top = db.get(Trigger, (run.id, 1, row["key"], 1, 0))
     assert row["top_trigger"]["coefficient"] == pytest.approx(top.coefficient)

@@ -1,0 +1,47 @@
+"""Labels: people's pattern descriptions and shallow/semantic tags of memories, with their history.
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-11-22
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0004"
+down_revision: str | Sequence[str] | None = "0003"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    """Upgrade the schema."""
+    op.create_table(
+        "labels",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("model_id", sa.Integer(), nullable=False),
+        sa.Column("layer", sa.SmallInteger(), nullable=False),
+        sa.Column("key", sa.Integer(), nullable=False),
+        sa.Column("pattern", sa.Text(), nullable=False),
+        sa.Column("tag", sa.String(length=16), nullable=False),
+        sa.Column("author", sa.String(length=100), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["model_id"],
+            ["language_models.id"],
+            name=op.f("fk_labels_model_id_language_models"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_labels")),
+    )
+    op.create_index("ix_labels_memory", "labels", ["model_id", "layer", "key", "id"], unique=False)
+
+
+def downgrade() -> None:
+    """Downgrade the schema."""
+    op.drop_index("ix_labels_memory", table_name="labels")
+    op.drop_table("labels")
