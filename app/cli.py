@@ -289,6 +289,46 @@ def serve(
             worker_process.wait(timeout=30)
 
 
+@cli.command()
+def analyze(
+    run: Annotated[
+        int | None, typer.Option(min=1, help="Index run (default: the newest finished one).")
+    ] = None,
+    examples: Annotated[int, typer.Option(min=1, help="Held-out prefixes (Figs. 7–11).")] = 4000,
+    keys: Annotated[int, typer.Option(min=1, help="Keys sampled per layer (Fig. 3).")] = 100,
+    triggers: Annotated[int, typer.Option(min=1, help="Top trigger prefixes per sampled key (Fig. 3).")] = 50,
+    db: DbOption = None,
+    device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+) -> None:
+    """Compute the paper's analyses on an index run and store them (the /m/MODEL/analysis page)."""
+    settings = get_settings()
+    url = db or settings.database_url
+
+    def work():
+        from sqlalchemy import select
+
+        from app.db import make_engine, make_sessionmaker, upgrade
+        from app.models import Run
+        from engine.loading import load_model
+        from worker.analysis import AnalysisOptions, analyze
+
+        upgrade(url)
+        sessions = make_sessionmaker(make_engine(url))
+        with sessions() as session:
+            query = select(Run).where(Run.status == "done").order_by(Run.id.desc())
+            found = session.get(Run, run) if run else session.scalars(query.limit(1)).first()
+            if found is None:
+                raise FfmemError(f"no finished index run {run or ''} in {url}; build one with `ffmem index`")
+            run_id, source, slug = found.id, found.model.source, found.model.slug
+        loaded = load_model(source, device=device.value, cache_dir=settings.cache_dir)
+        options = AnalysisOptions(examples=examples, keys=keys, triggers=triggers)
+        return run_id, slug, analyze(sessions, run_id, loaded, options)
+
+    run_id, slug, seconds = _fail_cleanly(work)
+    spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
+    typer.echo(f"stored the analyses of run {run_id} ({spent}); see /m/{slug}/analysis")
+
+
 @cli.command("trace")
 def trace_command(
     text: Annotated[str, typer.Argument(help="The prompt.")],

@@ -281,3 +281,17 @@ class Label(Base):
     tag: Mapped[str] = mapped_column(String(16))  # shallow | semantic | "" (untagged)
     author: Mapped[str] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Analysis(Base):
+    """One of the paper's analyses computed on an index run (engine.analysis): its per-layer numbers
+    (and per-key ones where it has them) as JSON, with the options it ran with and its cost."""
+
+    __tablename__ = "analyses"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)  # census | token_removal
+    options: Mapped[dict] = mapped_column(JSON)
+    data: Mapped[dict] = mapped_column(JSON)
+    seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

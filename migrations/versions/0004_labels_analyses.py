@@ -1,4 +1,5 @@
-"""Labels: people's pattern descriptions and shallow/semantic tags of memories, with their history.
+"""Labels (people's pattern descriptions and shallow/semantic tags of memories, with their history)
+and analyses (the paper's per-layer figures computed on a run).
 
 Revision ID: 0004
 Revises: 0003
@@ -39,9 +40,23 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_labels")),
     )
     op.create_index("ix_labels_memory", "labels", ["model_id", "layer", "key", "id"], unique=False)
+    op.create_table(
+        "analyses",
+        sa.Column("run_id", sa.Integer(), nullable=False),
+        sa.Column("name", sa.String(length=40), nullable=False),
+        sa.Column("options", sa.JSON(), nullable=False),
+        sa.Column("data", sa.JSON(), nullable=False),
+        sa.Column("seconds", sa.Float(), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["run_id"], ["runs.id"], name=op.f("fk_analyses_run_id_runs"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("run_id", "name", name=op.f("pk_analyses")),
+    )
 
 
 def downgrade() -> None:
     """Downgrade the schema."""
+    op.drop_table("analyses")
     op.drop_index("ix_labels_memory", table_name="labels")
     op.drop_table("labels")

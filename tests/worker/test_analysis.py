@@ -1,0 +1,111 @@
+"""`ffmem analyze` on a tiny index whose corpus holds more sentences than the run mined: every stored
+number equals engine.analysis on the same held-out prefixes and trigger prefixes, or a direct count."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from sqlalchemy import select
+from tiny_models import TRAINING_TEXT
+
+from app import queries
+from app.db import make_engine, make_sessionmaker
+from app.models import Analysis, KeyStats, Run
+from engine.analysis import census, token_removal
+from engine.corpus import tokenize
+from worker.analysis import AnalysisOptions, analyze
+from worker.index import IndexOptions, build_index
+
+MORE = ["The river flows into the sea.", "Rome was not built in a day.", "Light travels faster than sound."]
+
+
+@pytest.fixture
+def analyzed(db_url, tiny, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TRAINING_TEXT + MORE) + "\n")
+    options = IndexOptions(
+        model="tiny", corpus=str(corpus), sentences=len(TRAINING_TEXT), top_k=4, device="cpu",
+        dtype="float32", batch_tokens=128, shard_sentences=8, value_tokens=5, cache_dir=tmp_path / "cache",
+        progress=False,
+    )  # fmt: skip
+    engine = make_engine(db_url)
+    sessions = make_sessionmaker(engine)
+    summary = build_index(options, sessions, loaded=tiny)
+    seconds = analyze(
+        sessions, summary.run_id, tiny, AnalysisOptions(examples=10, keys=3, triggers=2, batch=2)
+    )
+    yield sessions, summary.run_id, seconds
+    engine.dispose()
+
+
+def test_stored_analyses_equal_the_engine(analyzed, tiny):
+    sessions, run_id, seconds = analyzed
+    assert set(seconds) == {"agreement", "census", "token_removal"}
+    with sessions() as session:
+        stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
+        run = session.get(Run, run_id)
+        # Figs. 4–5: rank 0 is agreement.
+        ranks = {}
+        for stats in session.scalars(select(KeyStats).where(KeyStats.run_id == run_id)):
+            if stats.next_token_rank is not None and stats.next_token_rank >= 0:
+                ranks.setdefault(stats.layer, []).append(stats.next_token_rank)
+        agreement = stored["agreement"].data
+        assert agreement["agreement"] == [
+            pytest.approx(np.mean(np.array(ranks[layer]) == 0)) for layer in range(3)
+        ]
+        assert agreement["baseline"] == pytest.approx(1 / run.model.vocab_size)
+        # Figs. 7–11: the three held-out sentences, one random prefix each (seed 0).
+        held_out = tokenize(MORE, tiny.tokenizer, run.corpus.max_tokens)
+        rng = random.Random(0)
+        prefixes = [s.token_ids[: rng.randrange(s.first_position, len(s.token_ids)) + 1] for s in held_out]
+        value_top = np.stack([_value_top(session, run_id, layer) for layer in range(3)])  # [layers, 2, d_ff]
+        expected = census(tiny, prefixes, torch.from_numpy(value_top), set(), batch=1)
+        data = stored["census"].data
+        assert data["examples"] == 3
+        for field in ("positive", "active", "no_memory_agrees", "settled", "final_prob"):
+            assert data[field] == pytest.approx(getattr(expected, field), rel=1e-4, abs=1e-6), field
+        assert data["cases"] == {case: pytest.approx(v) for case, v in expected.cases.items()}
+        # Fig. 3: the sampled keys' top-2 trigger prefixes.
+        removal = stored["token_removal"].data
+        rng = random.Random(0)
+        items, owners = [], []
+        for layer in range(3):
+            for key in sorted(rng.sample(range(48), 3)):
+                for trigger in queries.get_triggers(
+                    session=session, run_id=run_id, layer=layer, key=key, sign=1, limit=2
+                ):
+                    sentence = queries.get_sentences(
+                        session=session, corpus_id=run.corpus_id, indices=[trigger.sentence_index]
+                    )[trigger.sentence_index]
+                    items.append((layer, key, sentence.token_ids[: trigger.position + 1]))
+                    owners.append(f"{layer}/{key}")
+        first, last = token_removal(tiny, items)
+        assert removal["prefixes"] == len(items) == 3 * 3 * 2
+        for name in set(owners):
+            lasts = [x for o, x in zip(owners, last, strict=True) if o == name and x is not None]
+            firsts = [x for o, x in zip(owners, first, strict=True) if o == name and x is not None]
+            assert removal["keys"][name]["last"] == (_close(np.mean(lasts)) if lasts else None)
+            assert removal["keys"][name]["first"] == (_close(np.mean(firsts)) if firsts else None)
+            if lasts:
+                assert removal["keys"][name]["shallowness"] == pytest.approx(
+                    float(np.clip(-np.mean(lasts), 0, 1))
+                )
+
+
+def _close(value):
+    return pytest.approx(value, rel=1e-4, abs=1e-6)  # batches of another shape: float32 last bits
+
+
+def _value_top(session, run_id: int, layer: int) -> np.ndarray:
+    """[2, d_ff]: each value's top raw token, and its bottom one."""
+    return np.concatenate(
+        [
+            queries.layer_value_tokens(
+                session=session, run_id=run_id, layer=layer, readout="raw", direction=direction, n=1
+            )[0].T
+            for direction in (1, -1)
+        ]
+    )

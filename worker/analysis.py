@@ -1,0 +1,188 @@
+"""The paper's analyses on a finished index run (`ffmem analyze`), stored per run in `analyses`:
+
+- "agreement" (Figs. 4, 5), from the stored key statistics: per layer, the share of keys whose value's
+  top token is the token after their top trigger, and the distribution of that token's rank;
+- "census" (Figs. 7–11): held-out sentences of the run's corpus (those after the ones it mined), one
+  random prefix each, through engine.analysis.census;
+- "token_removal" (Fig. 3): for a sample of keys per layer, their top trigger prefixes without their
+  first and without their last token (engine.analysis.token_removal); per key a shallowness score,
+  the share of its coefficient that removing the last token takes away (clipped to 0–1).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+from stop_words import get_stop_words
+
+from app import queries
+from app.models import Analysis, KeyStats, Run, Token
+from engine.analysis import census, token_removal
+from engine.corpus import read_corpus, tokenize
+from engine.errors import FfmemError
+from engine.loading import LoadedModel
+
+RANK_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+@dataclass
+class AnalysisOptions:
+    examples: int = 4000  # held-out prefixes (Figs. 7–11)
+    keys: int = 100  # keys sampled per layer (Fig. 3)
+    triggers: int = 50  # top trigger prefixes per sampled key (Fig. 3)
+    seed: int = 0
+    batch: int = 8
+
+
+def analyze(
+    sessions: sessionmaker, run_id: int, loaded: LoadedModel, options: AnalysisOptions
+) -> dict[str, float]:
+    """Compute and store every analysis of run `run_id`; seconds per analysis."""
+    seconds = {}
+    with sessions() as session:
+        run = session.get(Run, run_id)
+        if run is None or run.status != "done":
+            raise FfmemError(f"run {run_id} is not a finished index run")
+        for name, compute in (
+            ("agreement", _agreement),
+            ("census", _census),
+            ("token_removal", _token_removal),
+        ):
+            start = time.perf_counter()
+            data = compute(session, run, loaded, options)
+            seconds[name] = time.perf_counter() - start
+            session.execute(delete(Analysis).where(Analysis.run_id == run.id, Analysis.name == name))
+            session.add(
+                Analysis(
+                    run_id=run.id,
+                    name=name,
+                    options=asdict(options),
+                    data=data,
+                    seconds=seconds[name],
+                    created_at=datetime.now(timezone.utc),
+                )
+            )
+            session.commit()
+    return seconds
+
+
+def _agreement(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions) -> dict:
+    """Figs. 4–5 from the key statistics: rank 0 of the top trigger's next token is agreement."""
+    rows = session.execute(
+        select(KeyStats.layer, KeyStats.next_token_rank)
+        .where(KeyStats.run_id == run.id)
+        .order_by(KeyStats.layer)
+    ).all()
+    by_layer: dict[int, list[int]] = {}
+    for layer, rank in rows:
+        if rank is not None and rank >= 0:
+            by_layer.setdefault(layer, []).append(rank)
+    layers = range(run.model.n_layers)
+    ranks = [np.array(by_layer.get(layer, []), dtype=np.int64) for layer in layers]
+    return {
+        "keys": [int(r.size) for r in ranks],
+        "agreement": [float((r == 0).mean()) if r.size else None for r in ranks],
+        "baseline": 1 / run.model.vocab_size,
+        "rank_quantiles": {
+            str(q): [float(np.quantile(r, q)) if r.size else None for r in ranks] for q in RANK_QUANTILES
+        },
+        "rank_below": {
+            str(n): [float((r < n).mean()) if r.size else None for r in ranks] for n in (1, 10, 100, 1000)
+        },
+    }
+
+
+def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions) -> dict:
+    corpus = run.corpus
+    source = corpus.name if corpus.name == "wiki-vital" else corpus.source
+    text = read_corpus(source, run.n_sentences + options.examples)
+    held_out = tokenize(text.sentences[run.n_sentences :], loaded.tokenizer, corpus.max_tokens)
+    rng = random.Random(options.seed)
+    prefixes = [
+        s.token_ids[: rng.randrange(s.first_position, len(s.token_ids)) + 1]
+        for s in held_out
+        if len(s.token_ids) > s.first_position
+    ]
+    if not prefixes:
+        raise FfmemError(
+            f"{source} has no sentences beyond the {run.n_sentences:,} the run mined: none is held out"
+        )
+    value_top = torch.stack(
+        [
+            torch.from_numpy(
+                np.concatenate(
+                    [
+                        queries.layer_value_tokens(
+                            session=session, run_id=run.id, layer=layer, readout="raw", direction=d, n=1
+                        )[0].T
+                        for d in (1, -1)
+                    ]
+                )
+            )
+            for layer in range(run.model.n_layers)
+        ]
+    )  # [layers, 2, d_ff]
+    stop = set(get_stop_words("en"))
+    texts = session.execute(select(Token.token_id, Token.text).where(Token.model_id == run.model_id)).all()
+    stop_ids = {token_id for token_id, text in texts if text.strip().lower() in stop}
+    found = census(loaded, prefixes, value_top, stop_ids, batch=options.batch)
+    return asdict(found)
+
+
+def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions) -> dict:
+    rng = random.Random(options.seed)
+    n_layers, n_keys = run.model.n_layers, run.model.n_keys
+    items, owners = [], []
+    sentences_needed = []
+    sampled = {
+        layer: sorted(rng.sample(range(n_keys), min(options.keys, n_keys))) for layer in range(n_layers)
+    }
+    for layer, keys in sampled.items():
+        for key in keys:
+            for trigger in queries.get_triggers(
+                session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=options.triggers
+            ):
+                owners.append((layer, key))
+                sentences_needed.append((trigger.sentence_index, trigger.position))
+    sentences = queries.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[index for index, _ in sentences_needed]
+    )
+    for (layer, key), (index, position) in zip(owners, sentences_needed, strict=True):
+        items.append((layer, key, sentences[index].token_ids[: position + 1]))
+    first_position = 1 if loaded.bos_prepended else 0
+    first, last = token_removal(loaded, items, first_position=first_position, batch=4 * options.batch)
+    per_key: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    for owner, first_change, last_change in zip(owners, first, last, strict=True):
+        lists = per_key.setdefault(owner, ([], []))
+        if first_change is not None:
+            lists[0].append(first_change)
+        if last_change is not None:
+            lists[1].append(last_change)
+
+    def mean(values):
+        return float(np.mean(values)) if values else None
+
+    layers_first = [
+        mean([f for (lay, _), (fs, _) in per_key.items() if lay == layer for f in fs])
+        for layer in range(n_layers)
+    ]
+    layers_last = [
+        mean([x for (lay, _), (_, ls) in per_key.items() if lay == layer for x in ls])
+        for layer in range(n_layers)
+    ]
+    keys = {
+        f"{layer}/{key}": {
+            "first": mean(fs),
+            "last": mean(ls),
+            "shallowness": None if not ls else float(np.clip(-np.mean(ls), 0.0, 1.0)),
+        }
+        for (layer, key), (fs, ls) in per_key.items()
+    }
+    return {"first": layers_first, "last": layers_last, "keys": keys, "prefixes": len(items)}
