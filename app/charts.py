@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from app.contexts import Histogram, LayerSummary, TraceContext, ValueReadout
+from app.contexts import AnalysisFigure, Histogram, LayerSummary, TraceContext, ValueReadout
 from app.display import visible
 
 POSITIVE, NEGATIVE, NEUTRAL = "#2b6cb0", "#c05621", "#4a5568"
@@ -190,5 +190,49 @@ def residual_confidence(ctx: TraceContext) -> dict:
             "height": 260,
             "xaxis": {"title": {"text": "layer"}, "dtick": 1 if len(ctx.layers) <= 16 else 2},
             "yaxis": {"title": {"text": "probability"}, "range": [0, 1]},
+        },
+    }
+
+
+SERIES_COLORS = ("#2b6cb0", "#c05621", "#2f855a", "#6b46c1", "#b7791f")
+
+
+def analysis_chart(figure: AnalysisFigure) -> dict:
+    """Our per-layer series (solid, by relative depth) and the paper's values (dashed, approximate)."""
+    data = [
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": label(name),
+            "x": figure.depth,
+            "y": values,
+            "customdata": figure.layers,
+            "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
+            "hovertemplate": "layer %{customdata}<br>%{y:.3g}<extra>" + label(name) + "</extra>",
+        }
+        for i, (name, values) in enumerate(figure.series.items())
+    ]
+    data += [
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": label(name),
+            "x": [x for x, _ in points],
+            "y": [y for _, y in points],
+            "line": {"color": "#718096", "dash": "dash"},
+            "hovertemplate": "paper: %{y:.3g}<extra></extra>",
+        }
+        for name, points in figure.paper.items()
+    ]
+    return {
+        "data": data,
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": label(figure.title)},
+            "showlegend": True,
+            "legend": {"orientation": "h", "y": -0.3},
+            "height": 360,
+            "xaxis": {"title": {"text": "relative depth (layer / last layer)"}, "range": [-0.02, 1.02]},
+            "yaxis": {"title": {"text": figure.unit}, **({"type": "log"} if figure.unit == "rank" else {})},
         },
     }

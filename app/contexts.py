@@ -131,6 +131,14 @@ class ValueReadout(BaseModel):
     bottom: list[TokenScore]
 
 
+class Shallowness(BaseModel):
+    """How a key's coefficient on its top triggers changes without their first or last token (Fig. 3)."""
+
+    first: float | None  # mean relative change, first token removed
+    last: float | None  # mean relative change, last token removed
+    shallowness: float | None  # −last clipped to 0–1: 1 = it all hinges on the last token
+
+
 class LabelView(BaseModel):
     """A person's annotation of a memory (see app.models.Label)."""
 
@@ -263,6 +271,7 @@ class KeyContext(BaseModel):
     label: LabelView | None = None  # the memory's label (its newest)
     label_history: list[LabelView] = []  # its earlier labels, the newest first
     label_url: str = ""  # where the label form posts
+    shallowness: Shallowness | None = None  # Fig. 3 on this key, when it was sampled (ffmem analyze)
 
 
 class LayerContext(BaseModel):
@@ -432,3 +441,26 @@ class AblationContext(BaseModel):
     mean_value_change: float
     mean_next_change: float | None
     trace_url: str  # the top trigger's prefix in the live view, with this memory off
+
+
+class AnalysisFigure(BaseModel):
+    """One of the paper's figures on this run: our per-layer series beside the paper's reference values."""
+
+    name: str  # fig3, fig4, …
+    title: str
+    text: str  # what the chart shows, in one paragraph
+    unit: str  # share | count | probability | relative change | rank
+    layers: list[int]
+    depth: list[float]  # layer / (layers − 1): the paper's 16 layers and ours on one axis
+    series: dict[str, list[float | None]]  # ours, by name
+    paper: dict[str, list[list[float]]]  # the paper's values as [relative depth, value] points (approximate)
+
+
+class AnalysisContext(BaseModel):
+    page: str = "analysis"
+    title: str
+    model: str
+    run: RunInfo
+    computed: dict[str, dict]  # analysis → {options, seconds, created_at}
+    missing: list[str]  # analyses not computed on this run yet
+    figures: list[AnalysisFigure]

@@ -65,3 +65,7 @@ def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **que
 
 def label_url(model: str, layer: int, key: int, fmt: str | None = None) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/labels", fmt)
+
+
+def analysis_url(model: str, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/analysis", fmt, **query)

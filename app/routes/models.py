@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from app import pages
+from app import analysis_page, pages
 from app.rendering import render
 from app.routes import SessionDep, page
 
@@ -26,3 +26,9 @@ def home(request: Request, session: SessionDep):
 def model(request: Request, session: SessionDep, model: str, run: RunQuery = None):
     """One model: statistics per layer, and charts across layers."""
     return render(request, "model.html", pages.model_page(session, model, run))
+
+
+@page(router, "/m/{model}/analysis", "analysis")
+def analysis(request: Request, session: SessionDep, model: str, run: RunQuery = None):
+    """The paper's analyses (Figs. 3–11) on an index run, beside the paper's own values."""
+    return render(request, "analysis.html", analysis_page.analysis_page(session, model, run))
