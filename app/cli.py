@@ -329,6 +329,29 @@ def analyze(
     typer.echo(f"stored the analyses of run {run_id} ({spent}); see /m/{slug}/analysis")
 
 
+@cli.command()
+def export(
+    run: Annotated[int, typer.Argument(min=1, help="The index run to export.")],
+    format: Annotated[str, typer.Option("--format", help="jsonl or parquet (needs pyarrow).")] = "jsonl",
+    out: Annotated[Path | None, typer.Option(help="Folder to write (default: export-run-RUN).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Write a run's triggers, values, statistics, analyses and labels as JSON Lines or Parquet files."""
+    url = db or get_settings().database_url
+    folder = out or Path(f"export-run-{run}")
+
+    def work():
+        from app.db import make_engine, make_sessionmaker
+        from app.export import export_run
+
+        with make_sessionmaker(make_engine(url))() as session:
+            return export_run(session=session, run_id=run, folder=folder, fmt=format)
+
+    written = _fail_cleanly(work)
+    rows = ", ".join(f"{name} {count:,}" for name, count in written.items())
+    typer.echo(f"wrote run {run} to {folder}/ ({format}): {rows}")
+
+
 @cli.command("trace")
 def trace_command(
     text: Annotated[str, typer.Argument(help="The prompt.")],

@@ -1,0 +1,103 @@
+"""`ffmem export RUN`: every table of the run, as JSON Lines and as Parquet, equal to the database."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.models import KeyStats, Label, Run, Trigger, ValueToken
+
+
+def _jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_export_writes_every_table(explorer_db, db, tmp_path, fmt):
+    run = db.scalars(select(Run)).one()
+    db.add(
+        Label(
+            model_id=run.model_id,
+            layer=1,
+            key=4,
+            pattern="a city",
+            tag="semantic",
+            author="ada",
+            created_at=run.started_at,
+        )
+    )
+    db.add(
+        Label(
+            model_id=run.model_id,
+            layer=1,
+            key=4,
+            pattern="capitals",
+            tag="semantic",
+            author="bob",
+            created_at=run.started_at,
+        )
+    )
+    db.commit()
+    try:
+        out = tmp_path / "out"
+        result = CliRunner().invoke(
+            cli, ["export", str(run.id), "--format", fmt, "--out", str(out), "--db", explorer_db]
+        )
+        assert result.exit_code == 0, result.output
+        if fmt == "jsonl":
+            read = _jsonl
+        else:
+            import pyarrow.parquet as pq
+
+            def read(path):
+                return pq.read_table(path).to_pylist()
+
+        triggers = read(out / f"triggers.{fmt}")
+        assert len(triggers) == db.scalar(
+            select(func.count()).select_from(Trigger).where(Trigger.run_id == run.id)
+        )
+        first = db.get(
+            Trigger,
+            (run.id, triggers[0]["layer"], triggers[0]["key"], triggers[0]["sign"], triggers[0]["rank"]),
+        )
+        assert (triggers[0]["sentence_index"], triggers[0]["position"]) == (
+            first.sentence_index,
+            first.position,
+        )
+        assert triggers[0]["coefficient"] == pytest.approx(first.coefficient)
+        values = read(out / f"value_tokens.{fmt}")
+        assert len(values) == db.scalar(
+            select(func.count()).select_from(ValueToken).where(ValueToken.run_id == run.id)
+        )
+        assert {"layer", "key", "readout", "direction", "rank", "token_id", "token", "logit", "prob"} == set(
+            values[0]
+        )
+        stats = read(out / f"key_stats.{fmt}")
+        assert len(stats) == db.scalar(
+            select(func.count()).select_from(KeyStats).where(KeyStats.run_id == run.id)
+        )
+        assert len(read(out / f"sentences.{fmt}")) == run.n_sentences
+        labels = read(out / f"labels.{fmt}")
+        assert [(label["pattern"], label["current"]) for label in labels] == [
+            ("a city", False),
+            ("capitals", True),
+        ]
+        meta = json.loads((out / "run.json").read_text())
+        assert meta["run"] == run.id and meta["n_sentences"] == run.n_sentences
+        assert f"wrote run {run.id} to {out}/ ({fmt}): sentences {run.n_sentences}" in result.output
+    finally:
+        db.execute(Label.__table__.delete())
+        db.commit()
+
+
+def test_export_refuses_bad_input_in_one_line(explorer_db, tmp_path):
+    result = CliRunner().invoke(cli, ["export", "99", "--db", explorer_db, "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "error: there is no run 99" in result.output
+    result = CliRunner().invoke(
+        cli, ["export", "1", "--format", "csv", "--db", explorer_db, "--out", str(tmp_path / "x")]
+    )
+    assert result.exit_code == 2 and "unknown export format 'csv'; choose jsonl or parquet" in result.output
