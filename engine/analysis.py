@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from engine.cases import CASES
 from engine.hooks import capture
@@ -48,6 +49,7 @@ def census(
     *,
     readout: str = "norm",
     batch: int = 8,
+    progress: bool = False,
 ) -> Census:
     """Read every prefix at its last token. `value_top` [layers, 2, d_ff] holds each value's top token
     (index 0, for m > 0) and bottom token (index 1, for m < 0)."""
@@ -56,7 +58,7 @@ def census(
     sums: dict[str, torch.Tensor] = {}  # per-layer sums over all prefixes, by figure
     value_top = value_top.to(loaded.device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=loaded.device)
-    for start in range(0, len(prefixes), batch):
+    for start in tqdm(range(0, len(prefixes), batch), desc="census", unit="batch", disable=not progress):
         part = _batch(loaded, prefixes[start : start + batch], value_top, stops, readout)
         for name, values in part.items():
             sums[name] = sums.get(name, 0) + values.double().cpu()
@@ -148,6 +150,7 @@ def token_removal(
     *,
     first_position: int = 0,
     batch: int = 32,
+    progress: bool = False,
 ) -> tuple[list[float | None], list[float | None]]:
     """Fig. 3, shallow versus semantic keys: for each (layer, key, trigger prefix) — the prefix ending at
     its trigger token — the relative change of the key's coefficient at the prefix's last token when
@@ -163,7 +166,9 @@ def token_removal(
             variants.append((index, "last", prefix[:-1]))
     layers = sorted({layer for layer, _, _ in items})
     coefficient: dict[tuple[int, str], float] = {}
-    for start in range(0, len(variants), batch):
+    for start in tqdm(
+        range(0, len(variants), batch), desc="token removal", unit="batch", disable=not progress
+    ):
         chunk = variants[start : start + batch]
         lengths = torch.tensor([len(ids) for _, _, ids in chunk], device=loaded.device)  # [B]
         ids = torch.zeros(

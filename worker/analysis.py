@@ -39,6 +39,7 @@ class AnalysisOptions:
     triggers: int = 50  # top trigger prefixes per sampled key (Fig. 3)
     seed: int = 0
     batch: int = 8
+    progress: bool = True
 
 
 def analyze(
@@ -132,7 +133,7 @@ def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOp
     stop = set(get_stop_words("en"))
     texts = session.execute(select(Token.token_id, Token.text).where(Token.model_id == run.model_id)).all()
     stop_ids = {token_id for token_id, text in texts if text.strip().lower() in stop}
-    found = census(loaded, prefixes, value_top, stop_ids, batch=options.batch)
+    found = census(loaded, prefixes, value_top, stop_ids, batch=options.batch, progress=options.progress)
     return asdict(found)
 
 
@@ -157,7 +158,9 @@ def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: Ana
     for (layer, key), (index, position) in zip(owners, sentences_needed, strict=True):
         items.append((layer, key, sentences[index].token_ids[: position + 1]))
     first_position = 1 if loaded.bos_prepended else 0
-    first, last = token_removal(loaded, items, first_position=first_position, batch=4 * options.batch)
+    first, last = token_removal(
+        loaded, items, first_position=first_position, batch=4 * options.batch, progress=options.progress
+    )
     per_key: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
     for owner, first_change, last_change in zip(owners, first, last, strict=True):
         lists = per_key.setdefault(owner, ([], []))

@@ -35,7 +35,10 @@ def analyzed(db_url, tiny, tmp_path):
     sessions = make_sessionmaker(engine)
     summary = build_index(options, sessions, loaded=tiny)
     seconds = analyze(
-        sessions, summary.run_id, tiny, AnalysisOptions(examples=10, keys=3, triggers=2, batch=2)
+        sessions,
+        summary.run_id,
+        tiny,
+        AnalysisOptions(examples=10, keys=3, triggers=2, batch=2, progress=False),
     )
     yield sessions, summary.run_id, seconds
     engine.dispose()
