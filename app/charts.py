@@ -203,12 +203,14 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
         {
             "type": "scatter",
             "mode": "lines+markers",
-            "name": label(name),
+            "name": html.escape(name, quote=False),
             "x": figure.depth,
             "y": values,
             "customdata": figure.layers,
             "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
-            "hovertemplate": "layer %{customdata}<br>%{y:.3g}<extra>" + label(name) + "</extra>",
+            "hovertemplate": "layer %{customdata}<br>%{y:.3g}<extra>"
+            + html.escape(name, quote=False)
+            + "</extra>",
         }
         for i, (name, values) in enumerate(figure.series.items())
     ]
@@ -216,7 +218,7 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
         {
             "type": "scatter",
             "mode": "lines+markers",
-            "name": label(name),
+            "name": html.escape(name, quote=False),
             "x": [x for x, _ in points],
             "y": [y for _, y in points],
             "line": {"color": "#718096", "dash": "dash"},
@@ -228,7 +230,7 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
         "data": data,
         "layout": BASE_LAYOUT
         | {
-            "title": {"text": label(figure.title)},
+            "title": {"text": html.escape(figure.title, quote=False)},  # our prose: spaces stay spaces
             "showlegend": True,
             "legend": {"orientation": "h", "y": -0.3},
             "height": 360,
