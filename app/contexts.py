@@ -131,14 +131,6 @@ class ValueReadout(BaseModel):
     bottom: list[TokenScore]
 
 
-class Shallowness(BaseModel):
-    """How a key's coefficient on its top triggers changes without their first or last token (Fig. 3)."""
-
-    first: float | None  # mean relative change, first token removed
-    last: float | None  # mean relative change, last token removed
-    shallowness: float | None  # −last clipped to 0–1: 1 = it all hinges on the last token
-
-
 class LabelView(BaseModel):
     """A person's annotation of a memory (see app.models.Label)."""
 
@@ -218,6 +210,9 @@ class KeyStatsView(BaseModel):
     agreement: int | None
     next_token_rank: int | None
     value_norm: float | None
+    first_token_change: float | None = None  # Fig. 3, when `ffmem analyze` sampled this key
+    last_token_change: float | None = None
+    shallowness: float | None = None  # −last_token_change clipped to 0–1
 
 
 class Histogram(BaseModel):
@@ -271,7 +266,6 @@ class KeyContext(BaseModel):
     label: LabelView | None = None  # the memory's label (its newest)
     label_history: list[LabelView] = []  # its earlier labels, the newest first
     label_url: str = ""  # where the label form posts
-    shallowness: Shallowness | None = None  # Fig. 3 on this key, when it was sampled (ffmem analyze)
 
 
 class LayerContext(BaseModel):

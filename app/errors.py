@@ -24,6 +24,11 @@ class AppError(Exception):
         self.headers = headers or {}  # e.g. Retry-After on a 503
 
 
+def sentence(text: str) -> str:
+    """An engine or worker message ("layer 3 does not exist") as a page's sentence ("Layer 3 … exist.")."""
+    return f"{text[:1].upper()}{text[1:]}."
+
+
 def install(app: FastAPI) -> None:
     """Route every error through `error_response`."""
 

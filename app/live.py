@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from app.errors import AppError
+from app.errors import AppError, sentence
 
 START = (
     "Start one with `ffmem worker` (or `ffmem serve`, which starts one); the browse pages work without it."
@@ -59,7 +59,7 @@ class LiveWorker:
             message = f"the live worker answered {response.status_code}"
         if response.status_code == 503:
             retry = {"Retry-After": response.headers.get("Retry-After", "5")}
-            raise AppError(503, "Live worker busy", f"{message[0].upper()}{message[1:]}.", headers=retry)
+            raise AppError(503, "Live worker busy", sentence(message), headers=retry)
         if 400 <= response.status_code < 500:
-            raise AppError(400, "Bad request", f"{message[0].upper()}{message[1:]}.")
-        raise AppError(502, "Live worker failed", f"{message[0].upper()}{message[1:]}.")
+            raise AppError(400, "Bad request", sentence(message))
+        raise AppError(502, "Live worker failed", sentence(message))

@@ -22,7 +22,7 @@ from app.contexts import (
     TraceLayer,
     TraceMemory,
 )
-from app.errors import AppError
+from app.errors import AppError, sentence
 from app.live import LiveWorker
 from app.models import LanguageModel, Run
 from engine.cases import CASES
@@ -43,7 +43,7 @@ class TraceQuery:
             self.interventions = parse_interventions(intervene, model.n_layers, model.n_keys)
         except InterventionError as error:  # raised by trace_page; the form shows what was typed
             self.interventions = []
-            self.error = AppError(400, "Bad intervention", f"{str(error)[0].upper()}{str(error)[1:]}.")
+            self.error = AppError(400, "Bad intervention", sentence(str(error)))
 
     def url(self, fmt: str | None = None, **changes) -> str:
         values = {
@@ -92,15 +92,14 @@ def _query_fields(q: TraceQuery, max_tokens: int) -> dict:
     )
 
 
-def trace_form(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: int, notice: str | None = None):
+def trace_form(live: LiveWorker, q: TraceQuery, max_tokens: int, notice: str | None = None) -> TraceContext:
     """The live view without a trace: the prompt form and the worker's state."""
     return TraceContext(**_query_fields(q, max_tokens), worker=live.health(), notice=notice)
 
 
 def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: int) -> TraceContext:
-    ctx = trace_form(session, live, q, max_tokens) if q.text is None else None
-    if ctx is not None:
-        return ctx
+    if q.text is None:
+        return trace_form(live, q, max_tokens)
     if q.error:
         raise q.error
     if not q.text.strip():
@@ -119,11 +118,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         }
     )
     run = value_run(session, q.model)
-    signed = [
-        (m["layer"], m["key"], 1 if m["coefficient"] >= 0 else -1)
-        for layer in answer["layers"]
-        for m in layer["memories"]
-    ]
+    signed = [_signed(m) for layer in answer["layers"] for m in layer["memories"]]
     value_tokens = (
         queries.memory_value_tokens(
             session=session, run_id=run.id, readout=q.readout, memories=signed, n=MEMORY_TOKENS
@@ -145,7 +140,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
     for layer in answer["layers"]:
         memories = []
         for m in layer["memories"]:
-            ids = value_tokens.get((m["layer"], m["key"], 1 if m["coefficient"] >= 0 else -1))
+            ids = value_tokens.get(_signed(m))
             edit = edits.get((m["layer"], m["key"]))
             memories.append(
                 TraceMemory.model_construct(
@@ -220,6 +215,11 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         else None,
         cases={case: sum(layer.case == case for layer in layers) for case in CASES},
     )
+
+
+def _signed(memory: dict) -> tuple[int, int, int]:
+    """(layer, key, direction): a negative coefficient reads the value's bottom tokens."""
+    return memory["layer"], memory["key"], 1 if memory["coefficient"] >= 0 else -1
 
 
 def ablation_page(

@@ -201,6 +201,12 @@ class KeyStats(Base):
         Integer
     )  # positive triggers whose next token is a top token
     next_token_rank: Mapped[int | None] = mapped_column(Integer)  # raw rank of the top trigger's next token
+    # Added in 0004, set by `ffmem analyze` for the keys it samples (Fig. 3), else NULL: the mean relative
+    # change of the coefficient on the top triggers without their first / last token, and the shallowness
+    # (−last, clipped to 0–1: 1 = it all hinges on the last token).
+    first_token_change: Mapped[float | None] = mapped_column(Float)
+    last_token_change: Mapped[float | None] = mapped_column(Float)
+    shallowness: Mapped[float | None] = mapped_column(Float)
 
 
 class Job(Base):

@@ -35,14 +35,13 @@ from app.contexts import (
     Progress,
     RunInfo,
     SearchContext,
-    Shallowness,
     TokenMatch,
     TokenScore,
     Trigger,
     ValueReadout,
 )
 from app.errors import AppError
-from app.models import Analysis, Job, Label, LanguageModel, Run, Sentence
+from app.models import Job, Label, LanguageModel, Run, Sentence
 from app.models import Trigger as TriggerRow
 
 READOUTS = ("raw", "norm")
@@ -125,12 +124,6 @@ def run_info(run: Run) -> RunInfo:
         provenance=run.provenance,
         error=run.error,
     )
-
-
-def _shallowness(session: Session, run: Run, layer: int, key: int) -> Shallowness | None:
-    removal = session.get(Analysis, (run.id, "token_removal"))
-    found = None if removal is None else removal.data["keys"].get(f"{layer}/{key}")
-    return None if found is None else Shallowness(**found)
 
 
 def label_view(label: Label) -> LabelView:
@@ -406,7 +399,6 @@ def key_page(
         label=label_view(history[0]) if history else None,
         label_history=[label_view(label) for label in history[1:]],
         label_url=urls.label_url(slug, layer, key),
-        shallowness=_shallowness(session, run, layer, key),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),

@@ -601,11 +601,11 @@ def memory_value_tokens(
 ) -> dict[tuple[int, int, int], list[int]]:
     """(layer, key, direction) → the first `n` token ids of that value's top (+1) or bottom (−1) list."""
     wanted = set(memories)
+    if not wanted:
+        return {}
     keys_by_layer: dict[int, set[int]] = {}
     for layer, key, _ in wanted:
         keys_by_layer.setdefault(layer, set()).add(key)
-    if not wanted:
-        return {}
     # One SELECT per layer, UNION ALL-ed: each walks the primary key (run, layer, key, …); SQLite plans
     # an OR or a row-value IN over all layers as a scan of the run.
     per_layer = [
@@ -696,9 +696,6 @@ def triggers_from(
         found += session.scalars(query)
     found.sort(key=lambda t: (-t.coefficient, t.layer, t.key))
     return found[:limit]
-
-
-LABEL_TAGS = ("shallow", "semantic", "")
 
 
 def add_label(

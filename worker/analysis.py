@@ -5,8 +5,9 @@
 - "census" (Figs. 7–11): held-out sentences of the run's corpus (those after the ones it mined), one
   random prefix each, through engine.analysis.census;
 - "token_removal" (Fig. 3): for a sample of keys per layer, their top trigger prefixes without their
-  first and without their last token (engine.analysis.token_removal); per key a shallowness score,
-  the share of its coefficient that removing the last token takes away (clipped to 0–1).
+  first and without their last token (engine.analysis.token_removal); per layer the mean changes, and
+  per sampled key (in key_stats, read with the key page's statistics) the mean changes and a
+  shallowness score: the share of its coefficient that removing the last token takes away (0–1).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 import torch
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 from stop_words import get_stop_words
 
@@ -115,21 +116,7 @@ def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOp
         raise FfmemError(
             f"{source} has no sentences beyond the {run.n_sentences:,} the run mined: none is held out"
         )
-    value_top = torch.stack(
-        [
-            torch.from_numpy(
-                np.concatenate(
-                    [
-                        queries.layer_value_tokens(
-                            session=session, run_id=run.id, layer=layer, readout="raw", direction=d, n=1
-                        )[0].T
-                        for d in (1, -1)
-                    ]
-                )
-            )
-            for layer in range(run.model.n_layers)
-        ]
-    )  # [layers, 2, d_ff]
+    value_top = torch.from_numpy(value_top_tokens(session, run.id, run.model.n_layers))  # [layers, 2, d_ff]
     stop = set(get_stop_words("en"))
     texts = session.execute(select(Token.token_id, Token.text).where(Token.model_id == run.model_id)).all()
     stop_ids = {token_id for token_id, text in texts if text.strip().lower() in stop}
@@ -138,54 +125,74 @@ def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOp
 
 
 def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions) -> dict:
+    """Per layer the mean changes over the sampled keys' triggers; per key, stored in key_stats."""
     rng = random.Random(options.seed)
     n_layers, n_keys = run.model.n_layers, run.model.n_keys
-    items, owners = [], []
-    sentences_needed = []
-    sampled = {
-        layer: sorted(rng.sample(range(n_keys), min(options.keys, n_keys))) for layer in range(n_layers)
-    }
-    for layer, keys in sampled.items():
-        for key in keys:
-            for trigger in queries.get_triggers(
-                session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=options.triggers
-            ):
-                owners.append((layer, key))
-                sentences_needed.append((trigger.sentence_index, trigger.position))
+    triggers = [
+        (layer, key, trigger)
+        for layer in range(n_layers)
+        for key in sorted(rng.sample(range(n_keys), min(options.keys, n_keys)))
+        for trigger in queries.get_triggers(
+            session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=options.triggers
+        )
+    ]
     sentences = queries.get_sentences(
-        session=session, corpus_id=run.corpus_id, indices=[index for index, _ in sentences_needed]
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for _, _, t in triggers]
     )
-    for (layer, key), (index, position) in zip(owners, sentences_needed, strict=True):
-        items.append((layer, key, sentences[index].token_ids[: position + 1]))
-    first_position = 1 if loaded.bos_prepended else 0
+    items = [
+        (layer, key, sentences[t.sentence_index].token_ids[: t.position + 1]) for layer, key, t in triggers
+    ]
     first, last = token_removal(
-        loaded, items, first_position=first_position, batch=4 * options.batch, progress=options.progress
+        loaded, items, first_position=1 if loaded.bos_prepended else 0, batch=4 * options.batch,
+        progress=options.progress,
+    )  # fmt: skip
+    by_key: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    for (layer, key, _), first_change, last_change in zip(items, first, last, strict=True):
+        firsts, lasts = by_key.setdefault((layer, key), ([], []))
+        firsts += [] if first_change is None else [first_change]
+        lasts += [] if last_change is None else [last_change]
+    session.execute(
+        update(KeyStats)
+        .where(KeyStats.run_id == run.id)
+        .values(first_token_change=None, last_token_change=None, shallowness=None)
     )
-    per_key: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
-    for owner, first_change, last_change in zip(owners, first, last, strict=True):
-        lists = per_key.setdefault(owner, ([], []))
-        if first_change is not None:
-            lists[0].append(first_change)
-        if last_change is not None:
-            lists[1].append(last_change)
+    for (layer, key), (firsts, lasts) in by_key.items():
+        session.execute(
+            update(KeyStats)
+            .where(KeyStats.run_id == run.id, KeyStats.layer == layer, KeyStats.key == key)
+            .values(
+                first_token_change=_mean(firsts),
+                last_token_change=_mean(lasts),
+                shallowness=None if not lasts else float(np.clip(-np.mean(lasts), 0.0, 1.0)),
+            )
+        )
 
-    def mean(values):
-        return float(np.mean(values)) if values else None
+    def layer_mean(which: int, layer: int) -> float | None:
+        return _mean([x for (lay, _), values in by_key.items() if lay == layer for x in values[which]])
 
-    layers_first = [
-        mean([f for (lay, _), (fs, _) in per_key.items() if lay == layer for f in fs])
-        for layer in range(n_layers)
-    ]
-    layers_last = [
-        mean([x for (lay, _), (_, ls) in per_key.items() if lay == layer for x in ls])
-        for layer in range(n_layers)
-    ]
-    keys = {
-        f"{layer}/{key}": {
-            "first": mean(fs),
-            "last": mean(ls),
-            "shallowness": None if not ls else float(np.clip(-np.mean(ls), 0.0, 1.0)),
-        }
-        for (layer, key), (fs, ls) in per_key.items()
+    return {
+        "first": [layer_mean(0, layer) for layer in range(n_layers)],
+        "last": [layer_mean(1, layer) for layer in range(n_layers)],
+        "prefixes": len(items),
     }
-    return {"first": layers_first, "last": layers_last, "keys": keys, "prefixes": len(items)}
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def value_top_tokens(session: Session, run_id: int, n_layers: int) -> np.ndarray:
+    """[layers, 2, d_ff]: each value's top raw token (index 0, for m > 0) and bottom one (1, for m < 0)."""
+    return np.stack(
+        [
+            np.concatenate(
+                [
+                    queries.layer_value_tokens(
+                        session=session, run_id=run_id, layer=layer, readout="raw", direction=direction, n=1
+                    )[0].T  # [1, d_ff]
+                    for direction in (1, -1)
+                ]
+            )
+            for layer in range(n_layers)
+        ]
+    )

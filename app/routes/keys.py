@@ -50,7 +50,7 @@ def label(
         raise AppError(
             400, "Empty label", "Give a pattern description, a tag (shallow or semantic), or both."
         )
-    queries.add_label(
+    added = queries.add_label(
         session=session,
         model_id=found.id,
         layer=layer,
@@ -61,8 +61,7 @@ def label(
     )
     session.commit()
     if wants_json(request):
-        ctx = pages.key_page(session, model, layer, key, run_id=None, limit=25)
-        return JSONResponse(
-            {"label": ctx.label.model_dump(mode="json"), "history": len(ctx.label_history)}, status_code=201
-        )
+        earlier = len(queries.label_history(session=session, model_id=found.id, layer=layer, key=key)) - 1
+        body = {"label": pages.label_view(added).model_dump(mode="json"), "history": earlier}
+        return JSONResponse(body, status_code=201)
     return RedirectResponse(urls.key_url(model, layer, key), status_code=303)

@@ -55,7 +55,7 @@ def trace(
         # The page keeps the form and says why there is no trace (a bad prompt or edit, or the worker
         # down, busy or failed); the browse pages work on.
         notice = f"{error.title}: {error.message}"
-        ctx = live_view.trace_form(session, live, q, settings.max_prompt_tokens, notice=notice)
+        ctx = live_view.trace_form(live, q, settings.max_prompt_tokens, notice=notice)
         return render(request, "trace.html", ctx, "trace", status_code=error.status, headers=error.headers)
     return render(request, "trace.html", ctx, fragment="trace")
 

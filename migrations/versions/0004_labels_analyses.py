@@ -1,5 +1,5 @@
-"""Labels (people's pattern descriptions and shallow/semantic tags of memories, with their history)
-and analyses (the paper's per-layer figures computed on a run).
+"""Labels (people's pattern descriptions and shallow/semantic tags of memories, with their history),
+analyses (the paper's per-layer figures computed on a run) and the per-key figures of Fig. 3.
 
 Revision ID: 0004
 Revises: 0003
@@ -19,8 +19,14 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+SHALLOWNESS = ("first_token_change", "last_token_change", "shallowness")
+
+
 def upgrade() -> None:
     """Upgrade the schema."""
+    with op.batch_alter_table("key_stats") as batch:
+        for name in SHALLOWNESS:
+            batch.add_column(sa.Column(name, sa.Float(), nullable=True))
     op.create_table(
         "labels",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -60,3 +66,6 @@ def downgrade() -> None:
     op.drop_table("analyses")
     op.drop_index("ix_labels_memory", table_name="labels")
     op.drop_table("labels")
+    with op.batch_alter_table("key_stats") as batch:
+        for name in reversed(SHALLOWNESS):
+            batch.drop_column(name)
