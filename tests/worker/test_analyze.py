@@ -105,3 +105,54 @@ def test_stored_analyses_equal_the_engine(analyzed, tiny):
 
 def _close(value):
     return pytest.approx(value, rel=1e-4, abs=1e-6)  # batches of another shape: float32 last bits
+
+
+def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
+    from fastapi.testclient import TestClient
+
+    from app.config import Settings
+    from app.main import create_app
+
+    sessions, run_id, _ = analyzed
+    with sessions() as session:
+        stored = {a.name: a.data for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
+        slug = session.get(Run, run_id).model.slug
+    app = create_app(Settings(database_url=db_url))
+    with TestClient(app) as client:
+        body = client.get(f"/m/{slug}/analysis.json").json()
+        assert body["missing"] == [] and set(body["computed"]) == {"agreement", "census", "token_removal"}
+        figures = {f["name"]: f for f in body["figures"]}
+        assert list(figures) == ["fig3", "fig4", "fig5", "fig7", "fig8", "fig9", "fig10", "fig11"]
+        assert figures["fig3"]["series"]["last token removed"] == stored["token_removal"]["last"]
+        assert figures["fig4"]["series"]["agreement"] == stored["agreement"]["agreement"]
+        assert figures["fig7"]["series"]["m > 0"] == [v / 48 for v in stored["census"]["positive"]]
+        assert figures["fig11"]["series"] == stored["census"]["cases"]
+        assert figures["fig9"]["depth"] == [0.0, 0.5, 1.0] and figures["fig8"]["paper"]
+        page = client.get(f"/m/{slug}/analysis").text
+        assert all(f'id="chart-{name}"' in page for name in figures) and 'id="analysis-missing"' not in page
+        with sessions() as session:
+            sampled = session.scalars(
+                select(KeyStats).where(KeyStats.run_id == run_id, KeyStats.shallowness.isnot(None)).limit(1)
+            ).one()
+        stats = client.get(f"/m/{slug}/layers/{sampled.layer}/keys/{sampled.key}.json").json()["stats"]
+        assert (stats["shallowness"], stats["last_token_change"]) == (
+            sampled.shallowness,
+            sampled.last_token_change,
+        )
+        assert 'id="shallowness"' in client.get(f"/m/{slug}/layers/{sampled.layer}/keys/{sampled.key}").text
+    app.state.engine.dispose()
+
+
+def test_a_run_without_analyses_says_how_to_compute_them(explorer_db, slug):
+    from fastapi.testclient import TestClient
+
+    from app.config import Settings
+    from app.main import create_app
+
+    app = create_app(Settings(database_url=explorer_db))
+    with TestClient(app) as client:
+        body = client.get(f"/m/{slug}/analysis.json").json()
+        assert body["missing"] == ["agreement", "census", "token_removal"] and body["figures"] == []
+        assert "ffmem analyze --run" in client.get(f"/m/{slug}/analysis").text
+        assert client.get(f"/m/{slug}/layers/0/keys/0.json").json()["stats"]["shallowness"] is None
+    app.state.engine.dispose()
