@@ -256,6 +256,13 @@ def serve(
         str | None,
         typer.Option(help="A running live worker (e.g. http://gpu-box:8001); without it one starts here."),
     ] = None,
+    forwarded_allow_ips: Annotated[
+        str | None,
+        typer.Option(
+            help="Reverse proxies whose X-Forwarded-For gives the client's address (comma-separated "
+            "addresses or networks, '*' any, '' none; default FFMEM_FORWARDED_ALLOW_IPS, 127.0.0.1)."
+        ),
+    ] = None,
 ) -> None:
     """Serve the explorer (the web process reads the database only; no torch) and start a local worker
     for live traces and index jobs unless --worker-url names one."""
@@ -282,7 +289,16 @@ def serve(
     signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down: stop the worker too
     typer.echo(f"serving {url} on http://{host}:{port}; live worker {live_url}")
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        proxies = settings.forwarded_allow_ips if forwarded_allow_ips is None else forwarded_allow_ips
+        # The live routes' rate limit counts by the client's address: trust only these to forward it.
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            proxy_headers=bool(proxies.strip()),
+            forwarded_allow_ips=proxies.strip() or None,
+        )
     finally:
         if worker_process is not None:
             worker_process.terminate()  # its leases are released; the next start resumes its work

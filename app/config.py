@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -76,10 +76,36 @@ class Settings(BaseSettings):
         16, ge=1, description="Live traces that may wait for the worker; past it the app answers 503."
     )
     live_models: int = Field(1, ge=1, description="Models the live worker keeps loaded at once.")
+    trace_rate_limit: str = Field(
+        "30/minute",
+        description="Live requests (traces and ablations, page or JSON) one client may make, in the "
+        "`limits` notation over a moving window: '30/minute', or several such as '30/minute;5/second' "
+        "to cap bursts too; '0' or '' turns the limit off. Every request to those routes counts, "
+        "refused ones too (a bad prompt costs the worker a tokenization); past the limit the app answers "
+        "429 with Retry-After. Clients are told apart by address (see forwarded_allow_ips); the counts "
+        "live in the web process's memory.",
+    )
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1",
+        description="Reverse proxies (comma-separated addresses or networks, '*' for any) whose "
+        "X-Forwarded-For and X-Forwarded-Proto `ffmem serve` believes: behind them the client's address, "
+        "which the rate limit counts by, is the forwarded one. '' believes no one; '*' only when nothing "
+        "but the proxy can reach the app.",
+    )
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
     dtype: str = Field(
         "auto", description="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."
     )
+
+    @field_validator("trace_rate_limit")
+    @classmethod
+    def _readable_rate_limit(cls, value: str) -> str:
+        """A typo in the limit fails at start, with the `limits` library's message."""
+        from limits import parse_many
+
+        if value.strip() not in ("", "0"):
+            parse_many(value)  # ValueError: couldn't parse rate limit string '…'
+        return value
 
 
 @lru_cache

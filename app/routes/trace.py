@@ -1,4 +1,6 @@
-"""The live view: a prompt traced by the live worker, interventions, and one memory switched off."""
+"""The live view: a prompt traced by the live worker, interventions, and one memory switched off.
+
+Every request here is counted against the client's live budget (app/ratelimit.py); browsing is not."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from fastapi import APIRouter, Query, Request
 
 from app import live_view, pages
 from app.errors import AppError
+from app.ratelimit import LiveBudget
 from app.rendering import render, wants_json
 from app.routes import SessionDep, page
 from app.routes.models import RunQuery
@@ -19,6 +22,7 @@ router = APIRouter()
 def trace(
     request: Request,
     session: SessionDep,
+    refused: LiveBudget,
     model: str,
     text: Annotated[
         str | None, Query(max_length=100_000, description="The prompt (the URL is the share link).")
@@ -48,12 +52,14 @@ def trace(
         pages.model_or_404(session, model), text, position, readout, memories, generate, intervene
     )
     try:
+        if refused:
+            raise refused
         ctx = live_view.trace_page(session, live, q, settings.max_prompt_tokens)
     except AppError as error:
         if wants_json(request):
             raise
-        # The page keeps the form and says why there is no trace (a bad prompt or edit, or the worker
-        # down, busy or failed); the browse pages work on.
+        # The page keeps the form and says why there is no trace (a bad prompt or edit, too many live
+        # requests, or the worker down, busy or failed); the browse pages work on.
         notice = f"{error.title}: {error.message}"
         ctx = live_view.trace_form(live, q, settings.max_prompt_tokens, notice=notice)
         return render(request, "trace.html", ctx, "trace", status_code=error.status, headers=error.headers)
@@ -64,6 +70,7 @@ def trace(
 def ablation(
     request: Request,
     session: SessionDep,
+    refused: LiveBudget,
     model: str,
     layer: int,
     key: int,
@@ -71,6 +78,8 @@ def ablation(
     triggers: Annotated[int, Query(ge=1, le=100, description="Top trigger prefixes to test on.")] = 10,
 ):
     """Switch one memory off on its own top triggers: its value's top token and the true next token."""
+    if refused:
+        raise refused
     ctx = live_view.ablation_page(
         session, request.app.state.live, model, layer, key, run_id=run, limit=triggers
     )

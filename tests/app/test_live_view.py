@@ -65,7 +65,8 @@ def live(tiny, tiny_model_dir):
 @pytest.fixture(scope="module")
 def client(explorer_db, live):
     worker = TestClient(create_live_app(live), base_url="http://worker")
-    app = create_app(Settings(database_url=explorer_db), live=LiveWorker("http://worker", 30, client=worker))
+    settings = Settings(database_url=explorer_db, trace_rate_limit="0")  # dozens of live requests a minute
+    app = create_app(settings, live=LiveWorker("http://worker", 30, client=worker))
     with TestClient(app) as client:
         yield client
     app.state.engine.dispose()
