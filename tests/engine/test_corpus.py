@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
 
 from engine.corpus import CorpusError, read_corpus, tokenize
+from engine.corpus_files import MAX_LINE_CHARS
+
+USE = "pass wiki-vital, a UTF-8 .txt file or a .jsonl file"
+
+
+def refusal(path) -> str:
+    """The message of the CorpusError that reading `path` raises."""
+    with pytest.raises(CorpusError) as error:
+        read_corpus(str(path))
+    return str(error.value)
 
 
 def test_text_file_skips_and_counts_bad_lines(tmp_path):
@@ -34,14 +45,28 @@ def test_jsonl_reads_the_text_field(tmp_path):
     lines = [
         json.dumps({"text": "One. Two."}),
         "{not json",
+        "[" * 5000 + "]" * 5000,  # deeper than the JSON parser recurses
         json.dumps({"title": "no text"}),
+        json.dumps({"text": 5}),
+        json.dumps({"text": "   "}),
         json.dumps([1]),
+        json.dumps("a bare string"),
+        json.dumps({"text": "nul \x00 inside."}),
+        '{"text": "a lone \\ud800 surrogate."}',
+        "",
         json.dumps({"text": "Three."}),
     ]
     path.write_text("\n".join(lines))
     corpus = read_corpus(str(path))
     assert corpus.sentences == ["One.", "Two.", "Three."]
-    assert corpus.skipped == {"invalid_json": 1, "no_text": 2}
+    assert corpus.skipped == {
+        "invalid_json": 2,
+        "no_text": 3,
+        "not_object": 2,
+        "binary": 1,
+        "invalid_utf8": 1,
+        "empty": 1,
+    }
 
 
 def test_limit_stops_early(tmp_path):
@@ -53,13 +78,88 @@ def test_limit_stops_early(tmp_path):
 def test_empty_corpus_is_a_clear_error(tmp_path):
     path = tmp_path / "empty.txt"
     path.write_bytes(b"\n\n\xff\n")
-    with pytest.raises(CorpusError, match=r"has no sentences \(skipped: 2 empty, 1 invalid_utf8\)"):
-        read_corpus(str(path))
+    assert refusal(path) == (
+        f"the corpus {path} has no sentences (skipped: 2 empty, 1 invalid_utf8); save it as UTF-8"
+    )
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(CorpusError, match="no corpus file"):
-        read_corpus(str(tmp_path / "nope.txt"))
+    assert refusal(tmp_path / "nope.txt") == f"no corpus file at {tmp_path / 'nope.txt'}; {USE}"
+
+
+def test_a_folder_or_an_empty_file_is_refused(tmp_path):
+    assert refusal(tmp_path) == f"the corpus {tmp_path} is a folder, not a file; {USE}"
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert refusal(empty) == f"the corpus {empty} is empty; {USE}"
+
+
+def _binary(share: str, size: int) -> str:
+    return f"is not UTF-8 text: {share} of its first {size:,} bytes are control characters or not UTF-8"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "why"),
+    [
+        # 27 C0 controls (not \t\n\v\f\r), DEL and 128 undecodable bytes in every 256: 156 / 256
+        ("every-byte.txt", bytes(range(256)) * 64, _binary("61%", 8192)),
+        # a PNG's signature and header chunk, 33 bytes, 32 characters (C4 89 is ĉ): 89, 1A, the NULs and
+        # small numbers of the chunk's length, width, height, depth, colour type and CRC: 20 of 32
+        ("image.txt", base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJ"), _binary("62%", 33)),
+        # gzip of nothing: its header (1F 8B 08, flags, mtime 0, FF), an empty block and CRC and size 0
+        (
+            "corpus.txt.gz",
+            bytes.fromhex("1f8b0800000000000 0ff0300000000000000 0000".replace(" ", "")),
+            _binary("100%", 20),
+        ),
+        ("utf16.txt", "Hello world.\n".encode("utf-16"), _binary("54%", 28)),
+        ("corpus.jsonl", b"\x00" * 100 + b'{"text": "after NULs."}\n', _binary("81%", 124)),
+    ],
+)
+def test_a_binary_file_is_refused_whole(tmp_path, name, content, why):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert refusal(path) == f"the corpus {path} {why} (a binary file?); {USE}"
+
+
+def test_a_file_with_no_utf8_line_says_so(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("Café au lait.\nCrème brûlée.\n".encode("latin-1"))
+    assert refusal(path) == f"the corpus {path} has no sentences (skipped: 2 invalid_utf8); save it as UTF-8"
+    path.write_bytes("Café au lait.\nPlain words here.\n".encode("latin-1"))
+    corpus = read_corpus(str(path))
+    assert (corpus.sentences, corpus.skipped) == (["Plain words here."], {"invalid_utf8": 1})
+
+
+def test_long_lines_are_skipped_not_split(tmp_path):
+    """A 10 MB line never reaches the sentence splitter (whose time grows with the square of a line)."""
+    path = tmp_path / "huge.txt"
+    path.write_bytes(b"word " * 2_000_000 + b"\nA short line.\n" + b"x. " * 4000 + b"\n")
+    corpus = read_corpus(str(path))
+    assert (corpus.sentences, corpus.skipped) == (["A short line."], {"too_long": 2})
+    assert MAX_LINE_CHARS == 10_000
+    jsonl = tmp_path / "huge.jsonl"
+    jsonl.write_text(json.dumps({"text": "word " * 2_000_000}) + "\n" + json.dumps({"text": "Kept."}))
+    corpus = read_corpus(str(jsonl))
+    assert (corpus.sentences, corpus.skipped) == (["Kept."], {"too_long": 1})
+
+
+def test_the_line_limit_counts_characters_not_bytes(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("ééééé\néééééé\nabcde\nabcdef\n")  # 5 and 6 characters, 10 and 12 bytes
+    corpus = read_corpus(str(path), max_line_chars=5)
+    assert (corpus.sentences, corpus.skipped) == (["ééééé", "abcde"], {"too_long": 2})
+    only = tmp_path / "only.txt"
+    only.write_text("x" * 30)
+    with pytest.raises(CorpusError) as error:
+        read_corpus(str(only), max_line_chars=5)
+    assert str(error.value) == f"the corpus {only} has no sentences (skipped: 1 too_long)"
+
+
+def test_line_endings_and_a_byte_order_mark(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_bytes(b"\xef\xbb\xbfFirst one.\rSecond one.\r\nThird one.")
+    assert read_corpus(str(path)).sentences == ["First one.", "Second one.", "Third one."]
 
 
 def test_wiki_vital_is_the_bundled_wikipedia():
