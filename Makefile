@@ -28,6 +28,7 @@ bench: install
 	$(PY) bench/bench.py
 	$(PY) bench/web.py
 	$(PY) bench/trace.py
+	$(PY) bench/load.py
 	$(PY) bench/analysis.py
 	$(PY) bench/jobs.py
 
