@@ -21,6 +21,24 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of the index database: sqlite:///path (default, under ./data/) "
         "or postgresql+psycopg://user@host:5432/db for a team server.",
     )
+    db_connect_attempts: int = Field(
+        10,
+        ge=1,
+        description="Times the web process tries to reach Postgres at start before giving up (it may "
+        "still be starting); SQLite is opened at once. A refused login or a bad URL fails at once.",
+    )
+    db_connect_wait: float = Field(
+        0.5, gt=0, description="Seconds before the second try to reach Postgres; each wait doubles."
+    )
+    db_connect_wait_max: float = Field(
+        4.0, gt=0, description="The longest wait between two tries to reach Postgres, in seconds."
+    )
+    max_body_bytes: int = Field(
+        65536, ge=1, description="Largest request body the web app accepts (bytes); larger ones get a 413."
+    )
+    max_query_bytes: int = Field(
+        8192, ge=1, description="Longest query string the web app accepts (bytes); longer ones get a 414."
+    )
     cache_dir: Path = Field(
         Path("data/cache"),
         description="Folder for the dequantized safetensors copy of GGUF models and index checkpoints.",

@@ -1,7 +1,10 @@
-"""Engines, sessions and migrations. SQLite gets WAL and enforced foreign keys; Postgres a pre-ping pool."""
+"""Engines, sessions and migrations. SQLite gets WAL and enforced foreign keys; Postgres a pre-ping pool,
+and at start a few tries (with `tenacity`) while the server does not answer yet (`Retry`)."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from alembic import command
@@ -11,18 +14,44 @@ from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from app.config import Settings
 from engine.errors import FfmemError
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+# A server that answers with one of these is coming or going: worth another try. Any other answer
+# (a refused login, a missing database) fails at once.
+TRANSIENT = (
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "sorry, too many clients already",
+)
+log = logging.getLogger("ffmem")
 
 
 class DatabaseError(FfmemError):
     """The database cannot be opened, reached or migrated; the message says what to do."""
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url`, checked by connecting once; raises DatabaseError with a remedy if that fails."""
+@dataclass(frozen=True)
+class Retry:
+    """How long to wait for a Postgres that does not answer: `attempts` tries, the waits between them
+    doubling from `wait` to at most `wait_max` seconds. One try (the default) fails at once."""
+
+    attempts: int = 1
+    wait: float = 0.5
+    wait_max: float = 4.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Retry:
+        return cls(settings.db_connect_attempts, settings.db_connect_wait, settings.db_connect_wait_max)
+
+
+def make_engine(url: str, retry: Retry | None = None) -> Engine:
+    """An engine for `url`, checked by connecting (Postgres: as `retry` says); raises DatabaseError with
+    a remedy if that fails. A bad URL, a missing driver or a refused login fail at once."""
     parsed = _parse(url)
     if parsed.get_backend_name() == "sqlite":
         engine = _sqlite_engine(parsed)
@@ -35,7 +64,7 @@ def make_engine(url: str) -> Engine:
                 f"no driver for {_shown(parsed)} ({error}); for Postgres install the extra: "
                 "pip install 'ffmem[postgres]' and use a postgresql+psycopg:// URL"
             ) from None
-    _check(engine)
+    _check(engine, retry or Retry())
     return engine
 
 
@@ -99,17 +128,58 @@ def _parse(url: str) -> URL:
         ) from None
 
 
-def _check(engine: Engine) -> None:
+def _check(engine: Engine, retry: Retry) -> None:
+    """Connect once; while Postgres does not answer, again as `retry` says, logging each wait."""
+    attempts = 1 if engine.url.get_backend_name() == "sqlite" else retry.attempts
+    retrying = Retrying(
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=retry.wait, max=retry.wait_max),
+        retry=retry_if_exception(_not_answering),
+        before_sleep=lambda state: _log_retry(engine.url, state, attempts),
+        reraise=True,
+    )
     try:
-        with engine.connect():
-            pass
+        for attempt in retrying:
+            with attempt, engine.connect():
+                pass
     except DBAPIError as error:
         engine.dispose()
-        raise _unreachable(engine.url, error) from None
+        raise _unreachable(engine.url, error, attempts if _not_answering(error) else 1) from None
 
 
-def _unreachable(url: URL, error: DBAPIError) -> DatabaseError:
-    reason = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
+def _not_answering(error: BaseException) -> bool:
+    """Whether `error` says the server did not answer (or is starting): not a refused login, say."""
+    if not isinstance(error, DBAPIError):
+        return False
+    text = str(error.orig)
+    return "FATAL:" not in text or any(transient in text for transient in TRANSIENT)
+
+
+def _log_retry(url: URL, state: RetryCallState, attempts: int) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    reason = _reason(error) if isinstance(error, DBAPIError) else str(error)
+    reason = reason.rsplit("failed: ", 1)[-1]  # libpq's "connection to server at …, port … failed: X"
+    sleep = state.next_action.sleep if state.next_action else 0.0
+    log.warning(
+        "Postgres at %s:%s/%s is not answering (%s); retrying in %g s (attempt %d of %d)",
+        url.host,
+        url.port or 5432,
+        url.database,
+        reason,
+        sleep,
+        state.attempt_number,
+        attempts,
+    )
+
+
+def _reason(error: DBAPIError) -> str:
+    return str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
+
+
+def _unreachable(url: URL, error: DBAPIError, attempts: int = 1) -> DatabaseError:
+    reason = _reason(error)
+    if attempts > 1:
+        reason += f" (tried {attempts} times; FFMEM_DB_CONNECT_ATTEMPTS sets how many)"
     if url.get_backend_name() == "sqlite":
         remedy = "Check that the folder exists and is writable, or point FFMEM_DATABASE_URL (--db) elsewhere"
     else:

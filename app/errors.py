@@ -1,6 +1,8 @@
 """One error shape: `AppError(status, title, message)` → an HTML error page, or for `.json` paths
 `{"ok": false, "error": …, "status": …}`. Unknown paths, malformed queries (400, not FastAPI's 422)
-and anything unexpected (500, logged, no traceback shown) go through the same two renderings.
+and anything unexpected (500, logged, no traceback shown) go through the same two renderings. A
+database that stops answering while we serve is a 503 with Retry-After, not a 500; the engine's
+pre-ping pool reconnects once it is back.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -47,11 +50,35 @@ def install(app: FastAPI) -> None:
     async def bad_query(request: Request, error: RequestValidationError) -> Response:
         return error_response(request, AppError(400, "Bad request", _describe(error)))
 
+    @app.exception_handler(DBAPIError)
+    async def database_error(request: Request, error: DBAPIError) -> Response:
+        if not database_gone(error):
+            return internal_error(request, error)
+        reason = str(error.orig).strip().splitlines()[0] if error.orig is not None else type(error).__name__
+        log.warning("the database is not answering (%s) on %s", reason, request.url.path)
+        message = "The database is not answering; try again in a few seconds."
+        gone = AppError(503, "Database unavailable", message, headers={"Retry-After": str(DATABASE_RETRY)})
+        return error_response(request, gone)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> Response:
-        log.exception("unexpected error on %s", request.url.path)
-        message = "Something went wrong on our side; the error was logged."
-        return error_response(request, AppError(500, "Internal error", message))
+        return internal_error(request, error)
+
+
+DATABASE_RETRY = 5  # seconds a client waits before asking again when the database does not answer
+
+
+def database_gone(error: DBAPIError) -> bool:
+    """Whether `error` is the database going away (a lost or refused connection), not a bad query."""
+    lost = error.connection_invalidated or error.statement is None  # no statement: while connecting
+    return isinstance(error, (OperationalError, InterfaceError)) and lost
+
+
+def internal_error(request: Request, error: Exception) -> Response:
+    """A 500 in the error shape; the traceback goes to the log only."""
+    log.error("unexpected error on %s", request.url.path, exc_info=error)
+    message = "Something went wrong on our side; the error was logged."
+    return error_response(request, AppError(500, "Internal error", message))
 
 
 def error_response(request: Request, error: AppError) -> Response:

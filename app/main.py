@@ -1,4 +1,5 @@
-"""create_app(settings): routers, static files, error handlers, a Server-Timing header — wiring only."""
+"""create_app(settings): routers, static files, error handlers, security headers and size limits, a
+Server-Timing header — wiring only."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 
-from app import errors
+from app import errors, security
 from app.config import Settings, get_settings
-from app.db import make_engine, make_sessionmaker
+from app.db import Retry, make_engine, make_sessionmaker
 from app.live import LiveWorker
 from app.routes import jobs, keys, layers, models, search, trace
 
@@ -35,7 +36,7 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
         description="Explore the key-value memories inside transformer feed-forward layers.",
         version="0.1.0",
     )
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, Retry.from_settings(settings))
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = make_sessionmaker(engine)
@@ -52,4 +53,5 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
         response.headers["Server-Timing"] = f"app;dur={1000 * (time.perf_counter() - start):.2f}"
         return response
 
+    security.install(app, settings)
     return app

@@ -306,3 +306,38 @@ def test_switching_a_memory_off_on_its_top_triggers(client, db, slug, tiny):
     )
     key_page = client.get(f"/m/{slug}/layers/1/keys/4").text
     assert f'hx-get="/m/{slug}/layers/1/keys/4/ablation?run={run_id}"' in key_page
+
+
+def test_a_slow_worker_is_a_504_in_the_error_shape(explorer_db, slug):
+    """The worker answers /health but not /trace: after settings.worker_timeout the app answers 504."""
+    from browser_fixtures import serving
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    released = threading.Event()
+
+    async def stuck(request):
+        while not released.is_set():
+            await asyncio.sleep(0.02)
+        return JSONResponse({})
+
+    async def ready(request):
+        return JSONResponse({"status": "ready"})
+
+    worker = Starlette(routes=[Route("/trace", stuck, methods=["POST"]), Route("/health", ready)])
+    with serving(worker) as port:
+        url = f"http://127.0.0.1:{port}"
+        app = create_app(Settings(database_url=explorer_db, worker_url=url, worker_timeout=0.3))
+        try:
+            with TestClient(app) as client:
+                response = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT})
+                page = client.get(f"/m/{slug}/trace", params={"text": PROMPT})
+        finally:
+            released.set()
+            app.state.engine.dispose()
+    message = f"The live worker at {url} did not answer in time; try a shorter prompt."
+    assert response.status_code == 504
+    assert response.json() == {"ok": False, "error": message, "status": 504}
+    assert page.status_code == 504
+    assert f"No live trace</strong> — Live worker timed out: {message}" in page.text
