@@ -7,7 +7,9 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.contexts import AnalysisContext, AnalysisFigure
+from app import jobs
+from app.config import Settings
+from app.contexts import AnalysisContext, AnalysisFigure, JobInfo
 from app.models import Analysis
 from app.pages import model_or_404, run_info, run_or_404
 from engine.cases import CASES
@@ -19,7 +21,7 @@ def _paper(*points: tuple[float, float]) -> list[list[float]]:
     return [[x, y] for x, y in points]
 
 
-def analysis_page(session: Session, slug: str, run_id: int | None) -> AnalysisContext:
+def analysis_page(session: Session, settings: Settings, slug: str, run_id: int | None) -> AnalysisContext:
     model = model_or_404(session, slug)
     run = run_or_404(session, model, run_id)
     stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run.id))}
@@ -154,4 +156,9 @@ def analysis_page(session: Session, slug: str, run_id: int | None) -> AnalysisCo
         },
         missing=[name for name in NAMES if name not in stored],
         figures=figures,
+        jobs=[
+            JobInfo.model_validate(job, from_attributes=True)
+            for job in jobs.analysis_jobs(session=session, run_id=run.id)
+        ],
+        defaults=jobs.analysis_options(settings),
     )

@@ -90,6 +90,14 @@ def index(
     again: Annotated[
         bool, typer.Option("--again", help="Build a new run even if this one is built.")
     ] = False,
+    analyze: Annotated[
+        bool | None,
+        typer.Option(
+            "--analyze/--no-analyze",
+            help="Then compute the paper's analyses of the run (`ffmem analyze`'s defaults). "
+            "Default: the `analyze` setting.",
+        ),
+    ] = None,
 ) -> None:
     """Mine trigger prefixes of every FF key, project every value, and store the index.
 
@@ -108,6 +116,10 @@ def index(
         dtype=dtype.value,
     )
 
+    from app.jobs import analysis_options
+
+    analysis = analysis_options(settings) if (settings.analyze if analyze is None else analyze) else None
+
     def enqueue():
         from app import jobs
         from app.db import make_engine, make_sessionmaker, upgrade
@@ -115,6 +127,8 @@ def index(
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
             job, what = jobs.enqueue(session=session, options=options.run_options(), again=again)
+            if analysis is not None:
+                jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
             session.commit()
             return job, what
 
@@ -129,9 +143,11 @@ def index(
         from worker.index import build_index
 
         upgrade(url)
-        return build_index(options, make_sessionmaker(make_engine(url)), again=again)
+        return build_index(options, make_sessionmaker(make_engine(url)), again=again, analysis=analysis)
 
     s = _fail_cleanly(run)
+    if analysis is not None:
+        typer.echo(f"stored the analyses of run {s.run_id}: /m/{s.model}/analysis")
     if s.already_built:
         typer.echo(
             f"run {s.run_id} already indexes {s.model} over these {s.sentences:,} sentences of {s.corpus}: "
@@ -263,11 +279,19 @@ def serve(
             "addresses or networks, '*' any, '' none; default FFMEM_FORWARDED_ALLOW_IPS, 127.0.0.1)."
         ),
     ] = None,
+    read_only: Annotated[
+        bool | None,
+        typer.Option(
+            "--read-only/--writable",
+            help="Refuse every write and hide the write controls (default: the read_only setting).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the explorer (the web process reads the database only; no torch) and start a local worker
     for live traces and index jobs unless --worker-url names one."""
     import uvicorn
 
+    from app.access import LOOPBACK
     from app.db import upgrade
     from app.main import create_app
 
@@ -275,7 +299,8 @@ def serve(
     url = db or settings.database_url
     _fail_cleanly(lambda: upgrade(url))
     live_url = worker_url or settings.worker_url
-    configured = settings.model_copy(update={"database_url": url, "worker_url": live_url})
+    update = {"database_url": url, "worker_url": live_url, "host": host}
+    configured = settings.model_copy(update=update | ({} if read_only is None else {"read_only": read_only}))
     app = _fail_cleanly(lambda: create_app(configured))
     worker_process = None
     if worker_url is None:
@@ -288,6 +313,12 @@ def serve(
         worker_process = subprocess.Popen(command)
     signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down: stop the worker too
     typer.echo(f"serving {url} on http://{host}:{port}; live worker {live_url}")
+    if configured.read_only:
+        typer.echo("read-only: every write is refused and no write control is shown")
+    elif configured.admin_token is None and host not in LOOPBACK:
+        typer.secho(
+            f"no admin token: writes are refused on {host} (set FFMEM_ADMIN_TOKEN to allow them)", err=True
+        )
     try:
         proxies = settings.forwarded_allow_ips if forwarded_allow_ips is None else forwarded_allow_ips
         # The live routes' rate limit counts by the client's address: trust only these to forward it.
@@ -310,37 +341,73 @@ def analyze(
     run: Annotated[
         int | None, typer.Option(min=1, help="Index run (default: the newest finished one).")
     ] = None,
-    examples: Annotated[int, typer.Option(min=1, help="Held-out prefixes (Figs. 7–11).")] = 4000,
-    keys: Annotated[int, typer.Option(min=1, help="Keys sampled per layer (Fig. 3).")] = 100,
-    triggers: Annotated[int, typer.Option(min=1, help="Top trigger prefixes per sampled key (Fig. 3).")] = 50,
+    examples: Annotated[
+        int | None, typer.Option(min=1, help="Held-out prefixes (Figs. 7–11). Default: settings.")
+    ] = None,
+    keys: Annotated[int | None, typer.Option(min=1, help="Keys sampled per layer (Fig. 3).")] = None,
+    triggers: Annotated[
+        int | None, typer.Option(min=1, max=1000, help="Top trigger prefixes per sampled key (Fig. 3).")
+    ] = None,
     db: DbOption = None,
     device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+    queue: Annotated[
+        bool, typer.Option("--queue", help="Only queue the job; `ffmem worker` computes it.")
+    ] = False,
+    again: Annotated[
+        bool, typer.Option("--again", help="Compute again even if these analyses are stored.")
+    ] = False,
 ) -> None:
-    """Compute the paper's analyses on an index run and store them (the /m/MODEL/analysis page)."""
+    """Compute the paper's analyses of an index run and store them (the /m/MODEL/analysis page).
+
+    An analysis job, like an index run: in the foreground here, or with --queue for `ffmem worker`.
+    """
     settings = get_settings()
     url = db or settings.database_url
+    given = dict(examples=examples, keys=keys, triggers=triggers)
 
-    def work():
+    def enqueue():
         from sqlalchemy import select
 
+        from app import jobs
         from app.db import make_engine, make_sessionmaker, upgrade
         from app.models import Run
-        from engine.loading import load_model
-        from worker.analysis import AnalysisOptions, analyze
 
         upgrade(url)
         sessions = make_sessionmaker(make_engine(url))
         with sessions() as session:
             query = select(Run).where(Run.status == "done").order_by(Run.id.desc())
             found = session.get(Run, run) if run else session.scalars(query.limit(1)).first()
-            if found is None:
-                raise FfmemError(f"no finished index run {run or ''} in {url}; build one with `ffmem index`")
-            run_id, source, slug = found.id, found.model.source, found.model.slug
-        loaded = load_model(source, device=device.value, cache_dir=settings.cache_dir)
-        options = AnalysisOptions(examples=examples, keys=keys, triggers=triggers)
-        return run_id, slug, analyze(sessions, run_id, loaded, options)
+            if found is None or found.status == "failed":
+                raise FfmemError(
+                    f"no index run {run or ''} to analyze in {url}; build one with `ffmem index`"
+                )
+            options = jobs.analysis_options(settings, **given)
+            job, what = jobs.enqueue_analysis(session=session, options=options, run_id=found.id, again=again)
+            session.commit()
+            return sessions, job.id, what, found.id, found.model.slug
 
-    run_id, slug, seconds = _fail_cleanly(work)
+    sessions, job_id, what, run_id, slug = _fail_cleanly(enqueue)
+    if what == "done":
+        typer.echo(
+            f"run {run_id} is analyzed with these options (job {job_id}): /m/{slug}/analysis; --again redoes"
+        )
+        return
+    if queue:
+        typer.echo(f"job {job_id}: analyses of run {run_id} queued; `ffmem worker --db {url}` computes them")
+        return
+
+    def work():
+        from sqlalchemy import select
+
+        from app.models import Analysis
+        from worker.index import Worker
+
+        Worker(sessions, _index_options(settings, device=device.value)).work(job_id=job_id)
+        with sessions() as session:
+            stored = session.execute(select(Analysis.name, Analysis.seconds).where(Analysis.run_id == run_id))
+            return dict(stored.all())
+
+    seconds = _fail_cleanly(work)
     spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
     typer.echo(f"stored the analyses of run {run_id} ({spent}); see /m/{slug}/analysis")
 
@@ -464,6 +531,9 @@ def trace_command(
         console.print(f"greedy, edited: {visible(loaded.tokenizer.decode(result.generated_edited))}")
 
 
+DEMO_ANALYSIS = {"examples": 500, "keys": 10, "triggers": 10}  # a few CPU minutes
+
+
 @cli.command()
 def demo(
     db: DbOption = None,
@@ -478,8 +548,10 @@ def demo(
     """The default index (SmolLM2-135M over 2,000 Wikipedia sentences) and the explorer over it.
 
     With --serve (the default) the explorer starts at once with its worker, which builds the index
-    unless it is built (its progress is on the job's page) and answers live traces. With --no-serve
-    the index is built in the foreground and the command ends.
+    unless it is built (its progress is on the job's page), then the paper's analyses at a demo's
+    size (500 held-out examples; 10 keys × 10 triggers a layer for Fig. 3; `ffmem analyze` for the
+    full size), and answers live traces. With --no-serve the index is built in the foreground and the
+    command ends.
     """
     settings = get_settings()
     url = db or settings.database_url
@@ -490,17 +562,25 @@ def demo(
         return
 
     def enqueue():
+        from sqlalchemy import exists, select
+
         from app import jobs, queries
         from app.db import make_engine, make_sessionmaker, upgrade
+        from app.models import Analysis
 
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
+            analysis = jobs.analysis_options(settings, **DEMO_ANALYSIS)
             built = queries.find_finished_run(
                 session=session, model_slug=settings.model, n_sentences=settings.sentences
             )
             if built is not None:
+                if not session.scalar(select(exists().where(Analysis.run_id == built.id))):
+                    jobs.enqueue_analysis(session=session, options=analysis, run_id=built.id)
+                    session.commit()
                 return built.id, "done"
             job, what = jobs.enqueue(session=session, options=jobs.run_options(settings))
+            jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
             session.commit()
             return job.id, what
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -109,6 +109,32 @@ class Settings(BaseSettings):
         "X-Forwarded-For and X-Forwarded-Proto `ffmem serve` believes: behind them the client's address, "
         "which the rate limit counts by, is the forwarded one. '' believes no one; '*' only when nothing "
         "but the proxy can reach the app.",
+    )
+    analysis_examples: int = Field(
+        4000, ge=1, description="Held-out sentences, one random prefix each, of the analyses (Figs. 7–11)."
+    )
+    analysis_keys: int = Field(100, ge=1, description="Keys sampled per layer for Fig. 3 (token removal).")
+    analysis_triggers: int = Field(
+        50, ge=1, le=1000, description="Top trigger prefixes per sampled key for Fig. 3."
+    )
+    analyze: bool = Field(
+        False,
+        description="Queue the paper's analyses with every index run (`ffmem index --analyze` for one run).",
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Token for writes (starting, retrying or deleting runs, analyses, labels): sent as "
+        "`Authorization: Bearer …` or entered once at /login (a signed cookie). Without one, only a server "
+        "bound to 127.0.0.1 accepts writes.",
+    )
+    admin_session_hours: float = Field(12.0, gt=0, description="How long a /login cookie stays valid.")
+    read_only: bool = Field(
+        False, description="Refuse every write and hide every write control (`ffmem serve --read-only`)."
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="The address the explorer listens on (`ffmem serve --host`); without an admin token, "
+        "writes are allowed on 127.0.0.1 (or ::1, localhost) only.",
     )
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
     dtype: str = Field(

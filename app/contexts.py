@@ -6,9 +6,19 @@ space is a real space); templates make them visible with the `visible` filter.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
+from typing import Annotated
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
+
+
+def _utc(moment: datetime) -> datetime:
+    """SQLite gives back naive datetimes (stored as UTC): mark them UTC, as Postgres gives them."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+# A moment with its offset, the same on both backends: RFC 3339 in JSON ("…T12:00:00Z").
+Moment = Annotated[datetime, AfterValidator(_utc)]
 
 
 class RunInfo(BaseModel):
@@ -24,8 +34,8 @@ class RunInfo(BaseModel):
     dtype: str
     device: str
     package_version: str
-    started_at: datetime
-    finished_at: datetime | None
+    started_at: Moment
+    finished_at: Moment | None
     provenance: dict
     error: dict | None
 
@@ -64,14 +74,16 @@ class Progress(BaseModel):
 
 class JobInfo(BaseModel):
     id: int
+    kind: str  # index | analysis
     status: str  # queued | running | done | failed
     options: dict
+    progress: dict | None  # analyses: {stage, done, total} batches of the analysis running
     attempts: int
     worker: str | None
     error: dict | None  # {type, message, traceback}
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: Moment
+    started_at: Moment | None
+    finished_at: Moment | None
     run_id: int | None
 
 
@@ -83,6 +95,19 @@ class JobContext(BaseModel):
     model: str | None  # the run's model slug, once known
     progress: Progress | None
     polling: bool  # the page refreshes its progress until the job ends
+
+
+class LoginContext(BaseModel):
+    """Whether this client may write, and why (app/access.py)."""
+
+    page: str = "login"
+    title: str
+    can_write: bool
+    read_only: bool
+    token_set: bool  # the server has an admin token: logging in can give write access
+    name: str | None  # who logged in (the cookie's name), if anyone
+    reason: str | None  # why this client may not write
+    next: str  # where the form goes back to
 
 
 class HomeContext(BaseModel):
@@ -137,7 +162,14 @@ class LabelView(BaseModel):
     pattern: str
     tag: str  # shallow | semantic | "" (untagged)
     author: str
-    created_at: datetime
+    created_at: Moment
+
+
+class LabelAnswer(BaseModel):
+    """The JSON answer to a new label: the label, and how many earlier ones stay as its history."""
+
+    label: LabelView
+    history: int
 
 
 class LabelHit(LabelView):
@@ -458,3 +490,5 @@ class AnalysisContext(BaseModel):
     computed: dict[str, dict]  # analysis → {options, seconds, created_at}
     missing: list[str]  # analyses not computed on this run yet
     figures: list[AnalysisFigure]
+    jobs: list[JobInfo]  # the run's analysis jobs, newest first
+    defaults: dict  # the options a new analysis job gets unless the form says otherwise

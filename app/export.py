@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import Integer, func, select
 from sqlalchemy.orm import Session
 
 from app.models import Analysis, KeyStats, Label, Run, Sentence, Token, Trigger, ValueToken
@@ -156,17 +156,29 @@ def _write_jsonl(path: Path, rows: Iterator[dict]) -> int:
 
 
 def _write_parquet(path: Path, rows: Iterator[dict]) -> int:
+    """Rows as Parquet, CHUNK at a time. The schema is the first chunk's, with its all-null columns
+    typed as the model says (Integer columns int64, the rest float64: every nullable column we export
+    is a number); later chunks are cast to it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     writer, count, batch = None, 0, []
+    integers = {column.name for column in KeyStats.__table__.columns if isinstance(column.type, Integer)}
 
     def flush():
         nonlocal writer
-        table = pa.Table.from_pylist(batch)
         if writer is None:
-            writer = pq.ParquetWriter(path, table.schema)
-        writer.write_table(table)
+            inferred = pa.Table.from_pylist(batch).schema
+            schema = pa.schema(
+                [
+                    field.with_type(pa.int64() if field.name in integers else pa.float64())
+                    if pa.types.is_null(field.type)
+                    else field
+                    for field in inferred
+                ]
+            )
+            writer = pq.ParquetWriter(path, schema)
+        writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
         batch.clear()
 
     for row in rows:

@@ -1,9 +1,13 @@
 """The job queue and the shard leases, in the database (no torch here).
 
-A job is an index run to build. A worker claims a queued job and prepares its run (model, corpus,
-shards); then any number of workers claim the run's shards, each under a lease they renew as they
-go, checkpoint into the shard row, and merge into the run's snapshot when the shard is done; the
-worker that finds every shard done finishes the run (projection and storage). A worker that dies
+A job is an index run to build ("index") or the paper's analyses of a finished run ("analysis": one
+worker computes them under the job's lease; an analysis queued with its index run waits until that
+run is done, then `attach_analyses` gives it the run).
+
+A worker claims a queued index job and prepares its run (model, corpus, shards); then any number of
+workers claim the run's shards, each under a lease they renew as they go, checkpoint into the shard
+row, and merge into the run's snapshot when the shard is done; the worker that finds every shard done
+finishes the run (projection and storage). A worker that dies
 loses its lease, and whoever claims the shard or the job next resumes from the last checkpoint.
 
 On Postgres claims take row locks with FOR UPDATE SKIP LOCKED, so workers on many machines share one
@@ -61,16 +65,30 @@ RUN_FIELDS = (
 )
 
 
+# What an analysis job computes: settings `analysis_<name>`, fields of the worker's AnalysisOptions.
+ANALYSIS_FIELDS = ("examples", "keys", "triggers")
+
+
+def analysis_options(settings, **given) -> dict:
+    """An analysis job's options from `given` (None: the setting), with the seed of its samples."""
+    chosen = {name: value for name, value in given.items() if value is not None}
+    return {name: chosen.get(name, getattr(settings, f"analysis_{name}")) for name in ANALYSIS_FIELDS} | {
+        "seed": chosen.get("seed", 0)
+    }
+
+
 def run_options(settings, **given) -> dict:
     """A job's options: what defines its run, from `given` (None: the setting)."""
     chosen = {name: value for name, value in given.items() if value is not None}
     return {name: chosen.get(name, getattr(settings, name)) for name in RUN_FIELDS}
 
 
-def enqueue(*, session: Session, options: dict, again: bool = False) -> tuple[Job, str]:
+def enqueue(
+    *, session: Session, options: dict, again: bool = False, kind: str = "index", run_id: int | None = None
+) -> tuple[Job, str]:
     """The job for `options` and what happened: "created", "resumed" (an unfinished job with the same
     options exists) or "done" (already built; `again=True` queues a new one anyway)."""
-    key = fingerprint(options)
+    key = fingerprint(options if kind == "index" else {"kind": kind, **options})
     query = select(Job).where(Job.fingerprint == key).order_by(Job.id.desc()).limit(1)
     existing = session.scalars(query).first()
     if existing is not None and existing.status in ACTIVE:
@@ -80,10 +98,65 @@ def enqueue(*, session: Session, options: dict, again: bool = False) -> tuple[Jo
     if existing is not None and existing.status == "failed" and not again:
         retry(session=session, job_id=existing.id)
         return existing, "resumed"
-    job = Job(kind="index", status="queued", options=options, fingerprint=key, attempts=0, created_at=now())
+    job = Job(
+        kind=kind,
+        status="queued",
+        options=options,
+        fingerprint=key,
+        run_id=run_id,
+        attempts=0,
+        created_at=now(),
+    )
     session.add(job)
     session.flush()
     return job, "created"
+
+
+def enqueue_analysis(
+    *,
+    session: Session,
+    options: dict,
+    run_id: int | None = None,
+    after: int | None = None,
+    again: bool = False,
+) -> tuple[Job, str]:
+    """The analysis job of run `run_id`, or of the run index job `after` builds (it waits for it),
+    with `options` (examples, keys, triggers, seed); what happened, as `enqueue` says."""
+    if (run_id is None) == (after is None):
+        raise ValueError("an analysis job needs a run or the index job that builds it")
+    if run_id is not None and session.get(Run, run_id).status != "done":  # it waits for its builder
+        builder = select(Job.id).where(Job.kind == "index", Job.run_id == run_id).order_by(Job.id.desc())
+        run_id, after = None, session.scalars(builder.limit(1)).one()
+    if after is not None:
+        index_job = session.get(Job, after)
+        if index_job.status == "done":
+            run_id, after = index_job.run_id, None
+    target = {"run": run_id} if after is None else {"after": after}
+    return enqueue(session=session, options=target | options, again=again, kind="analysis", run_id=run_id)
+
+
+def attach_analyses(*, session: Session, index_job: Job) -> int:
+    """Index job `index_job` is done: the analysis jobs waiting for it get its run. How many."""
+    waiting = session.scalars(
+        select(Job).where(Job.kind == "analysis", Job.run_id.is_(None), Job.status.in_(ACTIVE))
+    ).all()
+    attached = [job for job in waiting if job.options.get("after") == index_job.id]
+    for job in attached:  # now the same job as one queued for the run: one fingerprint
+        options = {"run": index_job.run_id} | {k: v for k, v in job.options.items() if k != "after"}
+        job.run_id, job.options = index_job.run_id, options
+        job.fingerprint = fingerprint({"kind": job.kind, **options})
+    session.flush()
+    return len(attached)
+
+
+def set_progress(*, session: Session, job_id: int, worker: str, lease: timedelta, progress: dict) -> bool:
+    """Record a job's progress ({stage, done, total}) and renew `worker`'s lease; False if it lost it."""
+    renewed = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker == worker)
+        .values(lease_until=now() + lease, progress=progress)
+    )
+    return renewed.rowcount == 1
 
 
 def retry(*, session: Session, job_id: int) -> Job:
@@ -105,7 +178,9 @@ def claim_job(*, session: Session, worker: str, lease: timedelta, job_id: int | 
     unheld = or_(Job.lease_until.is_(None), Job.lease_until < moment)
     # Running and nobody holds it: its preparation died (no run yet), or its shards are all mined.
     orphaned = (Job.status == "running") & unheld & (Job.run_id.is_(None) | ~unmined)
-    claimable = or_(Job.status == "queued", orphaned)
+    # An analysis waits for its run (run_id is set once the run is done).
+    ready = (Job.kind == "index") | Job.run_id.is_not(None)
+    claimable = or_(Job.status == "queued", orphaned) & ready
     query = select(Job).where(claimable).order_by(Job.id).limit(1).with_for_update(skip_locked=True)
     if job_id is not None:
         query = query.where(Job.id == job_id)
@@ -149,21 +224,31 @@ def fail_job(*, session: Session, job_id: int, error: BaseException) -> None:
     }
     job = session.get(Job, job_id)
     job.status, job.error, job.finished_at, job.worker, job.lease_until = "failed", stored, now(), None, None
-    if job.run is not None:
+    if job.run is not None and job.kind == "index":  # failed analyses leave their run as it is
         job.run.status, job.run.error, job.run.finished_at = "failed", stored, now()
     session.flush()
 
 
 def building(*, session: Session, model_id: int) -> Job | None:
-    """The newest queued or running job whose run is of this model, if any."""
+    """The newest queued or running index job whose run is of this model, if any."""
     query = (
         select(Job)
         .join(Run, Job.run_id == Run.id)
-        .where(Run.model_id == model_id, Job.status.in_(ACTIVE))
+        .where(Run.model_id == model_id, Job.kind == "index", Job.status.in_(ACTIVE))
         .order_by(Job.id.desc())
         .limit(1)
     )
     return session.scalars(query).first()
+
+
+def analysis_jobs(*, session: Session, run_id: int, limit: int = 10) -> list[Job]:
+    """The analysis jobs of a run (those waiting for it to be built included), newest first."""
+    waiting = select(Job.id).where(Job.kind == "index", Job.run_id == run_id)
+    ours = (Job.run_id == run_id) | (Job.run_id.is_(None) & Job.status.in_(ACTIVE))
+    query = select(Job).where(Job.kind == "analysis", ours).order_by(Job.id.desc())
+    found = session.scalars(query.limit(limit)).all()
+    builders = set(session.scalars(waiting))
+    return [job for job in found if job.run_id == run_id or job.options.get("after") in builders]
 
 
 def recent_jobs(*, session: Session, limit: int = 20) -> list[Job]:
@@ -172,8 +257,9 @@ def recent_jobs(*, session: Session, limit: int = 20) -> list[Job]:
 
 
 def open_jobs(*, session: Session) -> list[Job]:
-    """Running jobs whose runs are prepared (their shards may be claimable), oldest first."""
-    query = select(Job).where(Job.status == "running", Job.run_id.is_not(None)).order_by(Job.id)
+    """Running index jobs whose runs are prepared (their shards may be claimable), oldest first."""
+    running = (Job.kind == "index", Job.status == "running", Job.run_id.is_not(None))
+    query = select(Job).where(*running).order_by(Job.id)
     return list(session.scalars(query))
 
 

@@ -13,7 +13,7 @@ from app import errors, security
 from app.config import Settings, get_settings
 from app.db import Retry, make_engine, make_sessionmaker
 from app.live import LiveWorker
-from app.routes import jobs, keys, layers, models, search, trace
+from app.routes import access, jobs, keys, layers, models, search, trace
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
     app.state.sessions = make_sessionmaker(engine)
     app.state.live = live or LiveWorker(settings.worker_url, settings.worker_timeout)
     app.mount("/static", CachedStatic(directory=STATIC), name="static")
-    for module in (models, layers, keys, search, jobs, trace):
+    for module in (models, layers, keys, search, jobs, trace, access):
         app.include_router(module.router)
     errors.install(app)
 

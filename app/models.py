@@ -210,7 +210,8 @@ class KeyStats(Base):
 
 
 class Job(Base):
-    """A piece of work for the workers: an index run ("index") with its options, queued until claimed.
+    """A piece of work for the workers, queued until claimed: an index run ("index") or the paper's
+    analyses of a finished run ("analysis"; its `run_id` is set once that run is done).
 
     The same options give the same `fingerprint`: running the same `ffmem index` again finds the
     unfinished job and resumes its run instead of starting over.
@@ -228,6 +229,7 @@ class Job(Base):
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     attempts: Mapped[int] = mapped_column(Integer)
     error: Mapped[dict | None] = mapped_column(JSON)  # {type, message, traceback}
+    progress: Mapped[dict | None] = mapped_column(JSON)  # analyses: {stage, done, total}
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

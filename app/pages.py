@@ -190,7 +190,7 @@ def job_page(session: Session, job_id: int) -> JobContext:
         raise AppError(404, "Unknown job", f"There is no job {job_id}.")
     run = job.run
     progress = None
-    if run is not None:
+    if run is not None and job.kind == "index":
         done = jobs.progress(session=session, run=run)
         since = done["mining_since"]
         elapsed = (jobs.now() - _aware(since)).total_seconds() if since else 0.0
@@ -207,7 +207,7 @@ def job_page(session: Session, job_id: int) -> JobContext:
             eta_seconds=(run.n_sentences - done["sentences_done"]) / rate if rate and not finished else None,
         )
     return JobContext(
-        title=f"job {job.id}: {job.status}",
+        title=f"{job.kind} job {job.id}: {job.status}",
         job=JobInfo.model_validate(job, from_attributes=True),
         run=run_info(run) if run is not None else None,
         model=run.model.slug if run is not None else None,

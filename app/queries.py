@@ -20,7 +20,18 @@ import numpy as np
 from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, or_, select, union_all
 from sqlalchemy.orm import Session
 
-from app.models import Corpus, KeyStats, Label, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+from app.models import (
+    Corpus,
+    Job,
+    KeyStats,
+    Label,
+    LanguageModel,
+    Run,
+    Sentence,
+    Token,
+    Trigger,
+    ValueToken,
+)
 
 CHUNK_ROWS = 50_000  # rows per executemany
 NUL_SHOWN_AS = "\u2400"
@@ -209,7 +220,9 @@ def fail_run(*, session: Session, run_id: int, error: BaseException) -> Run:
 
 
 def delete_run(*, session: Session, run_id: int) -> None:
-    """Delete a run; the database cascades to its triggers, value tokens and key stats."""
+    """Delete a run and the jobs that built or analyzed it; the database cascades to its triggers,
+    value tokens, key stats, shards and analyses (labels belong to the model and stay)."""
+    session.execute(delete(Job).where(Job.run_id == run_id))
     session.execute(delete(Run).where(Run.id == run_id))
 
 

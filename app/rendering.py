@@ -12,13 +12,14 @@ from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
 
 from app import charts, urls
+from app.access import admin_name, can_write
 from app.display import number, percent, visible
 from app.errors import AppError
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
 templates.env.filters.update(visible=visible, number=number, percent=percent)
-templates.env.globals.update(urls=urls, charts=charts)
+templates.env.globals.update(urls=urls, charts=charts, can_write=can_write, admin_name=admin_name)
 
 
 def wants_json(request: Request) -> bool:

@@ -51,6 +51,18 @@ def retry_job_url(job_id: int) -> str:
     return f"/jobs/{int(job_id)}/retry"
 
 
+def delete_run_url(model: str, run_id: int) -> str:
+    return f"/m/{quote(model, safe='')}/runs/{int(run_id)}/delete"
+
+
+def login_url(fmt: str | None = None, **query) -> str:
+    return _url("/login", fmt, **query)
+
+
+def logout_url() -> str:
+    return "/logout"
+
+
 def static_url(name: str) -> str:
     return f"/static/{name}"
 
@@ -65,6 +77,10 @@ def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **que
 
 def label_url(model: str, layer: int, key: int, fmt: str | None = None) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/labels", fmt)
+
+
+def start_analysis_url(model: str) -> str:
+    return f"/m/{quote(model, safe='')}/analysis"
 
 
 def analysis_url(model: str, fmt: str | None = None, **query) -> str:

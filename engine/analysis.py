@@ -14,8 +14,9 @@ read at its last token, as `engine.trace` reads one prompt.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 from tqdm.auto import tqdm
@@ -50,18 +51,22 @@ def census(
     readout: str = "norm",
     batch: int = 8,
     progress: bool = False,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> Census:
     """Read every prefix at its last token. `value_top` [layers, 2, d_ff] holds each value's top token
-    (index 0, for m > 0) and bottom token (index 1, for m < 0)."""
+    (index 0, for m > 0) and bottom token (index 1, for m < 0). `on_batch(done, total)` after each."""
     if not prefixes:
         raise ValueError("census needs at least one prefix")
     sums: dict[str, torch.Tensor] = {}  # per-layer sums over all prefixes, by figure
     value_top = value_top.to(loaded.device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=loaded.device)
-    for start in tqdm(range(0, len(prefixes), batch), desc="census", unit="batch", disable=not progress):
+    starts = range(0, len(prefixes), batch)
+    for done, start in enumerate(tqdm(starts, desc="census", unit="batch", disable=not progress), 1):
         part = _batch(loaded, prefixes[start : start + batch], value_top, stops, readout)
         for name, values in part.items():
             sums[name] = sums.get(name, 0) + values.double().cpu()
+        if on_batch is not None:
+            on_batch(done, len(starts))
     n = len(prefixes)
     agree = sums["agree"]
     return Census(
@@ -151,44 +156,82 @@ def token_removal(
     first_position: int = 0,
     batch: int = 32,
     progress: bool = False,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> tuple[list[float | None], list[float | None]]:
     """Fig. 3, shallow versus semantic keys: for each (layer, key, trigger prefix) — the prefix ending at
     its trigger token — the relative change of the key's coefficient at the prefix's last token when
     its first token (the first after a BOS: `first_position` 1) is removed, and when its last token is
     removed (then read at the new last token): (m' − m) / |m|. None where the prefix is too short or
-    m = 0. → (first-token changes, last-token changes), one per item."""
-    variants = []  # (item, which, token ids)
-    for index, (_, _, prefix) in enumerate(items):
-        prefix = list(prefix)
-        variants.append((index, "full", prefix))
-        if len(prefix) - first_position >= 2:
-            variants.append((index, "first", prefix[:first_position] + prefix[first_position + 1 :]))
-            variants.append((index, "last", prefix[:-1]))
-    layers = sorted({layer for layer, _, _ in items})
-    coefficient: dict[tuple[int, str], float] = {}
-    for start in tqdm(
-        range(0, len(variants), batch), desc="token removal", unit="batch", disable=not progress
-    ):
-        chunk = variants[start : start + batch]
-        lengths = torch.tensor([len(ids) for _, _, ids in chunk], device=loaded.device)  # [B]
-        ids = torch.zeros(
-            len(chunk), int(lengths.max()), dtype=torch.long, device=loaded.device
-        )  # [B, width]
-        for row, (_, _, tokens) in enumerate(chunk):
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask = (torch.arange(ids.shape[1], device=loaded.device)[None, :] < lengths[:, None]).long()
-        with (
-            torch.inference_mode(),
-            capture(loaded.model, loaded.adapter, layers, ("coefficients",)) as captured,
-        ):
-            nothing = torch.empty(0, dtype=torch.long, device=loaded.device)
-            loaded.model(ids, attention_mask=mask, logits_to_keep=nothing, use_cache=False)
-        for row, (index, which, _) in enumerate(chunk):
-            layer, key, _ = items[index]
-            coefficient[index, which] = float(captured.coefficients[layer][row, lengths[row] - 1, key])
+    m = 0. → (first-token changes, last-token changes), one per item.
 
-    def change(index: int, which: str) -> float | None:
-        full, other = coefficient[index, "full"], coefficient.get((index, which))
+    Two passes a prefix: the whole prefix, read at its last token and at the one before (by causality,
+    the prefix without its last token), and the prefix without its first token. A batch holds one
+    layer's prefixes and its forward pass stops after that layer. `on_batch(done, total)` after each.
+    """
+    runs = []  # (layer, item, "whole" | "first", token ids), one layer's runs together
+    for index, (layer, _, prefix) in enumerate(items):
+        prefix = list(prefix)
+        if len(prefix) - first_position >= 2:
+            runs.append((layer, index, "whole", prefix))
+            runs.append((layer, index, "first", prefix[:first_position] + prefix[first_position + 1 :]))
+    runs.sort(key=lambda run: run[0])  # stable
+    chunks = []
+    for _, group in groupby(runs, key=lambda run: run[0]):
+        group = list(group)
+        chunks += [group[start : start + batch] for start in range(0, len(group), batch)]
+    whole: dict[int, tuple[float, float]] = {}  # item → (m at its last token, m at the one before)
+    without_first: dict[int, float] = {}
+    for done, chunk in enumerate(tqdm(chunks, desc="token removal", unit="batch", disable=not progress), 1):
+        layer = chunk[0][0]
+        lengths = [len(ids) for _, _, _, ids in chunk]
+        m = _layer_coefficients(loaded, layer, [ids for _, _, _, ids in chunk])  # [B, width, d_ff]
+        for row, (_, index, which, _) in enumerate(chunk):
+            key, last = items[index][1], lengths[row] - 1
+            if which == "whole":
+                whole[index] = (float(m[row, last, key]), float(m[row, last - 1, key]))
+            else:
+                without_first[index] = float(m[row, last, key])
+        if on_batch is not None:
+            on_batch(done, len(chunks))
+
+    def change(index: int, other: float | None) -> float | None:
+        full = whole[index][0] if index in whole else 0.0
         return None if other is None or full == 0 else (other - full) / abs(full)
 
-    return [change(i, "first") for i in range(len(items))], [change(i, "last") for i in range(len(items))]
+    return (
+        [change(i, without_first.get(i)) for i in range(len(items))],
+        [change(i, whole[i][1] if i in whole else None) for i in range(len(items))],
+    )
+
+
+class _LayerDone(Exception):
+    """The layer a forward pass was run for has run: the rest of the model is not needed."""
+
+
+def _layer_coefficients(loaded: LoadedModel, layer: int, prefixes: list[list[int]]) -> torch.Tensor:
+    """Coefficients of one layer for right-padded prefixes, the forward pass stopped after the layer:
+    [B, width, d_ff]."""
+    lengths = torch.tensor([len(ids) for ids in prefixes], device=loaded.device)  # [B]
+    ids = torch.zeros(len(prefixes), int(lengths.max()), dtype=torch.long, device=loaded.device)  # [B, width]
+    for row, tokens in enumerate(prefixes):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+    mask = (torch.arange(ids.shape[1], device=loaded.device)[None, :] < lengths[:, None]).long()
+
+    def stop(module, args, output):
+        raise _LayerDone
+
+    block = loaded.adapter.blocks(loaded.model)[layer]
+    handle = loaded.adapter.value_projection(block).register_forward_hook(stop)
+    try:
+        with (
+            torch.inference_mode(),
+            capture(loaded.model, loaded.adapter, [layer], ("coefficients",)) as captured,
+        ):
+            nothing = torch.empty(0, dtype=torch.long, device=loaded.device)
+            try:
+                loaded.model(ids, attention_mask=mask, logits_to_keep=nothing, use_cache=False)
+            except _LayerDone:
+                pass
+    finally:
+        handle.remove()
+    return captured.coefficients[layer]

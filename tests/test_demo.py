@@ -32,6 +32,7 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
         FFMEM_CACHE_DIR=str(tmp_path / "cache"),
         FFMEM_DEVICE="cpu",
         FFMEM_TOP_K="4",
+        FFMEM_SENTENCES=str(3 * len(EXPLORER_SENTENCES)),  # the rest is held out for the analyses
         FFMEM_SHARD_SENTENCES="8",
         FFMEM_WORKER_URL=f"http://127.0.0.1:{worker_port}",
     )
@@ -48,7 +49,8 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
                 break
             except httpx.TransportError:
                 time.sleep(0.2)
-        assert [job["id"] for job in home["jobs"]] == [1]
+        # The index run, and its analyses waiting for it.
+        assert [(job["id"], job["kind"]) for job in home["jobs"]] == [(2, "analysis"), (1, "index")]
         deadline = time.monotonic() + 120
         while (job := httpx.get(f"{base}/jobs/1.json").json())["job"]["status"] != "done":
             assert job["job"]["status"] in ("queued", "running"), job
@@ -64,6 +66,21 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
         )
         assert traced.status_code == 200, traced.text
         assert len(traced.json()["layers"]) == 3 and traced.json()["run"] == job["run"]["id"]
+        # Then the same worker computes the analyses (the demo's size), and the page shows them.
+        deadline = time.monotonic() + 120
+        while (analysis := httpx.get(f"{base}/jobs/2.json").json())["job"]["status"] != "done":
+            assert analysis["job"]["status"] in ("queued", "running"), analysis
+            assert time.monotonic() < deadline, "the analyses did not finish"
+            time.sleep(0.3)
+        assert analysis["job"]["options"] == {
+            "run": job["run"]["id"],
+            "examples": 500,
+            "keys": 10,
+            "triggers": 10,
+            "seed": 0,
+        }
+        page = httpx.get(f"{base}/m/{slug}/analysis.json").json()
+        assert page["missing"] == [] and page["computed"]["census"]["options"]["examples"] == 500
     finally:
         demo.terminate()  # SIGTERM, as a service manager stops it
         demo.wait(timeout=30)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from functools import partial
 
 import numpy as np
 import torch
@@ -43,10 +45,19 @@ class AnalysisOptions:
     progress: bool = True
 
 
+Report = Callable[[str, int, int], None]  # (analysis, batches done, batches in all)
+
+
 def analyze(
-    sessions: sessionmaker, run_id: int, loaded: LoadedModel, options: AnalysisOptions
+    sessions: sessionmaker,
+    run_id: int,
+    loaded: LoadedModel,
+    options: AnalysisOptions,
+    report: Report | None = None,
 ) -> dict[str, float]:
-    """Compute and store every analysis of run `run_id`; seconds per analysis."""
+    """Compute and store every analysis of run `run_id`, each in its own transaction; seconds per
+    analysis. `report(analysis, done, total)` after each batch (a job renews its lease there)."""
+    report = report or (lambda name, done, total: None)
     seconds = {}
     with sessions() as session:
         run = session.get(Run, run_id)
@@ -58,7 +69,8 @@ def analyze(
             ("token_removal", _token_removal),
         ):
             start = time.perf_counter()
-            data = compute(session, run, loaded, options)
+            report(name, 0, 1)
+            data = compute(session, run, loaded, options, partial(report, name))
             seconds[name] = time.perf_counter() - start
             session.execute(delete(Analysis).where(Analysis.run_id == run.id, Analysis.name == name))
             session.add(
@@ -75,7 +87,7 @@ def analyze(
     return seconds
 
 
-def _agreement(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions) -> dict:
+def _agreement(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions, report) -> dict:
     """Figs. 4–5 from the key statistics: rank 0 of the top trigger's next token is agreement."""
     rows = session.execute(
         select(KeyStats.layer, KeyStats.next_token_rank)
@@ -101,11 +113,12 @@ def _agreement(session: Session, run: Run, loaded: LoadedModel, options: Analysi
     }
 
 
-def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions) -> dict:
+def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions, report) -> dict:
     corpus = run.corpus
     source = corpus.name if corpus.name == "wiki-vital" else corpus.source
     text = read_corpus(source, run.n_sentences + options.examples)
-    held_out = tokenize(text.sentences[run.n_sentences :], loaded.tokenizer, corpus.max_tokens)
+    unseen = text.sentences[run.n_sentences :]
+    held_out = tokenize(unseen, loaded.tokenizer, corpus.max_tokens) if unseen else []
     rng = random.Random(options.seed)
     prefixes = [
         s.token_ids[: rng.randrange(s.first_position, len(s.token_ids)) + 1]
@@ -120,11 +133,13 @@ def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOp
     stop = set(get_stop_words("en"))
     texts = session.execute(select(Token.token_id, Token.text).where(Token.model_id == run.model_id)).all()
     stop_ids = {token_id for token_id, text in texts if text.strip().lower() in stop}
-    found = census(loaded, prefixes, value_top, stop_ids, batch=options.batch, progress=options.progress)
+    found = census(
+        loaded, prefixes, value_top, stop_ids, batch=options.batch, progress=options.progress, on_batch=report
+    )
     return asdict(found)
 
 
-def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions) -> dict:
+def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions, report) -> dict:
     """Per layer the mean changes over the sampled keys' triggers; per key, stored in key_stats."""
     rng = random.Random(options.seed)
     n_layers, n_keys = run.model.n_layers, run.model.n_keys
@@ -144,7 +159,7 @@ def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: Ana
     ]
     first, last = token_removal(
         loaded, items, first_position=1 if loaded.bos_prepended else 0, batch=4 * options.batch,
-        progress=options.progress,
+        progress=options.progress, on_batch=report,
     )  # fmt: skip
     by_key: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
     for (layer, key, _), first_change, last_change in zip(items, first, last, strict=True):

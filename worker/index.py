@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
@@ -31,6 +31,7 @@ from engine.loading import LoadedModel, load_model
 from engine.mined import MinedLayer, histogram_edges
 from engine.mining import MiningState, mine_batches, shard_batches
 from engine.projection import project_layer, target_ranks
+from worker.analysis import AnalysisOptions, analyze
 
 
 @dataclass
@@ -83,26 +84,35 @@ class LostLease(FfmemError):
 
 
 def build_index(
-    options: IndexOptions, sessions: sessionmaker, loaded: LoadedModel | None = None, again: bool = False
+    options: IndexOptions,
+    sessions: sessionmaker,
+    loaded: LoadedModel | None = None,
+    again: bool = False,
+    analysis: dict | None = None,
 ) -> IndexSummary:
     """Build (or resume) the index run for `options` in the foreground; returns what was stored.
+    With `analysis` (an analysis job's options), then compute the paper's analyses of the run.
 
     When the same run is already built, returns it with `already_built` (unless `again`).
     """
     with sessions() as session:
         job, what = jobs.enqueue(session=session, options=options.run_options(), again=again)
+        if analysis is not None:
+            analysis_job, _ = jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
         session.commit()
         job_id = job.id
     worker = Worker(sessions, options, loaded=loaded)
-    if what == "done":
-        return worker.summary(job_id, already_built=True)
-    worker.work(job_id=job_id)
-    return worker.summary(job_id)
+    if what != "done":
+        worker.work(job_id=job_id)
+    if analysis is not None:
+        worker.work(job_id=analysis_job.id)
+    return worker.summary(job_id, already_built=what == "done")
 
 
 @dataclass
 class Worker:
-    """Claims and does index work until its job is done (`work(job_id)`) or, for `ffmem worker`, forever."""
+    """Claims and does index and analysis work until its job is done (`work(job_id)`) or, for
+    `ffmem worker`, forever."""
 
     sessions: sessionmaker
     options: IndexOptions  # worker settings (device, cache, progress, lease); run options come from jobs
@@ -141,7 +151,7 @@ class Worker:
                         return
                     if job.status == "failed":
                         raise FfmemError(
-                            f"index job {job_id} failed: {job.error['type']}: {job.error['message']}"
+                            f"{job.kind} job {job_id} failed: {job.error['type']}: {job.error['message']}"
                         )
             if not self.step(job_id):
                 if once and job_id is None and not self._jobs_in_progress():
@@ -174,6 +184,9 @@ class Worker:
                 session.rollback()
                 return False
             session.commit()
+        if job.kind == "analysis":
+            self._guarded(job.id, lambda: self.analyze(job))
+            return True
         if job.run_id is None:
             self._guarded(job.id, lambda: self.prepare(job))
             return True
@@ -377,6 +390,7 @@ class Worker:
                 self.timings["storing"] += time.perf_counter() - t1
             queries.finish_run(session=session, run_id=run_id, n_tokens=state.positions)
             jobs.finish_job(session=session, job_id=job.id)
+            jobs.attach_analyses(session=session, index_job=job)
             jobs.drop_layers(session=session, run_id=run_id)
             session.commit()
 
@@ -404,6 +418,49 @@ class Worker:
                 raise LostLease(f"job {job.id} was taken over while projecting")
             self.timings["projection"] += t1 - t0
             self.timings["storing"] += time.perf_counter() - t1
+
+    def analyze(self, job: Job) -> None:
+        """The paper's analyses of the job's (finished) run, on the model that built it; progress
+        and the lease are renewed in the job's row every few seconds."""
+        with self.sessions() as session:
+            built_by = session.scalars(
+                select(Job).where(Job.kind == "index", Job.run_id == job.run_id).order_by(Job.id.desc())
+            ).first()
+            source = session.get(Run, job.run_id).model.source
+        options = (
+            self.options.with_run_options(built_by.options)
+            if built_by
+            else replace(self.options, model=source)
+        )
+        loaded = self.model(options)
+        given = {name: job.options[name] for name in (*jobs.ANALYSIS_FIELDS, "seed")}
+        chosen = AnalysisOptions(**given, progress=options.progress)
+        analyze(self.sessions, job.run_id, loaded, chosen, report=self._reporter(job.id))
+        with self.sessions() as session:
+            jobs.finish_job(session=session, job_id=job.id)
+            session.commit()
+
+    def _reporter(self, job_id: int, every: float = 2.0):
+        """report(analysis, done, total) for `analyze`: stores the progress and renews the lease at
+        most every `every` seconds, and at each analysis's start and end; raises LostLease when the
+        job was taken over."""
+        last = {"at": float("-inf"), "stage": None}
+
+        def report(stage: str, done: int, total: int) -> None:
+            moment = time.monotonic()
+            if moment - last["at"] < every and stage == last["stage"] and done < total:
+                return
+            last["at"], last["stage"] = moment, stage
+            progress = {"stage": stage, "done": done, "total": total}
+            with self.sessions() as session:
+                held = jobs.set_progress(
+                    session=session, job_id=job_id, worker=self.name, lease=self.lease, progress=progress
+                )
+                session.commit()
+            if not held:
+                raise LostLease(f"job {job_id} was taken over")
+
+        return report
 
     # -- what a worker holds ----------------------------------------------------------------------
     def model(self, options: IndexOptions) -> LoadedModel:

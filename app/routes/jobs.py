@@ -1,28 +1,34 @@
-"""Index jobs from the browser: start one, watch its progress, retry it when it failed."""
+"""Jobs from the browser: start an index run (and its analyses), watch a job's progress, retry it when
+it failed."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Request
+from fastapi import APIRouter, Form, Path, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from app import jobs, pages, urls
-from app.errors import AppError
+from app.contexts import JobContext
+from app.errors import AppError, sentence
 from app.models import Job
 from app.rendering import render, wants_json
 from app.routes import SessionDep, action, page
+from engine.corpus_files import CorpusError, corpus_file
 
 router = APIRouter()
+# Job ids are the database's 32-bit integers: a larger one is a 400, not an overflow in the query.
+JobId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The job's number.")]
 
 
-@page(router, "/jobs/{job_id}", "job")
-def job(request: Request, session: SessionDep, job_id: int):
-    """One index job: its status, its run's progress (polled until it ends), its error."""
+@page(router, "/jobs/{job_id}", "job", JobContext)
+def job(request: Request, session: SessionDep, job_id: JobId):
+    """One job: its status, its progress (polled until it ends), its error."""
     return render(request, "job.html", pages.job_page(session, job_id), fragment="progress")
 
 
-@action(router, "/jobs", "start_job")
+@action(router, "/jobs", "start_job", JobContext, status=201)
 def _start(
     request: Request,
     session: SessionDep,
@@ -30,13 +36,21 @@ def _start(
     corpus: Annotated[str, Form(min_length=1, max_length=500, description="wiki-vital or a server path.")],
     sentences: Annotated[int, Form(ge=1, le=10_000_000, description="Corpus sentences to mine.")],
     top_k: Annotated[int, Form(ge=1, le=1000, description="Trigger sentences kept per key and sign.")],
+    analyze: Annotated[
+        bool, Form(description="Then compute the paper's analyses of the run (the settings' sizes).")
+    ] = False,
 ):
     """Queue an index run (a worker builds it); an identical unfinished one is reused."""
     settings = request.app.state.settings
-    options = jobs.run_options(
-        settings, model=model.strip(), corpus=corpus.strip(), sentences=sentences, top_k=top_k
-    )
+    model, corpus = model.strip(), corpus.strip()
+    for name, given in (("model", model), ("corpus", corpus)):
+        if not given:
+            raise AppError(400, "Bad request", f"{name}: must not be blank")
+    _check_corpus(corpus)
+    options = jobs.run_options(settings, model=model, corpus=corpus, sentences=sentences, top_k=top_k)
     queued, _ = jobs.enqueue(session=session, options=options)
+    if analyze:
+        jobs.enqueue_analysis(session=session, options=jobs.analysis_options(settings), after=queued.id)
     session.commit()
     if wants_json(request):
         ctx = pages.job_page(session, queued.id)
@@ -44,8 +58,8 @@ def _start(
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
 
-@action(router, "/jobs/{job_id}/retry", "retry_job")
-def _retry(request: Request, session: SessionDep, job_id: int):
+@action(router, "/jobs/{job_id}/retry", "retry_job", JobContext)
+def _retry(request: Request, session: SessionDep, job_id: JobId):
     """Queue a failed job again; its run resumes from its checkpoints."""
     found = session.get(Job, job_id)
     if found is None:
@@ -59,3 +73,15 @@ def _retry(request: Request, session: SessionDep, job_id: int):
     if wants_json(request):
         return JSONResponse(pages.job_page(session, job_id).model_dump(mode="json"))
     return RedirectResponse(urls.job_url(job_id), status_code=303)
+
+
+def _check_corpus(corpus: str) -> None:
+    """A corpus file this server sees is checked now: a folder, an empty or a binary file is a 400 that
+    says so. A path it does not see may be on the workers' machines: they check it, and an unusable
+    one fails its job with the same reason."""
+    if corpus == "wiki-vital" or not os.path.lexists(corpus):
+        return
+    try:
+        corpus_file(corpus)
+    except CorpusError as error:
+        raise AppError(400, "Unusable corpus", sentence(str(error))) from None

@@ -8,6 +8,8 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from app import pages, queries, urls
+from app.access import admin_name
+from app.contexts import KeyContext, LabelAnswer
 from app.errors import AppError
 from app.rendering import render, wants_json
 from app.routes import SessionDep, action, page
@@ -16,7 +18,7 @@ from app.routes.models import RunQuery
 router = APIRouter()
 
 
-@page(router, "/m/{model}/layers/{layer}/keys/{key}", "key")
+@page(router, "/m/{model}/layers/{layer}/keys/{key}", "key", KeyContext)
 def key(
     request: Request,
     session: SessionDep,
@@ -31,7 +33,7 @@ def key(
     return render(request, "key.html", ctx, fragment="triggers")
 
 
-@action(router, "/m/{model}/layers/{layer}/keys/{key}/labels", "label_key")
+@action(router, "/m/{model}/layers/{layer}/keys/{key}/labels", "label_key", LabelAnswer, status=201)
 def label(
     request: Request,
     session: SessionDep,
@@ -40,12 +42,14 @@ def label(
     key: int,
     pattern: Annotated[str, Form(max_length=500, description="What the trigger prefixes share.")] = "",
     tag: Annotated[Literal["shallow", "semantic", ""], Form(description="shallow, semantic or none.")] = "",
-    author: Annotated[str, Form(max_length=100, description="Who labels it.")] = "",
+    author: Annotated[
+        str, Form(max_length=100, description="Who labels it (default: the name given at /login).")
+    ] = "",
 ):
     """Label a memory (a pattern description and a shallow/semantic tag); earlier labels stay as history."""
     found = pages.model_or_404(session, model)
     pages.check_key(found, layer, key)
-    pattern, author = pattern.strip(), author.strip()
+    pattern, author = pattern.strip(), author.strip() or admin_name(request) or ""
     if not pattern and not tag:
         raise AppError(
             400, "Empty label", "Give a pattern description, a tag (shallow or semantic), or both."
@@ -62,6 +66,6 @@ def label(
     session.commit()
     if wants_json(request):
         earlier = len(queries.label_history(session=session, model_id=found.id, layer=layer, key=key)) - 1
-        body = {"label": pages.label_view(added).model_dump(mode="json"), "history": earlier}
-        return JSONResponse(body, status_code=201)
+        body = LabelAnswer(label=pages.label_view(added), history=earlier)
+        return JSONResponse(body.model_dump(mode="json"), status_code=201)
     return RedirectResponse(urls.key_url(model, layer, key), status_code=303)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 
 from app import pages, queries
+from app.contexts import LayerContext
 from app.rendering import render
 from app.routes import SessionDep, page
 from app.routes.models import RunQuery
@@ -15,7 +16,7 @@ router = APIRouter()
 Sort = Literal[queries.KEY_SORTS]  # the columns the layer table sorts by
 
 
-@page(router, "/m/{model}/layers/{layer}", "layer")
+@page(router, "/m/{model}/layers/{layer}", "layer", LayerContext)
 def layer(
     request: Request,
     session: SessionDep,

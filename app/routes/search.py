@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
 from app import pages
+from app.contexts import SearchContext
 from app.rendering import render, wants_json
 from app.routes import SessionDep, page
 from app.routes.models import RunQuery
@@ -15,7 +16,7 @@ from app.routes.models import RunQuery
 router = APIRouter()
 
 
-@page(router, "/m/{model}/search", "search")
+@page(router, "/m/{model}/search", "search", SearchContext, redirect="`q` names a key (L12 K345): its page.")
 def search(
     request: Request,
     session: SessionDep,

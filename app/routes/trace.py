@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 
 from app import live_view, pages
+from app.contexts import AblationContext, TraceContext
 from app.errors import AppError
 from app.ratelimit import LiveBudget
 from app.rendering import render, wants_json
@@ -18,7 +19,7 @@ from app.routes.models import RunQuery
 router = APIRouter()
 
 
-@page(router, "/m/{model}/trace", "trace")
+@page(router, "/m/{model}/trace", "trace", TraceContext, live=True)
 def trace(
     request: Request,
     session: SessionDep,
@@ -66,7 +67,7 @@ def trace(
     return render(request, "trace.html", ctx, fragment="trace")
 
 
-@page(router, "/m/{model}/layers/{layer}/keys/{key}/ablation", "ablation")
+@page(router, "/m/{model}/layers/{layer}/keys/{key}/ablation", "ablation", AblationContext, live=True)
 def ablation(
     request: Request,
     session: SessionDep,

@@ -101,3 +101,20 @@ def test_export_refuses_bad_input_in_one_line(explorer_db, tmp_path):
         cli, ["export", "1", "--format", "csv", "--db", explorer_db, "--out", str(tmp_path / "x")]
     )
     assert result.exit_code == 2 and "unknown export format 'csv'; choose jsonl or parquet" in result.output
+
+
+def test_parquet_types_a_column_that_is_null_in_its_first_chunk(tmp_path, monkeypatch):
+    """Only sampled keys have a shallowness: a first chunk of nulls must not fix the column's type."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app import export
+
+    monkeypatch.setattr(export, "CHUNK", 2)
+    rows = [{"key": i, "shallowness": None, "next_token_rank": None} for i in range(2)]
+    rows.append({"key": 2, "shallowness": 0.25, "next_token_rank": 7})
+    assert export._write_parquet(tmp_path / "key_stats.parquet", iter(rows)) == 3
+    table = pq.read_table(tmp_path / "key_stats.parquet")
+    assert table.schema.field("shallowness").type == pa.float64()
+    assert table.schema.field("next_token_rank").type == pa.int64()
+    assert table.to_pylist() == rows

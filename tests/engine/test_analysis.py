@@ -100,3 +100,29 @@ def test_token_removal_equals_single_forward_passes(tiny):
         assert got_first == pytest.approx((m(layer, key, prefix[1:]) - full) / abs(full), rel=1e-4, abs=1e-5)
         assert got_last == pytest.approx((m(layer, key, prefix[:-1]) - full) / abs(full), rel=1e-4, abs=1e-5)
     assert (first[4], last[4]) == (None, None)  # one token: nothing to remove
+
+
+def test_token_removal_batches_by_layer_and_stops_after_it(tiny):
+    """Each batch holds one layer's prefixes; layers above it never run; progress is reported."""
+    from engine.analysis import token_removal
+
+    prefixes = [tiny.tokenizer(text).input_ids for text in PREFIXES[:3]]
+    items = [(0, 3, prefixes[0]), (1, 5, prefixes[1]), (0, 8, prefixes[2])]
+    blocks = tiny.adapter.blocks(tiny.model)
+    ran = {index: 0 for index in range(len(blocks))}  # blocks entered
+    handles = [
+        block.register_forward_pre_hook(
+            lambda module, args, index=index: ran.__setitem__(index, ran[index] + 1)
+        )
+        for index, block in enumerate(blocks)
+    ]
+    reports = []
+    try:
+        token_removal(tiny, items, batch=4, on_batch=lambda done, total: reports.append((done, total)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    # Layer 0: 2 prefixes × 2 runs = 4 rows, one batch; layer 1: 2 rows, one batch.
+    assert reports == [(1, 2), (2, 2)]
+    assert ran[0] == 2 and ran[1] == 1  # block 0 in both batches, block 1 only in layer 1's
+    assert all(ran[index] == 0 for index in range(2, len(blocks)))

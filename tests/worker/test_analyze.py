@@ -13,10 +13,10 @@ from tiny_models import TRAINING_TEXT
 
 from app import queries
 from app.db import make_engine, make_sessionmaker
-from app.models import Analysis, KeyStats, Run
+from app.models import Analysis, Job, KeyStats, Run
 from engine.analysis import census, token_removal
 from engine.corpus import tokenize
-from worker.analysis import AnalysisOptions, analyze, value_top_tokens
+from worker.analysis import value_top_tokens
 from worker.index import IndexOptions, build_index
 
 MORE = ["The river flows into the sea.", "Rome was not built in a day.", "Light travels faster than sound."]
@@ -33,13 +33,23 @@ def analyzed(db_url, tiny, tmp_path):
     )  # fmt: skip
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
-    summary = build_index(options, sessions, loaded=tiny)
-    seconds = analyze(
-        sessions,
-        summary.run_id,
-        tiny,
-        AnalysisOptions(examples=10, keys=3, triggers=2, batch=2, progress=False),
-    )
+    # The index run and then its analyses, as jobs (`ffmem index --analyze`): the analysis job waits
+    # for the run, gets it when the run is done, and the same worker computes it.
+    analysis = {"examples": 10, "keys": 3, "triggers": 2, "seed": 0}
+    summary = build_index(options, sessions, loaded=tiny, analysis=analysis)
+    with sessions() as session:
+        job = session.scalars(select(Job).where(Job.kind == "analysis")).one()
+        assert (job.status, job.run_id, job.options) == (
+            "done",
+            summary.run_id,
+            {"run": summary.run_id} | analysis,
+        )
+        # The last report: token removal's last batch (one batch a layer here).
+        assert job.progress == {"stage": "token_removal", "done": 3, "total": 3}
+        stored = session.execute(
+            select(Analysis.name, Analysis.seconds).where(Analysis.run_id == summary.run_id)
+        )
+        seconds = dict(stored.all())
     yield sessions, summary.run_id, seconds
     engine.dispose()
 
@@ -143,16 +153,81 @@ def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
     app.state.engine.dispose()
 
 
-def test_a_run_without_analyses_says_how_to_compute_them(explorer_db, slug):
-    from fastapi.testclient import TestClient
+def _tiny_options(tiny_corpus, tmp_path, sentences):
+    return IndexOptions(
+        model="tiny", corpus=str(tiny_corpus), sentences=sentences, top_k=4, device="cpu", dtype="float32",
+        batch_tokens=128, shard_sentences=8, value_tokens=5, cache_dir=tmp_path / "cache", progress=False,
+    )  # fmt: skip
 
-    from app.config import Settings
-    from app.main import create_app
 
-    app = create_app(Settings(database_url=explorer_db))
-    with TestClient(app) as client:
-        body = client.get(f"/m/{slug}/analysis.json").json()
-        assert body["missing"] == ["agreement", "census", "token_removal"] and body["figures"] == []
-        assert "ffmem analyze --run" in client.get(f"/m/{slug}/analysis").text
-        assert client.get(f"/m/{slug}/layers/0/keys/0.json").json()["stats"]["shallowness"] is None
-    app.state.engine.dispose()
+def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url, tiny, tmp_path):
+    from datetime import timedelta
+
+    from app import jobs
+    from engine.errors import FfmemError
+    from worker.index import Worker
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TRAINING_TEXT) + "\n")
+    options = _tiny_options(corpus, tmp_path, sentences=None)  # every sentence mined: none held out
+    engine = make_engine(db_url)
+    sessions = make_sessionmaker(engine)
+    analysis = {"examples": 5, "keys": 2, "triggers": 2, "seed": 0}
+    with sessions() as session:
+        index_job, _ = jobs.enqueue(session=session, options=options.run_options())
+        waiting, what = jobs.enqueue_analysis(session=session, options=analysis, after=index_job.id)
+        session.commit()
+        assert (what, waiting.kind, waiting.run_id, waiting.options) == (
+            "created", "analysis", None, {"after": index_job.id} | analysis,
+        )  # fmt: skip
+        # Before its run is built nobody may claim it: the index job goes first, then nothing is left.
+        index_id, waiting_id, lease = index_job.id, waiting.id, timedelta(seconds=60)
+        assert jobs.claim_job(session=session, worker="a", lease=lease).id == index_id
+        assert jobs.claim_job(session=session, worker="b", lease=lease) is None
+        session.rollback()
+    worker = Worker(sessions, options, loaded=tiny)
+    worker.work(job_id=index_id)
+    with pytest.raises(FfmemError, match="has no sentences beyond the 6 the run mined: none is held out"):
+        worker.work(job_id=waiting_id)
+    with sessions() as session:
+        failed, run = session.get(Job, waiting_id), session.scalars(select(Run)).one()
+        assert (failed.status, failed.run_id, run.status) == ("failed", run.id, "done")
+        assert "none is held out" in failed.error["message"]
+        # What was computed before the failure is kept; the run's pages are untouched.
+        names = session.scalars(select(Analysis.name).where(Analysis.run_id == run.id)).all()
+        assert names == ["agreement"]
+        # Queued again for the run (as the analysis page does): the failed job is retried.
+        again, what = jobs.enqueue_analysis(session=session, options=analysis, run_id=run.id)
+        assert (what, again.id, again.status) == ("resumed", waiting_id, "queued")  # a retry
+    engine.dispose()
+
+
+def test_an_analysis_that_lost_its_job_stops(db_url, tiny, tmp_path):
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app import jobs
+    from worker.index import LostLease, Worker
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TRAINING_TEXT + MORE) + "\n")
+    options = _tiny_options(corpus, tmp_path, sentences=len(TRAINING_TEXT))
+    engine = make_engine(db_url)
+    sessions = make_sessionmaker(engine)
+    summary = build_index(options, sessions, loaded=tiny)
+    worker = Worker(sessions, options, loaded=tiny)
+    with sessions() as session:
+        job, _ = jobs.enqueue_analysis(session=session, options={"examples": 3}, run_id=summary.run_id)
+        claimed = jobs.claim_job(session=session, worker=worker.name, lease=timedelta(seconds=60))
+        session.commit()
+        assert claimed.id == job.id
+    report = worker._reporter(job.id)
+    report("census", 1, 4)
+    with sessions() as session:
+        assert session.get(Job, job.id).progress == {"stage": "census", "done": 1, "total": 4}
+        session.execute(update(Job).where(Job.id == job.id).values(worker="someone else"))
+        session.commit()
+    with pytest.raises(LostLease, match=f"job {job.id} was taken over"):
+        report("token_removal", 0, 1)
+    engine.dispose()

@@ -1,0 +1,152 @@
+"""Write access (app/access.py): browsing is open; every write needs the admin token (a header or the
+signed cookie of /login) — or, without a token, a server bound to 127.0.0.1; read-only refuses all."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from app.config import Settings
+from app.main import create_app
+from app.models import Job, Label, Run, Trigger
+
+TOKEN = "s3cret-token"
+LABEL = {"pattern": "ends with a city", "tag": "semantic"}
+
+
+@pytest.fixture
+def serve(explorer_db, db):
+    """serve(**settings) → a TestClient on the tiny index; labels are cleared before each test."""
+    db.execute(Label.__table__.delete())
+    db.commit()
+    apps = []
+
+    def start(**settings) -> TestClient:
+        app = create_app(Settings(database_url=explorer_db, **settings))
+        apps.append(app)
+        return TestClient(app)
+
+    yield start
+    for app in apps:
+        app.state.engine.dispose()
+
+
+def labels(db) -> int:
+    db.expire_all()
+    return db.scalar(select(func.count()).select_from(Label))
+
+
+def test_a_local_server_without_a_token_lets_its_machine_write(serve, db, slug):
+    client = serve()
+    assert client.post(f"/m/{slug}/layers/1/keys/4/labels.json", data=LABEL).status_code == 201
+    page = client.get(f"/m/{slug}/layers/1/keys/4").text
+    assert 'class="label-form"' in page and "Log in" not in page
+    assert client.get("/login.json").json() | {"next": None} == {
+        "page": "login", "title": "ffmem: log in", "can_write": True, "read_only": False,
+        "token_set": False, "name": None, "reason": None, "next": None,
+    }  # fmt: skip
+
+
+def test_a_public_server_without_a_token_refuses_writes(serve, db, slug):
+    client = serve(host="0.0.0.0")
+    answer = client.post(f"/m/{slug}/layers/1/keys/4/labels.json", data=LABEL)
+    assert answer.status_code == 403
+    assert answer.json() == {
+        "ok": False,
+        "status": 403,
+        "error": "This server listens on 0.0.0.0 and has no admin token, so it refuses writes. "
+        "Set FFMEM_ADMIN_TOKEN and log in at /login, or serve on 127.0.0.1.",
+    }
+    assert labels(db) == 0
+    page = client.get(f"/m/{slug}/layers/1/keys/4").text
+    assert 'class="label-form"' not in page and "Log in" not in page  # no token: nothing to log in with
+    assert client.get(f"/m/{slug}/layers/1/keys/4.json").status_code == 200  # browsing stays open
+
+
+def test_the_token_in_a_header(serve, db, slug):
+    client = serve(host="0.0.0.0", admin_token=TOKEN)
+    url = f"/m/{slug}/layers/1/keys/4/labels.json"
+    missing = client.post(url, data=LABEL)
+    assert (missing.status_code, missing.headers["www-authenticate"]) == (401, "Bearer")
+    assert missing.json()["error"] == (
+        "Writing needs the admin token: log in at /login, or send it as `Authorization: Bearer <token>`."
+    )
+    wrong = client.post(url, data=LABEL, headers={"Authorization": "Bearer nope"})
+    assert (wrong.status_code, wrong.json()["error"]) == (
+        403, "The admin token sent does not match this server's."
+    )  # fmt: skip
+    assert labels(db) == 0
+    assert client.post(url, data=LABEL, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201
+    assert client.post(url, data=LABEL, headers={"X-Admin-Token": TOKEN}).status_code == 201
+    assert labels(db) == 2
+
+
+def test_logging_in_sets_a_signed_cookie_that_names_the_author(serve, db, slug):
+    client = serve(host="0.0.0.0", admin_token=TOKEN)
+    key = f"/m/{slug}/layers/1/keys/4"
+    before = client.get(key).text
+    assert 'class="label-form"' not in before and f'href="/login?next={key.replace("/", "%2F")}"' in before
+    wrong = client.post("/login", data={"token": "nope", "next": key}, follow_redirects=False)
+    assert wrong.status_code == 403 and "ffmem_admin" not in wrong.headers.get("set-cookie", "")
+    answer = client.post("/login", data={"token": TOKEN, "name": "ada", "next": key}, follow_redirects=False)
+    assert (answer.status_code, answer.headers["location"]) == (303, key)
+    cookie = answer.headers["set-cookie"]
+    assert cookie.startswith("ffmem_admin=") and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    page = client.get(key).text
+    assert 'class="label-form"' in page and 'value="ada"' in page
+    added = client.post(f"{key}/labels.json", data=LABEL)
+    assert added.status_code == 201 and added.json()["label"]["author"] == "ada"
+    state = client.get("/login.json").json()
+    assert (state["can_write"], state["name"], state["token_set"]) == (True, "ada", True)
+    # A forged or tampered cookie is no login.
+    tampered = client.cookies["ffmem_admin"][:-2] + "xx"
+    client.cookies.clear()
+    client.cookies.set("ffmem_admin", tampered)
+    assert client.post(f"{key}/labels.json", data=LABEL).status_code == 401
+    # Logging out clears it.
+    client.post("/login", data={"token": TOKEN, "name": "ada"})
+    out = client.post("/logout", follow_redirects=False)
+    assert out.status_code == 303 and 'ffmem_admin=""' in out.headers["set-cookie"]
+    assert client.post(f"{key}/labels.json", data=LABEL).status_code == 401
+    assert labels(db) == 1
+
+
+def test_login_goes_back_only_to_this_site(serve):
+    client = serve(host="0.0.0.0", admin_token=TOKEN)
+    for target in ("https://evil.example/", "//evil.example/x", "/\\evil.example"):
+        answer = client.post("/login", data={"token": TOKEN, "next": target}, follow_redirects=False)
+        assert answer.headers["location"] == "/"
+
+
+def test_read_only_refuses_every_write_and_hides_the_controls(serve, db, slug):
+    client = serve(read_only=True, admin_token=TOKEN)
+    answer = client.post(
+        f"/m/{slug}/layers/1/keys/4/labels.json", data=LABEL, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert answer.json() == {
+        "ok": False, "status": 403,
+        "error": "This server is read-only: it shows the index but changes nothing.",
+    }  # fmt: skip
+    assert labels(db) == 0
+    home, key = client.get("/").text, client.get(f"/m/{slug}/layers/1/keys/4").text
+    analysis = client.get(f"/m/{slug}/analysis").text
+    for page in (home, key, analysis):
+        assert 'method="post"' not in page and "Log in" not in page and 'class="login"' not in page
+    assert client.post("/login", data={"token": TOKEN}).status_code == 403
+
+
+def test_every_write_route_is_guarded(serve, db, slug):
+    """Each POST route but /login and /logout answers 401 without the token, and changes nothing."""
+    client = serve(host="0.0.0.0", admin_token=TOKEN)
+    posts = [path for path, item in client.get("/openapi.json").json()["paths"].items() if "post" in item]
+    values = {"model": slug, "layer": "1", "key": "4", "job_id": "1", "run": "1"}
+    db.expire_all()
+    counts = [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, Trigger)]
+    guarded = [path for path in posts if path not in ("/login", "/login.json", "/logout", "/logout.json")]
+    assert len(guarded) >= 10  # start job, retry, labels, analysis, delete run: each with its .json twin
+    for path in guarded:
+        answer = client.post(path.format(**values), data={"run": "1", "examples": "5"})
+        assert answer.status_code == 401, path
+    db.expire_all()
+    assert [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, Trigger)] == counts

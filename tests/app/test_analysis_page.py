@@ -1,0 +1,48 @@
+"""The analysis page on the tiny explorer index: what it says before any analysis, and the form that
+queues an analysis job (kept apart from tests that rebuild the database: the index is module-wide)."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from app.config import Settings
+from app.main import create_app
+
+
+def test_a_run_without_analyses_says_how_to_compute_them(explorer_db, slug):
+    app = create_app(Settings(database_url=explorer_db))
+    with TestClient(app) as client:
+        body = client.get(f"/m/{slug}/analysis.json").json()
+        assert body["missing"] == ["agreement", "census", "token_removal"] and body["figures"] == []
+        assert "ffmem analyze --run" in client.get(f"/m/{slug}/analysis").text
+        assert client.get(f"/m/{slug}/layers/0/keys/0.json").json()["stats"]["shallowness"] is None
+    app.state.engine.dispose()
+
+
+def test_the_analysis_page_queues_an_analysis_job(explorer_db, slug):
+    app = create_app(Settings(database_url=explorer_db))
+    with TestClient(app) as client:
+        run = client.get(f"/m/{slug}/analysis.json").json()["run"]["id"]
+        form = {"run": run, "examples": 7, "keys": 2, "triggers": 3}
+        answer = client.post(f"/m/{slug}/analysis.json", data=form)
+        assert answer.status_code == 201
+        job = answer.json()["job"]
+        assert (job["kind"], job["status"], job["run_id"], job["progress"]) == (
+            "analysis",
+            "queued",
+            run,
+            None,
+        )
+        assert job["options"] == {"run": run, "examples": 7, "keys": 2, "triggers": 3, "seed": 0}
+        # The same analysis again: the queued job is reused; the HTML form redirects to its page.
+        redirect = client.post(f"/m/{slug}/analysis", data=form, follow_redirects=False)
+        assert (redirect.status_code, redirect.headers["location"]) == (303, f"/jobs/{job['id']}")
+        listed = client.get(f"/m/{slug}/analysis.json").json()["jobs"]
+        assert [(j["id"], j["kind"]) for j in listed] == [(job["id"], "analysis")]
+        assert "Analysis job" in client.get(f"/jobs/{job['id']}").text
+        assert f'href="/jobs/{job["id"]}"' in client.get(f"/m/{slug}/analysis").text
+        bad = client.post(f"/m/{slug}/analysis.json", data=form | {"triggers": 0})
+        assert bad.status_code == 400 and bad.json()["ok"] is False
+        unknown = client.post(f"/m/{slug}/analysis.json", data=form | {"run": 999})
+        assert unknown.status_code == 404 and "has no run 999" in unknown.json()["error"]
+    app.state.engine.dispose()
