@@ -21,6 +21,7 @@ from web import default_run  # noqa: E402
 from app import queries  # noqa: E402
 from app.config import get_settings  # noqa: E402
 from app.db import make_engine, make_sessionmaker  # noqa: E402
+from app.models import Analysis  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from worker.analysis import AnalysisOptions, analyze  # noqa: E402
 
@@ -38,9 +39,13 @@ def main() -> None:
     mining_tokens_per_s = json.loads(RESULTS.read_text())["index"]["mining"]["mining_tokens_per_s"]
     seconds = analyze(sessions, run_id, loaded, OPTIONS)
     mining_seconds = run_tokens / mining_tokens_per_s
+    with sessions() as session:
+        prefixes = session.get(Analysis, (run_id, "token_removal")).data["prefixes"]
     results = {
         "options": {"examples": OPTIONS.examples, "keys": OPTIONS.keys, "triggers": OPTIONS.triggers},
         "seconds": {name: round(s, 1) for name, s in seconds.items()},
+        "token_removal_prefixes": prefixes,
+        "token_removal_ms_per_prefix": round(1000 * seconds["token_removal"] / prefixes, 1),
         "run_tokens": run_tokens,
         "mining_tokens_per_s": round(mining_tokens_per_s, 1),
         "mining_seconds_estimated": round(mining_seconds, 1),

@@ -14,8 +14,10 @@ from app.models import Job, Run, Shard
 
 JOB_FIELDS = {
     "id",
+    "kind",
     "status",
     "options",
+    "progress",
     "attempts",
     "worker",
     "error",
