@@ -73,9 +73,10 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def upgrade(url: str) -> None:
-    """Create or migrate the database at `url` to the latest schema (Alembic head)."""
-    engine = make_engine(url)
+def upgrade(url: str, retry: Retry | None = None) -> None:
+    """Create or migrate the database at `url` to the latest schema (Alembic head); Postgres is waited
+    for as `retry` says."""
+    engine = make_engine(url, retry)
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     try:
