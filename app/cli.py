@@ -292,12 +292,12 @@ def serve(
     import uvicorn
 
     from app.access import LOOPBACK
-    from app.db import upgrade
+    from app.db import Retry, upgrade
     from app.main import create_app
 
     settings = get_settings()
     url = db or settings.database_url
-    _fail_cleanly(lambda: upgrade(url))
+    _fail_cleanly(lambda: upgrade(url, Retry.from_settings(settings)))  # Postgres may still be starting
     live_url = worker_url or settings.worker_url
     update = {"database_url": url, "worker_url": live_url, "host": host}
     configured = settings.model_copy(update=update | ({} if read_only is None else {"read_only": read_only}))
