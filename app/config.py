@@ -141,6 +141,14 @@ class Settings(BaseSettings):
         "auto", description="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."
     )
 
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _no_empty_token(cls, value):
+        """An empty token (FFMEM_ADMIN_TOKEN= in a compose file) is no token, not one anyone can send."""
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
     @field_validator("trace_rate_limit")
     @classmethod
     def _readable_rate_limit(cls, value: str) -> str:

@@ -150,3 +150,11 @@ def test_every_write_route_is_guarded(serve, db, slug):
         assert answer.status_code == 401, path
     db.expire_all()
     assert [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, Trigger)] == counts
+
+
+def test_an_empty_token_is_no_token(monkeypatch):
+    """FFMEM_ADMIN_TOKEN= (docker compose with the variable unset) must not make "" the password."""
+    monkeypatch.setenv("FFMEM_ADMIN_TOKEN", "  ")
+    assert Settings().admin_token is None
+    monkeypatch.setenv("FFMEM_ADMIN_TOKEN", TOKEN)
+    assert Settings().admin_token.get_secret_value() == TOKEN
