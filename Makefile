@@ -31,6 +31,7 @@ bench: install
 	$(PY) bench/load.py
 	$(PY) bench/analysis.py
 	$(PY) bench/jobs.py
+	$(PY) bench/fuzz.py
 
 lint: install
 	$(VENV)/bin/ruff check app engine worker tests bench
