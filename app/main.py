@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 
-from app import errors, security
+from app import errors, routes, security
 from app.config import Settings, get_settings
 from app.db import Retry, make_engine, make_sessionmaker
 from app.live import LiveWorker
@@ -44,6 +44,7 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
     app.mount("/static", CachedStatic(directory=STATIC), name="static")
     for module in (models, layers, keys, search, jobs, trace, access):
         app.include_router(module.router)
+    app.openapi = routes.openapi(app)  # without FastAPI's 422: malformed input is a 400 here
     errors.install(app)
 
     @app.middleware("http")
