@@ -220,9 +220,12 @@ def fail_run(*, session: Session, run_id: int, error: BaseException) -> Run:
 
 
 def delete_run(*, session: Session, run_id: int) -> None:
-    """Delete a run and the jobs that built or analyzed it; the database cascades to its triggers,
-    value tokens, key stats, shards and analyses (labels belong to the model and stay)."""
-    session.execute(delete(Job).where(Job.run_id == run_id))
+    """Delete a run and the jobs that built, analyze or wait to analyze it; the database cascades to
+    its triggers, value tokens, key stats, shards and analyses (labels belong to the model and stay)."""
+    builders = set(session.scalars(select(Job.id).where(Job.run_id == run_id, Job.kind == "index")))
+    waiting = session.scalars(select(Job).where(Job.kind == "analysis", Job.run_id.is_(None))).all()
+    doomed = [job.id for job in waiting if job.options.get("after") in builders]  # waiting for this run
+    session.execute(delete(Job).where((Job.run_id == run_id) | Job.id.in_(doomed)))
     session.execute(delete(Run).where(Run.id == run_id))
 
 

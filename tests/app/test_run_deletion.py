@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from app import jobs
 from app.config import Settings
 from app.main import create_app
 from app.models import Job, Run, Trigger
@@ -39,7 +40,14 @@ def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tm
             409, f"Run {run_id} is being built; delete it once it is done or failed."
         )  # fmt: skip
         session.execute(update(Run).where(Run.id == run_id).values(status="done"))
+        # Its analyses: one queued for it, one still waiting for its index job (as if queued with it).
+        jobs.enqueue_analysis(session=session, options={"examples": 5}, run_id=run_id)
+        builder = session.scalars(select(Job.id).where(Job.kind == "index")).one()
+        waiting = Job(kind="analysis", status="queued", options={"after": builder, "examples": 6},
+                      fingerprint="w", attempts=0, created_at=jobs.now())  # fmt: skip
+        session.add(waiting)
         session.commit()
+        assert session.scalar(select(func.count()).select_from(Job)) == 3
         answer = client.post(f"/m/{slug}/runs/{run_id}/delete.json")
         assert answer.status_code == 200
         assert [m["runs"] for m in answer.json()["models"]] == [[]] and answer.json()["jobs"] == []
