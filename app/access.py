@@ -62,6 +62,12 @@ def can_write(request: Request) -> bool:
     return refusal(request) is None
 
 
+def login_offered(request: Request) -> bool:
+    """Whether logging in can give write access here: a token is set and the server is not read-only."""
+    settings = request.app.state.settings
+    return settings.admin_token is not None and not settings.read_only
+
+
 def admin_name(request: Request) -> str | None:
     """The name in a valid login cookie ("" when none was given), or None."""
     settings = request.app.state.settings

@@ -47,6 +47,12 @@ def fingerprint(options: dict) -> str:
     return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def job_fingerprint(kind: str, options: dict) -> str:
+    """A job's fingerprint: its options', with its kind for other kinds than index runs (whose
+    fingerprints predate the kinds)."""
+    return fingerprint(options if kind == "index" else {"kind": kind, **options})
+
+
 # ---- jobs ---------------------------------------------------------------------------------------
 
 
@@ -88,7 +94,7 @@ def enqueue(
 ) -> tuple[Job, str]:
     """The job for `options` and what happened: "created", "resumed" (an unfinished job with the same
     options exists) or "done" (already built; `again=True` queues a new one anyway)."""
-    key = fingerprint(options if kind == "index" else {"kind": kind, **options})
+    key = job_fingerprint(kind, options)
     query = select(Job).where(Job.fingerprint == key).order_by(Job.id.desc()).limit(1)
     existing = session.scalars(query).first()
     if existing is not None and existing.status in ACTIVE:
@@ -144,7 +150,7 @@ def attach_analyses(*, session: Session, index_job: Job) -> int:
     for job in attached:  # now the same job as one queued for the run: one fingerprint
         options = {"run": index_job.run_id} | {k: v for k, v in job.options.items() if k != "after"}
         job.run_id, job.options = index_job.run_id, options
-        job.fingerprint = fingerprint({"kind": job.kind, **options})
+        job.fingerprint = job_fingerprint(job.kind, options)
     session.flush()
     return len(attached)
 
@@ -243,11 +249,10 @@ def building(*, session: Session, model_id: int) -> Job | None:
 
 def analysis_jobs(*, session: Session, run_id: int, limit: int = 10) -> list[Job]:
     """The analysis jobs of a run (those waiting for it to be built included), newest first."""
-    waiting = select(Job.id).where(Job.kind == "index", Job.run_id == run_id)
     ours = (Job.run_id == run_id) | (Job.run_id.is_(None) & Job.status.in_(ACTIVE))
     query = select(Job).where(Job.kind == "analysis", ours).order_by(Job.id.desc())
     found = session.scalars(query.limit(limit)).all()
-    builders = set(session.scalars(waiting))
+    builders = set(session.scalars(select(Job.id).where(Job.kind == "index", Job.run_id == run_id)))
     return [job for job in found if job.run_id == run_id or job.options.get("after") in builders]
 
 

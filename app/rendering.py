@@ -12,14 +12,16 @@ from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
 
 from app import charts, urls
-from app.access import admin_name, can_write
+from app.access import admin_name, can_write, login_offered
 from app.display import number, percent, visible
 from app.errors import AppError
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
 templates.env.filters.update(visible=visible, number=number, percent=percent)
-templates.env.globals.update(urls=urls, charts=charts, can_write=can_write, admin_name=admin_name)
+templates.env.globals.update(
+    urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
+)
 
 
 def wants_json(request: Request) -> bool:

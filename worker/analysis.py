@@ -37,9 +37,9 @@ RANK_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 @dataclass
 class AnalysisOptions:
-    examples: int = 4000  # held-out prefixes (Figs. 7–11)
-    keys: int = 100  # keys sampled per layer (Fig. 3)
-    triggers: int = 50  # top trigger prefixes per sampled key (Fig. 3)
+    examples: int  # held-out prefixes (Figs. 7–11); defaults: settings.analysis_*
+    keys: int  # keys sampled per layer (Fig. 3)
+    triggers: int  # top trigger prefixes per sampled key (Fig. 3)
     seed: int = 0
     batch: int = 8
     progress: bool = True
