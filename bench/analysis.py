@@ -15,15 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app import queries  # noqa: E402
 from results import RESULTS, record  # noqa: E402
 from web import default_run  # noqa: E402
 
-from app import queries  # noqa: E402
-from app.config import get_settings  # noqa: E402
-from app.db import make_engine, make_sessionmaker  # noqa: E402
-from app.models import Analysis  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from worker.analysis import AnalysisOptions, analyze  # noqa: E402
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
+from ffmem.store.models import Analysis  # noqa: E402
+from ffmem.worker.analysis_jobs import AnalysisOptions, analyze  # noqa: E402
 
 OPTIONS = AnalysisOptions(examples=1000, keys=10, triggers=10, progress=False)
 

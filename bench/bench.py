@@ -25,11 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 from results import record  # noqa: E402
 
-from app.config import get_settings  # noqa: E402
-from engine.corpus import read_corpus, tokenize  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
-from engine.projection import project_layer  # noqa: E402
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.engine.corpus import read_corpus, tokenize  # noqa: E402
+from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
+from ffmem.engine.projection import project_layer  # noqa: E402
 
 
 def batches_for(loaded, n_sentences: int, settings):

@@ -22,19 +22,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app import jobs  # noqa: E402
 from results import record  # noqa: E402
 from sqlalchemy import create_engine, delete, make_url, select, text, update  # noqa: E402
 
-from app import jobs  # noqa: E402
-from app.config import get_settings  # noqa: E402
-from app.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from app.models import Job, MinedLayerRow, Run, Shard  # noqa: E402
-from engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
-from worker.index import IndexOptions, Worker, _layers, _pad_id  # noqa: E402
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from ffmem.store.models import Job, MinedLayerRow, Run, Shard  # noqa: E402
+from ffmem.worker.index import IndexOptions, Worker, _layers, _pad_id  # noqa: E402
 
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEMA = "ffmem_bench_jobs"
-FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
+FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
 SENTENCES, SHARD_SENTENCES = 480, 120
 
 

@@ -40,13 +40,13 @@ from sqlalchemy import select
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app import queries  # noqa: E402
 from results import record  # noqa: E402
 from web import default_run, serve  # noqa: E402
 
-from app import queries  # noqa: E402
-from app.config import get_settings  # noqa: E402
-from app.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from app.models import Run, Sentence  # noqa: E402
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from ffmem.store.models import Run, Sentence  # noqa: E402
 
 MIX = {"browse": 0.6, "search": 0.2, "trace": 0.2}
 RATE_LIMIT = "1000000/minute"  # one address for every client: the limit must not be what is measured

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from app import queries
-from app.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store import queries
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 
 
 def main() -> None:

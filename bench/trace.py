@@ -1,10 +1,10 @@
 """Live view speed (a benchmark, not a test): `make bench` runs it after web.py.
 
-1. Engine, in one process, interleaved: a trace of a 32-token prompt (`engine.trace.trace`: the
+1. Engine, in one process, interleaved: a trace of a 32-token prompt (`ffmem.engine.trace.trace`: the
    forward pass with every layer captured, the readouts of r, y and o at the position, memories,
    heatmaps) over a bare forward pass of the same prompt (`model(ids)`); p50 and p95 of each and
    the ratio of the p50s (target ≤ 1.3). The process keeps freed memory as `ffmem worker` does
-   (engine/allocator.py); without it each trace pays ~11K page faults for its logits.
+   (ffmem/engine/allocator.py); without it each trace pays ~11K page faults for its logits.
 2. Through the app: `ffmem serve` (which starts the live worker) on the default index;
    /m/{model}/trace.json for the same prompt, one at a time: wall and server time p50 / p95.
 3. A burst of 20 concurrent traces, and an overload of 64: how many were answered (200), how many
@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 from web import default_run, percentiles, serve, server_ms  # noqa: E402
 
-from app.config import get_settings  # noqa: E402
-from engine.allocator import keep_freed_memory  # noqa: E402
-from engine.corpus import read_corpus  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from engine.trace import trace  # noqa: E402
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
+from ffmem.engine.corpus import read_corpus  # noqa: E402
+from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.engine.trace import trace  # noqa: E402
 
 PROMPT_TOKENS, ROUNDS, BURST, OVERLOAD = 32, 60, 20, 64
 

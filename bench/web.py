@@ -26,15 +26,15 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app import queries  # noqa: E402
 from results import record  # noqa: E402
 
-from app import queries  # noqa: E402
-from app.config import get_settings  # noqa: E402
-from app.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 
 SAMPLES = 300
 CLIENTS, SECONDS = 32, 20.0
-FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
+FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
 
 
 def default_run(url: str) -> tuple[str, int, int]:

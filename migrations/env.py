@@ -1,6 +1,6 @@
-"""Alembic environment: migrates the connection app.db.upgrade passes in, or the URL given to `alembic`.
+"""Alembic environment: migrates the connection ffmem.store.db.upgrade passes in, or the URL given to `alembic`.
 
-URL order: config.attributes["connection"] (app.db.upgrade), config.attributes["url"], `-x url=...`,
+URL order: config.attributes["connection"] (ffmem.store.db.upgrade), config.attributes["url"], `-x url=...`,
 sqlalchemy.url in alembic.ini, then ffmem's settings (FFMEM_DATABASE_URL).
 """
 
@@ -11,7 +11,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-from app.models import Base
+from ffmem.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -28,7 +28,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from app.config import get_settings
+    from ffmem.config import get_settings
 
     return get_settings().database_url
 
@@ -74,7 +74,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _migrate(connection)
         return
-    from app.db import make_engine
+    from ffmem.store.db import make_engine
 
     engine = make_engine(_url())
     try:

@@ -13,7 +13,7 @@ import os
 import pytest
 from sqlalchemy import create_engine, make_url, text
 
-from app.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 
 POSTGRES_URL = os.environ.get("FFMEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

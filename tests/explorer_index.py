@@ -8,9 +8,9 @@ import pytest
 from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
-from app.db import make_engine, make_sessionmaker, upgrade
-from app.models import LanguageModel
-from worker.index import IndexOptions, build_index
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import LanguageModel
+from ffmem.worker.index import IndexOptions, build_index
 
 HOSTILE = [
     "Some wrote <script>alert(1)</script> into the page.",

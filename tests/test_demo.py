@@ -36,7 +36,7 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
         FFMEM_SHARD_SENTENCES="8",
         FFMEM_WORKER_URL=f"http://127.0.0.1:{worker_port}",
     )
-    command = [sys.executable, "-c", "from app.cli import main; main()", "demo", "--port", str(port)]
+    command = [sys.executable, "-c", "from ffmem.cli import main; main()", "demo", "--port", str(port)]
     demo = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -11,8 +11,8 @@ import pytest
 import typer
 import yaml
 
-from app.cli import cli
-from app.config import Settings
+from ffmem.cli import cli
+from ffmem.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -8,15 +8,15 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from app import queries
-from app.config import get_settings
-from app.db import make_engine, make_sessionmaker, upgrade
-from app.models import Run, Sentence, Token
-from engine import loading
-from engine.hooks import capture
-from engine.loading import dequantized_folder, embedded_gguf, load_model
-from engine.trace import trace
-from worker.index import IndexOptions, build_index
+from ffmem.config import get_settings
+from ffmem.engine import loading
+from ffmem.engine.hooks import capture
+from ffmem.engine.loading import dequantized_folder, embedded_gguf, load_model
+from ffmem.engine.trace import trace
+from ffmem.store import queries
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Run, Sentence, Token
+from ffmem.worker.index import IndexOptions, build_index
 
 pytestmark = pytest.mark.smollm2
 

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.loading import LoadedModel, load_model
+from ffmem.engine.loading import LoadedModel, load_model
 
 TRAINING_TEXT = [
     "The capital of France is Paris.",

@@ -1,4 +1,4 @@
-"""Write access (app/access.py): browsing is open; every write needs the admin token (a header or the
+"""Write access (ffmem/web/access.py): browsing is open; every write needs the admin token (a header or the
 signed cookie of /login) — or, without a token, a server bound to 127.0.0.1; read-only refuses all."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from app.config import Settings
-from app.main import create_app
-from app.models import Job, Label, Run, Trigger
+from ffmem.config import Settings
+from ffmem.store.models import Job, Label, Run, Trigger
+from ffmem.web.main import create_app
 
 TOKEN = "s3cret-token"
 LABEL = {"pattern": "ends with a city", "tag": "semantic"}

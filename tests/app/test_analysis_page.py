@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from app.config import Settings
-from app.main import create_app
+from ffmem.config import Settings
+from ffmem.web.main import create_app
 
 
 def test_a_run_without_analyses_says_how_to_compute_them(explorer_db, slug):

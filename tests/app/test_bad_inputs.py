@@ -24,11 +24,11 @@ from fastapi.testclient import TestClient
 from markupsafe import escape
 from sqlalchemy import MetaData, select
 
-from app.config import Settings
-from app.live import LiveWorker
-from app.main import create_app
-from app.models import Job, Run
-from worker.live import Live, create_live_app
+from ffmem.config import Settings
+from ffmem.store.models import Job, Run
+from ffmem.web.main import create_app
+from ffmem.web.worker_client import LiveWorker
+from ffmem.worker.live_server import Live, create_live_app
 
 # name → the value as it goes on the wire (already percent-encoded)
 BAD = {
@@ -364,8 +364,8 @@ def test_a_corpus_the_server_sees_is_checked_before_queueing(app, client, tmp_pa
 def test_a_corpus_only_the_workers_could_see_fails_its_job_readably(app, client, tiny, tmp_path):
     """The web server may not see the workers' files: a path it does not see is queued, and the worker
     that cannot read it fails the job with the reason, shown on the job's page."""
-    from engine.corpus import CorpusError
-    from worker.index import IndexOptions, Worker
+    from ffmem.engine.corpus import CorpusError
+    from ffmem.worker.index import IndexOptions, Worker
 
     missing = tmp_path / "on-the-workers.txt"
     queued = start(client, str(missing))

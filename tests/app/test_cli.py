@@ -6,10 +6,10 @@ import pytest
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
-from app.cli import cli
-from app.config import get_settings
-from app.db import make_engine, make_sessionmaker
-from app.models import Run, Trigger
+from ffmem.cli import cli
+from ffmem.config import get_settings
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import Run, Trigger
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +103,7 @@ def test_unreachable_postgres_is_a_clear_error():
 
 
 def test_trace_command_prints_the_breakdown(tiny, tiny_model_dir):
-    from engine.trace import trace
+    from ffmem.engine.trace import trace
 
     result = CliRunner().invoke(
         cli,
@@ -160,7 +160,7 @@ def test_worker_answers_live_traces_over_http(tmp_path, tiny_model_dir):
     command = [
         sys.executable,
         "-c",
-        "from app.cli import main; main()",
+        "from ffmem.cli import main; main()",
         "worker",
         "--db",
         f"sqlite:///{tmp_path / 'w.db'}",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.config import Settings
+from ffmem.config import Settings
 
 
 def test_every_setting_is_documented():

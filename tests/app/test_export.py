@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
-from app.cli import cli
-from app.models import KeyStats, Label, Run, Trigger, ValueToken
+from ffmem.cli import cli
+from ffmem.store.models import KeyStats, Label, Run, Trigger, ValueToken
 
 
 def _jsonl(path) -> list[dict]:
@@ -108,7 +108,7 @@ def test_parquet_types_a_column_that_is_null_in_its_first_chunk(tmp_path, monkey
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from app import export
+    from ffmem.store import export
 
     monkeypatch.setattr(export, "CHUNK", 2)
     rows = [{"key": i, "shallowness": None, "next_token_rank": None} for i in range(2)]

@@ -28,11 +28,11 @@ from schemathesis.specs.openapi.checks import (
 )
 from sqlalchemy import select
 
-from app.config import Settings
-from app.live import LiveWorker
-from app.main import create_app
-from app.models import Job
-from worker.live import Live, create_live_app
+from ffmem.config import Settings
+from ffmem.store.models import Job
+from ffmem.web.main import create_app
+from ffmem.web.worker_client import LiveWorker
+from ffmem.worker.live_server import Live, create_live_app
 
 EXAMPLES = int(os.environ.get("FFMEM_FUZZ_EXAMPLES", "20"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -150,7 +150,7 @@ def test_a_job_number_past_32_bits_is_a_400_not_an_overflow(client, method, url)
 
 ERROR_BODY = {
     "additionalProperties": False,
-    "description": "The one error shape of `.json` paths (app/errors.py).",
+    "description": "The one error shape of `.json` paths (ffmem/web/errors.py).",
     "properties": {
         "ok": {"const": False, "description": "Always false on an error.", "title": "Ok", "type": "boolean"},
         "error": {
@@ -195,7 +195,7 @@ def test_every_operation_documents_its_errors_in_the_one_shape():
 
 
 def test_the_document_does_not_advertise_fastapis_422():
-    """The app answers malformed input with a 400 (app/errors.py), never FastAPI's 422."""
+    """The app answers malformed input with a 400 (ffmem/web/errors.py), never FastAPI's 422."""
     app = create_app(Settings(database_url="sqlite://"))
     with TestClient(app) as client:
         document = client.get("/openapi.json").json()  # the document served

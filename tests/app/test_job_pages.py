@@ -6,11 +6,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from app import jobs
-from app.config import Settings
-from app.db import make_engine, make_sessionmaker
-from app.main import create_app
-from app.models import Job, Run, Shard
+from ffmem.config import Settings
+from ffmem.store import jobs
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import Job, Run, Shard
+from ffmem.web.main import create_app
 
 JOB_FIELDS = {
     "id",
@@ -115,7 +115,7 @@ def test_unknown_job_and_retry_rules(client, app_for):
 def test_progress_of_a_running_run(db_url, tiny, tiny_model_dir, tmp_path):
     from explorer_index import EXPLORER_SENTENCES
 
-    from worker.index import IndexOptions, build_index
+    from ffmem.worker.index import IndexOptions, build_index
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(EXPLORER_SENTENCES[:7] * 4) + "\n")  # 28 sentences, shards of 8

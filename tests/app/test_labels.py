@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from app.config import Settings
-from app.main import create_app
-from app.models import Label
+from ffmem.config import Settings
+from ffmem.store.models import Label
+from ffmem.web.main import create_app
 
 
 @pytest.fixture

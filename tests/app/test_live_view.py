@@ -12,14 +12,14 @@ import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app.config import Settings
-from app.live import LiveWorker
-from app.main import create_app
-from app.models import Run, Sentence, Token, Trigger, ValueToken
-from engine.intervene import intervene
-from engine.interventions import Intervention
-from engine.trace import trace
-from worker.live import Live, LiveError, create_live_app
+from ffmem.config import Settings
+from ffmem.engine.edited_forward import intervene
+from ffmem.engine.interventions import Intervention
+from ffmem.engine.trace import trace
+from ffmem.store.models import Run, Sentence, Token, Trigger, ValueToken
+from ffmem.web.main import create_app
+from ffmem.web.worker_client import LiveWorker
+from ffmem.worker.live_server import Live, LiveError, create_live_app
 
 PROMPT = "The capital of France is"  # 15 tokens of the tiny tokenizer
 pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")

@@ -1,4 +1,4 @@
-"""The migrations build exactly app.models' schema, on SQLite and Postgres, and re-running them is a no-op."""
+"""The migrations build exactly ffmem.store.models' schema, on SQLite and Postgres, and re-running them is a no-op."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
-from app.db import MIGRATIONS, make_engine, upgrade
-from app.models import Base
+from ffmem.store.db import MIGRATIONS, make_engine, upgrade
+from ffmem.store.models import Base
 
 
 def _head() -> str:

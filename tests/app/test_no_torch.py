@@ -13,8 +13,8 @@ import pytest
 
 def test_the_web_app_and_its_pages_do_not_import_torch():
     probe = (
-        "import sys; from app.main import create_app; from app.config import Settings; "
-        "import app.pages, app.provisional, app.jobs, app.routes.jobs; "
+        "import sys; from ffmem.web.main import create_app; from ffmem.config import Settings; "
+        "import ffmem.web.pages, ffmem.store.provisional, ffmem.store.jobs, ffmem.web.routes.jobs; "
         "create_app(Settings(database_url='sqlite:///:memory:')); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
@@ -48,7 +48,7 @@ def test_what_the_web_process_imports_is_a_runtime_dependency():
     root = Path(__file__).resolve().parents[2]
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     probe = (
-        "import sys; from app.main import create_app; from app.config import Settings; import app.cli; "
+        "import sys; from ffmem.web.main import create_app; from ffmem.config import Settings; import ffmem.cli; "
         "create_app(Settings(database_url='sqlite:///:memory:')); print(' '.join(sorted(sys.modules)))"
     )
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

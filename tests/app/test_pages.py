@@ -12,11 +12,11 @@ from explorer_index import HOSTILE
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app import queries
-from app.config import Settings
-from app.display import visible
-from app.main import create_app
-from app.models import KeyStats, Run, Sentence, Token, Trigger, ValueToken
+from ffmem.config import Settings
+from ffmem.store import queries
+from ffmem.store.models import KeyStats, Run, Sentence, Token, Trigger, ValueToken
+from ffmem.web.display import visible
+from ffmem.web.main import create_app
 
 TRIGGER_FIELDS = {
     "rank",
@@ -410,7 +410,7 @@ def test_odd_queries_are_answered(client, slug, q):
 
 
 def test_no_models_yet(tmp_path):
-    from app.db import upgrade
+    from ffmem.store.db import upgrade
 
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     upgrade(url)

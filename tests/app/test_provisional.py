@@ -8,13 +8,13 @@ from explorer_index import EXPLORER_SENTENCES
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app import jobs
-from app.config import Settings
-from app.db import make_engine, make_sessionmaker
-from app.main import create_app
-from app.models import LanguageModel
-from engine.mining import MiningState, mine_batches, shard_batches
-from worker.index import IndexOptions, Worker
+from ffmem.config import Settings
+from ffmem.engine.mining import MiningState, mine_batches, shard_batches
+from ffmem.store import jobs
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import LanguageModel
+from ffmem.web.main import create_app
+from ffmem.worker.index import IndexOptions, Worker
 
 
 def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_path):

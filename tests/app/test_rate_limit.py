@@ -1,4 +1,4 @@
-"""Per-client rate limits on the live routes (app/ratelimit.py), on the tiny index and a real live worker
+"""Per-client rate limits on the live routes (ffmem/web/ratelimit.py), on the tiny index and a real live worker
 in-process: the request past the limit is a 429 with Retry-After in the one error shape (the trace form
 with the notice on the page), other clients and the browse pages are unaffected, the window frees
 again. The `limits` library's clock is frozen where the numbers are checked exactly."""
@@ -17,13 +17,13 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-import app.ratelimit
-from app.cli import cli
-from app.config import Settings, get_settings
-from app.live import LiveWorker
-from app.main import create_app
-from app.ratelimit import LiveLimit
-from worker.live import Live, create_live_app
+import ffmem.web.ratelimit
+from ffmem.cli import cli
+from ffmem.config import Settings, get_settings
+from ffmem.web.main import create_app
+from ffmem.web.ratelimit import LiveLimit
+from ffmem.web.worker_client import LiveWorker
+from ffmem.worker.live_server import Live, create_live_app
 
 PROMPT = "The capital of France is"
 pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
@@ -76,7 +76,7 @@ def clock(monkeypatch):
     clock = SimpleNamespace(now=float(int(time.time())))
     frozen = SimpleNamespace(time=lambda: clock.now)
     monkeypatch.setattr(limits.storage.memory, "time", frozen)
-    monkeypatch.setattr(app.ratelimit, "time", frozen)
+    monkeypatch.setattr(ffmem.web.ratelimit, "time", frozen)
     return clock
 
 
@@ -217,7 +217,7 @@ def test_serve_tells_uvicorn_which_proxies_to_trust(tmp_path, monkeypatch, optio
 
     started = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: started.update(options))
-    monkeypatch.setattr("app.cli.signal.signal", lambda *args: None)
+    monkeypatch.setattr("ffmem.cli.signal.signal", lambda *args: None)
     monkeypatch.delenv("FFMEM_FORWARDED_ALLOW_IPS", raising=False)
     get_settings.cache_clear()
     url = f"sqlite:///{tmp_path / 'serve.db'}"

@@ -1,4 +1,4 @@
-"""Deleting an index run (a write: app/access.py guards it) takes its rows and its jobs, not its labels;
+"""Deleting an index run (a write: ffmem/web/access.py guards it) takes its rows and its jobs, not its labels;
 a run being built cannot be deleted. (Its own module: it rebuilds the database, the explorer index is
 module-wide.)"""
 
@@ -7,19 +7,19 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from app import jobs
-from app.config import Settings
-from app.main import create_app
-from app.models import Job, Run, Trigger
+from ffmem.config import Settings
+from ffmem.store import jobs
+from ffmem.store.models import Job, Run, Trigger
+from ffmem.web.main import create_app
 
 
 def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tmp_path):
     from sqlalchemy import update
     from tiny_models import TRAINING_TEXT
 
-    from app.db import make_engine, make_sessionmaker
-    from app.models import KeyStats, LanguageModel, ValueToken
-    from worker.index import IndexOptions, build_index
+    from ffmem.store.db import make_engine, make_sessionmaker
+    from ffmem.store.models import KeyStats, LanguageModel, ValueToken
+    from ffmem.worker.index import IndexOptions, build_index
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TRAINING_TEXT) + "\n")

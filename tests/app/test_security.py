@@ -18,11 +18,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, make_url, select
 from sqlalchemy.exc import OperationalError
 
-from app.config import Settings
-from app.db import DatabaseError, Retry, make_engine, upgrade
-from app.main import create_app
-from app.models import Job, Label
-from app.security import RequestLimits
+from ffmem.config import Settings
+from ffmem.store.db import DatabaseError, Retry, make_engine, upgrade
+from ffmem.store.models import Job, Label
+from ffmem.web.main import create_app
+from ffmem.web.security import RequestLimits
 
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; style-src-elem 'self' "

@@ -1,4 +1,4 @@
-"""Every write in app.queries round-trips exactly, on SQLite and Postgres."""
+"""Every write in ffmem.store.queries round-trips exactly, on SQLite and Postgres."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from app import queries
-from app.models import KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+from ffmem.store import queries
+from ffmem.store.models import KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
 
 MODEL = dict(
     slug="tiny",

@@ -12,13 +12,13 @@ from browser_fixtures import serving
 from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
-from app.config import Settings
-from app.db import make_engine, make_sessionmaker, upgrade
-from app.main import create_app
-from app.models import Job, LanguageModel
-from worker.analysis import AnalysisOptions, analyze
-from worker.index import IndexOptions, build_index
-from worker.live import Live, create_live_app
+from ffmem.config import Settings
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Job, LanguageModel
+from ffmem.web.main import create_app
+from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
+from ffmem.worker.index import IndexOptions, build_index
+from ffmem.worker.live_server import Live, create_live_app
 
 HELD_OUT = [
     "The river flows into the sea.",

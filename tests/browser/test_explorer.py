@@ -10,10 +10,10 @@ import pytest
 from browser_fixtures import serving
 from sqlalchemy import select
 
-from app.config import Settings
-from app.db import make_engine, make_sessionmaker
-from app.main import create_app
-from app.models import LanguageModel, Token, ValueToken
+from ffmem.config import Settings
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import LanguageModel, Token, ValueToken
+from ffmem.web.main import create_app
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import pytest
 from browser_fixtures import ARTIFACTS, serving
 from sqlalchemy import select
 
-from app.config import Settings
-from app.db import make_engine, make_sessionmaker
-from app.main import create_app
-from app.models import LanguageModel
-from worker.live import Live, create_live_app
+from ffmem.config import Settings
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import LanguageModel
+from ffmem.web.main import create_app
+from ffmem.worker.live_server import Live, create_live_app
 
 PROMPT = "The capital of France is"
 HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(1)>'

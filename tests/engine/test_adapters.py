@@ -38,12 +38,12 @@ from transformers import (
 )
 from transformers.activations import ACT2FN
 
-from engine.adapters import ADAPTERS, UnsupportedArchitecture, adapter_for
-from engine.adapters.base import resolve
-from engine.hooks import Captured, capture
-from engine.loading import LoadedModel
-from engine.projection import norm_parts, value_logits
-from engine.trace import trace
+from ffmem.engine.adapters import ADAPTERS, UnsupportedArchitecture, adapter_for
+from ffmem.engine.adapters.base import resolve
+from ffmem.engine.hooks import Captured, capture
+from ffmem.engine.loading import LoadedModel
+from ffmem.engine.projection import norm_parts, value_logits
+from ffmem.engine.trace import trace
 
 VOCAB, D, D_FF, LAYERS, HEADS = 128, 32, 64, 2, 4
 BATCH, POS = 2, 6

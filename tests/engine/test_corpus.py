@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine.corpus import CorpusError, read_corpus, tokenize
-from engine.corpus_files import MAX_LINE_CHARS
+from ffmem.engine.corpus import CorpusError, read_corpus, tokenize
+from ffmem.engine.text_files import MAX_LINE_CHARS
 
 USE = "pass wiki-vital, a UTF-8 .txt file or a .jsonl file"
 

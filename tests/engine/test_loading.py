@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loading import ModelLoadError, load_model, resolve_dtype, slugify
+from ffmem.engine.loading import ModelLoadError, load_model, resolve_dtype, slugify
 
 
 def test_local_folder_loads_with_its_adapter(tiny, tiny_model_dir):

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from engine.corpus import length_bucketed_batches
-from engine.hooks import capture
-from engine.mined import MinedLayer
-from engine.mining import MiningState, histogram_bins, histogram_edges, mine_batches, shard_batches
+from ffmem.engine.corpus import length_bucketed_batches
+from ffmem.engine.hooks import capture
+from ffmem.engine.mined_layer import MinedLayer
+from ffmem.engine.mining import MiningState, histogram_bins, histogram_edges, mine_batches, shard_batches
 
 TOP_K = 5
 

@@ -7,12 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cases import case_of
-from engine.hooks import capture
-from engine.intervene import generate, intervene
-from engine.interventions import Intervention, InterventionError, format_interventions, parse_interventions
-from engine.projection import value_logits
-from engine.trace import ablation, trace
+from ffmem.engine.cases import case_of
+from ffmem.engine.edited_forward import generate, intervene
+from ffmem.engine.hooks import capture
+from ffmem.engine.interventions import (
+    Intervention,
+    InterventionError,
+    format_interventions,
+    parse_interventions,
+)
+from ffmem.engine.projection import value_logits
+from ffmem.engine.trace import ablation, trace
 
 PROMPT = "The capital of France is Paris, a city on the Seine"
 TOL = 1e-4
@@ -211,7 +216,7 @@ def test_workers_ask_glibc_to_keep_freed_memory():
     bench/trace.py, not here: whether one freed block is reused at once depends on the allocator's state."""
     import platform
 
-    from engine.allocator import keep_freed_memory
+    from ffmem.engine.allocator import keep_freed_memory
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")

@@ -1,5 +1,5 @@
 """`ffmem analyze` on a tiny index whose corpus holds more sentences than the run mined: every stored
-number equals engine.analysis on the same held-out prefixes and trigger prefixes, or a direct count."""
+number equals ffmem.engine.analyses on the same held-out prefixes and trigger prefixes, or a direct count."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 from sqlalchemy import func, select
 from tiny_models import TRAINING_TEXT
 
-from app import queries
-from app.db import make_engine, make_sessionmaker
-from app.models import Analysis, Job, KeyStats, Run
-from engine.analysis import census, token_removal
-from engine.corpus import tokenize
-from worker.analysis import value_top_tokens
-from worker.index import IndexOptions, build_index
+from ffmem.engine.analyses import census, token_removal
+from ffmem.engine.corpus import tokenize
+from ffmem.store import queries
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import Analysis, Job, KeyStats, Run
+from ffmem.worker.analysis_jobs import value_top_tokens
+from ffmem.worker.index import IndexOptions, build_index
 
 MORE = ["The river flows into the sea.", "Rome was not built in a day.", "Light travels faster than sound."]
 
@@ -120,8 +120,8 @@ def _close(value):
 def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
     from fastapi.testclient import TestClient
 
-    from app.config import Settings
-    from app.main import create_app
+    from ffmem.config import Settings
+    from ffmem.web.main import create_app
 
     sessions, run_id, _ = analyzed
     with sessions() as session:
@@ -163,9 +163,9 @@ def _tiny_options(tiny_corpus, tmp_path, sentences):
 def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url, tiny, tmp_path):
     from datetime import timedelta
 
-    from app import jobs
-    from engine.errors import FfmemError
-    from worker.index import Worker
+    from ffmem.engine.errors import FfmemError
+    from ffmem.store import jobs
+    from ffmem.worker.index import Worker
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TRAINING_TEXT) + "\n")
@@ -207,8 +207,8 @@ def test_an_analysis_that_lost_its_job_stops(db_url, tiny, tmp_path):
 
     from sqlalchemy import update
 
-    from app import jobs
-    from worker.index import LostLease, Worker
+    from ffmem.store import jobs
+    from ffmem.worker.index import LostLease, Worker
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TRAINING_TEXT + MORE) + "\n")

@@ -10,13 +10,13 @@ import torch
 from sqlalchemy import func, select
 from tiny_models import TRAINING_TEXT
 
-from app import queries
-from app.db import make_engine, make_sessionmaker
-from app.models import Job, KeyStats, MinedLayerRow, Run, Sentence, Shard, Trigger, ValueToken
-from engine import mining
-from engine.hooks import capture
-from engine.projection import value_logits
-from worker.index import IndexOptions, build_index
+from ffmem.engine import mining
+from ffmem.engine.hooks import capture
+from ffmem.engine.projection import value_logits
+from ffmem.store import queries
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import Job, KeyStats, MinedLayerRow, Run, Sentence, Shard, Trigger, ValueToken
+from ffmem.worker.index import IndexOptions, build_index
 
 SENTENCES = [*TRAINING_TEXT, "Café culture <script>alert(1)</script> spread across Europe."]
 
@@ -142,7 +142,7 @@ def stored_rows(session, run_id: int) -> tuple[list, list, list]:
 def test_a_crashed_index_resumes_from_its_checkpoint(
     tmp_path, tiny, tiny_model_dir, corpus_file, monkeypatch
 ):
-    from app.db import upgrade
+    from ffmem.store.db import upgrade
 
     urls = [f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db")]
     for url in urls:
@@ -161,7 +161,7 @@ def test_a_crashed_index_resumes_from_its_checkpoint(
             raise KeyboardInterrupt("simulated crash")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("worker.index.mine_batches", crash_on_fifth_batch)
+    monkeypatch.setattr("ffmem.worker.index.mine_batches", crash_on_fifth_batch)
     with pytest.raises(KeyboardInterrupt):
         build_index(
             options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2), crashed, loaded=tiny
@@ -169,7 +169,7 @@ def test_a_crashed_index_resumes_from_its_checkpoint(
     with crashed() as session:
         shard = session.scalars(select(Shard).where(Shard.status != "done")).first()
         assert shard.batches_done >= 2 and session.scalars(select(Job.status)).one() == "running"
-    monkeypatch.setattr("worker.index.mine_batches", real)
+    monkeypatch.setattr("ffmem.worker.index.mine_batches", real)
     resumed = build_index(
         options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2), crashed, loaded=tiny
     )

@@ -14,12 +14,12 @@ import pytest
 from sqlalchemy import select
 from test_index import SENTENCES, options, stored_rows
 
-from app import jobs
-from app.db import make_engine, make_sessionmaker, upgrade
-from app.models import Job, Run, Shard
-from worker.index import build_index
+from ffmem.store import jobs
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Job, Run, Shard
+from ffmem.worker.index import build_index
 
-FFMEM = [sys.executable, "-c", "from app.cli import main; main()"]
+FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_a_failed_run_keeps_its_error_and_a_retry_finishes_it(
     def broken(*args, **kwargs):
         raise ValueError("the device fell over")
 
-    monkeypatch.setattr("worker.index.mine_batches", broken)
+    monkeypatch.setattr("ffmem.worker.index.mine_batches", broken)
     with pytest.raises(ValueError, match="fell over"):
         build_index(options(tiny_model_dir, corpus, tmp_path), sessions, loaded=tiny)
     with sessions() as session:
@@ -258,6 +258,6 @@ def test_a_lapsed_lease_passes_the_shard_to_another_worker(db_url, tiny, tiny_mo
 
 
 def jobs_worker(sessions, chosen, tiny, name):
-    from worker.index import Worker
+    from ffmem.worker.index import Worker
 
     return Worker(sessions, chosen, loaded=tiny, name=name)

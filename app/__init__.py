@@ -1,1 +1,0 @@
-"""ffmem's web process and its database layer: reads the index database, never imports torch."""

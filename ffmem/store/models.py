@@ -1,0 +1,305 @@
+"""SQLAlchemy 2 tables: what an index run stores, and nothing that needs torch to read.
+
+Layers and keys are 0-based, as in the engine. A run's triggers reference sentences by
+(corpus, index); sentences are stored once per corpus tokenization, as token ids with the
+character offsets of each token, so the web process can render prefixes without a tokenizer.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
+
+
+class Base(DeclarativeBase):
+    """Declarative base; constraints get stable names so Alembic (and SQLite batch mode) can alter them."""
+
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+
+
+class LanguageModel(Base):
+    """A causal LM whose FF memories were indexed; `slug` is its URL name (e.g. smollm2-135m)."""
+
+    __tablename__ = "language_models"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    slug: Mapped[str] = mapped_column(String(200), unique=True)
+    source: Mapped[str] = mapped_column(Text)  # HF id, local folder or .gguf path as given
+    revision: Mapped[str | None] = mapped_column(String(200))  # commit hash or file sha256
+    architecture: Mapped[str] = mapped_column(String(200))  # HF class name
+    family: Mapped[str] = mapped_column(String(50))  # adapter family
+    n_layers: Mapped[int] = mapped_column(Integer)
+    n_keys: Mapped[int] = mapped_column(Integer)  # memories per layer (d_ff)
+    d_model: Mapped[int] = mapped_column(Integer)
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    activation: Mapped[str] = mapped_column(String(50))
+    gated: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    # The database cascades the delete (ON DELETE CASCADE); the ORM must not null model_id first.
+    runs: Mapped[list[Run]] = relationship(
+        back_populates="model", order_by="Run.id", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Token(Base):
+    """One vocabulary entry: `text` is the decoded string, `piece` the tokenizer's raw piece."""
+
+    __tablename__ = "tokens"
+
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("language_models.id", ondelete="CASCADE"), primary_key=True
+    )
+    token_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    text: Mapped[str] = mapped_column(Text)
+    piece: Mapped[str] = mapped_column(Text)
+
+
+class Corpus(Base):
+    """A corpus as tokenized for one tokenizer: same source, tokenizer and limits → same rows."""
+
+    __tablename__ = "corpora"
+    __table_args__ = (UniqueConstraint("fingerprint"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))  # wiki-vital, or the file name
+    source: Mapped[str] = mapped_column(Text)  # where it was read from
+    source_sha256: Mapped[str] = mapped_column(String(64))
+    fingerprint: Mapped[str] = mapped_column(String(64))  # sha256 of source hash, tokenizer, limits
+    tokenizer: Mapped[str] = mapped_column(String(200))
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    n_sentences: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    skipped: Mapped[dict] = mapped_column(JSON)  # {"invalid_utf8": n, "empty": n, ...}
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Sentence(Base):
+    """One corpus sentence: its text, token ids, and each token's [start, end) character span."""
+
+    __tablename__ = "sentences"
+
+    corpus_id: Mapped[int] = mapped_column(ForeignKey("corpora.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    text: Mapped[str] = mapped_column(Text)
+    token_ids: Mapped[list[int]] = mapped_column(JSON)
+    offsets: Mapped[list[list[int]]] = mapped_column(JSON)
+    first_position: Mapped[int] = mapped_column(SmallInteger)  # first mined position (1 after a BOS)
+
+
+class Run(Base):
+    """One index run of a model over a corpus, with its provenance."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("language_models.id", ondelete="CASCADE"))
+    corpus_id: Mapped[int] = mapped_column(ForeignKey("corpora.id"))
+    status: Mapped[str] = mapped_column(String(20))  # running | done | failed
+    top_k: Mapped[int] = mapped_column(Integer)
+    n_value_tokens: Mapped[int] = mapped_column(Integer)
+    n_sentences: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(Integer)  # positions mined
+    dtype: Mapped[str] = mapped_column(String(20))
+    device: Mapped[str] = mapped_column(String(50))
+    package_version: Mapped[str] = mapped_column(String(50))
+    provenance: Mapped[dict] = mapped_column(JSON)  # model source/hash, corpus name/hash, versions …
+    histogram_edges: Mapped[list[float]] = mapped_column(JSON)  # bin edges shared by every key
+    error: Mapped[dict | None] = mapped_column(JSON)  # {type, message, traceback}
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    model: Mapped[LanguageModel] = relationship(back_populates="runs")
+    corpus: Mapped[Corpus] = relationship()
+
+
+class Trigger(Base):
+    """A trigger prefix: sentence `sentence_index` up to and including `position`.
+
+    sign +1: the key's top-T sentences by maximum coefficient; sign -1: by minimum (most negative).
+    """
+
+    __tablename__ = "triggers"
+    # Search walks one sentence's strongest triggers straight off this index (0002 added its tail).
+    __table_args__ = (
+        Index("ix_triggers_sentence", "run_id", "sentence_index", "sign", "coefficient", "position"),
+    )
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sign: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # 0 = strongest
+    sentence_index: Mapped[int] = mapped_column(Integer)
+    position: Mapped[int] = mapped_column(SmallInteger)
+    coefficient: Mapped[float] = mapped_column(Float)
+
+
+class ValueToken(Base):
+    """One of a value's top (`direction` +1) or bottom (-1) tokens under one readout.
+
+    readout "raw": v·Eᵀ (the paper's); "norm": lm_head(final_norm(v)), the model's own logit path.
+    `prob` is the softmax over the full vocabulary.
+    """
+
+    __tablename__ = "value_tokens"
+    __table_args__ = (Index("ix_value_tokens_token", "run_id", "readout", "token_id"),)
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    readout: Mapped[str] = mapped_column(String(8), primary_key=True)
+    direction: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    token_id: Mapped[int] = mapped_column(Integer)
+    logit: Mapped[float] = mapped_column(Float)
+    prob: Mapped[float] = mapped_column(Float)
+
+
+class KeyStats(Base):
+    """Per-key statistics over every mined position of the run."""
+
+    __tablename__ = "key_stats"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    mean: Mapped[float] = mapped_column(Float)
+    positive_share: Mapped[float] = mapped_column(Float)  # share of positions with m_i > 0
+    max_coefficient: Mapped[float | None] = mapped_column(Float)
+    min_coefficient: Mapped[float | None] = mapped_column(Float)
+    value_norm: Mapped[float] = mapped_column(Float)  # ‖v_i‖
+    histogram: Mapped[list[int]] = mapped_column(JSON)  # counts per bin of Run.histogram_edges
+    # Added in 0002; NULL for runs stored before it.
+    density: Mapped[float | None] = mapped_column(Float)  # share of positions near the peak |m|
+    max_prob: Mapped[float | None] = mapped_column(Float)  # the value's top raw probability
+    agreement: Mapped[int | None] = mapped_column(
+        Integer
+    )  # positive triggers whose next token is a top token
+    next_token_rank: Mapped[int | None] = mapped_column(Integer)  # raw rank of the top trigger's next token
+    # Added in 0004, set by `ffmem analyze` for the keys it samples (Fig. 3), else NULL: the mean relative
+    # change of the coefficient on the top triggers without their first / last token, and the shallowness
+    # (−last, clipped to 0–1: 1 = it all hinges on the last token).
+    first_token_change: Mapped[float | None] = mapped_column(Float)
+    last_token_change: Mapped[float | None] = mapped_column(Float)
+    shallowness: Mapped[float | None] = mapped_column(Float)
+
+
+class Job(Base):
+    """A piece of work for the workers, queued until claimed: an index run ("index") or the paper's
+    analyses of a finished run ("analysis"; its `run_id` is set once that run is done).
+
+    The same options give the same `fingerprint`: running the same `ffmem index` again finds the
+    unfinished job and resumes its run instead of starting over.
+    """
+
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20), index=True)  # queued | running | done | failed
+    options: Mapped[dict] = mapped_column(JSON)
+    fingerprint: Mapped[str] = mapped_column(String(64), index=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    worker: Mapped[str | None] = mapped_column(String(200))  # who prepares or finishes the run
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    attempts: Mapped[int] = mapped_column(Integer)
+    error: Mapped[dict | None] = mapped_column(JSON)  # {type, message, traceback}
+    progress: Mapped[dict | None] = mapped_column(JSON)  # analyses: {stage, done, total}
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    run: Mapped[Run | None] = relationship()
+
+
+class Shard(Base):
+    """Sentences [start, stop) of a run's corpus: the unit workers claim (with a lease), checkpoint and merge.
+
+    Its checkpoint (MinedLayer rows under its index) holds the state after `batches_done` batches;
+    when the shard is done it is merged into the run's snapshot (rows under shard −1) and dropped.
+    """
+
+    __tablename__ = "shards"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    start: Mapped[int] = mapped_column(Integer)
+    stop: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(20))  # pending | running | done (merged)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    batches_done: Mapped[int] = mapped_column(Integer)  # batches in the checkpoint
+    sentences_done: Mapped[int] = mapped_column(Integer)  # progress, also past the checkpoint
+    tokens_done: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # first claimed
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class MinedLayerRow(Base):
+    """One layer of a mining state (ffmem.engine.mined_layer.MinedLayer as bytes): a running shard's checkpoint
+    (`shard` ≥ 0) or the run's snapshot of its merged shards (`shard` = −1). The web reads these for
+    provisional results while a run is mining; they are dropped once the run is stored."""
+
+    __tablename__ = "mined_layers"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    data: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))
+
+
+class Label(Base):
+    """A person's annotation of one memory (the paper's manual annotation): a pattern description and a
+    shallow / semantic tag. Editing adds a row: a key's newest row is its label, the older ones its
+    history. Labels belong to the model, so they outlive any one index run."""
+
+    __tablename__ = "labels"
+    __table_args__ = (Index("ix_labels_memory", "model_id", "layer", "key", "id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("language_models.id", ondelete="CASCADE"))
+    layer: Mapped[int] = mapped_column(SmallInteger)
+    key: Mapped[int] = mapped_column(Integer)
+    pattern: Mapped[str] = mapped_column(Text)  # e.g. "ends with a year"
+    tag: Mapped[str] = mapped_column(String(16))  # shallow | semantic | "" (untagged)
+    author: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Analysis(Base):
+    """One of the paper's analyses computed on an index run (ffmem.engine.analyses): its per-layer numbers
+    (and per-key ones where it has them) as JSON, with the options it ran with and its cost."""
+
+    __tablename__ = "analyses"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)  # census | token_removal
+    options: Mapped[dict] = mapped_column(JSON)
+    data: Mapped[dict] = mapped_column(JSON)
+    seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

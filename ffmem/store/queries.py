@@ -1,0 +1,823 @@
+"""Keyword-only reads and writes of the index database. No torch here: array inputs are numpy arrays.
+
+Bulk writes (triggers, value tokens, key stats, sentences, vocabulary) go through `_bulk_insert`:
+COPY on Postgres, a driver-level executemany per chunk on SQLite (about twice as fast as Core's
+dict rows), always inside the session's transaction.
+Postgres text cannot hold NUL characters, so every stored text has "\\x00" replaced by "␀" (U+2400),
+on every backend alike; the replacement keeps lengths, so character offsets stay valid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timezone
+from itertools import islice, repeat
+
+import numpy as np
+from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, or_, select, union_all
+from sqlalchemy.orm import Session
+
+from ffmem.store.models import (
+    Corpus,
+    Job,
+    KeyStats,
+    Label,
+    LanguageModel,
+    Run,
+    Sentence,
+    Token,
+    Trigger,
+    ValueToken,
+)
+
+CHUNK_ROWS = 50_000  # rows per executemany
+NUL_SHOWN_AS = "\u2400"
+
+
+# ---- models and vocabulary ----------------------------------------------------------------------
+
+
+def upsert_model(
+    *,
+    session: Session,
+    slug: str,
+    source: str,
+    revision: str | None,
+    architecture: str,
+    family: str,
+    n_layers: int,
+    n_keys: int,
+    d_model: int,
+    vocab_size: int,
+    activation: str,
+    gated: bool,
+) -> LanguageModel:
+    """The model row for `slug`, created or updated to these fields."""
+    fields = dict(
+        source=source,
+        revision=revision,
+        architecture=architecture,
+        family=family,
+        n_layers=int(n_layers),
+        n_keys=int(n_keys),
+        d_model=int(d_model),
+        vocab_size=int(vocab_size),
+        activation=activation,
+        gated=bool(gated),
+    )
+    model = session.scalars(select(LanguageModel).where(LanguageModel.slug == slug)).one_or_none()
+    if model is None:
+        model = LanguageModel(slug=slug, created_at=_now(), **fields)
+        session.add(model)
+    else:
+        for name, value in fields.items():
+            setattr(model, name, value)
+    session.flush()
+    return model
+
+
+def store_vocabulary(*, session: Session, model_id: int, texts: list[str], pieces: list[str]) -> None:
+    """Store the model's vocabulary (token id = list index); a no-op if it is already stored."""
+    if len(texts) != len(pieces):
+        raise ValueError(f"{len(texts)} texts but {len(pieces)} pieces")
+    if session.scalar(select(exists().where(Token.model_id == model_id))):
+        return
+    pairs = enumerate(zip(texts, pieces, strict=True))
+    rows = ((model_id, token_id, stored_text(text), stored_text(piece)) for token_id, (text, piece) in pairs)
+    _bulk_insert(session, Token.__table__, ("model_id", "token_id", "text", "piece"), rows)
+
+
+# ---- corpora ------------------------------------------------------------------------------------
+
+
+def find_corpus(*, session: Session, fingerprint: str) -> Corpus | None:
+    """The corpus tokenized with this fingerprint, if stored."""
+    return session.scalars(select(Corpus).where(Corpus.fingerprint == fingerprint)).one_or_none()
+
+
+def store_corpus(
+    *,
+    session: Session,
+    name: str,
+    source: str,
+    source_sha256: str,
+    fingerprint: str,
+    tokenizer: str,
+    max_tokens: int,
+    skipped: dict,
+    sentences: Iterable[tuple[str, list[int], list[tuple[int, int]], int]],
+) -> Corpus:
+    """Store a corpus and its sentences (text, token ids, offsets, first position), indexed 0..N-1."""
+    corpus = Corpus(
+        name=name,
+        source=source,
+        source_sha256=source_sha256,
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        max_tokens=int(max_tokens),
+        n_sentences=0,
+        n_tokens=0,
+        skipped=dict(skipped),
+        created_at=_now(),
+    )
+    session.add(corpus)
+    session.flush()
+    counts = {"sentences": 0, "tokens": 0}
+
+    def rows() -> Iterator[tuple]:
+        for index, (text, token_ids, offsets, first_position) in enumerate(sentences):
+            counts["sentences"] += 1
+            counts["tokens"] += len(token_ids)
+            yield (
+                corpus.id,
+                index,
+                stored_text(text),
+                [int(t) for t in token_ids],
+                [[int(start), int(end)] for start, end in offsets],
+                int(first_position),
+            )
+
+    columns = ("corpus_id", "index", "text", "token_ids", "offsets", "first_position")
+    _bulk_insert(session, Sentence.__table__, columns, rows())
+    corpus.n_sentences, corpus.n_tokens = counts["sentences"], counts["tokens"]
+    session.flush()
+    return corpus
+
+
+def load_sentence_tokens(*, session: Session, corpus_id: int) -> list[list[int]]:
+    """Token ids of every sentence of the corpus, by index."""
+    query = select(Sentence.token_ids).where(Sentence.corpus_id == corpus_id).order_by(Sentence.index)
+    return list(session.scalars(query))
+
+
+def load_first_positions(*, session: Session, corpus_id: int) -> list[int]:
+    """First mined position of every sentence of the corpus, by index."""
+    query = select(Sentence.first_position).where(Sentence.corpus_id == corpus_id).order_by(Sentence.index)
+    return list(session.scalars(query))
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+
+
+def create_run(
+    *,
+    session: Session,
+    model_id: int,
+    corpus_id: int,
+    top_k: int,
+    n_value_tokens: int,
+    n_sentences: int,
+    dtype: str,
+    device: str,
+    package_version: str,
+    provenance: dict,
+    histogram_edges: list[float],
+    started_at: datetime | None = None,
+) -> Run:
+    """A new run, status "running", started at `started_at` (default now, UTC)."""
+    run = Run(
+        model_id=model_id,
+        corpus_id=corpus_id,
+        status="running",
+        top_k=int(top_k),
+        n_value_tokens=int(n_value_tokens),
+        n_sentences=int(n_sentences),
+        n_tokens=0,
+        dtype=dtype,
+        device=device,
+        package_version=package_version,
+        provenance=dict(provenance),
+        histogram_edges=[float(edge) for edge in histogram_edges],
+        started_at=started_at or _now(),
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
+def finish_run(*, session: Session, run_id: int, n_tokens: int) -> Run:
+    """Mark the run done, with the number of positions mined."""
+    run = _run(session, run_id)
+    run.status, run.n_tokens, run.finished_at = "done", int(n_tokens), _now()
+    session.flush()
+    return run
+
+
+def fail_run(*, session: Session, run_id: int, error: BaseException) -> Run:
+    """Mark the run failed, storing the error as {type, message, traceback}."""
+    run = _run(session, run_id)
+    run.status, run.finished_at = "failed", _now()
+    run.error = {
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+    }
+    session.flush()
+    return run
+
+
+def delete_run(*, session: Session, run_id: int) -> None:
+    """Delete a run and the jobs that built, analyze or wait to analyze it; the database cascades to
+    its triggers, value tokens, key stats, shards and analyses (labels belong to the model and stay)."""
+    builders = set(session.scalars(select(Job.id).where(Job.run_id == run_id, Job.kind == "index")))
+    waiting = session.scalars(select(Job).where(Job.kind == "analysis", Job.run_id.is_(None))).all()
+    doomed = [job.id for job in waiting if job.options.get("after") in builders]  # waiting for this run
+    session.execute(delete(Job).where((Job.run_id == run_id) | Job.id.in_(doomed)))
+    session.execute(delete(Run).where(Run.id == run_id))
+
+
+def count_rows(*, session: Session, table: type, run_id: int) -> int:
+    """How many rows of `table` (Trigger, ValueToken, KeyStats) the run has."""
+    return session.scalar(select(func.count()).select_from(table).where(table.run_id == run_id))
+
+
+def get_run(*, session: Session, run_id: int) -> Run | None:
+    """The run with this id, if any."""
+    return session.get(Run, run_id)
+
+
+def find_finished_run(*, session: Session, model_slug: str, n_sentences: int) -> Run | None:
+    """The latest finished run of the model `model_slug` over `n_sentences` sentences, if any."""
+    query = (
+        select(Run)
+        .join(LanguageModel, Run.model_id == LanguageModel.id)
+        .where(LanguageModel.slug == model_slug, Run.n_sentences == n_sentences, Run.status == "done")
+        .order_by(Run.id.desc())
+        .limit(1)
+    )
+    return session.scalars(query).first()
+
+
+# ---- per-key results ----------------------------------------------------------------------------
+
+
+def store_triggers(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    sign: int,
+    coefficients: np.ndarray,
+    sentence_index: np.ndarray,
+    position: np.ndarray,
+) -> int:
+    """Store one layer's top-T triggers of one sign ([n_keys, T] arrays, rank = column); returns rows stored.
+
+    Entries with sentence_index -1 (fewer sentences than T) are skipped.
+    """
+    sentence_index, position, coefficients = _same_shape(
+        2, sentence_index=sentence_index, position=position, coefficients=coefficients
+    )
+    keys, ranks = np.indices(sentence_index.shape).reshape(2, -1)
+    kept = sentence_index.reshape(-1) >= 0
+    rows = zip(
+        repeat(run_id),
+        repeat(int(layer)),
+        keys[kept].tolist(),
+        repeat(int(sign)),
+        ranks[kept].tolist(),
+        sentence_index.reshape(-1)[kept].tolist(),
+        position.reshape(-1)[kept].tolist(),
+        coefficients.reshape(-1)[kept].tolist(),
+    )
+    columns = ("run_id", "layer", "key", "sign", "rank", "sentence_index", "position", "coefficient")
+    _bulk_insert(session, Trigger.__table__, columns, rows)
+    return int(kept.sum())
+
+
+def store_value_tokens(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    readout: str,
+    direction: int,
+    token_ids: np.ndarray,
+    logits: np.ndarray,
+    probs: np.ndarray,
+) -> int:
+    """Store one layer's top (+1) or bottom (-1) value tokens under one readout ([n_keys, n] arrays)."""
+    token_ids, logits, probs = _same_shape(2, token_ids=token_ids, logits=logits, probs=probs)
+    keys, ranks = np.indices(token_ids.shape).reshape(2, -1)
+    rows = zip(
+        repeat(run_id),
+        repeat(int(layer)),
+        keys.tolist(),
+        repeat(readout),
+        repeat(int(direction)),
+        ranks.tolist(),
+        token_ids.reshape(-1).tolist(),
+        logits.reshape(-1).tolist(),
+        probs.reshape(-1).tolist(),
+    )
+    columns = ("run_id", "layer", "key", "readout", "direction", "rank", "token_id", "logit", "prob")
+    _bulk_insert(session, ValueToken.__table__, columns, rows)
+    return token_ids.size
+
+
+def store_key_stats(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    mean: np.ndarray,
+    positive_share: np.ndarray,
+    max_coefficient: np.ndarray,
+    min_coefficient: np.ndarray,
+    value_norm: np.ndarray,
+    histogram: np.ndarray,
+    density: np.ndarray,
+    max_prob: np.ndarray,
+    agreement: np.ndarray,
+    next_token_rank: np.ndarray,
+) -> None:
+    """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]).
+
+    NaN or ±inf max/min → NULL; a next-token rank of −1 (no token after the top trigger) → NULL.
+    """
+    arrays = _same_shape(
+        1,
+        mean=mean,
+        positive_share=positive_share,
+        max_coefficient=max_coefficient,
+        min_coefficient=min_coefficient,
+        value_norm=value_norm,
+        density=density,
+        max_prob=max_prob,
+        agreement=agreement,
+        next_token_rank=next_token_rank,
+    )
+    mean, positive_share, max_coefficient, min_coefficient, value_norm = arrays[:5]
+    density, max_prob, agreement, next_token_rank = arrays[5:]
+    histogram = np.asarray(histogram)
+    if histogram.ndim != 2 or histogram.shape[0] != mean.shape[0]:
+        raise ValueError(f"histogram has shape {histogram.shape}; expected [{mean.shape[0]}, n_bins]")
+    rows = zip(
+        repeat(run_id),
+        repeat(int(layer)),
+        range(mean.shape[0]),
+        mean.tolist(),
+        positive_share.tolist(),
+        map(_finite_or_none, max_coefficient.tolist()),
+        map(_finite_or_none, min_coefficient.tolist()),
+        value_norm.tolist(),
+        histogram.tolist(),
+        density.tolist(),
+        max_prob.tolist(),
+        agreement.astype(int).tolist(),
+        [None if rank < 0 else rank for rank in next_token_rank.astype(int).tolist()],
+    )
+    columns = (
+        "run_id",
+        "layer",
+        "key",
+        "mean",
+        "positive_share",
+        "max_coefficient",
+        "min_coefficient",
+        "value_norm",
+        "histogram",
+        "density",
+        "max_prob",
+        "agreement",
+        "next_token_rank",
+    )
+    _bulk_insert(session, KeyStats.__table__, columns, rows)
+
+
+def get_triggers(
+    *, session: Session, run_id: int, layer: int, key: int, sign: int, limit: int | None = None
+) -> list[Trigger]:
+    """A key's triggers of one sign, strongest first (the first `limit` when given)."""
+    query = select(Trigger).where(
+        Trigger.run_id == run_id, Trigger.layer == layer, Trigger.key == key, Trigger.sign == sign
+    )
+    return list(session.scalars(query.order_by(Trigger.rank).limit(limit)))
+
+
+def count_triggers(*, session: Session, run_id: int, layer: int, key: int, sign: int) -> int:
+    """How many triggers of one sign a key has."""
+    where = (Trigger.run_id == run_id, Trigger.layer == layer, Trigger.key == key, Trigger.sign == sign)
+    return session.scalar(select(func.count()).select_from(Trigger).where(*where))
+
+
+def get_value_tokens(
+    *, session: Session, run_id: int, layer: int, key: int, readout: str, direction: int
+) -> list[ValueToken]:
+    """A value's top (+1) or bottom (−1) tokens under one readout, rank order."""
+    query = select(ValueToken).where(
+        ValueToken.run_id == run_id,
+        ValueToken.layer == layer,
+        ValueToken.key == key,
+        ValueToken.readout == readout,
+        ValueToken.direction == direction,
+    )
+    return list(session.scalars(query.order_by(ValueToken.rank)))
+
+
+def layer_value_tokens(
+    *, session: Session, run_id: int, layer: int, readout: str, direction: int, n: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, probabilities), each [keys, n]: every value's stored top or bottom tokens of a layer
+    (the first `n` of each, or all)."""
+    query = (
+        select(ValueToken.key, ValueToken.token_id, ValueToken.prob)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.readout == readout,
+            ValueToken.direction == direction,
+        )
+        .order_by(ValueToken.key, ValueToken.rank)
+    )
+    if n is not None:
+        query = query.where(ValueToken.rank < n)
+    rows = session.execute(query).all()
+    keys = len({row.key for row in rows})
+    ids = np.array([row.token_id for row in rows], dtype=np.int64).reshape(keys, -1)
+    probs = np.array([row.prob for row in rows], dtype=np.float64).reshape(keys, -1)
+    return ids, probs
+
+
+def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
+    """One key's statistics, if stored."""
+    return session.get(KeyStats, (run_id, layer, key))
+
+
+# ---- reads for the explorer ---------------------------------------------------------------------
+
+KEY_SORTS = (
+    "key",
+    "max_coefficient",
+    "min_coefficient",
+    "positive_share",
+    "density",
+    "agreement",
+    "max_prob",
+    "next_token_rank",
+    "value_norm",
+)
+
+
+def list_models(*, session: Session) -> list[LanguageModel]:
+    """Every indexed model, by slug, with its runs."""
+    return list(session.scalars(select(LanguageModel).order_by(LanguageModel.slug)))
+
+
+def get_model(*, session: Session, slug: str) -> LanguageModel | None:
+    """The model with this URL name, if any."""
+    query = select(LanguageModel).where(LanguageModel.slug == stored_text(slug))
+    return session.scalars(query).one_or_none()
+
+
+def latest_finished_run(*, session: Session, model_id: int) -> Run | None:
+    """The model's newest finished run, if any."""
+    query = select(Run).where(Run.model_id == model_id, Run.status == "done").order_by(Run.id.desc())
+    return session.scalars(query.limit(1)).first()
+
+
+def token_texts(*, session: Session, model_id: int, token_ids: Iterable[int]) -> dict[int, str]:
+    """Decoded text of each of these vocabulary ids."""
+    wanted = sorted({int(t) for t in token_ids})
+    found: dict[int, str] = {}
+    for chunk in _chunks(wanted, 900):  # under SQLite's bound-parameter limit
+        query = select(Token.token_id, Token.text).where(
+            Token.model_id == model_id, Token.token_id.in_(chunk)
+        )
+        found.update((row.token_id, row.text) for row in session.execute(query))
+    return found
+
+
+def find_tokens(*, session: Session, model_id: int, texts: Iterable[str]) -> list[int]:
+    """Ids of the vocabulary entries whose decoded text is exactly one of `texts`."""
+    query = select(Token.token_id).where(
+        Token.model_id == model_id, Token.text.in_([stored_text(t) for t in texts])
+    )
+    return sorted(session.scalars(query))
+
+
+def get_sentences(*, session: Session, corpus_id: int, indices: Iterable[int]) -> dict[int, Sentence]:
+    """These sentences of a corpus, by index."""
+    wanted = sorted({int(i) for i in indices})
+    found: dict[int, Sentence] = {}
+    for chunk in _chunks(wanted, 900):
+        query = select(Sentence).where(Sentence.corpus_id == corpus_id, Sentence.index.in_(chunk))
+        found.update((sentence.index, sentence) for sentence in session.scalars(query))
+    return found
+
+
+def layer_summaries(*, session: Session, run_id: int) -> list[Row]:
+    """One row per layer: key count and aggregates of the key statistics (see contexts.LayerSummary)."""
+    top_agrees = case((KeyStats.next_token_rank == 0, 1.0), (KeyStats.next_token_rank.is_not(None), 0.0))
+    query = (
+        select(
+            KeyStats.layer,
+            func.count().label("keys"),
+            func.avg(KeyStats.positive_share).label("positive_share"),
+            func.avg(KeyStats.density).label("density"),
+            func.max(KeyStats.max_coefficient).label("max_coefficient"),
+            func.max(KeyStats.max_prob).label("max_prob"),
+            func.avg(KeyStats.max_prob).label("mean_max_prob"),
+            func.avg(top_agrees).label("agreement_rate"),
+            func.sum(case((KeyStats.agreement > 0, 1), else_=0)).label("agreeing_keys"),
+            func.count(KeyStats.agreement).label("keys_with_agreement"),
+            func.avg(KeyStats.value_norm).label("value_norm"),
+        )
+        .where(KeyStats.run_id == run_id)
+        .group_by(KeyStats.layer)
+        .order_by(KeyStats.layer)
+    )
+    return list(session.execute(query))
+
+
+def layer_keys(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    sort: str,
+    descending: bool,
+    offset: int,
+    limit: int,
+    token_ids: Sequence[int] | None = None,
+    readout: str = "raw",
+) -> tuple[int, list[KeyStats]]:
+    """(number of keys that pass the filter, one page of them) for the layer table.
+
+    `token_ids`: keep only keys whose value has one of these among its top tokens. NULLs sort last.
+    """
+    if sort not in KEY_SORTS:
+        raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(KEY_SORTS)}")
+    where = [KeyStats.run_id == run_id, KeyStats.layer == layer]
+    if token_ids is not None:
+        where.append(
+            KeyStats.key.in_(promoting_keys(run_id=run_id, layer=layer, token_ids=token_ids, readout=readout))
+        )
+    total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
+    column = getattr(KeyStats, sort)
+    ordering = [column.is_(None), column.desc() if descending else column.asc(), KeyStats.key.asc()]
+    query = select(KeyStats).where(*where).order_by(*ordering).offset(offset).limit(limit)
+    return total, list(session.scalars(query))
+
+
+def promoting_keys(*, run_id: int, layer: int, token_ids: Sequence[int], readout: str = "raw"):
+    """A query for the keys of a layer whose value has one of `token_ids` among its top tokens."""
+    return (
+        select(ValueToken.key)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.readout == readout,
+            ValueToken.direction == 1,
+            ValueToken.token_id.in_(list(token_ids)),
+        )
+        .distinct()
+    )
+
+
+def top_triggers(*, session: Session, run_id: int, layer: int, keys: Sequence[int]) -> dict[int, Trigger]:
+    """Each key's strongest positive trigger."""
+    query = select(Trigger).where(
+        Trigger.run_id == run_id,
+        Trigger.layer == layer,
+        Trigger.key.in_(list(keys)),
+        Trigger.sign == 1,
+        Trigger.rank == 0,
+    )
+    return {trigger.key: trigger for trigger in session.scalars(query)}
+
+
+def top_value_tokens(
+    *, session: Session, run_id: int, layer: int, keys: Sequence[int], readout: str, n: int
+) -> dict[int, list[ValueToken]]:
+    """Each key's first `n` top value tokens under one readout, rank order."""
+    query = (
+        select(ValueToken)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.key.in_(list(keys)),
+            ValueToken.readout == readout,
+            ValueToken.direction == 1,
+            ValueToken.rank < n,
+        )
+        .order_by(ValueToken.key, ValueToken.rank)
+    )
+    found: dict[int, list[ValueToken]] = {}
+    for token in session.scalars(query):
+        found.setdefault(token.key, []).append(token)
+    return found
+
+
+def memory_value_tokens(
+    *, session: Session, run_id: int, readout: str, memories: Iterable[tuple[int, int, int]], n: int
+) -> dict[tuple[int, int, int], list[int]]:
+    """(layer, key, direction) → the first `n` token ids of that value's top (+1) or bottom (−1) list."""
+    wanted = set(memories)
+    if not wanted:
+        return {}
+    keys_by_layer: dict[int, set[int]] = {}
+    for layer, key, _ in wanted:
+        keys_by_layer.setdefault(layer, set()).add(key)
+    # One SELECT per layer, UNION ALL-ed: each walks the primary key (run, layer, key, …); SQLite plans
+    # an OR or a row-value IN over all layers as a scan of the run.
+    per_layer = [
+        select(
+            ValueToken.layer, ValueToken.key, ValueToken.direction, ValueToken.rank, ValueToken.token_id
+        ).where(
+            ValueToken.run_id == run_id,
+            ValueToken.layer == layer,
+            ValueToken.key.in_(sorted(keys)),
+            ValueToken.readout == readout,
+            ValueToken.rank < n,
+        )
+        for layer, keys in sorted(keys_by_layer.items())
+    ]
+    found: dict[tuple[int, int, int], list[int]] = {}
+    ordered = union_all(*per_layer).order_by("layer", "key", "direction", "rank")
+    for layer, key, direction, _, token_id in session.execute(ordered):
+        if (layer, key, direction) in wanted:
+            found.setdefault((layer, key, direction), []).append(token_id)
+    return found
+
+
+def value_matches(
+    *,
+    session: Session,
+    run_id: int,
+    token_ids: Sequence[int],
+    readout: str,
+    direction: int,
+    by: str,
+    limit: int,
+) -> list[ValueToken]:
+    """Values, across all layers, with one of `token_ids` among their top (+1) or bottom (−1) tokens.
+
+    Strongest first: by probability (`by="prob"`) or logit (`"logit"`), descending for the top
+    tokens and ascending for the bottom ones.
+    """
+    column = ValueToken.prob if by == "prob" else ValueToken.logit
+    query = (
+        select(ValueToken)
+        .where(
+            ValueToken.run_id == run_id,
+            ValueToken.readout == readout,
+            ValueToken.token_id.in_(list(token_ids)),
+            ValueToken.direction == direction,
+        )
+        .order_by(column.desc() if direction == 1 else column.asc(), ValueToken.layer, ValueToken.key)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def sentences_containing(*, session: Session, corpus_id: int, text: str, limit: int) -> list[Sentence]:
+    """The first `limit` sentences of a corpus that contain `text`, ignoring case (LIKE wildcards escaped)."""
+    text = stored_text(text)
+    query = (
+        select(Sentence)
+        .where(
+            Sentence.corpus_id == corpus_id, func.lower(Sentence.text).contains(text.lower(), autoescape=True)
+        )
+        .order_by(Sentence.index)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def triggers_from(
+    *, session: Session, run_id: int, first_positions: dict[int, int], limit: int
+) -> list[Trigger]:
+    """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`.
+
+    `first_positions` maps a sentence index to the first position whose prefix qualifies. One
+    indexed query per sentence (an OR over sentences would scan every trigger of the run).
+    """
+    found: list[Trigger] = []
+    for sentence, position in first_positions.items():
+        query = (
+            select(Trigger)
+            .where(
+                Trigger.run_id == run_id,
+                Trigger.sentence_index == sentence,
+                Trigger.sign == 1,
+                Trigger.position >= position,
+            )
+            .order_by(Trigger.coefficient.desc())
+            .limit(limit)
+        )
+        found += session.scalars(query)
+    found.sort(key=lambda t: (-t.coefficient, t.layer, t.key))
+    return found[:limit]
+
+
+def add_label(
+    *, session: Session, model_id: int, layer: int, key: int, pattern: str, tag: str, author: str
+) -> Label:
+    """A memory's new label; its earlier ones stay as its history."""
+    label = Label(
+        model_id=model_id, layer=layer, key=key, pattern=pattern, tag=tag, author=author, created_at=_now()
+    )
+    session.add(label)
+    session.flush()
+    return label
+
+
+def label_history(*, session: Session, model_id: int, layer: int, key: int) -> list[Label]:
+    """A memory's labels, the newest (its label) first."""
+    query = select(Label).where(Label.model_id == model_id, Label.layer == layer, Label.key == key)
+    return list(session.scalars(query.order_by(Label.id.desc())))
+
+
+def _newest_labels(model_id: int):
+    """The ids of each labelled memory's newest label."""
+    return (
+        select(func.max(Label.id)).where(Label.model_id == model_id).group_by(Label.layer, Label.key)
+    ).scalar_subquery()
+
+
+def current_labels(*, session: Session, model_id: int, layer: int, keys: Sequence[int]) -> dict[int, Label]:
+    """key → its label, for the labelled ones among `keys` of `layer`."""
+    query = select(Label).where(
+        Label.id.in_(_newest_labels(model_id)), Label.layer == layer, Label.key.in_(list(keys))
+    )
+    return {label.key: label for label in session.scalars(query)}
+
+
+def search_labels(*, session: Session, model_id: int, text: str, limit: int) -> list[Label]:
+    """Current labels whose pattern, tag or author contains `text` (any case), by layer and key."""
+    needle = stored_text(text).lower()
+    matches = [
+        func.lower(column).contains(needle, autoescape=True)
+        for column in (Label.pattern, Label.tag, Label.author)
+    ]
+    query = select(Label).where(Label.id.in_(_newest_labels(model_id)), or_(*matches))
+    return list(session.scalars(query.order_by(Label.layer, Label.key).limit(limit)))
+
+
+def _bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
+    """Insert tuples of `columns` in the session's transaction: COPY on Postgres, executemany on SQLite."""
+    connection = session.connection()
+    dialect = connection.dialect.name
+    if dialect not in ("postgresql", "sqlite"):  # any other backend: the portable, slower Core path
+        for chunk in _chunks(rows, CHUNK_ROWS):
+            connection.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in chunk])
+        return
+    json_columns = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, JSON)]
+    if json_columns:
+        rows = (_json_encoded(row, json_columns) for row in rows)
+    quote = connection.dialect.identifier_preparer
+    target = f"{quote.format_table(table)} ({', '.join(quote.quote(column) for column in columns)})"
+    if dialect == "postgresql":
+        driver = connection.connection.driver_connection  # psycopg: COPY joins the session's transaction
+        with driver.cursor() as cursor, cursor.copy(f"COPY {target} FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+    else:
+        sql = f"INSERT INTO {target} VALUES ({', '.join('?' * len(columns))})"
+        for chunk in _chunks(rows, CHUNK_ROWS):
+            connection.exec_driver_sql(sql, chunk)
+
+
+def _json_encoded(row: tuple, json_columns: list[int]) -> tuple:
+    row = list(row)
+    for i in json_columns:
+        row[i] = json.dumps(row[i])
+    return tuple(row)
+
+
+def _chunks(rows: Iterable[tuple], size: int) -> Iterator[list[tuple]]:
+    iterator = iter(rows)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
+
+
+def _same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:
+    """The arrays as numpy arrays, checked to share one shape of `ndim` dimensions (named in the error)."""
+    arrays = {name: np.asarray(array) for name, array in arrays.items()}
+    shapes = {name: array.shape for name, array in arrays.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != ndim:
+        raise ValueError(f"arrays must share one {ndim}-d shape, got {shapes}")
+    return list(arrays.values())
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def stored_text(text: str) -> str:
+    return text.replace("\x00", NUL_SHOWN_AS)
+
+
+def _run(session: Session, run_id: int) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise LookupError(f"no run with id {run_id}")
+    return run
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)

@@ -1,0 +1,240 @@
+"""Plotly figure specs as plain dicts (ffmem/web/static/charts.js draws them); no JavaScript here.
+
+Plotly reads a little HTML in labels, so every label from a corpus or a vocabulary is escaped
+(&, <, >) and made visible (␣, ↵) first: it always shows as text.
+"""
+
+from __future__ import annotations
+
+import html
+
+from ffmem.web.contexts import AnalysisFigure, Histogram, LayerSummary, TraceContext, ValueReadout
+from ffmem.web.display import visible
+
+POSITIVE, NEGATIVE, NEUTRAL = "#2b6cb0", "#c05621", "#4a5568"
+BASE_LAYOUT = {
+    "margin": {"l": 60, "r": 20, "t": 36, "b": 48},
+    "height": 320,
+    "font": {"size": 12},
+    "showlegend": False,
+}
+
+
+def label(text: str | None) -> str:
+    return html.escape(visible(text), quote=False)
+
+
+def value_bars(value: ValueReadout, readout: str, by: str = "logit") -> dict:
+    """Horizontal bars: the value's top tokens (up) and bottom tokens (down) by logit."""
+    top, bottom = value.top[:15], value.bottom[:15]
+    rows = list(reversed(bottom)) + list(reversed(top))  # strongest top token drawn highest
+    names = [f"{label(t.token)} #{t.token_id}" for t in rows]
+    return {
+        "data": [
+            {
+                "type": "bar",
+                "orientation": "h",
+                "y": names,
+                "x": [getattr(t, by) for t in rows],
+                "marker": {"color": [NEGATIVE] * len(bottom) + [POSITIVE] * len(top)},
+                "customdata": [f"{t.prob:.3g}" for t in rows],
+                "hovertemplate": "%{y}<br>logit %{x:.3f}<br>prob %{customdata}<extra></extra>",
+            }
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": f"value → vocabulary ({readout})"},
+            "height": 120 + 16 * len(rows),
+            "margin": {"l": 140, "r": 20, "t": 36, "b": 40},
+            "xaxis": {"title": {"text": by}},
+            "yaxis": {"type": "category", "automargin": True},
+        },
+    }
+
+
+def coefficient_histogram(histogram: Histogram) -> dict:
+    """Counts per octave bin of the coefficient, negative bins left, positive right (log counts)."""
+    middle = len(histogram.counts) // 2
+    colors = [NEGATIVE] * middle + [NEUTRAL] + [POSITIVE] * middle
+    return {
+        "data": [
+            {
+                "type": "bar",
+                "x": histogram.labels,
+                "y": histogram.counts,
+                "marker": {"color": colors},
+                "hovertemplate": "%{x}: %{y} positions<extra></extra>",
+            }
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": "coefficient histogram (octave bins)"},
+            "yaxis": {"type": "log", "title": {"text": "positions"}},
+            "xaxis": {"type": "category", "tickangle": -60, "tickfont": {"size": 9}},
+            "margin": {"l": 60, "r": 20, "t": 36, "b": 110},
+            "height": 360,
+        },
+    }
+
+
+LAYER_SERIES = {
+    "positive_share": "share of positive coefficients",
+    "density": "density (|m| near each key's peak)",
+    "max_prob": "max value probability",
+    "agreement_rate": "key–value agreement (top token = next token)",
+}
+
+
+def layer_lines(layers: list[LayerSummary], field: str) -> dict:
+    """One statistic across layers, as a line with markers."""
+    return {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "x": [s.layer for s in layers],
+                "y": [getattr(s, field) for s in layers],
+                "line": {"color": POSITIVE},
+                "hovertemplate": "layer %{x}: %{y:.4g}<extra></extra>",
+            }
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": LAYER_SERIES[field]},
+            "xaxis": {"title": {"text": "layer (0-based)"}, "dtick": 1 if len(layers) <= 32 else None},
+            "height": 280,
+        },
+    }
+
+
+def trace_heatmap(ctx: TraceContext) -> dict:
+    """Layers × positions: the FF's change to each position's predicted-token logit, or the number of
+    active memories (a button switches); the selected position is outlined."""
+    x = [f"{t.position}: {label(t.token)}" for t in ctx.tokens]
+    y = list(range(len(ctx.layers)))
+    maps = [
+        ("FF → logit of the prediction", ctx.heatmap["ff_logit"], "RdBu", 0),
+        ("active memories", ctx.heatmap["active"], "Viridis", None),
+    ]
+    data = [
+        {
+            "type": "heatmap",
+            "x": x,
+            "y": y,
+            "z": z,
+            "colorscale": scale,
+            **({"zmid": mid} if mid is not None else {}),
+            "visible": i == 0,
+            "name": title,
+            "hovertemplate": "layer %{y}<br>position %{x}<br>" + title + " %{z:.3g}<extra></extra>",
+        }
+        for i, (title, z, scale, mid) in enumerate(maps)
+    ]
+    buttons = [
+        {"label": title, "method": "update", "args": [{"visible": [j == i for j in range(len(maps))]}]}
+        for i, (title, *_rest) in enumerate(maps)
+    ]
+    return {
+        "data": data,
+        "layout": BASE_LAYOUT
+        | {
+            "height": 200 + 14 * len(y),
+            "margin": {"l": 50, "r": 20, "t": 40, "b": 110},
+            "xaxis": {"type": "category", "tickangle": -50, "title": {"text": "position (click to select)"}},
+            "yaxis": {"title": {"text": "layer"}, "autorange": True},
+            "updatemenus": [
+                {
+                    "type": "buttons",
+                    "direction": "right",
+                    "x": 0,
+                    "y": 1.12,
+                    "xanchor": "left",
+                    "buttons": buttons,
+                }
+            ],
+            "shapes": [
+                {
+                    "type": "rect",
+                    "xref": "x",
+                    "yref": "paper",
+                    "x0": ctx.position - 0.5,
+                    "x1": ctx.position + 0.5,
+                    "y0": 0,
+                    "y1": 1,
+                    "line": {"color": "#1a202c", "width": 2},
+                }
+            ],
+        },
+    }
+
+
+def residual_confidence(ctx: TraceContext) -> dict:
+    """Per layer: the probability of the final prediction under the residual (the paper's Fig. 10)."""
+    return {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "x": [layer.layer for layer in ctx.layers],
+                "y": [layer.final_prob for layer in ctx.layers],
+                "marker": {"color": [POSITIVE if layer.settled else NEUTRAL for layer in ctx.layers]},
+                "line": {"color": POSITIVE},
+                "hovertemplate": "layer %{x}<br>p(final | r) %{y:.3f}<extra></extra>",
+            }
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {
+                "text": f"p({label(ctx.prediction.token if ctx.prediction else '')} | residual) by layer"
+            },
+            "height": 260,
+            "xaxis": {"title": {"text": "layer"}, "dtick": 1 if len(ctx.layers) <= 16 else 2},
+            "yaxis": {"title": {"text": "probability"}, "range": [0, 1]},
+        },
+    }
+
+
+SERIES_COLORS = ("#2b6cb0", "#c05621", "#2f855a", "#6b46c1", "#b7791f")
+
+
+def analysis_chart(figure: AnalysisFigure) -> dict:
+    """Our per-layer series (solid, by relative depth) and the paper's values (dashed, approximate)."""
+    data = [
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": html.escape(name, quote=False),
+            "x": figure.depth,
+            "y": values,
+            "customdata": figure.layers,
+            "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
+            "hovertemplate": "layer %{customdata}<br>%{y:.3g}<extra>"
+            + html.escape(name, quote=False)
+            + "</extra>",
+        }
+        for i, (name, values) in enumerate(figure.series.items())
+    ]
+    data += [
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": html.escape(name, quote=False),
+            "x": [x for x, _ in points],
+            "y": [y for _, y in points],
+            "line": {"color": "#718096", "dash": "dash"},
+            "hovertemplate": "paper: %{y:.3g}<extra></extra>",
+        }
+        for name, points in figure.paper.items()
+    ]
+    return {
+        "data": data,
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": html.escape(figure.title, quote=False)},  # our prose: spaces stay spaces
+            "showlegend": True,
+            "legend": {"orientation": "h", "y": -0.3},
+            "height": 360,
+            "xaxis": {"title": {"text": "relative depth (layer / last layer)"}, "range": [-0.02, 1.02]},
+            "yaxis": {"title": {"text": figure.unit}, **({"type": "log"} if figure.unit == "rank" else {})},
+        },
+    }

@@ -1,0 +1,494 @@
+"""One typed context per page. The HTML template and the JSON twin render the same object.
+
+Layers and keys are 0-based. Token texts are the tokenizer's decoded strings, unchanged (a leading
+space is a real space); templates make them visible with the `visible` filter.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel
+
+
+def _utc(moment: datetime) -> datetime:
+    """SQLite gives back naive datetimes (stored as UTC): mark them UTC, as Postgres gives them."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+# A moment with its offset, the same on both backends: RFC 3339 in JSON ("…T12:00:00Z").
+Moment = Annotated[datetime, AfterValidator(_utc)]
+
+
+class RunInfo(BaseModel):
+    """An index run and its provenance."""
+
+    id: int
+    status: str
+    corpus: str
+    n_sentences: int
+    n_tokens: int
+    top_k: int
+    n_value_tokens: int
+    dtype: str
+    device: str
+    package_version: str
+    started_at: Moment
+    finished_at: Moment | None
+    provenance: dict
+    error: dict | None
+
+
+class ModelInfo(BaseModel):
+    slug: str
+    source: str
+    revision: str | None
+    architecture: str
+    family: str
+    n_layers: int
+    n_keys: int
+    d_model: int
+    vocab_size: int
+    activation: str
+    gated: bool
+
+
+class ModelEntry(BaseModel):
+    model: ModelInfo
+    runs: list[RunInfo]
+
+
+class Progress(BaseModel):
+    """How far a run's mining has come, over all its shards."""
+
+    sentences_done: int
+    n_sentences: int
+    fraction: float
+    tokens_done: int
+    shards: int
+    shards_done: int
+    tokens_per_s: float | None
+    eta_seconds: float | None
+
+
+class JobInfo(BaseModel):
+    id: int
+    kind: str  # index | analysis
+    status: str  # queued | running | done | failed
+    options: dict
+    progress: dict | None  # analyses: {stage, done, total} batches of the analysis running
+    attempts: int
+    worker: str | None
+    error: dict | None  # {type, message, traceback}
+    created_at: Moment
+    started_at: Moment | None
+    finished_at: Moment | None
+    run_id: int | None
+
+
+class JobContext(BaseModel):
+    page: str = "job"
+    title: str
+    job: JobInfo
+    run: RunInfo | None
+    model: str | None  # the run's model slug, once known
+    progress: Progress | None
+    polling: bool  # the page refreshes its progress until the job ends
+
+
+class LoginContext(BaseModel):
+    """Whether this client may write, and why (ffmem/web/access.py)."""
+
+    page: str = "login"
+    title: str
+    can_write: bool
+    read_only: bool
+    token_set: bool  # the server has an admin token: logging in can give write access
+    name: str | None  # who logged in (the cookie's name), if anyone
+    reason: str | None  # why this client may not write
+    next: str  # where the form goes back to
+
+
+class HomeContext(BaseModel):
+    page: str = "home"
+    title: str
+    models: list[ModelEntry]
+    jobs: list[JobInfo]  # the newest first
+
+
+class LayerSummary(BaseModel):
+    """Per-layer statistics over the layer's keys (means unless named otherwise)."""
+
+    layer: int
+    keys: int
+    positive_share: float | None
+    density: float | None
+    max_coefficient: float | None  # the largest over the layer's keys
+    max_prob: float | None  # the largest value probability over the layer's keys
+    mean_max_prob: float | None
+    agreement_rate: float | None  # share of keys whose value's top token follows their top trigger
+    agreeing_keys: int | None  # keys with at least one trigger followed by a top value token
+    value_norm: float | None
+
+
+class ModelContext(BaseModel):
+    page: str = "model"
+    title: str
+    model: ModelInfo
+    run: RunInfo
+    layers: list[LayerSummary]
+    provisional: float | None = None  # while the run mines: the share of the corpus these results cover
+
+
+class TokenScore(BaseModel):
+    """One of a value's top or bottom tokens."""
+
+    rank: int
+    token: str
+    token_id: int
+    logit: float
+    prob: float
+
+
+class ValueReadout(BaseModel):
+    top: list[TokenScore]
+    bottom: list[TokenScore]
+
+
+class LabelView(BaseModel):
+    """A person's annotation of a memory (see ffmem.store.models.Label)."""
+
+    pattern: str
+    tag: str  # shallow | semantic | "" (untagged)
+    author: str
+    created_at: Moment
+
+
+class LabelAnswer(BaseModel):
+    """The JSON answer to a new label: the label, and how many earlier ones stay as its history."""
+
+    label: LabelView
+    history: int
+
+
+class LabelHit(LabelView):
+    """A search result: a memory whose label matches."""
+
+    layer: int
+    key: int
+    url: str
+
+
+class KeyRow(BaseModel):
+    """One key in the layer table."""
+
+    key: int
+    top_trigger: Trigger | None
+    value_top: list[TokenScore]  # raw readout
+    max_coefficient: float | None
+    min_coefficient: float | None
+    positive_share: float
+    density: float | None
+    agreement: int | None
+    max_prob: float | None
+    next_token_rank: int | None
+    value_norm: float | None
+    label: LabelView | None = None
+
+
+class Trigger(BaseModel):
+    """A trigger prefix: sentence `sentence_index` up to and including token `position`.
+
+    `prefix` is the sentence text up to the end of the trigger token; `trigger_start` is where that
+    token's text begins in `prefix` (the highlighted part is prefix[trigger_start:]).
+    """
+
+    rank: int
+    coefficient: float
+    prefix: str
+    trigger_start: int
+    trigger_token: str
+    trigger_token_id: int
+    next_token: str | None
+    next_token_id: int | None
+    sentence: str
+    sentence_index: int
+    position: int
+    value_rank: int | None = None  # rank of next_token among the value's top (or, for −, bottom) tokens
+
+
+class Agreement(BaseModel):
+    """How many trigger next-tokens are among the value's top tokens (raw readout).
+
+    Positive triggers are compared with the value's top tokens; negative triggers (m < 0 flips
+    the value) with its bottom tokens.
+    """
+
+    readout: str = "raw"
+    positive: int
+    positive_of: int
+    negative: int
+    negative_of: int
+
+
+class KeyStatsView(BaseModel):
+    mean: float
+    positive_share: float
+    density: float | None
+    max_coefficient: float | None
+    min_coefficient: float | None
+    max_prob: float | None
+    agreement: int | None
+    next_token_rank: int | None
+    value_norm: float | None
+    first_token_change: float | None = None  # Fig. 3, when `ffmem analyze` sampled this key
+    last_token_change: float | None = None
+    shallowness: float | None = None  # −last_token_change clipped to 0–1
+
+
+class Histogram(BaseModel):
+    edges: list[float]  # shared bin edges (see ffmem.engine.mining.histogram_edges)
+    labels: list[str]  # one per bin
+    counts: list[int]
+
+
+class Links(BaseModel):
+    previous: str | None
+    next: str | None
+    random: str
+    permalink: str
+    layer: str
+
+
+class TokenRef(BaseModel):
+    token_id: int
+    token: str
+
+
+class PatternHints(BaseModel):
+    """How a key's top triggers end: the commonest final token and the commonest shared final n-gram."""
+
+    triggers: int  # the positive triggers looked at
+    final_token: TokenRef
+    final_token_share: float
+    final_ngram: list[TokenRef] | None  # None when no two triggers end alike beyond one token
+    final_ngram_share: float
+
+
+class KeyContext(BaseModel):
+    page: str = "key"
+    title: str
+    model: str
+    layer: int
+    key: int
+    n_layers: int
+    n_keys: int
+    run: RunInfo
+    triggers: list[Trigger]
+    negative_triggers: list[Trigger]
+    more_triggers: int  # how many more positive triggers the run holds beyond those shown
+    value: dict[str, ValueReadout]  # readout ("raw", "norm") → top and bottom tokens
+    stats: KeyStatsView | None
+    histogram: Histogram | None
+    agreement: Agreement
+    links: Links
+    provisional: float | None = None  # while the run mines: the share of the corpus these results cover
+    patterns: PatternHints | None = None  # how the shown positive triggers end
+    label: LabelView | None = None  # the memory's label (its newest)
+    label_history: list[LabelView] = []  # its earlier labels, the newest first
+    label_url: str = ""  # where the label form posts
+
+
+class LayerContext(BaseModel):
+    page: str = "layer"
+    title: str
+    model: str
+    layer: int
+    n_layers: int
+    n_keys: int
+    run: RunInfo
+    sort: str
+    order: str
+    token: str | None
+    token_ids: list[int]  # the vocabulary entries the token filter matched
+    page_number: int
+    per_page: int
+    total: int  # keys that pass the filter
+    pages: int
+    keys: list[KeyRow]
+    provisional: float | None = None  # while the run mines: the share of the corpus these results cover
+
+
+class TokenMatch(BaseModel):
+    """A memory whose value promotes (top) or suppresses (bottom) a searched token."""
+
+    layer: int
+    key: int
+    direction: int  # +1 among the top tokens, −1 among the bottom ones
+    rank: int
+    token: str
+    token_id: int
+    logit: float
+    prob: float
+
+
+class PrefixMatch(BaseModel):
+    """A trigger prefix that contains the searched text."""
+
+    layer: int
+    key: int
+    trigger: Trigger
+
+
+class SearchContext(BaseModel):
+    page: str = "search"
+    title: str
+    model: str
+    n_layers: int
+    n_keys: int
+    run: RunInfo
+    q: str
+    readout: str
+    by: str
+    limit: int
+    token_ids: list[int]
+    promote: list[TokenMatch]
+    suppress: list[TokenMatch]
+    prefixes: list[PrefixMatch]
+    labels: list[LabelHit] = []  # memories whose label matches q
+
+
+KeyRow.model_rebuild()
+
+
+class PromptToken(TokenRef):
+    position: int
+    url: str  # this trace with the position selected
+
+
+class TraceMemory(BaseModel):
+    """One memory at the selected position, ranked by |m_i|·‖v_i‖."""
+
+    layer: int
+    key: int
+    coefficient: float  # signed: m < 0 flips the value's effect
+    score: float
+    tokens: list[TokenRef]  # top tokens of sign(m)·v under the trace's readout (from the index)
+    agrees: bool | None  # top(y) is among them (None: the index has no value tokens)
+    url: str  # the key page
+    edit: str | None  # this memory's intervention in the trace, if any
+    off_url: str  # this trace with the memory switched off
+    scale_url: str  # … scaled ×2
+    flip_url: str  # … scaled ×−1
+
+
+class TraceLayer(BaseModel):
+    layer: int
+    top_r: TokenRef  # the residual before the FF
+    top_y: TokenRef  # the FF output
+    top_o: TokenRef  # the layer output
+    final_prob: float  # probability of the final prediction under the residual
+    final_rank: int
+    case: str  # agreement | residual | ffn | composition
+    settled: bool  # top(r) is already the final prediction
+    agrees: bool | None  # one of the listed memories' top tokens is top(y)
+    memories: list[TraceMemory]
+
+
+class TokenChangeView(TokenRef):
+    before: float
+    after: float
+    change: float
+
+
+class EditView(BaseModel):
+    text: str  # L12K345*0.5
+    layer: int
+    key: int
+    mode: str  # off | scale | set
+    value: float
+    coefficient: float | None  # m at the selected position before the edit
+    url: str  # the key page
+    remove_url: str  # this trace without it
+
+
+class Generation(BaseModel):
+    tokens: int
+    clean: str
+    edited: str | None  # with the interventions (None without any)
+
+
+class TraceContext(BaseModel):
+    page: str = "trace"
+    title: str
+    model: str
+    n_layers: int
+    n_keys: int
+    text: str | None  # None: no prompt yet (the form only)
+    position: int | None
+    readout: str
+    memories: int
+    generate: int
+    interventions: str  # the set as the URL keeps it
+    max_tokens: int
+    worker: dict  # the live worker's state (status: ready | loading | idle | down)
+    notice: str | None = None  # why there is no trace (worker down, loading or busy)
+    run: int | None = None  # the index run whose value tokens name the memories' tokens
+    tokens: list[PromptToken] = []
+    prediction: TokenRef | None = None
+    top_tokens: list[TokenChangeView] = []
+    layers: list[TraceLayer] = []
+    heatmap: dict = {}  # {"active": [layers][positions], "ff_logit": [layers][positions]}
+    edits: list[EditView] = []
+    generation: Generation | None = None
+    cases: dict[str, int] = {}  # layers per case
+
+
+class AblationRow(BaseModel):
+    prefix: str  # the trigger prefix, ending at the trigger token
+    coefficient: float
+    next_token: TokenRef | None
+    value_before: float  # probability of the value's top token, memory on
+    value_after: float  # … and switched off
+    next_before: float | None
+    next_after: float | None
+
+
+class AblationContext(BaseModel):
+    page: str = "ablation"
+    title: str
+    model: str
+    layer: int
+    key: int
+    run: int
+    value_token: TokenRef  # the value's top token (raw readout)
+    rows: list[AblationRow]
+    mean_value_change: float
+    mean_next_change: float | None
+    trace_url: str  # the top trigger's prefix in the live view, with this memory off
+
+
+class AnalysisFigure(BaseModel):
+    """One of the paper's figures on this run: our per-layer series beside the paper's reference values."""
+
+    name: str  # fig3, fig4, …
+    title: str
+    text: str  # what the chart shows, in one paragraph
+    unit: str  # share | count | probability | relative change | rank
+    layers: list[int]
+    depth: list[float]  # layer / (layers − 1): the paper's 16 layers and ours on one axis
+    series: dict[str, list[float | None]]  # ours, by name
+    paper: dict[str, list[list[float]]]  # the paper's values as [relative depth, value] points (approximate)
+
+
+class AnalysisContext(BaseModel):
+    page: str = "analysis"
+    title: str
+    model: str
+    run: RunInfo
+    computed: dict[str, dict]  # analysis → {options, seconds, created_at}
+    missing: list[str]  # analyses not computed on this run yet
+    figures: list[AnalysisFigure]
+    jobs: list[JobInfo]  # the run's analysis jobs, newest first
+    defaults: dict  # the options a new analysis job gets unless the form says otherwise

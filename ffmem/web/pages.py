@@ -1,0 +1,603 @@
+"""Page builders: a session and validated parameters in, one context (ffmem.web.contexts) out.
+
+They raise AppError for anything a person asked for that does not exist, with the valid range
+or the known names in the message.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from ffmem.store import jobs, provisional, queries
+from ffmem.store.models import Job, Label, LanguageModel, Run, Sentence
+from ffmem.store.models import Trigger as TriggerRow
+from ffmem.web import patterns, urls
+from ffmem.web.contexts import (
+    Agreement,
+    Histogram,
+    HomeContext,
+    JobContext,
+    JobInfo,
+    KeyContext,
+    KeyRow,
+    KeyStatsView,
+    LabelHit,
+    LabelView,
+    LayerContext,
+    LayerSummary,
+    Links,
+    ModelContext,
+    ModelEntry,
+    ModelInfo,
+    PrefixMatch,
+    Progress,
+    RunInfo,
+    SearchContext,
+    TokenMatch,
+    TokenScore,
+    Trigger,
+    ValueReadout,
+)
+from ffmem.web.errors import AppError
+
+READOUTS = ("raw", "norm")
+KEY_JUMP = re.compile(
+    r"^\s*(?:L\s*)?(\d+)\s*(?:/|\s+|,)\s*(?:K\s*)?(\d+)\s*$|^\s*L\s*(\d+)\s*K\s*(\d+)\s*$", re.I
+)
+VISIBLE_SPACE = "\u2423"  # ␣
+
+
+# ---- shared lookups -----------------------------------------------------------------------------
+
+
+def model_or_404(session: Session, slug: str) -> LanguageModel:
+    model = queries.get_model(session=session, slug=slug)
+    if model is None:
+        known = [m.slug for m in queries.list_models(session=session)]
+        listed = ", ".join(known) if known else "none yet (build one with `ffmem index`)"
+        raise AppError(404, "Unknown model", f"There is no model {slug!r}. Known models: {listed}.")
+    return model
+
+
+def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Run:
+    """The pinned run (`?run=`), or the model's newest finished one, or else the run being built
+    (provisional results) once it has mined something."""
+    if run_id is None:
+        run = queries.latest_finished_run(session=session, model_id=model.id)
+        if run is None:
+            building = jobs.building(session=session, model_id=model.id)
+            if building is not None and provisional.has_results(session, building.run):
+                return building.run
+            where = (
+                f" Job {building.id} is building one: see {urls.job_url(building.id)}." if building else ""
+            )
+            raise AppError(
+                404, "No finished index", f"Model {model.slug!r} has no finished index run yet.{where}"
+            )
+        return run
+    run = queries.get_run(session=session, run_id=run_id)
+    if run is None or run.model_id != model.id:
+        known = ", ".join(str(r.id) for r in model.runs) or "none"
+        raise AppError(404, "Unknown run", f"Model {model.slug!r} has no run {run_id}. Its runs: {known}.")
+    if run.status == "failed":
+        raise AppError(404, "Run failed", f"Run {run_id} failed; its results are not stored.")
+    if run.status != "done" and not provisional.has_results(session, run):
+        raise AppError(404, "Run not started", f"Run {run_id} has mined nothing yet.")
+    return run
+
+
+def check_layer(model: LanguageModel, layer: int) -> None:
+    if not 0 <= layer < model.n_layers:
+        raise AppError(
+            404,
+            "Layer not found",
+            f"{model.slug} has layers 0–{model.n_layers - 1}; there is no layer {layer}.",
+        )
+
+
+def check_key(model: LanguageModel, layer: int, key: int) -> None:
+    check_layer(model, layer)
+    if not 0 <= key < model.n_keys:
+        raise AppError(
+            404, "Key not found", f"Layer {layer} has keys 0–{model.n_keys - 1}; there is no key {key}."
+        )
+
+
+def run_info(run: Run) -> RunInfo:
+    return RunInfo(
+        id=run.id,
+        status=run.status,
+        corpus=run.corpus.name,
+        n_sentences=run.n_sentences,
+        n_tokens=run.n_tokens,
+        top_k=run.top_k,
+        n_value_tokens=run.n_value_tokens,
+        dtype=run.dtype,
+        device=run.device,
+        package_version=run.package_version,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        provenance=run.provenance,
+        error=run.error,
+    )
+
+
+def label_view(label: Label) -> LabelView:
+    return LabelView(pattern=label.pattern, tag=label.tag, author=label.author, created_at=label.created_at)
+
+
+def model_info(model: LanguageModel) -> ModelInfo:
+    return ModelInfo.model_validate(model, from_attributes=True)
+
+
+def trigger_view(
+    row: TriggerRow, sentence: Sentence, texts: dict[int, str], value_ids: list[int] | None = None
+) -> Trigger:
+    """A stored trigger with its prefix, trigger token and next token read off the sentence."""
+    ids, offsets = sentence.token_ids, sentence.offsets
+    start, end = offsets[row.position]
+    following = ids[row.position + 1] if row.position + 1 < len(ids) else None
+    return Trigger(
+        rank=row.rank,
+        coefficient=row.coefficient,
+        prefix=sentence.text[:end],
+        trigger_start=min(start, end),
+        trigger_token=texts.get(ids[row.position], ""),
+        trigger_token_id=ids[row.position],
+        next_token=None if following is None else texts.get(following, ""),
+        next_token_id=following,
+        sentence=sentence.text,
+        sentence_index=row.sentence_index,
+        position=row.position,
+        value_rank=value_ids.index(following) if value_ids and following in value_ids else None,
+    )
+
+
+def positive_triggers(session: Session, run: Run, layer: int, key: int, limit: int) -> list[TriggerRow]:
+    """A key's strongest positive triggers: stored, or merged so far while its run mines."""
+    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
+    if mined is None:
+        return queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=limit)
+    return provisional.triggers(mined, run, layer, key, 1, limit)
+
+
+def _trigger_token_ids(rows: list[TriggerRow], sentences: dict[int, Sentence]) -> set[int]:
+    """The trigger and next token ids of these triggers (for one vocabulary lookup)."""
+    found = set()
+    for row in rows:
+        ids = sentences[row.sentence_index].token_ids
+        found.update(ids[row.position : row.position + 2])
+    return found
+
+
+# ---- pages --------------------------------------------------------------------------------------
+
+
+def home_page(session: Session) -> HomeContext:
+    models = queries.list_models(session=session)
+    entries = [ModelEntry(model=model_info(m), runs=[run_info(r) for r in reversed(m.runs)]) for m in models]
+    recent = [JobInfo.model_validate(job, from_attributes=True) for job in jobs.recent_jobs(session=session)]
+    return HomeContext(title="ffmem: feed-forward memories", models=entries, jobs=recent)
+
+
+def job_page(session: Session, job_id: int) -> JobContext:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise AppError(404, "Unknown job", f"There is no job {job_id}.")
+    run = job.run
+    progress = None
+    if run is not None and job.kind == "index":
+        done = jobs.progress(session=session, run=run)
+        since = done["mining_since"]
+        elapsed = (jobs.now() - _aware(since)).total_seconds() if since else 0.0
+        rate = done["sentences_done"] / elapsed if elapsed > 0 and done["sentences_done"] else None
+        finished = run.status == "done"
+        progress = Progress(
+            sentences_done=run.n_sentences if finished else done["sentences_done"],
+            n_sentences=run.n_sentences,
+            fraction=1.0 if finished else done["fraction"],
+            tokens_done=done["tokens_done"],
+            shards=done["shards"],
+            shards_done=done["shards_done"],
+            tokens_per_s=done["tokens_done"] / elapsed if rate and not finished else None,
+            eta_seconds=(run.n_sentences - done["sentences_done"]) / rate if rate and not finished else None,
+        )
+    return JobContext(
+        title=f"{job.kind} job {job.id}: {job.status}",
+        job=JobInfo.model_validate(job, from_attributes=True),
+        run=run_info(run) if run is not None else None,
+        model=run.model.slug if run is not None else None,
+        progress=progress,
+        polling=job.status in jobs.ACTIVE,
+    )
+
+
+def _aware(moment):
+    """SQLite gives back naive datetimes; they were stored as UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=jobs.now().tzinfo)
+
+
+def model_page(session: Session, slug: str, run_id: int | None) -> ModelContext:
+    model = model_or_404(session, slug)
+    run = run_or_404(session, model, run_id)
+    if run.status != "done":
+        layers, covered = _provisional_layers(session, model, run)
+        return ModelContext(
+            title=f"{model.slug}: layers",
+            model=model_info(model),
+            run=run_info(run),
+            layers=layers,
+            provisional=covered,
+        )
+    layers = []
+    for row in queries.layer_summaries(session=session, run_id=run.id):
+        values = row._asdict()
+        with_agreement = values.pop("keys_with_agreement")
+        if not with_agreement:
+            values["agreeing_keys"] = None
+        layers.append(LayerSummary(**values))
+    return ModelContext(
+        title=f"{model.slug}: layers", model=model_info(model), run=run_info(run), layers=layers
+    )
+
+
+def layer_page(
+    session: Session,
+    slug: str,
+    layer: int,
+    *,
+    run_id: int | None,
+    sort: str,
+    order: str,
+    token: str | None,
+    page: int,
+    per_page: int,
+) -> LayerContext:
+    model = model_or_404(session, slug)
+    check_layer(model, layer)
+    run = run_or_404(session, model, run_id)
+    token_ids = token_candidates(session, model, token) if token else None
+    window = dict(sort=sort, descending=order == "desc", offset=(page - 1) * per_page, limit=per_page)
+    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
+    if mined is None:
+        total, stats = queries.layer_keys(
+            session=session, run_id=run.id, layer=layer, token_ids=token_ids, **window
+        )
+        tops = queries.top_triggers(session=session, run_id=run.id, layer=layer, keys=[s.key for s in stats])
+    else:
+        total, stats, tops = provisional.layer_keys(session, run, mined, layer, token_ids=token_ids, **window)
+    keys = [s.key for s in stats]
+    values = queries.top_value_tokens(
+        session=session, run_id=run.id, layer=layer, keys=keys, readout="raw", n=5
+    )
+    sentences = queries.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in tops.values()]
+    )
+    wanted = _trigger_token_ids(list(tops.values()), sentences)
+    wanted.update(v.token_id for tokens in values.values() for v in tokens)
+    texts = queries.token_texts(session=session, model_id=model.id, token_ids=wanted)
+    labels = queries.current_labels(session=session, model_id=model.id, layer=layer, keys=keys)
+    rows = [
+        KeyRow(
+            key=s.key,
+            top_trigger=(
+                trigger_view(tops[s.key], sentences[tops[s.key].sentence_index], texts)
+                if s.key in tops
+                else None
+            ),
+            value_top=[_score(v, texts) for v in values.get(s.key, [])],
+            max_coefficient=s.max_coefficient,
+            min_coefficient=s.min_coefficient,
+            positive_share=s.positive_share,
+            density=s.density,
+            agreement=s.agreement,
+            max_prob=s.max_prob,
+            next_token_rank=s.next_token_rank,
+            value_norm=s.value_norm,
+            label=label_view(labels[s.key]) if s.key in labels else None,
+        )
+        for s in stats
+    ]
+    return LayerContext(
+        title=f"{model.slug}: layer {layer}",
+        model=model.slug,
+        layer=layer,
+        n_layers=model.n_layers,
+        n_keys=model.n_keys,
+        run=run_info(run),
+        sort=sort,
+        order=order,
+        token=token,
+        token_ids=token_ids or [],
+        page_number=page,
+        per_page=per_page,
+        total=total,
+        pages=max(1, -(-total // per_page)),
+        keys=rows,
+        provisional=None if mined is None else provisional.fraction(run, mined),
+    )
+
+
+def key_page(
+    session: Session, slug: str, layer: int, key: int, *, run_id: int | None, limit: int
+) -> KeyContext:
+    model = model_or_404(session, slug)
+    check_key(model, layer, key)
+    run = run_or_404(session, model, run_id)
+    where = dict(session=session, run_id=run.id, layer=layer, key=key)
+    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
+    if mined is None:
+        positive = queries.get_triggers(**where, sign=1, limit=limit)
+        negative = queries.get_triggers(**where, sign=-1, limit=limit)
+        more = queries.count_triggers(**where, sign=1) - len(positive)
+    else:
+        every = provisional.triggers(mined, run, layer, key, 1)
+        positive, more = every[:limit], len(every) - min(limit, len(every))
+        negative = provisional.triggers(mined, run, layer, key, -1, limit)
+    value_rows = {
+        (readout, direction): queries.get_value_tokens(**where, readout=readout, direction=direction)
+        for readout in READOUTS
+        for direction in (1, -1)
+    }
+    sentences = queries.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in positive + negative]
+    )
+    wanted = _trigger_token_ids(positive + negative, sentences)
+    wanted.update(v.token_id for rows in value_rows.values() for v in rows)
+    endings = [sentences[t.sentence_index].token_ids[: t.position + 1] for t in positive]
+    history = queries.label_history(session=session, model_id=model.id, layer=layer, key=key)
+    wanted.update(patterns.ending_token_ids(endings))
+    texts = queries.token_texts(session=session, model_id=model.id, token_ids=wanted)
+    top_ids = [v.token_id for v in value_rows["raw", 1]]
+    bottom_ids = [v.token_id for v in value_rows["raw", -1]]
+    triggers = [trigger_view(t, sentences[t.sentence_index], texts, top_ids) for t in positive]
+    negative_triggers = [trigger_view(t, sentences[t.sentence_index], texts, bottom_ids) for t in negative]
+    if mined is None:
+        stored = queries.get_key_stats(**where)
+        stats = None if stored is None else KeyStatsView.model_validate(stored, from_attributes=True)
+        counts = None if stored is None else stored.histogram
+    else:
+        stats = _provisional_stats(session, run, mined, key, every, value_rows["raw", 1])
+        counts = mined.histogram[key].tolist()
+    histogram = None
+    if counts is not None:
+        edges = run.histogram_edges
+        histogram = Histogram(edges=edges, labels=bin_labels(edges), counts=counts)
+    value = {
+        readout: ValueReadout(
+            top=[_score(v, texts) for v in value_rows[readout, 1]],
+            bottom=[_score(v, texts) for v in value_rows[readout, -1]],
+        )
+        for readout in READOUTS
+    }
+    pinned = {"run": run.id}
+    previous = (layer, key - 1) if key > 0 else (layer - 1, model.n_keys - 1) if layer > 0 else None
+    following = (
+        (layer, key + 1) if key + 1 < model.n_keys else (layer + 1, 0) if layer + 1 < model.n_layers else None
+    )
+    random_key = (random.randrange(model.n_layers), random.randrange(model.n_keys))
+    return KeyContext(
+        title=f"{model.slug}: layer {layer}, key {key}",
+        model=model.slug,
+        layer=layer,
+        key=key,
+        n_layers=model.n_layers,
+        n_keys=model.n_keys,
+        run=run_info(run),
+        triggers=triggers,
+        negative_triggers=negative_triggers,
+        more_triggers=more,
+        value=value,
+        stats=stats,
+        histogram=histogram,
+        provisional=None if mined is None else provisional.fraction(run, mined),
+        patterns=patterns.pattern_hints(endings, texts),
+        label=label_view(history[0]) if history else None,
+        label_history=[label_view(label) for label in history[1:]],
+        label_url=urls.label_url(slug, layer, key),
+        agreement=Agreement(
+            positive=sum(t.value_rank is not None for t in triggers),
+            positive_of=sum(t.next_token_id is not None for t in triggers),
+            negative=sum(t.value_rank is not None for t in negative_triggers),
+            negative_of=sum(t.next_token_id is not None for t in negative_triggers),
+        ),
+        links=Links(
+            previous=urls.key_url(slug, *previous) if previous else None,
+            next=urls.key_url(slug, *following) if following else None,
+            random=urls.key_url(slug, *random_key),
+            permalink=urls.key_url(slug, layer, key, **pinned),
+            layer=urls.layer_url(slug, layer),
+        ),
+    )
+
+
+def _provisional_layers(session: Session, model: LanguageModel, run: Run) -> tuple[list[LayerSummary], float]:
+    """Layer summaries of a run still mining, and the share of the corpus they cover."""
+    layers, covered = [], 1.0
+    for layer in range(model.n_layers):
+        mined = provisional.mined_layer(session, run, layer)
+        _, probs = queries.layer_value_tokens(
+            session=session, run_id=run.id, layer=layer, readout="raw", direction=1, n=1
+        )
+        high, _ = provisional.extremes(mined)
+        covered = min(covered, provisional.fraction(run, mined))
+        layers.append(
+            LayerSummary(
+                layer=layer,
+                keys=model.n_keys,
+                positive_share=float(mined.positive_share().mean()),
+                density=float(mined.density().mean()),
+                max_coefficient=None if np.isnan(high).all() else float(np.nanmax(high)),
+                max_prob=float(probs[:, 0].max()) if probs.size else None,
+                mean_max_prob=float(probs[:, 0].mean()) if probs.size else None,
+                agreement_rate=None,
+                agreeing_keys=None,
+                value_norm=None,
+            )
+        )
+    return layers, covered
+
+
+def _provisional_stats(
+    session: Session, run: Run, mined, key: int, positive: list, raw_top: list
+) -> KeyStatsView:
+    """A key's statistics so far; agreement over every positive trigger so far (no next-token rank or
+    value norm until the run is stored)."""
+    sentences = queries.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in positive]
+    )
+    top_ids = {v.token_id for v in raw_top}
+    following = [_next_token(sentences[t.sentence_index], t.position) for t in positive]
+    high, low = (float(x[key]) for x in provisional.extremes(mined))
+    return KeyStatsView(
+        mean=float(mined.mean()[key]),
+        positive_share=float(mined.positive_share()[key]),
+        density=float(mined.density()[key]),
+        max_coefficient=None if math.isnan(high) else high,
+        min_coefficient=None if math.isnan(low) else low,
+        max_prob=raw_top[0].prob if raw_top else None,
+        agreement=sum(token in top_ids for token in following if token is not None),
+        next_token_rank=None,
+        value_norm=None,
+    )
+
+
+def _next_token(sentence: Sentence, position: int) -> int | None:
+    ids = sentence.token_ids
+    return ids[position + 1] if position + 1 < len(ids) else None
+
+
+def search_page(
+    session: Session, slug: str, *, q: str, run_id: int | None, readout: str, by: str, limit: int
+) -> SearchContext | str:
+    """The search results, or the URL of a key when `q` names one (`L12 K345`, `12/345`)."""
+    model = model_or_404(session, slug)
+    jump = KEY_JUMP.match(q)
+    if jump:
+        layer, key = (int(g) for g in jump.groups() if g is not None)
+        check_key(model, layer, key)
+        return urls.key_url(slug, layer, key, run=run_id)
+    run = run_or_404(session, model, run_id)
+    token_ids = token_candidates(session, model, q) if q else []
+    promote: list[TokenMatch] = []
+    suppress: list[TokenMatch] = []
+    prefixes: list[PrefixMatch] = []
+    if token_ids:
+        texts = queries.token_texts(session=session, model_id=model.id, token_ids=token_ids)
+        for direction, found in ((1, promote), (-1, suppress)):
+            rows = queries.value_matches(
+                session=session,
+                run_id=run.id,
+                token_ids=token_ids,
+                readout=readout,
+                direction=direction,
+                by=by,
+                limit=limit,
+            )
+            found.extend(
+                TokenMatch(
+                    layer=v.layer,
+                    key=v.key,
+                    direction=direction,
+                    rank=v.rank,
+                    token=texts[v.token_id],
+                    token_id=v.token_id,
+                    logit=v.logit,
+                    prob=v.prob,
+                )
+                for v in rows
+            )
+    labels: list[LabelHit] = []
+    if len(q.strip()) >= 2:
+        prefixes = prefix_matches(session, model, run, q, limit)
+        labels = [
+            LabelHit(
+                layer=label.layer,
+                key=label.key,
+                url=urls.key_url(slug, label.layer, label.key),
+                **label_view(label).model_dump(),
+            )
+            for label in queries.search_labels(
+                session=session, model_id=model.id, text=q.strip(), limit=limit
+            )
+        ]
+    return SearchContext(
+        title=f"{model.slug}: search",
+        model=model.slug,
+        n_layers=model.n_layers,
+        n_keys=model.n_keys,
+        run=run_info(run),
+        q=q,
+        readout=readout,
+        by=by,
+        limit=limit,
+        token_ids=token_ids,
+        promote=promote,
+        suppress=suppress,
+        prefixes=prefixes,
+        labels=labels,
+    )
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def token_candidates(session: Session, model: LanguageModel, text: str) -> list[int]:
+    """Vocabulary ids a typed token means: the text as typed, and with a leading space when it has none.
+
+    A leading ␣ (how the explorer shows a space) is read as a space.
+    """
+    if text.startswith(VISIBLE_SPACE):
+        text = " " + text[1:]
+    forms = {text} if text.startswith(" ") or not text.strip() else {text, " " + text}
+    return queries.find_tokens(session=session, model_id=model.id, texts=forms)
+
+
+def prefix_matches(
+    session: Session, model: LanguageModel, run: Run, text: str, limit: int
+) -> list[PrefixMatch]:
+    """The strongest positive triggers whose prefix contains `text` (ignoring case)."""
+    needle = queries.stored_text(text).lower()
+    sentences = queries.sentences_containing(session=session, corpus_id=run.corpus_id, text=text, limit=50)
+    first_positions = {}
+    for sentence in sentences:
+        end = sentence.text.lower().find(needle) + len(needle)  # the first occurrence's end
+        first_positions[sentence.index] = next(
+            (p for p, (_, stop) in enumerate(sentence.offsets) if stop >= end), len(sentence.offsets)
+        )
+    rows = queries.triggers_from(session=session, run_id=run.id, first_positions=first_positions, limit=limit)
+    by_index = {s.index: s for s in sentences}
+    texts = queries.token_texts(
+        session=session, model_id=model.id, token_ids=_trigger_token_ids(rows, by_index)
+    )
+    return [
+        PrefixMatch(layer=t.layer, key=t.key, trigger=trigger_view(t, by_index[t.sentence_index], texts))
+        for t in rows
+    ]
+
+
+def bin_labels(edges: list[float]) -> list[str]:
+    """One label per histogram bin: negative bins, then exactly 0, then positive bins (see mining)."""
+    negative, positive = edges[: len(edges) // 2 - 1], edges[len(edges) // 2 + 1 :]
+
+    def power(x: float) -> str:
+        return f"2^{round(math.log2(abs(x)))}"
+
+    labels = [f"≤ −{power(negative[0])}"]
+    labels += [f"(−{power(a)}, −{power(b)}]" for a, b in zip(negative, negative[1:], strict=False)]
+    labels += [f"(−{power(negative[-1])}, −0]", "+0"]
+    labels += [f"(0, {power(positive[0])})"]
+    labels += [f"[{power(a)}, {power(b)})" for a, b in zip(positive, positive[1:], strict=False)]
+    labels += [f"≥ {power(positive[-1])}"]
+    return labels
+
+
+def _score(row, texts: dict[int, str]) -> TokenScore:
+    return TokenScore(
+        rank=row.rank, token=texts[row.token_id], token_id=row.token_id, logit=row.logit, prob=row.prob
+    )

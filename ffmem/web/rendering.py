@@ -1,0 +1,68 @@
+"""render(request, template, ctx): the JSON twin for `.json` paths, an htmx fragment when htmx asks
+for one, the full page otherwise — always from the same context object.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.templating import Jinja2Templates
+from pydantic import BaseModel
+
+from ffmem.web import charts, urls
+from ffmem.web.access import admin_name, can_write, login_offered
+from ffmem.web.display import number, percent, visible
+from ffmem.web.errors import AppError
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+templates = Jinja2Templates(directory=TEMPLATES)
+templates.env.filters.update(visible=visible, number=number, percent=percent)
+templates.env.globals.update(
+    urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
+)
+
+
+def wants_json(request: Request) -> bool:
+    return request.url.path.endswith(".json")
+
+
+def render(
+    request: Request,
+    template: str,
+    ctx: BaseModel,
+    fragment: str | None = None,
+    *,
+    status_code: int = 200,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """The page for `ctx`: JSON for `.json`, `fragment` for htmx requests that target it, else the page."""
+    if wants_json(request):
+        return JSONResponse(ctx.model_dump(mode="json"), status_code=status_code, headers=headers)
+    name = template
+    if fragment and request.headers.get("HX-Request") and request.headers.get("HX-Target") == fragment:
+        name = f"_{fragment}.html"
+    context = {"ctx": ctx, "json_url": twin_url(request)}
+    return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
+
+
+def twin_url(request: Request) -> str:
+    """This page's JSON twin: the same path with `.json` appended, the same query."""
+    path = request.url.path
+    twin = "/.json" if path == "/" else f"{path}.json"
+    return f"{twin}?{request.url.query}" if request.url.query else twin
+
+
+def render_error(request: Request, error: AppError) -> Response:
+    """The one error shape."""
+    if wants_json(request):
+        body = {"ok": False, "error": error.message, "status": error.status}
+        return JSONResponse(body, status_code=error.status, headers=error.headers)
+    return templates.TemplateResponse(
+        request,
+        "error.html",
+        {"error": error, "json_url": None},
+        status_code=error.status,
+        headers=error.headers,
+    )

@@ -1,0 +1,88 @@
+"""Jobs from the browser: start an index run (and its analyses), watch a job's progress, retry it when
+it failed."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Path, Request
+from fastapi.responses import JSONResponse, RedirectResponse
+
+from ffmem.engine.text_files import CorpusError, corpus_file
+from ffmem.store import jobs
+from ffmem.store.models import Job
+from ffmem.web import pages, urls
+from ffmem.web.contexts import JobContext
+from ffmem.web.errors import AppError, sentence
+from ffmem.web.rendering import render, wants_json
+from ffmem.web.routes import SessionDep, action, page
+
+router = APIRouter()
+# Job ids are the database's 32-bit integers: a larger one is a 400, not an overflow in the query.
+JobId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The job's number.")]
+
+
+@page(router, "/jobs/{job_id}", "job", JobContext)
+def job(request: Request, session: SessionDep, job_id: JobId):
+    """One job: its status, its progress (polled until it ends), its error."""
+    return render(request, "job.html", pages.job_page(session, job_id), fragment="progress")
+
+
+@action(router, "/jobs", "start_job", JobContext, status=201)
+def _start(
+    request: Request,
+    session: SessionDep,
+    model: Annotated[str, Form(min_length=1, max_length=500, description="smollm2-135m, a HF id or a path.")],
+    corpus: Annotated[str, Form(min_length=1, max_length=500, description="wiki-vital or a server path.")],
+    sentences: Annotated[int, Form(ge=1, le=10_000_000, description="Corpus sentences to mine.")],
+    top_k: Annotated[int, Form(ge=1, le=1000, description="Trigger sentences kept per key and sign.")],
+    analyze: Annotated[
+        bool, Form(description="Then compute the paper's analyses of the run (the settings' sizes).")
+    ] = False,
+):
+    """Queue an index run (a worker builds it); an identical unfinished one is reused."""
+    settings = request.app.state.settings
+    model, corpus = model.strip(), corpus.strip()
+    for name, given in (("model", model), ("corpus", corpus)):
+        if not given:
+            raise AppError(400, "Bad request", f"{name}: must not be blank")
+    _check_corpus(corpus)
+    options = jobs.run_options(settings, model=model, corpus=corpus, sentences=sentences, top_k=top_k)
+    queued, _ = jobs.enqueue(session=session, options=options)
+    if analyze:
+        jobs.enqueue_analysis(session=session, options=jobs.analysis_options(settings), after=queued.id)
+    session.commit()
+    if wants_json(request):
+        ctx = pages.job_page(session, queued.id)
+        return JSONResponse(ctx.model_dump(mode="json"), status_code=201)
+    return RedirectResponse(urls.job_url(queued.id), status_code=303)
+
+
+@action(router, "/jobs/{job_id}/retry", "retry_job", JobContext)
+def _retry(request: Request, session: SessionDep, job_id: JobId):
+    """Queue a failed job again; its run resumes from its checkpoints."""
+    found = session.get(Job, job_id)
+    if found is None:
+        raise AppError(404, "Unknown job", f"There is no job {job_id}.")
+    if found.status != "failed":
+        raise AppError(
+            409, "Not failed", f"Job {job_id} is {found.status}; only a failed job can be retried."
+        )
+    jobs.retry(session=session, job_id=job_id)
+    session.commit()
+    if wants_json(request):
+        return JSONResponse(pages.job_page(session, job_id).model_dump(mode="json"))
+    return RedirectResponse(urls.job_url(job_id), status_code=303)
+
+
+def _check_corpus(corpus: str) -> None:
+    """A corpus file this server sees is checked now: a folder, an empty or a binary file is a 400 that
+    says so. A path it does not see may be on the workers' machines: they check it, and an unusable
+    one fails its job with the same reason."""
+    if corpus == "wiki-vital" or not os.path.lexists(corpus):
+        return
+    try:
+        corpus_file(corpus)
+    except CorpusError as error:
+        raise AppError(400, "Unusable corpus", sentence(str(error))) from None

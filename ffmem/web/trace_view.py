@@ -1,0 +1,297 @@
+"""The live view's contexts: a trace answered by the live worker, named with the index's tokens.
+
+The worker returns token ids; the database gives their texts and, from the newest run that has
+projected its values, each listed memory's value tokens (its top tokens for m > 0, its bottom
+tokens for m < 0: a negative coefficient flips the value).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from ffmem.engine.cases import CASES
+from ffmem.engine.interventions import (
+    Intervention,
+    InterventionError,
+    format_interventions,
+    parse_interventions,
+)
+from ffmem.store import jobs, queries
+from ffmem.store.models import LanguageModel, Run
+from ffmem.web import pages, urls
+from ffmem.web.contexts import (
+    AblationContext,
+    AblationRow,
+    EditView,
+    Generation,
+    PromptToken,
+    TokenChangeView,
+    TokenRef,
+    TraceContext,
+    TraceLayer,
+    TraceMemory,
+)
+from ffmem.web.errors import AppError, sentence
+from ffmem.web.worker_client import LiveWorker
+
+MEMORY_TOKENS = 5  # value tokens shown per memory
+DEFAULTS = {"readout": "norm", "memories": 10, "generate": 0}
+
+
+class TraceQuery:
+    """What a trace URL holds; `url(**changes)` is the same trace with some of it changed."""
+
+    def __init__(self, model: LanguageModel, text, position, readout, memories, generate, intervene) -> None:
+        self.model, self.text, self.position = model, text, position
+        self.readout, self.memories, self.generate = readout, memories, generate
+        self.typed, self.error = intervene or "", None
+        try:
+            self.interventions = parse_interventions(intervene, model.n_layers, model.n_keys)
+        except InterventionError as error:  # raised by trace_page; the form shows what was typed
+            self.interventions = []
+            self.error = AppError(400, "Bad intervention", sentence(str(error)))
+
+    def url(self, fmt: str | None = None, **changes) -> str:
+        values = {
+            "text": self.text,
+            "position": self.position,
+            "intervene": format_interventions(self.interventions) or None,
+            "readout": self.readout,
+            "memories": self.memories,
+            "generate": self.generate,
+        } | changes
+        kept = {k: v for k, v in values.items() if v is not None and DEFAULTS.get(k) != v}
+        return urls.trace_url(self.model.slug, fmt, **kept)
+
+    def with_edit(self, edit: Intervention) -> str:
+        others = [i for i in self.interventions if (i.layer, i.key) != (edit.layer, edit.key)]
+        return self.url(intervene=format_interventions([*others, edit]))
+
+    def without(self, layer: int, key: int) -> str:
+        kept = [i for i in self.interventions if (i.layer, i.key) != (layer, key)]
+        return self.url(intervene=format_interventions(kept) or None)
+
+
+def value_run(session: Session, model: LanguageModel) -> Run | None:
+    """The run whose value tokens name the memories: the newest finished one, else the one being built
+    (its values are projected before it mines)."""
+    run = queries.latest_finished_run(session=session, model_id=model.id)
+    if run is None and (building := jobs.building(session=session, model_id=model.id)) is not None:
+        run = building.run
+    return run
+
+
+def _query_fields(q: TraceQuery, max_tokens: int) -> dict:
+    """The fields every live-view context has: what the URL asked for."""
+    return dict(
+        title=f"{q.model.slug}: live view",
+        model=q.model.slug,
+        n_layers=q.model.n_layers,
+        n_keys=q.model.n_keys,
+        text=q.text,
+        position=q.position,
+        readout=q.readout,
+        memories=q.memories,
+        generate=q.generate,
+        interventions=q.typed if q.error else format_interventions(q.interventions),
+        max_tokens=max_tokens,
+    )
+
+
+def trace_form(live: LiveWorker, q: TraceQuery, max_tokens: int, notice: str | None = None) -> TraceContext:
+    """The live view without a trace: the prompt form and the worker's state."""
+    return TraceContext(**_query_fields(q, max_tokens), worker=live.health(), notice=notice)
+
+
+def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: int) -> TraceContext:
+    if q.text is None:
+        return trace_form(live, q, max_tokens)
+    if q.error:
+        raise q.error
+    if not q.text.strip():
+        raise AppError(400, "Empty prompt", "The prompt is empty: type some text.")
+    if len(q.text) > 32 * max_tokens:
+        raise AppError(400, "Prompt too long", f"Prompts are limited to {max_tokens} tokens.")
+    answer = live.trace(
+        {
+            "model": q.model.source,
+            "text": q.text,
+            "position": q.position,
+            "memories": q.memories,
+            "readout": q.readout,
+            "interventions": format_interventions(q.interventions),
+            "generate": q.generate,
+        }
+    )
+    run = value_run(session, q.model)
+    signed = [_signed(m) for layer in answer["layers"] for m in layer["memories"]]
+    value_tokens = (
+        queries.memory_value_tokens(
+            session=session, run_id=run.id, readout=q.readout, memories=signed, n=MEMORY_TOKENS
+        )
+        if run is not None
+        else {}
+    )
+    wanted = set(answer["token_ids"]) | {answer["prediction"]}
+    wanted |= {c["token_id"] for c in answer["top_tokens"]}
+    wanted |= {layer[f"top_{x}"] for layer in answer["layers"] for x in "ryo"}
+    wanted |= {t for ids in value_tokens.values() for t in ids}
+    texts = queries.token_texts(session=session, model_id=q.model.id, token_ids=wanted)
+
+    def ref(token_id: int) -> TokenRef:  # built, not validated: hundreds per page, from our own data
+        return TokenRef.model_construct(token_id=token_id, token=texts.get(token_id, ""))
+
+    edits = {(i.layer, i.key): i for i in q.interventions}
+    layers = []
+    for layer in answer["layers"]:
+        memories = []
+        for m in layer["memories"]:
+            ids = value_tokens.get(_signed(m))
+            edit = edits.get((m["layer"], m["key"]))
+            memories.append(
+                TraceMemory.model_construct(
+                    layer=m["layer"],
+                    key=m["key"],
+                    coefficient=m["coefficient"],
+                    score=m["score"],
+                    tokens=[ref(t) for t in ids or []],
+                    agrees=None if ids is None else layer["top_y"] in ids,
+                    url=urls.key_url(q.model.slug, m["layer"], m["key"]),
+                    edit=None if edit is None else str(edit),
+                    off_url=q.with_edit(Intervention(m["layer"], m["key"], "off")),
+                    scale_url=q.with_edit(Intervention(m["layer"], m["key"], "scale", 2.0)),
+                    flip_url=q.with_edit(Intervention(m["layer"], m["key"], "scale", -1.0)),
+                )
+            )
+        known = [m.agrees for m in memories if m.agrees is not None]
+        layers.append(
+            TraceLayer(
+                layer=layer["layer"],
+                top_r=ref(layer["top_r"]),
+                top_y=ref(layer["top_y"]),
+                top_o=ref(layer["top_o"]),
+                final_prob=layer["final_prob"],
+                final_rank=layer["final_rank"],
+                case=layer["case"],
+                settled=layer["settled"],
+                agrees=any(known) if known else None,
+                memories=memories,
+            )
+        )
+    position = answer["position"]
+    return TraceContext(
+        **_query_fields(q, max_tokens) | {"position": position},
+        worker={"status": "ready"},
+        run=None if run is None else run.id,
+        tokens=[
+            PromptToken(position=i, url=q.url(position=i), **ref(t).model_dump())
+            for i, t in enumerate(answer["token_ids"])
+        ],
+        prediction=ref(answer["prediction"]),
+        top_tokens=[
+            TokenChangeView(
+                before=c["before"],
+                after=c["after"],
+                change=c["after"] - c["before"],
+                **ref(c["token_id"]).model_dump(),
+            )
+            for c in answer["top_tokens"]
+        ],
+        layers=layers,
+        heatmap={"active": answer["active"], "ff_logit": answer["ff_logit"]},
+        edits=[
+            EditView(
+                text=str(i),
+                layer=i.layer,
+                key=i.key,
+                mode=i.mode,
+                value=i.value,
+                coefficient=coefficient,
+                url=urls.key_url(q.model.slug, i.layer, i.key),
+                remove_url=q.without(i.layer, i.key),
+            )
+            for i, coefficient in zip(q.interventions, answer["edited_coefficients"], strict=True)
+        ],
+        generation=Generation(
+            tokens=q.generate,
+            clean=answer["generated_text"],
+            edited=answer["generated_edited_text"] if q.interventions else None,
+        )
+        if q.generate
+        else None,
+        cases={case: sum(layer.case == case for layer in layers) for case in CASES},
+    )
+
+
+def _signed(memory: dict) -> tuple[int, int, int]:
+    """(layer, key, direction): a negative coefficient reads the value's bottom tokens."""
+    return memory["layer"], memory["key"], 1 if memory["coefficient"] >= 0 else -1
+
+
+def ablation_page(
+    session: Session, live: LiveWorker, slug: str, layer: int, key: int, *, run_id: int | None, limit: int
+) -> AblationContext:
+    """Switch one memory off on its own top trigger prefixes: how the probabilities of its value's top
+    token and of each prefix's true next token change."""
+    model = pages.model_or_404(session, slug)
+    pages.check_key(model, layer, key)
+    run = pages.run_or_404(session, model, run_id)
+    where = dict(session=session, run_id=run.id, layer=layer, key=key)
+    triggers = pages.positive_triggers(session, run, layer, key, limit)
+    if not triggers:
+        raise AppError(
+            404, "No triggers", f"Key {key} of layer {layer} has no positive triggers in run {run.id}."
+        )
+    top = queries.get_value_tokens(**where, readout="raw", direction=1)
+    if not top:
+        raise AppError(404, "No value tokens", f"Run {run.id} stores no value tokens for this memory.")
+    value_token = top[0].token_id
+    sentences = queries.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in triggers]
+    )
+    prefixes, targets, nexts = [], [], []
+    for trigger in triggers:
+        ids = sentences[trigger.sentence_index].token_ids
+        following = ids[trigger.position + 1] if trigger.position + 1 < len(ids) else None
+        prefixes.append(ids[: trigger.position + 1])
+        targets.append([value_token, value_token if following is None else following])
+        nexts.append(following)
+    answer = live.ablation(
+        {"model": model.source, "layer": layer, "key": key, "prefixes": prefixes, "targets": targets}
+    )
+    texts = queries.token_texts(
+        session=session, model_id=model.id, token_ids={value_token, *(n for n in nexts if n is not None)}
+    )
+    rows = []
+    for trigger, following, before, after in zip(
+        triggers, nexts, answer["before"], answer["after"], strict=True
+    ):
+        sentence = sentences[trigger.sentence_index]
+        rows.append(
+            AblationRow(
+                prefix=sentence.text[: sentence.offsets[trigger.position][1]],
+                coefficient=trigger.coefficient,
+                next_token=None
+                if following is None
+                else TokenRef(token_id=following, token=texts.get(following, "")),
+                value_before=before[0],
+                value_after=after[0],
+                next_before=None if following is None else before[1],
+                next_after=None if following is None else after[1],
+            )
+        )
+    with_next = [r for r in rows if r.next_before is not None]
+    return AblationContext(
+        title=f"{model.slug}: switching off layer {layer}, key {key}",
+        model=model.slug,
+        layer=layer,
+        key=key,
+        run=run.id,
+        value_token=TokenRef(token_id=value_token, token=texts.get(value_token, "")),
+        rows=rows,
+        mean_value_change=sum(r.value_after - r.value_before for r in rows) / len(rows),
+        mean_next_change=sum(r.next_after - r.next_before for r in with_next) / len(with_next)
+        if with_next
+        else None,
+        trace_url=urls.trace_url(model.slug, text=rows[0].prefix, intervene=f"L{layer}K{key}"),
+    )

@@ -1,0 +1,1 @@
+"""The worker: holds one model per process, claims jobs from the store (index runs, analyses) and answers live traces."""

@@ -1,0 +1,631 @@
+"""An index run as a job: load → corpus → mine (by shards, checkpointed in the database) → project → store.
+
+`build_index` is `ffmem index` in the foreground: it queues the job (or finds the unfinished one with
+the same options, and resumes it) and works on it until it is done. `Worker` is what `ffmem worker`
+runs: it claims queued jobs, prepares their runs, mines any run's open shards and finishes runs whose
+shards are all done. Several workers on one Postgres share the shards (ffmem.store.jobs); each shard's running
+top-T is checkpointed in its row every `checkpoint_batches` batches, so a killed worker loses at most
+that much, and the shards merge exactly into the single-worker result.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+import transformers
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+from tqdm.auto import tqdm
+
+from ffmem.engine.corpus import read_corpus, tokenize
+from ffmem.engine.errors import FfmemError
+from ffmem.engine.loading import LoadedModel, load_model
+from ffmem.engine.mined_layer import MinedLayer, histogram_edges
+from ffmem.engine.mining import MiningState, mine_batches, shard_batches
+from ffmem.engine.projection import project_layer, target_ranks
+from ffmem.store import jobs, queries
+from ffmem.store.models import Job, KeyStats, Run, Shard, Trigger, ValueToken
+from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
+
+
+@dataclass
+class IndexOptions:
+    model: str = "smollm2-135m"
+    corpus: str = "wiki-vital"
+    sentences: int | None = 2000
+    top_k: int = 50
+    device: str = "auto"
+    dtype: str = "auto"
+    max_sentence_tokens: int = 128
+    batch_tokens: int = 4096
+    shard_sentences: int = 2048
+    value_tokens: int = 30
+    cache_dir: Path = Path("data/cache")
+    progress: bool = True
+    checkpoint_batches: int = 16
+    lease_seconds: float = 120.0
+
+    def run_options(self) -> dict:
+        """What the job stores: the fields that define the run."""
+        return {name: getattr(self, name) for name in jobs.RUN_FIELDS}
+
+    def with_run_options(self, options: dict) -> IndexOptions:
+        """These worker settings, with a job's run options."""
+        return IndexOptions(**(asdict(self) | {name: options[name] for name in jobs.RUN_FIELDS}))
+
+
+@dataclass
+class IndexSummary:
+    run_id: int
+    model: str
+    corpus: str
+    sentences: int
+    tokens: int
+    layers: int
+    keys: int
+    triggers: int
+    value_tokens: int
+    padding_efficiency: float
+    resumed_shards: int
+    mining_seconds: float
+    projection_seconds: float
+    storing_seconds: float
+    already_built: bool = False
+
+
+class LostLease(FfmemError):
+    """Another worker took over this shard or job (our lease ran out)."""
+
+
+def build_index(
+    options: IndexOptions,
+    sessions: sessionmaker,
+    loaded: LoadedModel | None = None,
+    again: bool = False,
+    analysis: dict | None = None,
+) -> IndexSummary:
+    """Build (or resume) the index run for `options` in the foreground; returns what was stored.
+    With `analysis` (an analysis job's options), then compute the paper's analyses of the run.
+
+    When the same run is already built, returns it with `already_built` (unless `again`).
+    """
+    with sessions() as session:
+        job, what = jobs.enqueue(session=session, options=options.run_options(), again=again)
+        if analysis is not None:
+            analysis_job, _ = jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
+        session.commit()
+        job_id = job.id
+    worker = Worker(sessions, options, loaded=loaded)
+    if what != "done":
+        worker.work(job_id=job_id)
+    if analysis is not None:
+        worker.work(job_id=analysis_job.id)
+    return worker.summary(job_id, already_built=what == "done")
+
+
+@dataclass
+class Worker:
+    """Claims and does index and analysis work until its job is done (`work(job_id)`) or, for
+    `ffmem worker`, forever."""
+
+    sessions: sessionmaker
+    options: IndexOptions  # worker settings (device, cache, progress, lease); run options come from jobs
+    loaded: LoadedModel | None = None
+    name: str = field(default_factory=jobs.worker_name)
+    timings: dict = field(default_factory=lambda: {"mining": 0.0, "projection": 0.0, "storing": 0.0})
+    padding: list = field(default_factory=lambda: [0, 0])  # real, computed tokens
+    resumed_shards: int = 0
+    _corpus: tuple | None = None  # (corpus id, token ids, first positions, following tokens)
+    _loaded_for: tuple | None = None  # (model, dtype) of `loaded`; None: as given
+
+    @property
+    def lease(self) -> timedelta:
+        return timedelta(seconds=self.options.lease_seconds)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def work(self, job_id: int | None = None, poll_seconds: float = 1.0, once: bool = False) -> None:
+        """Do work until job `job_id` is done or failed (or, without one and with `once`, until no job
+        is queued or running)."""
+        try:
+            self._work(job_id, poll_seconds, once)
+        finally:
+            with self.sessions() as session:
+                jobs.release_leases(session=session, worker=self.name)
+                session.commit()
+
+    def _work(self, job_id: int | None, poll_seconds: float, once: bool) -> None:
+        with self.sessions() as session:
+            jobs.expire_dead_leases(session=session)
+            session.commit()
+        while True:
+            if job_id is not None:
+                with self.sessions() as session:
+                    job = session.get(Job, job_id)
+                    if job.status == "done":
+                        return
+                    if job.status == "failed":
+                        raise FfmemError(
+                            f"{job.kind} job {job_id} failed: {job.error['type']}: {job.error['message']}"
+                        )
+            if not self.step(job_id):
+                if once and job_id is None and not self._jobs_in_progress():
+                    return
+                time.sleep(poll_seconds)
+
+    def _jobs_in_progress(self) -> bool:
+        """Whether any job is queued or running (maybe held by another worker: it may open shards)."""
+        with self.sessions() as session:
+            return (
+                session.scalars(select(Job.id).where(Job.status.in_(jobs.ACTIVE)).limit(1)).first()
+                is not None
+            )
+
+    def step(self, job_id: int | None = None) -> bool:
+        """One unit of work: mine an open shard, or prepare / finish a job. False when there is none."""
+        with self.sessions() as session:
+            for job in jobs.open_jobs(session=session):
+                if job_id is not None and job.id != job_id:
+                    continue
+                shard = jobs.claim_shard(
+                    session=session, run_id=job.run_id, worker=self.name, lease=self.lease
+                )
+                if shard is not None:
+                    session.commit()
+                    self._guarded(job.id, lambda job=job, shard=shard: self.mine_shard(job, shard))
+                    return True
+            job = jobs.claim_job(session=session, worker=self.name, lease=self.lease, job_id=job_id)
+            if job is None:
+                session.rollback()
+                return False
+            session.commit()
+        if job.kind == "analysis":
+            self._guarded(job.id, lambda: self.analyze(job))
+            return True
+        if job.run_id is None:
+            self._guarded(job.id, lambda: self.prepare(job))
+            return True
+        with self.sessions() as session:
+            shards = jobs.shard_counts(session=session, run_id=job.run_id)
+            if shards["pending"] or shards["running"]:  # a retried job: its shards are open again
+                jobs.release_job(session=session, job_id=job.id)
+                session.commit()
+                return True
+        self._guarded(job.id, lambda: self.finish(job))
+        return True
+
+    def _guarded(self, job_id: int, action) -> None:
+        """Run `action`; an error fails the job (stored with its traceback). A lost lease is no error:
+        the work is someone else's now. Interrupts leave everything to be resumed."""
+        try:
+            action()
+        except LostLease:
+            return
+        except Exception as error:
+            with self.sessions() as session:
+                jobs.fail_job(session=session, job_id=job_id, error=error)
+                session.commit()
+            raise
+
+    # -- the three kinds of work ------------------------------------------------------------------
+    def prepare(self, job: Job) -> None:
+        """Load the model, store the corpus, create the run and its shards; then open them to all."""
+        options = self.options.with_run_options(job.options)
+        loaded = self.model(options)
+        text = read_corpus(options.corpus, options.sentences)
+        tokenizer_name = f"{loaded.slug}@{loaded.revision or 'unknown'}"
+        fingerprint = jobs.fingerprint(
+            {
+                "corpus": text.sha256,
+                "n": len(text.sentences),
+                "tokenizer": tokenizer_name,
+                "max_tokens": options.max_sentence_tokens,
+            }
+        )
+        with self.sessions() as session:
+            model_row = _store_model(session, loaded)
+            corpus = queries.find_corpus(session=session, fingerprint=fingerprint)
+            if corpus is None:
+                tokenized = tokenize(text.sentences, loaded.tokenizer, options.max_sentence_tokens)
+                corpus = queries.store_corpus(
+                    session=session,
+                    name=text.name,
+                    source=text.source,
+                    source_sha256=text.sha256,
+                    fingerprint=fingerprint,
+                    tokenizer=tokenizer_name,
+                    max_tokens=options.max_sentence_tokens,
+                    skipped=dict(text.skipped),
+                    sentences=((s.text, s.token_ids, s.offsets, s.first_position) for s in tokenized),
+                )
+            if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
+                raise LostLease(f"job {job.id} was taken over")
+            run = queries.create_run(
+                session=session,
+                model_id=model_row.id,
+                corpus_id=corpus.id,
+                top_k=options.top_k,
+                n_value_tokens=options.value_tokens,
+                n_sentences=corpus.n_sentences,
+                dtype=str(loaded.dtype).removeprefix("torch."),
+                device=str(loaded.device),
+                package_version=version("ffmem"),
+                provenance=_provenance(loaded, corpus, options),
+                histogram_edges=histogram_edges(),
+                started_at=job.started_at,
+            )
+            jobs.create_shards(
+                session=session,
+                run_id=run.id,
+                n_sentences=corpus.n_sentences,
+                shard_sentences=options.shard_sentences,
+            )
+            self.project_values(session, job, run.id, loaded, options)
+            session.get(Job, job.id).run_id = run.id
+            jobs.release_job(session=session, job_id=job.id)
+            session.commit()
+
+    def mine_shard(self, job: Job, shard: Shard) -> None:
+        """Mine one shard from its last checkpoint, checkpointing as it goes; merge it into the run."""
+        options = self.options.with_run_options(job.options)
+        loaded = self.model(options)
+        with self.sessions() as session:
+            run = session.get(Run, job.run_id)
+            corpus_id, total = run.corpus_id, run.n_sentences
+            saved, batches_done = jobs.load_checkpoint(
+                session=session, run_id=shard.run_id, index=shard.index
+            )
+            done_before = jobs.progress(session=session, run=run)["sentences_done"]
+        if batches_done:
+            self.resumed_shards += 1
+        token_ids, first_positions, _ = self.corpus(corpus_id)
+        if saved:
+            state = _state(saved, loaded.device)
+        else:
+            state = MiningState(loaded.n_layers, loaded.n_keys, options.top_k, device=loaded.device)
+        batches = shard_batches(
+            token_ids,
+            first_positions,
+            shard=shard.index,
+            shard_sentences=options.shard_sentences,
+            batch_tokens=options.batch_tokens,
+            pad_id=_pad_id(loaded),
+        )
+        sentences_done = sum(len(b.sentence_index) for b in batches[:batches_done])
+        tokens_done = sum(b.real_tokens for b in batches[:batches_done])
+        bar = tqdm(
+            total=total,
+            initial=done_before,
+            unit="sent",
+            desc=f"mining {loaded.slug} (shard {shard.index})",
+            disable=not options.progress,
+        )
+        started = time.perf_counter()
+        mined_tokens = 0
+        for number, batch in enumerate(batches[batches_done:], start=batches_done + 1):
+            mine_batches(loaded, [batch], state)
+            sentences_done += len(batch.sentence_index)
+            tokens_done += batch.real_tokens
+            mined_tokens += batch.real_tokens
+            self.padding[0] += batch.real_tokens
+            self.padding[1] += batch.computed_tokens
+            checkpoint = number % options.checkpoint_batches == 0 and number < len(batches)
+            with self.sessions() as session:
+                held = jobs.checkpoint_shard(
+                    session=session,
+                    shard=shard,
+                    worker=self.name,
+                    lease=self.lease,
+                    batches_done=number,
+                    sentences_done=sentences_done,
+                    tokens_done=tokens_done,
+                    layers=_layers(state) if checkpoint else None,
+                )
+                session.commit()
+            if not held:
+                bar.close()
+                raise LostLease(f"shard {shard.index} of run {shard.run_id} was taken over")
+            elapsed = time.perf_counter() - started
+            bar.set_postfix_str(
+                f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, "
+                f"padding eff. {self.padding[0] / max(self.padding[1], 1):.1%}"
+            )
+            bar.update(len(batch.sentence_index))
+        bar.close()
+        self.timings["mining"] += time.perf_counter() - started
+        with self.sessions() as session:
+            jobs.lock_run(session=session, run_id=shard.run_id)  # one merge at a time
+            current = session.get(Shard, (shard.run_id, shard.index), populate_existing=True)
+            if current.status != "done":  # a shard taken over and finished twice merges once
+                snapshot = jobs.load_layers(session=session, run_id=shard.run_id, shard=jobs.SNAPSHOT)
+                layers = [state.layer(layer) for layer in range(state.n_layers)]
+                if snapshot is not None:
+                    layers = [
+                        MinedLayer.merge([MinedLayer.from_bytes(s), m])
+                        for s, m in zip(snapshot, layers, strict=True)
+                    ]
+                jobs.save_layers(
+                    session=session,
+                    run_id=shard.run_id,
+                    shard=jobs.SNAPSHOT,
+                    layers=[m.to_bytes() for m in layers],
+                )
+                jobs.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
+            session.commit()
+
+    def finish(self, job: Job) -> None:
+        """Every shard is mined: store the triggers and key statistics (with key–value agreement)."""
+        options = self.options.with_run_options(job.options)
+        loaded = self.model(options)
+        with self.sessions() as session:
+            run_id = job.run_id
+            layers = jobs.load_layers(session=session, run_id=run_id, shard=jobs.SNAPSHOT)
+            state = _state(layers, loaded.device)
+            corpus_id = session.get(Run, run_id).corpus_id
+            for table in (Trigger, KeyStats):  # a finisher that died may have stored some
+                session.execute(delete(table).where(table.run_id == run_id))
+            session.commit()
+        _, _, following = self.corpus(corpus_id)
+        with self.sessions() as session:
+            for layer in tqdm(
+                range(loaded.n_layers), desc="storing", unit="layer", disable=not options.progress
+            ):
+                t0 = time.perf_counter()
+                _, sentence, position = state.triggers(layer, 1)  # [keys, T] each
+                next_tokens = next_token_ids(following, sentence, position)  # [keys, T]
+                ranks = target_ranks(loaded, layer, next_tokens[:, 0])  # [keys]
+                norms = loaded.value_norms[layer].cpu()  # [keys]
+                t1 = time.perf_counter()
+                _store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
+                if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
+                    session.rollback()
+                    raise LostLease(f"job {job.id} was taken over while storing")
+                session.commit()
+                self.timings["projection"] += t1 - t0
+                self.timings["storing"] += time.perf_counter() - t1
+            queries.finish_run(session=session, run_id=run_id, n_tokens=state.positions)
+            jobs.finish_job(session=session, job_id=job.id)
+            jobs.attach_analyses(session=session, index_job=job)
+            jobs.drop_layers(session=session, run_id=run_id)
+            session.commit()
+
+    def project_values(self, session: Session, job: Job, run_id: int, loaded: LoadedModel, options) -> None:
+        """Every value's top and bottom tokens under both readouts: they need no corpus, so the pages
+        show them while the run is still mining."""
+        for layer in tqdm(
+            range(loaded.n_layers), desc="projecting values", unit="layer", disable=not options.progress
+        ):
+            t0 = time.perf_counter()
+            projected = list(project_layer(loaded, layer, options.value_tokens))
+            t1 = time.perf_counter()
+            for p in projected:
+                queries.store_value_tokens(
+                    session=session,
+                    run_id=run_id,
+                    layer=layer,
+                    readout=p.readout,
+                    direction=p.direction,
+                    token_ids=p.token_ids.numpy(),
+                    logits=p.logits.numpy(),
+                    probs=p.probs.numpy(),
+                )
+            if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
+                raise LostLease(f"job {job.id} was taken over while projecting")
+            self.timings["projection"] += t1 - t0
+            self.timings["storing"] += time.perf_counter() - t1
+
+    def analyze(self, job: Job) -> None:
+        """The paper's analyses of the job's (finished) run, on the model that built it; progress
+        and the lease are renewed in the job's row every few seconds."""
+        with self.sessions() as session:
+            built_by = session.scalars(
+                select(Job).where(Job.kind == "index", Job.run_id == job.run_id).order_by(Job.id.desc())
+            ).first()
+            source = session.get(Run, job.run_id).model.source
+        options = (
+            self.options.with_run_options(built_by.options)
+            if built_by
+            else replace(self.options, model=source)
+        )
+        loaded = self.model(options)
+        given = {name: job.options[name] for name in (*jobs.ANALYSIS_FIELDS, "seed")}
+        chosen = AnalysisOptions(**given, progress=options.progress)
+        analyze(self.sessions, job.run_id, loaded, chosen, report=self._reporter(job.id))
+        with self.sessions() as session:
+            jobs.finish_job(session=session, job_id=job.id)
+            session.commit()
+
+    def _reporter(self, job_id: int, every: float = 2.0):
+        """report(analysis, done, total) for `analyze`: stores the progress and renews the lease at
+        most every `every` seconds, and at each analysis's start and end; raises LostLease when the
+        job was taken over."""
+        last = {"at": float("-inf"), "stage": None}
+
+        def report(stage: str, done: int, total: int) -> None:
+            moment = time.monotonic()
+            if moment - last["at"] < every and stage == last["stage"] and done < total:
+                return
+            last["at"], last["stage"] = moment, stage
+            progress = {"stage": stage, "done": done, "total": total}
+            with self.sessions() as session:
+                held = jobs.set_progress(
+                    session=session, job_id=job_id, worker=self.name, lease=self.lease, progress=progress
+                )
+                session.commit()
+            if not held:
+                raise LostLease(f"job {job_id} was taken over")
+
+        return report
+
+    # -- what a worker holds ----------------------------------------------------------------------
+    def model(self, options: IndexOptions) -> LoadedModel:
+        """The job's model, loaded once per worker (reloaded when a job names another)."""
+        wanted = (options.model, options.dtype)
+        if self.loaded is None or self._loaded_for not in (None, wanted):
+            self.loaded = load_model(
+                options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
+            )
+        self._loaded_for = wanted
+        return self.loaded
+
+    def corpus(self, corpus_id: int) -> tuple[list[list[int]], list[int], torch.Tensor]:
+        """(token ids, first mined positions, following tokens) of a stored corpus, read once."""
+        if self._corpus is None or self._corpus[0] != corpus_id:
+            with self.sessions() as session:
+                ids = queries.load_sentence_tokens(session=session, corpus_id=corpus_id)
+                first = queries.load_first_positions(session=session, corpus_id=corpus_id)
+            self._corpus = (corpus_id, ids, first, _following_tokens(ids))
+        return self._corpus[1:]
+
+    def summary(self, job_id: int, already_built: bool = False) -> IndexSummary:
+        with self.sessions() as session:
+            job = session.get(Job, job_id)
+            run = session.get(Run, job.run_id)
+            model = run.model
+            count = queries.count_rows
+            return IndexSummary(
+                run_id=run.id,
+                model=model.slug,
+                corpus=run.corpus.name,
+                sentences=run.n_sentences,
+                tokens=run.n_tokens,
+                layers=model.n_layers,
+                keys=model.n_keys,
+                triggers=count(session=session, table=Trigger, run_id=run.id),
+                value_tokens=count(session=session, table=ValueToken, run_id=run.id),
+                padding_efficiency=self.padding[0] / self.padding[1] if self.padding[1] else 1.0,
+                resumed_shards=self.resumed_shards,
+                mining_seconds=self.timings["mining"],
+                projection_seconds=self.timings["projection"],
+                storing_seconds=self.timings["storing"],
+                already_built=already_built,
+            )
+
+
+def _layers(state: MiningState) -> list[bytes]:
+    return [state.layer(layer).to_bytes() for layer in range(state.n_layers)]
+
+
+def _state(layers: list[bytes], device) -> MiningState:
+    return MiningState.from_layers([MinedLayer.from_bytes(data) for data in layers], device=device)
+
+
+def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
+    return {
+        "model_source": loaded.source,
+        "model_revision": loaded.revision,
+        "architecture": type(loaded.model).__name__,
+        "corpus": corpus.name,
+        "corpus_sha256": corpus.source_sha256,
+        "sentences": corpus.n_sentences,
+        "max_sentence_tokens": options.max_sentence_tokens,
+        "batch_tokens": options.batch_tokens,
+        "shard_sentences": options.shard_sentences,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _store_model(session: Session, loaded: LoadedModel):
+    config = loaded.config
+    model_row = queries.upsert_model(
+        session=session,
+        slug=loaded.slug,
+        source=loaded.source,
+        revision=loaded.revision,
+        architecture=type(loaded.model).__name__,
+        family=loaded.adapter.family,
+        n_layers=loaded.n_layers,
+        n_keys=loaded.n_keys,
+        d_model=config.hidden_size if hasattr(config, "hidden_size") else config.n_embd,
+        vocab_size=len(loaded.tokenizer),
+        activation=loaded.adapter.activation(config),
+        gated=loaded.adapter.gates is not None,
+    )
+    ids = list(range(len(loaded.tokenizer)))
+    queries.store_vocabulary(
+        session=session,
+        model_id=model_row.id,
+        texts=[loaded.tokenizer.decode([i]) for i in ids],
+        pieces=[str(p) for p in loaded.tokenizer.convert_ids_to_tokens(ids)],
+    )
+    return model_row
+
+
+def _following_tokens(token_ids: list[list[int]]) -> torch.Tensor:
+    """[sentences, max_len + 1]: the token after each position (−1 past a sentence's end)."""
+    following = torch.full((len(token_ids), max(map(len, token_ids), default=0) + 1), -1, dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        following[row, : len(ids) - 1] = torch.tensor(ids[1:], dtype=torch.long)
+    return following
+
+
+def next_token_ids(following: torch.Tensor, sentence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The token that follows each trigger prefix ([keys, T]; −1 at a sentence's end or an empty slot)."""
+    found = following[sentence.clamp(min=0), position]  # [keys, T]
+    return torch.where(sentence >= 0, found, -1)
+
+
+def _store_layer(
+    session: Session,
+    run_id: int,
+    layer: int,
+    state: MiningState,
+    next_tokens: torch.Tensor,
+    ranks: torch.Tensor,
+    norms: torch.Tensor,
+) -> int:
+    """Store one layer's triggers (both signs) and key statistics; returns triggers stored.
+
+    Key–value agreement: how many of a key's positive triggers are followed by one of its value's
+    top raw tokens (stored when the run was prepared); and `ranks`, the raw rank of the token after
+    each key's top trigger (the paper's Figs. 4–5).
+    """
+    top_ids, top_probs = queries.layer_value_tokens(
+        session=session, run_id=run_id, layer=layer, readout="raw", direction=1
+    )  # [keys, n] each
+    agrees = (next_tokens[:, :, None] == torch.from_numpy(top_ids)[:, None, :]).any(dim=-1)  # [keys, T]
+    stored = 0
+    for sign in (1, -1):
+        coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T] each
+        stored += queries.store_triggers(
+            session=session,
+            run_id=run_id,
+            layer=layer,
+            sign=sign,
+            coefficients=coefficients.numpy(),
+            sentence_index=sentence.numpy(),
+            position=position.numpy(),
+        )
+    top, _, _ = state.triggers(layer, 1)
+    bottom, _, _ = state.triggers(layer, -1)
+    queries.store_key_stats(
+        session=session,
+        run_id=run_id,
+        layer=layer,
+        mean=state.mean(layer).numpy(),
+        positive_share=state.positive_share(layer).numpy(),
+        max_coefficient=top[:, 0].numpy(),
+        min_coefficient=bottom[:, 0].numpy(),
+        value_norm=norms.numpy(),
+        histogram=state.histogram[layer].cpu().numpy(),
+        density=state.density(layer).numpy(),
+        max_prob=top_probs[:, 0],
+        agreement=(agrees & (next_tokens >= 0)).sum(dim=-1).numpy(),
+        next_token_rank=ranks.numpy(),
+    )
+    return stored
+
+
+def _pad_id(loaded: LoadedModel) -> int:
+    tokenizer = loaded.tokenizer
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return candidate
+    return 0

@@ -1,0 +1,233 @@
+"""The live worker: holds models (GPU when there is one) and answers traces over HTTP.
+
+One trace at a time per worker (one device), on a single thread; at most `queue` requests wait.
+Past that, or while the requested model is still loading, it answers 503 with Retry-After, in the
+app's error shape `{"ok": false, "error", "status"}`. `ffmem worker` serves it beside its index work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from ffmem.engine.errors import FfmemError
+from ffmem.engine.interventions import parse_interventions
+from ffmem.engine.loading import LoadedModel, ModelLoadError, load_model
+from ffmem.engine.trace import ablation, trace
+
+log = logging.getLogger("ffmem.worker")
+
+
+class LiveError(Exception):
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+
+class TraceRequest(BaseModel):
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    text: str = Field(description="The prompt.")
+    position: int | None = Field(None, ge=0, description="Token position to break down (default: the last).")
+    memories: int = Field(10, ge=1, le=100, description="Memories listed per layer.")
+    readout: Literal["norm", "raw"] = "norm"
+    interventions: str = Field("", max_length=4000, description="L12K345, L12K345*0.5, L12K345=3.2, …")
+    generate: int = Field(0, ge=0, le=20, description="Greedy tokens generated with and without them.")
+    value_tokens: int = Field(0, ge=0, le=20, description="Top tokens of each listed memory's value.")
+
+
+class AblationRequest(BaseModel):
+    model: str
+    layer: int = Field(ge=0)
+    key: int = Field(ge=0)
+    prefixes: Annotated[list[list[int]], Field(min_length=1, max_length=100)]
+    targets: Annotated[list[list[int]], Field(min_length=1, max_length=100)]
+
+
+class Live:
+    """The models a worker holds for live traces and the one thread that runs them."""
+
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        cache_dir: Path = Path("data/cache"),
+        max_tokens: int = 512,
+        queue: int = 16,
+        models: int = 1,
+    ) -> None:
+        self.device, self.cache_dir, self.max_tokens = device, cache_dir, max_tokens
+        self.queue, self.capacity = queue, models
+        self.models: OrderedDict[str, LoadedModel] = OrderedDict()
+        self.loading: str | None = None
+        self.failed: dict[str, str] = {}
+        self.pending = 0
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ffmem-live")
+        self._lock = threading.Lock()
+
+    def preload(self, source: str) -> None:
+        """Start loading `source` on the worker thread; requests for it get 503 until it is ready."""
+        self.loading = source
+        self.executor.submit(self._load_logged, source)
+
+    def _load_logged(self, source: str) -> None:
+        try:
+            self.model(source)
+        except Exception as error:  # noqa: BLE001 - reported by /health and by the next request
+            log.warning("could not load %s for live traces: %s", source, error)
+        finally:
+            self.loading = None
+
+    def model(self, source: str) -> LoadedModel:
+        """The loaded model for `source` (loading it, and evicting the oldest past `capacity`)."""
+        with self._lock:
+            if source in self.models:
+                self.models.move_to_end(source)
+                return self.models[source]
+        try:
+            loaded = load_model(source, device=self.device, cache_dir=self.cache_dir)
+        except ModelLoadError as error:
+            self.failed[source] = str(error)
+            raise
+        with self._lock:
+            self.failed.pop(source, None)
+            self.models[source] = loaded
+            while len(self.models) > self.capacity:
+                self.models.popitem(last=False)
+        return loaded
+
+    async def run(self, source: str, work: Callable[[LoadedModel], dict]) -> dict:
+        """Run `work` on the worker thread with `source`'s model, or refuse at once (503)."""
+        if self.loading == source:
+            raise LiveError(503, f"the live worker is still loading {source}; try again in a few seconds", 5)
+        if self.pending >= self.queue:
+            raise LiveError(
+                503, f"the live worker is busy ({self.pending} traces waiting); try again shortly", 1
+            )
+        self.pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.executor, lambda: work(self.model(source)))
+        finally:
+            self.pending -= 1
+
+    def health(self) -> dict:
+        status = "loading" if self.loading else ("ready" if self.models else "idle")
+        return {
+            "status": status,
+            "loading": self.loading,
+            "models": [
+                {"source": s, "device": str(m.device), "dtype": str(m.dtype)} for s, m in self.models.items()
+            ],
+            "failed": self.failed,
+            "pending": self.pending,
+            "queue": self.queue,
+            "max_tokens": self.max_tokens,
+        }
+
+    # -- the work, on the worker thread ------------------------------------------------------------
+    def trace(self, loaded: LoadedModel, request: TraceRequest) -> dict:
+        token_ids = loaded.tokenizer(request.text).input_ids
+        if not request.text.strip() or not token_ids:
+            raise LiveError(400, "the prompt is empty: type some text")
+        if len(token_ids) > self.max_tokens:
+            raise LiveError(
+                400,
+                f"the prompt has {len(token_ids)} tokens; the limit is {self.max_tokens} (max_prompt_tokens)",
+            )
+        if request.position is not None and request.position >= len(token_ids):
+            raise LiveError(
+                400,
+                f"position {request.position} is past the prompt's {len(token_ids)} tokens "
+                f"(positions 0–{len(token_ids) - 1})",
+            )
+        interventions = parse_interventions(request.interventions, loaded.n_layers, loaded.n_keys)
+        result = trace(
+            loaded,
+            token_ids,
+            request.position,
+            memories=min(request.memories, loaded.n_keys),
+            readout=request.readout,
+            interventions=interventions,
+            generate_tokens=request.generate,
+            value_tokens=request.value_tokens,
+        )
+        answer = asdict(result)
+        answer["generated_text"] = loaded.tokenizer.decode(result.generated)
+        answer["generated_edited_text"] = loaded.tokenizer.decode(result.generated_edited)
+        return answer
+
+    def ablation(self, loaded: LoadedModel, request: AblationRequest) -> dict:
+        if request.layer >= loaded.n_layers or request.key >= loaded.n_keys:
+            raise LiveError(
+                400, f"no memory L{request.layer}K{request.key} in a {loaded.n_layers}×{loaded.n_keys} model"
+            )
+        if len(request.targets) != len(request.prefixes) or len({len(t) for t in request.targets}) != 1:
+            raise LiveError(400, "give one list of targets per prefix, all of the same length")
+        vocab = loaded.model.config.vocab_size
+        ids = [i for row in request.prefixes + request.targets for i in row]
+        if not all(0 <= i < vocab for i in ids) or not all(request.prefixes):
+            raise LiveError(400, f"token ids must lie in 0–{vocab - 1} and prefixes must not be empty")
+        if max(len(p) for p in request.prefixes) > self.max_tokens:
+            raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
+        before, after = ablation(loaded, request.layer, request.key, request.prefixes, request.targets)
+        return {"before": before, "after": after}
+
+
+def create_live_app(live: Live) -> FastAPI:
+    """The worker's HTTP face: GET /health, POST /trace, POST /ablation."""
+    app = FastAPI(title="ffmem live worker", version="0.1.0")
+    app.state.live = live
+
+    @app.get("/health")
+    def health() -> dict:
+        """What the worker holds and how busy it is."""
+        return live.health()
+
+    @app.post("/trace")
+    async def trace_prompt(request: TraceRequest) -> dict:
+        """Trace one prompt (see ffmem.engine.trace)."""
+        return await live.run(request.model, lambda loaded: live.trace(loaded, request))
+
+    @app.post("/ablation")
+    async def ablate(request: AblationRequest) -> dict:
+        """Target probabilities after each prefix with one memory as it is and switched off."""
+        return await live.run(request.model, lambda loaded: live.ablation(loaded, request))
+
+    @app.exception_handler(LiveError)
+    async def live_error(request: Request, error: LiveError) -> JSONResponse:
+        return _error(error.status, error.message, error.retry_after)
+
+    @app.exception_handler(FfmemError)
+    async def user_error(request: Request, error: FfmemError) -> JSONResponse:
+        return _error(503 if isinstance(error, ModelLoadError) else 400, str(error))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("live worker failed on %s", request.url.path)
+        return _error(500, f"the live worker failed: {type(error).__name__}; its log has the traceback")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in error.errors())
+        return _error(400, problems or "malformed request")
+
+    return app
+
+
+def _error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse(
+        {"ok": False, "error": message, "status": status}, status_code=status, headers=headers
+    )

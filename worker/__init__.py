@@ -1,1 +1,0 @@
-"""The worker: holds a model and does the heavy work (index runs)."""
