@@ -10,12 +10,12 @@ import math
 import random
 import re
 
-import numpy as np
 from sqlalchemy.orm import Session
 
-from ffmem.store import jobs, provisional, queries
+from ffmem.store import jobs, queries
 from ffmem.store.models import Job, Label, LanguageModel, Run, Sentence
 from ffmem.store.models import Trigger as TriggerRow
+from ffmem.store.results import has_results, results_for
 from ffmem.web import patterns, urls
 from ffmem.web.contexts import (
     Agreement,
@@ -71,7 +71,7 @@ def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Ru
         run = queries.latest_finished_run(session=session, model_id=model.id)
         if run is None:
             building = jobs.building(session=session, model_id=model.id)
-            if building is not None and provisional.has_results(session, building.run):
+            if building is not None and has_results(session, building.run):
                 return building.run
             where = (
                 f" Job {building.id} is building one: see {urls.job_url(building.id)}." if building else ""
@@ -86,7 +86,7 @@ def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Ru
         raise AppError(404, "Unknown run", f"Model {model.slug!r} has no run {run_id}. Its runs: {known}.")
     if run.status == "failed":
         raise AppError(404, "Run failed", f"Run {run_id} failed; its results are not stored.")
-    if run.status != "done" and not provisional.has_results(session, run):
+    if not has_results(session, run):
         raise AppError(404, "Run not started", f"Run {run_id} has mined nothing yet.")
     return run
 
@@ -160,10 +160,7 @@ def trigger_view(
 
 def positive_triggers(session: Session, run: Run, layer: int, key: int, limit: int) -> list[TriggerRow]:
     """A key's strongest positive triggers: stored, or merged so far while its run mines."""
-    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
-    if mined is None:
-        return queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=limit)
-    return provisional.triggers(mined, run, layer, key, 1, limit)
+    return results_for(session, run).triggers(layer, key, 1, limit)
 
 
 def _trigger_token_ids(rows: list[TriggerRow], sentences: dict[int, Sentence]) -> set[int]:
@@ -225,24 +222,13 @@ def _aware(moment):
 def model_page(session: Session, slug: str, run_id: int | None) -> ModelContext:
     model = model_or_404(session, slug)
     run = run_or_404(session, model, run_id)
-    if run.status != "done":
-        layers, covered = _provisional_layers(session, model, run)
-        return ModelContext(
-            title=f"{model.slug}: layers",
-            model=model_info(model),
-            run=run_info(run),
-            layers=layers,
-            provisional=covered,
-        )
-    layers = []
-    for row in queries.layer_summaries(session=session, run_id=run.id):
-        values = row._asdict()
-        with_agreement = values.pop("keys_with_agreement")
-        if not with_agreement:
-            values["agreeing_keys"] = None
-        layers.append(LayerSummary(**values))
+    results = results_for(session, run)
     return ModelContext(
-        title=f"{model.slug}: layers", model=model_info(model), run=run_info(run), layers=layers
+        title=f"{model.slug}: layers",
+        model=model_info(model),
+        run=run_info(run),
+        layers=[LayerSummary.model_validate(row, from_attributes=True) for row in results.layer_figures()],
+        provisional=results.coverage(),
     )
 
 
@@ -263,14 +249,8 @@ def layer_page(
     run = run_or_404(session, model, run_id)
     token_ids = token_candidates(session, model, token) if token else None
     window = dict(sort=sort, descending=order == "desc", offset=(page - 1) * per_page, limit=per_page)
-    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
-    if mined is None:
-        total, stats = queries.layer_keys(
-            session=session, run_id=run.id, layer=layer, token_ids=token_ids, **window
-        )
-        tops = queries.top_triggers(session=session, run_id=run.id, layer=layer, keys=[s.key for s in stats])
-    else:
-        total, stats, tops = provisional.layer_keys(session, run, mined, layer, token_ids=token_ids, **window)
+    results = results_for(session, run)
+    total, stats, tops = results.layer_keys(layer, token_ids=token_ids, **window)
     keys = [s.key for s in stats]
     values = queries.top_value_tokens(
         session=session, run_id=run.id, layer=layer, keys=keys, readout="raw", n=5
@@ -319,7 +299,7 @@ def layer_page(
         total=total,
         pages=max(1, -(-total // per_page)),
         keys=rows,
-        provisional=None if mined is None else provisional.fraction(run, mined),
+        provisional=results.coverage(layer),
     )
 
 
@@ -330,15 +310,10 @@ def key_page(
     check_key(model, layer, key)
     run = run_or_404(session, model, run_id)
     where = dict(session=session, run_id=run.id, layer=layer, key=key)
-    mined = None if run.status == "done" else provisional.mined_layer(session, run, layer)
-    if mined is None:
-        positive = queries.get_triggers(**where, sign=1, limit=limit)
-        negative = queries.get_triggers(**where, sign=-1, limit=limit)
-        more = queries.count_triggers(**where, sign=1) - len(positive)
-    else:
-        every = provisional.triggers(mined, run, layer, key, 1)
-        positive, more = every[:limit], len(every) - min(limit, len(every))
-        negative = provisional.triggers(mined, run, layer, key, -1, limit)
+    results = results_for(session, run)
+    positive = results.triggers(layer, key, 1, limit)
+    negative = results.triggers(layer, key, -1, limit)
+    more = results.count_triggers(layer, key, 1) - len(positive)
     value_rows = {
         (readout, direction): queries.get_value_tokens(**where, readout=readout, direction=direction)
         for readout in READOUTS
@@ -357,17 +332,12 @@ def key_page(
     bottom_ids = [v.token_id for v in value_rows["raw", -1]]
     triggers = [trigger_view(t, sentences[t.sentence_index], texts, top_ids) for t in positive]
     negative_triggers = [trigger_view(t, sentences[t.sentence_index], texts, bottom_ids) for t in negative]
-    if mined is None:
-        stored = queries.get_key_stats(**where)
-        stats = None if stored is None else KeyStatsView.model_validate(stored, from_attributes=True)
-        counts = None if stored is None else stored.histogram
-    else:
-        stats = _provisional_stats(session, run, mined, key, every, value_rows["raw", 1])
-        counts = mined.histogram[key].tolist()
+    found = results.key_stats(layer, key)
+    stats = None if found is None else KeyStatsView.model_validate(found, from_attributes=True)
     histogram = None
-    if counts is not None:
+    if found is not None:
         edges = run.histogram_edges
-        histogram = Histogram(edges=edges, labels=bin_labels(edges), counts=counts)
+        histogram = Histogram(edges=edges, labels=bin_labels(edges), counts=found.histogram)
     value = {
         readout: ValueReadout(
             top=[_score(v, texts) for v in value_rows[readout, 1]],
@@ -395,7 +365,7 @@ def key_page(
         value=value,
         stats=stats,
         histogram=histogram,
-        provisional=None if mined is None else provisional.fraction(run, mined),
+        provisional=results.coverage(layer),
         patterns=patterns.pattern_hints(endings, texts),
         label=label_view(history[0]) if history else None,
         label_history=[label_view(label) for label in history[1:]],
@@ -414,62 +384,6 @@ def key_page(
             layer=urls.layer_url(slug, layer),
         ),
     )
-
-
-def _provisional_layers(session: Session, model: LanguageModel, run: Run) -> tuple[list[LayerSummary], float]:
-    """Layer summaries of a run still mining, and the share of the corpus they cover."""
-    layers, covered = [], 1.0
-    for layer in range(model.n_layers):
-        mined = provisional.mined_layer(session, run, layer)
-        _, probs = queries.layer_value_tokens(
-            session=session, run_id=run.id, layer=layer, readout="raw", direction=1, n=1
-        )
-        high, _ = provisional.extremes(mined)
-        covered = min(covered, provisional.fraction(run, mined))
-        layers.append(
-            LayerSummary(
-                layer=layer,
-                keys=model.n_keys,
-                positive_share=float(mined.positive_share().mean()),
-                density=float(mined.density().mean()),
-                max_coefficient=None if np.isnan(high).all() else float(np.nanmax(high)),
-                max_prob=float(probs[:, 0].max()) if probs.size else None,
-                mean_max_prob=float(probs[:, 0].mean()) if probs.size else None,
-                agreement_rate=None,
-                agreeing_keys=None,
-                value_norm=None,
-            )
-        )
-    return layers, covered
-
-
-def _provisional_stats(
-    session: Session, run: Run, mined, key: int, positive: list, raw_top: list
-) -> KeyStatsView:
-    """A key's statistics so far; agreement over every positive trigger so far (no next-token rank or
-    value norm until the run is stored)."""
-    sentences = queries.get_sentences(
-        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in positive]
-    )
-    top_ids = {v.token_id for v in raw_top}
-    following = [_next_token(sentences[t.sentence_index], t.position) for t in positive]
-    high, low = (float(x[key]) for x in provisional.extremes(mined))
-    return KeyStatsView(
-        mean=float(mined.mean()[key]),
-        positive_share=float(mined.positive_share()[key]),
-        density=float(mined.density()[key]),
-        max_coefficient=None if math.isnan(high) else high,
-        min_coefficient=None if math.isnan(low) else low,
-        max_prob=raw_top[0].prob if raw_top else None,
-        agreement=sum(token in top_ids for token in following if token is not None),
-        next_token_rank=None,
-        value_norm=None,
-    )
-
-
-def _next_token(sentence: Sentence, position: int) -> int | None:
-    ids = sentence.token_ids
-    return ids[position + 1] if position + 1 < len(ids) else None
 
 
 def search_page(

@@ -14,7 +14,7 @@ import pytest
 def test_the_web_app_and_its_pages_do_not_import_torch():
     probe = (
         "import sys; from ffmem.web.main import create_app; from ffmem.config import Settings; "
-        "import ffmem.web.pages, ffmem.store.provisional, ffmem.store.jobs, ffmem.web.routes.jobs; "
+        "import ffmem.web.pages, ffmem.store.results, ffmem.store.jobs, ffmem.web.routes.jobs; "
         "create_app(Settings(database_url='sqlite:///:memory:')); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )

@@ -1,0 +1,283 @@
+"""A run's results, one interface for the pages whether the run is stored or still mining.
+
+`results_for(session, run)` gives `StoredResults` (the tables a finished run wrote) or `MiningResults`
+(its mined layers so far — the snapshot of its merged shards and the running shards' checkpoints —
+merged with numpy; no torch). Both answer the same questions with the same row types (unsaved
+`Trigger` and `KeyStats` rows while mining), so no page branches on the run's state. Values are
+projected when a run is prepared, so they are final already; triggers and statistics are provisional
+until the run is stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from ffmem.engine.mined_layer import MinedLayer
+from ffmem.store import jobs, queries
+from ffmem.store.models import KeyStats, Run, Trigger
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """Per-layer statistics over the layer's keys (means unless named otherwise)."""
+
+    layer: int
+    keys: int
+    positive_share: float | None
+    density: float | None
+    max_coefficient: float | None  # the largest over the layer's keys
+    max_prob: float | None  # the largest value probability over the layer's keys
+    mean_max_prob: float | None
+    agreement_rate: float | None  # share of keys whose value's top token follows their top trigger
+    agreeing_keys: int | None  # keys with at least one trigger followed by a top value token
+    value_norm: float | None
+
+
+class RunResults(Protocol):
+    """What the pages ask of a run's results."""
+
+    def coverage(self, layer: int | None = None) -> float | None:
+        """Share of the corpus the results cover (of one layer, or the least over all); None when stored."""
+
+    def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
+        """A key's triggers of one sign (+1, −1), strongest first."""
+
+    def count_triggers(self, layer: int, key: int, sign: int) -> int:
+        """How many triggers of one sign the key has."""
+
+    def layer_keys(
+        self,
+        layer: int,
+        *,
+        sort: str,
+        descending: bool,
+        offset: int,
+        limit: int,
+        token_ids: list[int] | None,
+    ) -> tuple[int, list[KeyStats], dict[int, Trigger]]:
+        """(keys that pass the filter, one page of their statistics, their top positive triggers)."""
+
+    def key_stats(self, layer: int, key: int) -> KeyStats | None:
+        """A key's statistics, its histogram counts included; None when the run has none for it."""
+
+    def layer_figures(self) -> list[LayerFigures]:
+        """One row per layer for the model page."""
+
+
+def results_for(session: Session, run: Run) -> RunResults:
+    """The stored results of a finished run, the provisional ones of a run still mining."""
+    return StoredResults(session, run) if run.status == "done" else MiningResults(session, run)
+
+
+class StoredResults:
+    """A finished run's results, read from its tables."""
+
+    def __init__(self, session: Session, run: Run) -> None:
+        self.session, self.run = session, run
+
+    def coverage(self, layer: int | None = None) -> float | None:
+        return None
+
+    def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
+        return queries.get_triggers(
+            session=self.session, run_id=self.run.id, layer=layer, key=key, sign=sign, limit=limit
+        )
+
+    def count_triggers(self, layer: int, key: int, sign: int) -> int:
+        where = dict(session=self.session, run_id=self.run.id, layer=layer, key=key)
+        return queries.count_triggers(**where, sign=sign)
+
+    def layer_keys(self, layer, *, sort, descending, offset, limit, token_ids):
+        where = dict(session=self.session, run_id=self.run.id, layer=layer)
+        total, stats = queries.layer_keys(
+            **where, sort=sort, descending=descending, offset=offset, limit=limit, token_ids=token_ids
+        )
+        return total, stats, queries.top_triggers(**where, keys=[s.key for s in stats])
+
+    def key_stats(self, layer: int, key: int) -> KeyStats | None:
+        return queries.get_key_stats(session=self.session, run_id=self.run.id, layer=layer, key=key)
+
+    def layer_figures(self) -> list[LayerFigures]:
+        figures = []
+        for row in queries.layer_summaries(session=self.session, run_id=self.run.id):
+            values = row._asdict()
+            if not values.pop("keys_with_agreement"):
+                values["agreeing_keys"] = None  # runs stored before agreement was counted
+            figures.append(LayerFigures(**values))
+        return figures
+
+
+class MiningResults:
+    """A run still mining: its mined layers so far, merged with numpy once per layer and request."""
+
+    def __init__(self, session: Session, run: Run) -> None:
+        self.session, self.run = session, run
+        self._mined: dict[int, MinedLayer | None] = {}
+
+    def mined(self, layer: int) -> MinedLayer | None:
+        """The layer as mined so far, over every stored part; None before the first checkpoint."""
+        if layer not in self._mined:
+            parts = jobs.layer_parts(session=self.session, run_id=self.run.id, layer=layer)
+            mined = [MinedLayer.from_bytes(data) for data in parts]
+            merged = mined[0] if len(mined) == 1 else MinedLayer.merge(mined) if mined else None
+            self._mined[layer] = merged
+        return self._mined[layer]
+
+    def coverage(self, layer: int | None = None) -> float | None:
+        layers = range(self.run.model.n_layers) if layer is None else [layer]
+        shares = [self._share(self.mined(n)) for n in layers]
+        return min(shares) if shares else 0.0
+
+    def _share(self, mined: MinedLayer | None) -> float:
+        return 0.0 if mined is None or not self.run.n_sentences else mined.sentences / self.run.n_sentences
+
+    def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
+        mined = self.mined(layer)
+        if mined is None:
+            return []
+        sentence = mined.sentence[sign][key]  # [T]
+        rows = [
+            Trigger(
+                run_id=self.run.id,
+                layer=layer,
+                key=key,
+                sign=sign,
+                rank=rank,
+                sentence_index=int(sentence[rank]),
+                position=int(mined.position[sign][key, rank]),
+                coefficient=float(mined.coefficient[sign][key, rank]),
+            )
+            for rank in range(len(sentence))
+            if sentence[rank] >= 0
+        ]
+        return rows[:limit] if limit is not None else rows
+
+    def count_triggers(self, layer: int, key: int, sign: int) -> int:
+        return len(self.triggers(layer, key, sign))
+
+    def layer_keys(self, layer, *, sort, descending, offset, limit, token_ids):
+        mined = self.mined(layer)
+        if mined is None:
+            return 0, [], {}
+        n_keys = mined.histogram.shape[0]
+        high, low = extremes(mined)
+        probs = self._max_probs(layer, n_keys)
+        unknown = np.full(n_keys, np.nan)
+        columns = {
+            "key": np.arange(n_keys, dtype=float),
+            "max_coefficient": high,
+            "min_coefficient": low,
+            "positive_share": mined.positive_share(),
+            "density": mined.density(),
+            "agreement": unknown,
+            "max_prob": probs,
+            "next_token_rank": unknown,
+            "value_norm": unknown,
+        }
+        if sort not in columns:
+            raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(queries.KEY_SORTS)}")
+        keys = np.arange(n_keys)
+        if token_ids is not None:
+            promoting = self.session.scalars(
+                queries.promoting_keys(run_id=self.run.id, layer=layer, token_ids=token_ids)
+            )
+            keys = np.array(sorted(promoting), dtype=np.int64)
+        value = columns[sort][keys]  # NULLs (NaN) last, then by value, then by key
+        missing = np.isnan(value)
+        primary = np.where(missing, 0.0, -value if descending else value)
+        page = keys[np.lexsort((keys, primary, missing))][offset : offset + limit]
+        rows = [self._key_stats(mined, layer, int(key), probs[key]) for key in page]
+        tops = {}
+        for row in rows:
+            found = self.triggers(layer, row.key, 1, limit=1)
+            if found:
+                tops[row.key] = found[0]
+        return len(keys), rows, tops
+
+    def key_stats(self, layer: int, key: int) -> KeyStats | None:
+        """What is known so far; agreement over every positive trigger so far (no next-token rank or
+        value norm until the run is stored)."""
+        mined = self.mined(layer)
+        if mined is None:
+            return None
+        raw_top = queries.get_value_tokens(
+            session=self.session, run_id=self.run.id, layer=layer, key=key, readout="raw", direction=1
+        )
+        stats = self._key_stats(mined, layer, key, raw_top[0].prob if raw_top else math.nan)
+        positive = self.triggers(layer, key, 1)
+        sentences = queries.get_sentences(
+            session=self.session, corpus_id=self.run.corpus_id, indices=[t.sentence_index for t in positive]
+        )
+        top_ids = {v.token_id for v in raw_top}
+        following = [_next_token(sentences[t.sentence_index].token_ids, t.position) for t in positive]
+        stats.agreement = sum(token in top_ids for token in following if token is not None)
+        return stats
+
+    def _key_stats(self, mined: MinedLayer, layer: int, key: int, max_prob: float) -> KeyStats:
+        high, low = (float(x[key]) for x in extremes(mined))
+        return KeyStats(
+            run_id=self.run.id,
+            layer=layer,
+            key=key,
+            mean=float(mined.mean()[key]),
+            positive_share=float(mined.positive_share()[key]),
+            max_coefficient=None if math.isnan(high) else high,
+            min_coefficient=None if math.isnan(low) else low,
+            value_norm=None,
+            histogram=mined.histogram[key].tolist(),
+            density=float(mined.density()[key]),
+            max_prob=None if math.isnan(max_prob) else float(max_prob),
+            agreement=None,
+            next_token_rank=None,
+        )
+
+    def _max_probs(self, layer: int, n_keys: int) -> np.ndarray:
+        """Each key's value's top raw probability (projected at prepare): [keys], NaN if not yet."""
+        _, probs = queries.layer_value_tokens(
+            session=self.session, run_id=self.run.id, layer=layer, readout="raw", direction=1, n=1
+        )
+        return probs[:, 0] if probs.size else np.full(n_keys, np.nan)
+
+    def layer_figures(self) -> list[LayerFigures]:
+        figures = []
+        for layer in range(self.run.model.n_layers):
+            mined = self.mined(layer)
+            if mined is None:
+                continue
+            high, _ = extremes(mined)
+            probs = self._max_probs(layer, mined.histogram.shape[0])
+            figures.append(
+                LayerFigures(
+                    layer=layer,
+                    keys=mined.histogram.shape[0],
+                    positive_share=float(mined.positive_share().mean()),
+                    density=float(mined.density().mean()),
+                    max_coefficient=None if np.isnan(high).all() else float(np.nanmax(high)),
+                    max_prob=None if np.isnan(probs).all() else float(np.nanmax(probs)),
+                    mean_max_prob=None if np.isnan(probs).all() else float(np.nanmean(probs)),
+                    agreement_rate=None,
+                    agreeing_keys=None,
+                    value_norm=None,
+                )
+            )
+        return figures
+
+
+def has_results(session: Session, run: Run) -> bool:
+    """Whether the run has anything the pages can show: stored, or mined so far."""
+    return run.status == "done" or jobs.has_layers(session=session, run_id=run.id)
+
+
+def extremes(mined: MinedLayer) -> tuple[np.ndarray, np.ndarray]:
+    """(max, min) coefficient per key so far, NaN where no sentence was mined: [keys] each."""
+    top, bottom = mined.coefficient[1][:, 0], mined.coefficient[-1][:, 0]
+    return np.where(np.isfinite(top), top, np.nan), np.where(np.isfinite(bottom), bottom, np.nan)
+
+
+def _next_token(token_ids: list[int], position: int) -> int | None:
+    return token_ids[position + 1] if position + 1 < len(token_ids) else None
