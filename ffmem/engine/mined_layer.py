@@ -16,6 +16,14 @@ SIGNS = (1, -1)  # +1: highest coefficients; −1: most negative
 OCTAVES = 21  # magnitude bins per sign: |m| < 2^-9, [2^-9, 2^-8), …, [2^9, 2^10), ≥ 2^10
 ZERO_BIN = OCTAVES  # +0.0 (and positive subnormals) sit between the negative and positive bins
 DENSITY_OCTAVES = 3  # density: positions within this many octaves of a key's peak |coefficient|
+# The stored format: one version byte, then an .npz archive. Bump it when the arrays change; a row
+# written before the byte existed starts with the zip signature (b"PK") and is read as version 0.
+FORMAT_VERSION = 1
+_ZIP_SIGNATURE = b"PK"
+
+
+class MinedFormatError(ValueError):
+    """A stored mined layer in a format this version cannot read."""
 
 
 def histogram_edges() -> list[float]:
@@ -79,12 +87,23 @@ class MinedLayer:
             arrays[f"sentence{sign:+d}"] = self.sentence[sign]
             arrays[f"position{sign:+d}"] = self.position[sign]
         buffer = io.BytesIO()
+        buffer.write(bytes([FORMAT_VERSION]))
         np.savez(buffer, **arrays)
         return buffer.getvalue()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> MinedLayer:
-        with np.load(io.BytesIO(data)) as arrays:
+        if data[:2] == _ZIP_SIGNATURE:
+            archive = data  # version 0: no version byte, the same arrays
+        elif data[:1] == bytes([FORMAT_VERSION]):
+            archive = data[1:]
+        else:
+            version = data[0] if data else None
+            raise MinedFormatError(
+                f"a stored mined layer has format version {version}; this ffmem reads versions 0 and "
+                f"{FORMAT_VERSION}. Upgrade ffmem, or delete the run and index it again."
+            )
+        with np.load(io.BytesIO(archive)) as arrays:
             positions, sentences = (int(n) for n in arrays["counts"])
             return cls(
                 coefficient={sign: arrays[f"coefficient{sign:+d}"] for sign in SIGNS},
