@@ -53,20 +53,6 @@ def db_upgrade(db: DbOption = None) -> None:
     typer.echo(f"database at {url} is up to date")
 
 
-def _index_options(settings, device: str | None = None, **given):
-    """A worker's IndexOptions: the run's options (given, else the settings) and the worker's own."""
-    from ffmem.store.jobs import run_options
-    from ffmem.worker.index import IndexOptions
-
-    return IndexOptions(
-        **run_options(settings, **given),
-        device=device or settings.device,
-        cache_dir=Path(settings.cache_dir),
-        checkpoint_batches=settings.checkpoint_batches,
-        lease_seconds=settings.lease_seconds,
-    )
-
-
 @cli.command()
 def index(
     model: Annotated[
@@ -106,7 +92,9 @@ def index(
     """
     settings = get_settings()
     url = db or settings.database_url
-    options = _index_options(
+    from ffmem.worker.index import IndexOptions
+
+    options = IndexOptions.from_settings(
         settings,
         model=model,
         corpus=corpus,
@@ -198,13 +186,13 @@ def worker(
         from ffmem.engine.allocator import keep_freed_memory
         from ffmem.store import jobs
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-        from ffmem.worker.index import Worker
+        from ffmem.worker.index import IndexOptions, Worker
 
         keep_freed_memory()  # a long-running process: reuse freed memory instead of faulting it back in
         upgrade(url)
         engine = make_engine(url)
         sessions = make_sessionmaker(engine)
-        worker = Worker(sessions, _index_options(settings, device=device.value))
+        worker = Worker(sessions, IndexOptions.from_settings(settings, device=device.value))
         if engine.dialect.name == "sqlite":
             with sessions() as session:
                 holder = jobs.other_live_worker(session=session, worker=worker.name)
@@ -400,9 +388,9 @@ def analyze(
         from sqlalchemy import select
 
         from ffmem.store.models import Analysis
-        from ffmem.worker.index import Worker
+        from ffmem.worker.index import IndexOptions, Worker
 
-        Worker(sessions, _index_options(settings, device=device.value)).work(job_id=job_id)
+        Worker(sessions, IndexOptions.from_settings(settings, device=device.value)).work(job_id=job_id)
         with sessions() as session:
             stored = session.execute(select(Analysis.name, Analysis.seconds).where(Analysis.run_id == run_id))
             return dict(stored.all())

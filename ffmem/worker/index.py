@@ -23,6 +23,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
+from ffmem.config import Settings
 from ffmem.engine.corpus import read_corpus, tokenize
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel, load_model
@@ -34,22 +35,41 @@ from ffmem.store.models import Job, KeyStats, Run, Shard, Trigger, ValueToken
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
 
 
+def _setting(name: str):
+    """The default of a setting: IndexOptions' defaults come from Settings, written once there."""
+    default = Settings.model_fields[name].default
+    return Path(default) if name == "cache_dir" else default
+
+
 @dataclass
 class IndexOptions:
-    model: str = "smollm2-135m"
-    corpus: str = "wiki-vital"
-    sentences: int | None = 2000
-    top_k: int = 50
-    device: str = "auto"
-    dtype: str = "auto"
-    max_sentence_tokens: int = 128
-    batch_tokens: int = 4096
-    shard_sentences: int = 2048
-    value_tokens: int = 30
-    cache_dir: Path = Path("data/cache")
+    """What a worker needs for an index run: the run's options (jobs.RUN_FIELDS) and its own."""
+
+    model: str = _setting("model")
+    corpus: str = _setting("corpus")
+    sentences: int | None = _setting("sentences")
+    top_k: int = _setting("top_k")
+    device: str = _setting("device")
+    dtype: str = _setting("dtype")
+    max_sentence_tokens: int = _setting("max_sentence_tokens")
+    batch_tokens: int = _setting("batch_tokens")
+    shard_sentences: int = _setting("shard_sentences")
+    value_tokens: int = _setting("value_tokens")
+    cache_dir: Path = _setting("cache_dir")
     progress: bool = True
-    checkpoint_batches: int = 16
-    lease_seconds: float = 120.0
+    checkpoint_batches: int = _setting("checkpoint_batches")
+    lease_seconds: float = _setting("lease_seconds")
+
+    @classmethod
+    def from_settings(cls, settings: Settings, device: str | None = None, **given) -> IndexOptions:
+        """A worker's options: the run's options (given, else the settings) and the worker's own."""
+        return cls(
+            **jobs.run_options(settings, **given),
+            device=device or settings.device,
+            cache_dir=Path(settings.cache_dir),
+            checkpoint_batches=settings.checkpoint_batches,
+            lease_seconds=settings.lease_seconds,
+        )
 
     def run_options(self) -> dict:
         """What the job stores: the fields that define the run."""
