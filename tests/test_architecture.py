@@ -21,11 +21,13 @@ def test_imports_run_one_way_and_keep_torch_out_of_the_web_process():
 def test_a_reversed_import_is_caught(tmp_path):
     """The contract can fail: an import from the store into the web room breaks it."""
     tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "ffmem", tree / "ffmem", ignore=shutil.ignore_patterns("static", "templates", "__pycache__"))
+    skip = shutil.ignore_patterns("static", "templates", "__pycache__")
+    shutil.copytree(ROOT / "ffmem", tree / "ffmem", ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
     queries = tree / "ffmem" / "store" / "queries.py"
     queries.write_text(queries.read_text() + "\nfrom ffmem.web import urls  # noqa\n")
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
-    run = subprocess.run([lint], cwd=tree, capture_output=True, text=True, env={"PYTHONPATH": str(tree), "PATH": ""})
+    alone = {"PYTHONPATH": str(tree), "PATH": ""}
+    run = subprocess.run([lint], cwd=tree, capture_output=True, text=True, env=alone)
     assert run.returncode != 0, run.stdout
     assert "ffmem.store.queries -> ffmem.web.urls" in run.stdout, run.stdout

@@ -42,8 +42,8 @@ CSP = (
     #   through the CSSOM (EMPTY_STYLE; CSSOM rules are not subject to CSP). Any other inline <style>
     #   (an injected one) is refused.
     # - style attributes need 'unsafe-inline': the coefficient bars are `style="width: …%"`
-    #   (ffmem/web/templates/_macros.html) and plotly's heatmap (the cartesian bundle) writes style attributes as
-    #   it draws. An attribute selects no other element: it cannot read the page as an injected
+    #   (ffmem/web/templates/_macros.html) and plotly's heatmap (the cartesian bundle) writes style
+    #   attributes as it draws. An attribute selects no other element: it cannot read the page as an injected
     #   <style> could.
     # - style-src is the fallback of browsers without the -elem/-attr directives (before Firefox 108,
     #   Safari 15.4): 'unsafe-inline' there, or htmx and plotly would lose their styles.

@@ -1,4 +1,5 @@
-"""The migrations build exactly ffmem.store.models' schema, on SQLite and Postgres, and re-running them is a no-op."""
+"""The migrations build exactly ffmem.store.models' schema, on SQLite and Postgres, and re-running them
+is a no-op."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def test_what_the_web_process_imports_is_a_runtime_dependency():
     root = Path(__file__).resolve().parents[2]
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     probe = (
-        "import sys; from ffmem.web.main import create_app; from ffmem.config import Settings; import ffmem.cli; "
+        "import sys; from ffmem.web.main import create_app; from ffmem.config import Settings; "
+        "import ffmem.cli; "
         "create_app(Settings(database_url='sqlite:///:memory:')); print(' '.join(sorted(sys.modules)))"
     )
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -1,5 +1,5 @@
-"""Per-client rate limits on the live routes (ffmem/web/ratelimit.py), on the tiny index and a real live worker
-in-process: the request past the limit is a 429 with Retry-After in the one error shape (the trace form
+"""Per-client rate limits on the live routes (ffmem/web/ratelimit.py), on the tiny index and a real live
+worker in-process: the request past the limit is a 429 with Retry-After in the one error shape (the trace form
 with the notice on the page), other clients and the browse pages are unaffected, the window frees
 again. The `limits` library's clock is frozen where the numbers are checked exactly."""
 
