@@ -46,3 +46,23 @@ def test_the_analysis_page_queues_an_analysis_job(explorer_db, slug):
         unknown = client.post(f"/m/{slug}/analysis.json", data=form | {"run": 999})
         assert unknown.status_code == 404 and "has no run 999" in unknown.json()["error"]
     app.state.engine.dispose()
+
+
+def test_the_form_offers_the_settings_sizes(explorer_db, slug):
+    """Each field of the form holds its setting (not `ctx.defaults.keys`, the dict's method)."""
+    settings = Settings(
+        database_url=explorer_db,
+        admin_token="t0ken",
+        analysis_examples=321,
+        analysis_keys=17,
+        analysis_triggers=9,
+    )
+    app = create_app(settings)
+    with TestClient(app, headers={"Authorization": "Bearer t0ken"}) as client:
+        page = client.get(f"/m/{slug}/analysis")
+    app.state.engine.dispose()
+    assert page.status_code == 200 and 'id="start-analysis"' in page.text
+    assert 'name="examples" min="1" max="1000000" value="321"' in page.text
+    assert 'name="keys" min="1" max="1000000" value="17"' in page.text
+    assert 'name="triggers" min="1" max="1000" value="9"' in page.text
+    assert "built-in method" not in page.text

@@ -22,7 +22,7 @@ import pytest
 from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 from markupsafe import escape
-from sqlalchemy import MetaData, select
+from sqlalchemy import MetaData, func, select
 
 from ffmem.config import Settings
 from ffmem.store.models import Job, Run
@@ -361,15 +361,35 @@ def test_a_corpus_the_server_sees_is_checked_before_queueing(app, client, tmp_pa
     assert snapshot(app) == before
 
 
-def test_a_corpus_only_the_workers_could_see_fails_its_job_readably(app, client, tiny, tmp_path):
-    """The web server may not see the workers' files: a path it does not see is queued, and the worker
-    that cannot read it fails the job with the reason, shown on the job's page."""
+def test_a_corpus_path_that_does_not_exist_is_refused_at_once(app, client, tmp_path):
+    """Issue 13: a missing corpus path was queued and failed later in the worker; now a 400, and no job."""
+    missing = tmp_path / "no-such-corpus.txt"
+    before = snapshot(app)
+    response = start(client, str(missing))
+    assert response.status_code == 400
+    assert response.json() == {
+        "ok": False,
+        "error": f"No corpus file at {missing}; pass wiki-vital, a UTF-8 .txt file or a .jsonl file.",
+        "status": 400,
+    }
+    page = client.post("/jobs", data={"model": "m", "corpus": str(missing), "sentences": "4", "top_k": "2"})
+    assert page.status_code == 400 and f"No corpus file at {missing}" in page.text
+    with app.state.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == before["jobs"][0]
+    assert snapshot(app) == before
+
+
+def test_a_corpus_gone_before_the_worker_reads_it_fails_its_job_readably(app, client, tiny, tmp_path):
+    """The server checks the path when the job is queued; a worker that cannot read it later (the file
+    removed, or not on the worker's machine) fails the job with the reason, shown on the job's page."""
     from ffmem.engine.corpus import CorpusError
     from ffmem.worker.index import IndexOptions, Worker
 
-    missing = tmp_path / "on-the-workers.txt"
+    missing = tmp_path / "removed.txt"
+    missing.write_text("A sentence that will be gone.\n")
     queued = start(client, str(missing))
     assert queued.status_code == 201
+    missing.unlink()
     job = queued.json()["job"]["id"]
     options = IndexOptions(device="cpu", dtype="float32", cache_dir=tmp_path, progress=False)
     with pytest.raises(CorpusError):

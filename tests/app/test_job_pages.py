@@ -46,7 +46,7 @@ def start(client, **form):
     return client.post("/jobs", data=fields, follow_redirects=False)
 
 
-def test_start_a_run_from_the_browser(client):
+def test_start_a_run_from_the_browser(client, tmp_path):
     response = start(client)
     assert response.status_code == 303 and response.headers["location"] == "/jobs/1"
     body = client.get("/jobs/1.json").json()
@@ -68,8 +68,10 @@ def test_start_a_run_from_the_browser(client):
     assert start(client).headers["location"] == "/jobs/1"  # the same run is not queued twice
     home = client.get("/.json").json()
     assert [j["id"] for j in home["jobs"]] == [1]
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("One sentence.\n")
     created = client.post(
-        "/jobs.json", data={"model": "m", "corpus": "c.txt", "sentences": "3", "top_k": "2"}
+        "/jobs.json", data={"model": "m", "corpus": str(corpus), "sentences": "3", "top_k": "2"}
     )
     assert created.status_code == 201 and created.json()["job"]["id"] == 2
 

@@ -3,7 +3,6 @@ it failed."""
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 from fastapi import APIRouter, Form, Path, Request
@@ -77,10 +76,10 @@ def _retry(request: Request, session: SessionDep, job_id: JobId):
 
 
 def _check_corpus(corpus: str) -> None:
-    """A corpus file this server sees is checked now: a folder, an empty or a binary file is a 400 that
-    says so. A path it does not see may be on the workers' machines: they check it, and an unusable
-    one fails its job with the same reason."""
-    if corpus == "wiki-vital" or not os.path.lexists(corpus):
+    """A corpus path is checked now, before a job is queued: a missing path, a folder, an empty or a
+    binary file is a 400 that says so. The workers read the same path (run them where this server's
+    corpus files are, or on a shared folder); one that cannot read it still fails its job with the reason."""
+    if corpus == "wiki-vital":
         return
     try:
         corpus_file(corpus)
