@@ -10,6 +10,10 @@ model's prediction; "raw" = the paper's r·E):
 - the memories ranked by |m_i|·‖v_i‖, with their signed coefficients.
 Over all layers × positions: the number of active memories and the FF's share of the logit of each
 position's final prediction (lens(o)[t] − lens(r)[t], = y·e_t for the raw readout).
+
+With interventions, every figure is read from the edited forward pass (what the model computed with
+the edits), and `Trace.unedited` holds the same figures from a second pass without them; without
+interventions there is one pass and `unedited` is None.
 """
 
 from __future__ import annotations
@@ -34,22 +38,39 @@ ACTIVE_RATIO = 2.0**-3  # active: |m_i| within 3 octaves of the position's stron
 class Memory:
     layer: int
     key: int
-    coefficient: float  # m_i at the position (signed)
+    coefficient: float  # m_i at the position (signed; edited, with interventions)
     score: float  # |m_i|·‖v_i‖: the size of its contribution to y
     tokens: list[int] = field(default_factory=list)  # top tokens of sign(m_i)·v_i, when asked for
+    unedited_coefficient: float | None = None  # m_i without the interventions (None without any)
 
 
 @dataclass
-class LayerTrace:
+class LayerReading:
+    """One layer at the selected position, read off one forward pass."""
+
     layer: int
     top_r: int
     top_y: int
     top_o: int
-    final_prob: float  # probability of the final prediction under r
+    final_prob: float  # probability of that pass's final prediction under r
     final_rank: int  # its 0-based rank under r
     case: str
     settled: bool  # top(r) is already the final prediction
+
+
+@dataclass
+class LayerTrace(LayerReading):
     memories: list[Memory]
+
+
+@dataclass
+class Reading:
+    """What one forward pass gives, layer by layer: the figures a trace shows."""
+
+    prediction: int  # the top token after the selected position
+    layers: list[LayerReading]
+    active: list[list[int]]  # [layers][positions] memories within 3 octaves of the strongest
+    ff_logit: list[list[float]]  # [layers][positions] the FF's change to each position's final logit
 
 
 @dataclass
@@ -61,6 +82,9 @@ class TokenChange:
 
 @dataclass
 class Trace:
+    """A traced prompt. `prediction`, `layers`, `active` and `ff_logit` come from the forward pass that
+    was computed: the edited one when there are interventions; `unedited` has them without the edits."""
+
     token_ids: list[int]
     position: int
     readout: str
@@ -69,6 +93,7 @@ class Trace:
     layers: list[LayerTrace]
     active: list[list[int]]  # [layers][positions] memories within 3 octaves of the strongest
     ff_logit: list[list[float]]  # [layers][positions] the FF's change to the final token's logit
+    unedited: Reading | None = None  # the same figures without the interventions (None without any)
     interventions: list[Intervention] = field(default_factory=list)
     edited_coefficients: list[float] = field(default_factory=list)  # each edited m_i before the edit
     generated: list[int] = field(default_factory=list)  # greedy continuation without the interventions
@@ -101,58 +126,117 @@ def trace(
     top_tokens: int = 10,
     value_tokens: int = 0,
 ) -> Trace:
-    """Trace the prompt `token_ids` at `position` (default: the last)."""
+    """Trace the prompt `token_ids` at `position` (default: the last): one forward pass, two with
+    interventions (the edited one, read in full, and the unedited one for comparison)."""
     n_positions = len(token_ids)
     position = n_positions - 1 if position is None else position
     ids = torch.tensor([list(token_ids)], device=loaded.device)  # [1, pos]
     with torch.inference_mode():
-        with capture(loaded.model, loaded.adapter) as captured:
-            nothing = torch.empty(0, dtype=torch.long, device=ids.device)
-            loaded.model(ids, logits_to_keep=nothing, use_cache=False)  # no logits: the readout is below
-        layers = sorted(captured.coefficients)
-        r = torch.stack([captured.residual[layer][0] for layer in layers])  # [layers, pos, d]
-        y = torch.stack([captured.ff_output[layer][0, position] for layer in layers])  # [layers, d]
-        o = torch.stack([captured.layer_output[layer][0] for layer in layers])  # [layers, pos, d]
-        m = torch.stack([captured.coefficients[layer][0] for layer in layers]).float()  # [layers, pos, d_ff]
-
-        finals = readout_input(loaded, o[-1], "norm")  # [pos, d]: what the model's unembedding reads
-        logits, read_ry, read_o = read_layers(loaded, finals, r[:, position], y, o[:, position], readout)
-        n_layers, n_vocab = read_o.shape
-        final = top_index(logits)  # [pos]: each position's prediction
-        top_ry = top_index(read_ry.view(2 * n_layers, n_vocab)).view(n_layers, 2)  # [layers, 2]
-        tops = [top_ry[:, 0].tolist(), top_ry[:, 1].tolist(), top_index(read_o).tolist()]  # [3][layers]
-        read_r = read_ry[:, 0]  # [layers, vocab]
-        target = int(final[position])
-        log_z = read_r.logsumexp(dim=-1)  # [layers]
-        final_prob = (read_r[:, target] - log_z).exp().tolist()  # [layers]
-        final_rank = (read_r > read_r[:, target : target + 1]).sum(dim=-1).tolist()  # [layers]
-
-        # Over layers × positions: active memories and the FF's change to each prediction's logit.
-        magnitude = m.abs()  # [layers, pos, d_ff]
-        active = (magnitude >= ACTIVE_RATIO * magnitude.amax(dim=-1, keepdim=True)).sum(dim=-1)  # [L, pos]
-        embedding = resolve(loaded.model, loaded.adapter.unembedding).weight[final].float()  # [pos, d]
-        lens_o = (readout_input(loaded, o, readout).float() * embedding).sum(dim=-1)  # [layers, pos]
-        lens_r = (readout_input(loaded, r, readout).float() * embedding).sum(dim=-1)  # [layers, pos]
+        with intervene(loaded, interventions):  # no hooks without interventions
+            reading, m, logits = _read(loaded, ids, position, readout)  # m [layers, pos, d_ff]
+        unedited, clean_m, clean_logits = None, m, logits
+        if interventions:
+            unedited, clean_m, clean_logits = _read(loaded, ids, position, readout)
 
         # The memories at the selected position, by the size of their contribution.
-        scores = magnitude[:, position] * loaded.value_norms[layers]  # [layers, d_ff]
+        layers = [row.layer for row in reading.layers]
+        scores = m[:, position].abs() * loaded.value_norms[layers]  # [layers, d_ff]
         best = scores.topk(min(memories, scores.shape[1]), dim=-1)  # [layers, k]
         coefficients = m[:, position].gather(1, best.indices)  # [layers, k]
+        before = clean_m[:, position].gather(1, best.indices)  # [layers, k]: the same memories unedited
         tokens = _memory_tokens(loaded, best.indices, coefficients, readout, value_tokens)
 
-        probs = logits[position].softmax(dim=-1)  # [vocab]
-        edited_probs = probs
-        if interventions:
-            with intervene(loaded, interventions):
-                kept = torch.tensor([position], device=ids.device)
-                edited = loaded.model(ids, logits_to_keep=kept).logits[0, 0]  # [vocab]
-                edited_probs = edited.float().softmax(dim=-1)  # [vocab]
+        probs = clean_logits.softmax(dim=-1)  # [vocab]: without the interventions
+        edited_probs = logits.softmax(dim=-1)  # [vocab]: with them (the same tensor without any)
+        shown = edited_probs.topk(top_tokens).indices  # [top_tokens]
+        if interventions:  # the new top tokens beside the old ones
+            shown = torch.cat([shown, probs.topk(top_tokens).indices]).unique()
+            shown = shown[edited_probs[shown].argsort(descending=True)]
 
     layer_traces = []
-    for i, layer in enumerate(layers):
-        top_r, top_y, top_o = tops[0][i], tops[1][i], tops[2][i]
+    for i, row in enumerate(reading.layers):
+        listed = zip(
+            best.indices[i].tolist(),
+            coefficients[i].tolist(),
+            best.values[i].tolist(),
+            before[i].tolist(),
+            strict=True,
+        )
         layer_traces.append(
             LayerTrace(
+                **vars(row),
+                memories=[
+                    Memory(
+                        row.layer,
+                        key,
+                        coefficient,
+                        score,
+                        tokens[i][j] if tokens else [],
+                        unedited_coefficient=was if interventions else None,
+                    )
+                    for j, (key, coefficient, score, was) in enumerate(listed)
+                ],
+            )
+        )
+    result = Trace(
+        token_ids=list(token_ids),
+        position=position,
+        readout=readout,
+        prediction=reading.prediction,
+        top_tokens=[TokenChange(int(t), float(probs[t]), float(edited_probs[t])) for t in shown.tolist()],
+        layers=layer_traces,
+        active=reading.active,
+        ff_logit=reading.ff_logit,
+        unedited=unedited,
+        interventions=list(interventions),
+        edited_coefficients=[float(clean_m[i.layer, position, i.key]) for i in interventions],
+    )
+    if generate_tokens:
+        result.generated = generate(loaded, token_ids, generate_tokens)
+        if interventions:
+            result.generated_edited = generate(loaded, token_ids, generate_tokens, interventions)
+    return result
+
+
+def _read(
+    loaded: LoadedModel, ids: torch.Tensor, position: int, readout: str
+) -> tuple[Reading, torch.Tensor, torch.Tensor]:
+    """One forward pass of `ids` ([1, pos]) read layer by layer at `position`, under whatever
+    interventions are active. → (the reading, the coefficients m [layers, pos, d_ff] in float32, the
+    model's logits after `position` [vocab] in float32)."""
+    with capture(loaded.model, loaded.adapter) as captured:
+        nothing = torch.empty(0, dtype=torch.long, device=ids.device)
+        loaded.model(ids, logits_to_keep=nothing, use_cache=False)  # no logits: the readout is below
+    layers = sorted(captured.coefficients)
+    r = torch.stack([captured.residual[layer][0] for layer in layers])  # [layers, pos, d]
+    y = torch.stack([captured.ff_output[layer][0, position] for layer in layers])  # [layers, d]
+    o = torch.stack([captured.layer_output[layer][0] for layer in layers])  # [layers, pos, d]
+    m = torch.stack([captured.coefficients[layer][0] for layer in layers]).float()  # [layers, pos, d_ff]
+
+    finals = readout_input(loaded, o[-1], "norm")  # [pos, d]: what the model's unembedding reads
+    logits, read_ry, read_o = read_layers(loaded, finals, r[:, position], y, o[:, position], readout)
+    n_layers, n_vocab = read_o.shape
+    final = top_index(logits)  # [pos]: each position's prediction
+    top_ry = top_index(read_ry.view(2 * n_layers, n_vocab)).view(n_layers, 2)  # [layers, 2]
+    tops = [top_ry[:, 0].tolist(), top_ry[:, 1].tolist(), top_index(read_o).tolist()]  # [3][layers]
+    read_r = read_ry[:, 0]  # [layers, vocab]
+    target = int(final[position])
+    log_z = read_r.logsumexp(dim=-1)  # [layers]
+    final_prob = (read_r[:, target] - log_z).exp().tolist()  # [layers]
+    final_rank = (read_r > read_r[:, target : target + 1]).sum(dim=-1).tolist()  # [layers]
+
+    # Over layers × positions: active memories and the FF's change to each prediction's logit.
+    magnitude = m.abs()  # [layers, pos, d_ff]
+    active = (magnitude >= ACTIVE_RATIO * magnitude.amax(dim=-1, keepdim=True)).sum(dim=-1)  # [L, pos]
+    embedding = resolve(loaded.model, loaded.adapter.unembedding).weight[final].float()  # [pos, d]
+    lens_o = (readout_input(loaded, o, readout).float() * embedding).sum(dim=-1)  # [layers, pos]
+    lens_r = (readout_input(loaded, r, readout).float() * embedding).sum(dim=-1)  # [layers, pos]
+
+    rows = []
+    for i, layer in enumerate(layers):
+        top_r, top_y, top_o = tops[0][i], tops[1][i], tops[2][i]
+        rows.append(
+            LayerReading(
                 layer=layer,
                 top_r=top_r,
                 top_y=top_y,
@@ -161,41 +245,10 @@ def trace(
                 final_rank=final_rank[i],
                 case=case_of(top_r, top_y, top_o),
                 settled=top_r == target,
-                memories=[
-                    Memory(layer, key, coefficient, score, tokens[i][j] if tokens else [])
-                    for j, (key, coefficient, score) in enumerate(
-                        zip(
-                            best.indices[i].tolist(),
-                            coefficients[i].tolist(),
-                            best.values[i].tolist(),
-                            strict=True,
-                        )
-                    )
-                ],
             )
         )
-    ranked_by = edited_probs if interventions else probs  # [vocab]
-    shown = ranked_by.topk(top_tokens).indices  # [top_tokens]
-    if interventions:  # the new top tokens beside the old ones
-        shown = torch.cat([shown, probs.topk(top_tokens).indices]).unique()
-        shown = shown[ranked_by[shown].argsort(descending=True)]
-    result = Trace(
-        token_ids=list(token_ids),
-        position=position,
-        readout=readout,
-        prediction=target,
-        top_tokens=[TokenChange(int(t), float(probs[t]), float(edited_probs[t])) for t in shown.tolist()],
-        layers=layer_traces,
-        active=active.tolist(),
-        ff_logit=(lens_o - lens_r).tolist(),
-        interventions=list(interventions),
-        edited_coefficients=[float(m[i.layer, position, i.key]) for i in interventions],
-    )
-    if generate_tokens:
-        result.generated = generate(loaded, token_ids, generate_tokens)
-        if interventions:
-            result.generated_edited = generate(loaded, token_ids, generate_tokens, interventions)
-    return result
+    reading = Reading(target, rows, active.tolist(), (lens_o - lens_r).tolist())
+    return reading, m, logits[position].float()
 
 
 def read_layers(

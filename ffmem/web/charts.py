@@ -109,13 +109,20 @@ def layer_lines(layers: list[LayerSummary], field: str) -> dict:
 
 def trace_heatmap(ctx: TraceContext) -> dict:
     """Layers × positions: the FF's change to each position's predicted-token logit, or the number of
-    active memories (a button switches); the selected position is outlined."""
+    active memories (a button switches); with edits, of the edited pass and, a button away, of the
+    unedited one; the selected position is outlined."""
     x = [f"{t.position}: {label(t.token)}" for t in ctx.tokens]
     y = list(range(len(ctx.layers)))
+    edited = " (edited)" if ctx.unedited else ""
     maps = [
-        ("FF → logit of the prediction", ctx.heatmap["ff_logit"], "RdBu", 0),
-        ("active memories", ctx.heatmap["active"], "Viridis", None),
+        ("FF → logit of the prediction" + edited, ctx.heatmap["ff_logit"], "RdBu", 0),
+        ("active memories" + edited, ctx.heatmap["active"], "Viridis", None),
     ]
+    if ctx.unedited:
+        maps += [
+            ("FF → logit, unedited", ctx.unedited.heatmap["ff_logit"], "RdBu", 0),
+            ("active, unedited", ctx.unedited.heatmap["active"], "Viridis", None),
+        ]
     data = [
         {
             "type": "heatmap",
@@ -169,24 +176,43 @@ def trace_heatmap(ctx: TraceContext) -> dict:
 
 
 def residual_confidence(ctx: TraceContext) -> dict:
-    """Per layer: the probability of the final prediction under the residual (the paper's Fig. 10)."""
-    return {
-        "data": [
+    """Per layer: the probability of the final prediction under the residual (the paper's Fig. 10); with
+    edits, that of the edited pass and, dashed, the unedited pass's (each of its own final prediction)."""
+    x = [layer.layer for layer in ctx.layers]
+    data = [
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": "edited" if ctx.unedited else "p(final | r)",
+            "x": x,
+            "y": [layer.final_prob for layer in ctx.layers],
+            "marker": {"color": [POSITIVE if layer.settled else NEUTRAL for layer in ctx.layers]},
+            "line": {"color": POSITIVE},
+            "hovertemplate": "layer %{x}<br>p(final | r) %{y:.3f}<extra></extra>",
+        }
+    ]
+    if ctx.unedited:
+        data.append(
             {
                 "type": "scatter",
-                "mode": "lines+markers",
-                "x": [layer.layer for layer in ctx.layers],
-                "y": [layer.final_prob for layer in ctx.layers],
-                "marker": {"color": [POSITIVE if layer.settled else NEUTRAL for layer in ctx.layers]},
-                "line": {"color": POSITIVE},
-                "hovertemplate": "layer %{x}<br>p(final | r) %{y:.3f}<extra></extra>",
+                "mode": "lines",
+                "name": "unedited",
+                "x": x,
+                "y": [layer.unedited.final_prob for layer in ctx.layers],
+                "line": {"color": NEUTRAL, "dash": "dash"},
+                "hovertemplate": "layer %{x}<br>unedited p(final | r) %{y:.3f}<extra></extra>",
             }
-        ],
+        )
+    title = f"p({label(ctx.prediction.token if ctx.prediction else '')} | residual) by layer"
+    if ctx.unedited:
+        title = f"p(final | residual) by layer; final {label(ctx.prediction.token)} edited, "
+        title += f"{label(ctx.unedited.prediction.token)} unedited"
+    return {
+        "data": data,
         "layout": BASE_LAYOUT
         | {
-            "title": {
-                "text": f"p({label(ctx.prediction.token if ctx.prediction else '')} | residual) by layer"
-            },
+            "title": {"text": title},
+            "showlegend": ctx.unedited is not None,
             "height": 260,
             "xaxis": {"title": {"text": "layer"}, "dtick": 1 if len(ctx.layers) <= 16 else 2},
             "yaxis": {"title": {"text": "probability"}, "range": [0, 1]},

@@ -368,11 +368,12 @@ class PromptToken(TokenRef):
 
 
 class TraceMemory(BaseModel):
-    """One memory at the selected position, ranked by |m_i|·‖v_i‖."""
+    """One memory at the selected position, ranked by |m_i|·‖v_i‖ (with the edits, if any)."""
 
     layer: int
     key: int
-    coefficient: float  # signed: m < 0 flips the value's effect
+    coefficient: float  # signed: m < 0 flips the value's effect (edited, with edits)
+    unedited_coefficient: float | None  # m without the edits (None without edits)
     score: float
     tokens: list[TokenRef]  # top tokens of sign(m)·v under the trace's readout (from the index)
     agrees: bool | None  # top(y) is among them (None: the index has no value tokens)
@@ -383,17 +384,25 @@ class TraceMemory(BaseModel):
     flip_url: str  # … scaled ×−1
 
 
-class TraceLayer(BaseModel):
-    layer: int
+class LayerFiguresView(BaseModel):
+    """A layer at the selected position in one forward pass."""
+
     top_r: TokenRef  # the residual before the FF
     top_y: TokenRef  # the FF output
     top_o: TokenRef  # the layer output
-    final_prob: float  # probability of the final prediction under the residual
+    final_prob: float  # probability of that pass's final prediction under the residual
     final_rank: int
     case: str  # agreement | residual | ffn | composition
     settled: bool  # top(r) is already the final prediction
+
+
+class TraceLayer(LayerFiguresView):
+    """A layer of the forward pass that was computed (with the edits, if any)."""
+
+    layer: int
     agrees: bool | None  # one of the listed memories' top tokens is top(y)
     memories: list[TraceMemory]
+    unedited: LayerFiguresView | None  # the same figures without the edits (None without edits)
 
 
 class TokenChangeView(TokenRef):
@@ -411,6 +420,14 @@ class EditView(BaseModel):
     coefficient: float | None  # m at the selected position before the edit
     url: str  # the key page
     remove_url: str  # this trace without it
+
+
+class UneditedTrace(BaseModel):
+    """The trace's figures without the edits, beside those with them."""
+
+    prediction: TokenRef
+    heatmap: dict  # {"active": [layers][positions], "ff_logit": [layers][positions]}
+    cases: dict[str, int]  # layers per case
 
 
 class Generation(BaseModel):
@@ -436,6 +453,7 @@ class TraceContext(BaseModel):
     notice: str | None = None  # why there is no trace (worker down, loading or busy)
     run: int | None = None  # the index run whose value tokens name the memories' tokens
     tokens: list[PromptToken] = []
+    # prediction, layers, heatmap and cases: the forward pass that was computed, with the edits if any
     prediction: TokenRef | None = None
     top_tokens: list[TokenChangeView] = []
     layers: list[TraceLayer] = []
@@ -443,6 +461,7 @@ class TraceContext(BaseModel):
     edits: list[EditView] = []
     generation: Generation | None = None
     cases: dict[str, int] = {}  # layers per case
+    unedited: UneditedTrace | None = None  # the same without the edits (None without edits)
 
 
 class AblationRow(BaseModel):

@@ -1,8 +1,9 @@
 """The live view's contexts: a trace answered by the live worker, named with the index's tokens.
 
-The worker returns token ids; the database gives their texts and, from the newest run that has
-projected its values, each listed memory's value tokens (its top tokens for m > 0, its bottom
-tokens for m < 0: a negative coefficient flips the value).
+The worker answers a TraceAnswer (ffmem/engine/trace_answer.py) of token ids; the database gives their
+texts and, from the newest run that has projected its values, each listed memory's value tokens (its top
+tokens for m > 0, its bottom tokens for m < 0: a negative coefficient flips the value). With edits, the
+figures are those of the edited forward pass, each layer's unedited figures beside them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ffmem.engine.interventions import (
     format_interventions,
     parse_interventions,
 )
+from ffmem.engine.trace_answer import LayerFigures, MemoryAnswer
 from ffmem.store import jobs, queries
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import pages, urls
@@ -24,12 +26,14 @@ from ffmem.web.contexts import (
     AblationRow,
     EditView,
     Generation,
+    LayerFiguresView,
     PromptToken,
     TokenChangeView,
     TokenRef,
     TraceContext,
     TraceLayer,
     TraceMemory,
+    UneditedTrace,
 )
 from ffmem.web.errors import AppError, sentence
 from ffmem.web.worker_client import LiveWorker
@@ -124,7 +128,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         }
     )
     run = value_run(session, q.model)
-    signed = [_signed(m) for layer in answer["layers"] for m in layer["memories"]]
+    signed = [_signed(m) for layer in answer.layers for m in layer.memories]
     value_tokens = (
         queries.memory_value_tokens(
             session=session, run_id=run.id, readout=q.readout, memories=signed, n=MEMORY_TOKENS
@@ -132,73 +136,79 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         if run is not None
         else {}
     )
-    wanted = set(answer["token_ids"]) | {answer["prediction"]}
-    wanted |= {c["token_id"] for c in answer["top_tokens"]}
-    wanted |= {layer[f"top_{x}"] for layer in answer["layers"] for x in "ryo"}
+    unedited = answer.unedited
+    figures = [*answer.layers, *(unedited.layers if unedited else [])]
+    wanted = set(answer.token_ids) | {answer.prediction} | {c.token_id for c in answer.top_tokens}
+    wanted |= {t for layer in figures for t in (layer.top_r, layer.top_y, layer.top_o)}
     wanted |= {t for ids in value_tokens.values() for t in ids}
+    wanted |= {unedited.prediction} if unedited else set()
     texts = queries.token_texts(session=session, model_id=q.model.id, token_ids=wanted)
 
     def ref(token_id: int) -> TokenRef:  # built, not validated: hundreds per page, from our own data
         return TokenRef.model_construct(token_id=token_id, token=texts.get(token_id, ""))
 
+    def layer_figures(layer: LayerFigures) -> dict:
+        return dict(
+            top_r=ref(layer.top_r),
+            top_y=ref(layer.top_y),
+            top_o=ref(layer.top_o),
+            final_prob=layer.final_prob,
+            final_rank=layer.final_rank,
+            case=layer.case,
+            settled=layer.settled,
+        )
+
     edits = {(i.layer, i.key): i for i in q.interventions}
     layers = []
-    for layer in answer["layers"]:
+    for i, layer in enumerate(answer.layers):
         memories = []
-        for m in layer["memories"]:
+        for m in layer.memories:
             ids = value_tokens.get(_signed(m))
-            edit = edits.get((m["layer"], m["key"]))
+            edit = edits.get((m.layer, m.key))
             memories.append(
                 TraceMemory.model_construct(
-                    layer=m["layer"],
-                    key=m["key"],
-                    coefficient=m["coefficient"],
-                    score=m["score"],
+                    layer=m.layer,
+                    key=m.key,
+                    coefficient=m.coefficient,
+                    unedited_coefficient=m.unedited_coefficient,
+                    score=m.score,
                     tokens=[ref(t) for t in ids or []],
-                    agrees=None if ids is None else layer["top_y"] in ids,
-                    url=urls.key_url(q.model.slug, m["layer"], m["key"]),
+                    agrees=None if ids is None else layer.top_y in ids,
+                    url=urls.key_url(q.model.slug, m.layer, m.key),
                     edit=None if edit is None else str(edit),
-                    off_url=q.with_edit(Intervention(m["layer"], m["key"], "off")),
-                    scale_url=q.with_edit(Intervention(m["layer"], m["key"], "scale", 2.0)),
-                    flip_url=q.with_edit(Intervention(m["layer"], m["key"], "scale", -1.0)),
+                    off_url=q.with_edit(Intervention(m.layer, m.key, "off")),
+                    scale_url=q.with_edit(Intervention(m.layer, m.key, "scale", 2.0)),
+                    flip_url=q.with_edit(Intervention(m.layer, m.key, "scale", -1.0)),
                 )
             )
         known = [m.agrees for m in memories if m.agrees is not None]
         layers.append(
             TraceLayer(
-                layer=layer["layer"],
-                top_r=ref(layer["top_r"]),
-                top_y=ref(layer["top_y"]),
-                top_o=ref(layer["top_o"]),
-                final_prob=layer["final_prob"],
-                final_rank=layer["final_rank"],
-                case=layer["case"],
-                settled=layer["settled"],
+                layer=layer.layer,
+                **layer_figures(layer),
                 agrees=any(known) if known else None,
                 memories=memories,
+                unedited=LayerFiguresView(**layer_figures(unedited.layers[i])) if unedited else None,
             )
         )
-    position = answer["position"]
+    position = answer.position
     return TraceContext(
         **_query_fields(q, max_tokens) | {"position": position},
         worker={"status": "ready"},
         run=None if run is None else run.id,
         tokens=[
             PromptToken(position=i, url=q.url(position=i), **ref(t).model_dump())
-            for i, t in enumerate(answer["token_ids"])
+            for i, t in enumerate(answer.token_ids)
         ],
-        prediction=ref(answer["prediction"]),
+        prediction=ref(answer.prediction),
         top_tokens=[
             TokenChangeView(
-                before=c["before"],
-                after=c["after"],
-                change=c["after"] - c["before"],
-                **ref(c["token_id"]).model_dump(),
+                before=c.before, after=c.after, change=c.after - c.before, **ref(c.token_id).model_dump()
             )
-            for c in answer["top_tokens"]
+            for c in answer.top_tokens
         ],
         layers=layers,
-        heatmap={"active": answer["active"], "ff_logit": answer["ff_logit"]},
+        heatmap={"active": answer.active, "ff_logit": answer.ff_logit},
         edits=[
             EditView(
                 text=str(i),
@@ -210,22 +220,34 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
                 url=urls.key_url(q.model.slug, i.layer, i.key),
                 remove_url=q.without(i.layer, i.key),
             )
-            for i, coefficient in zip(q.interventions, answer["edited_coefficients"], strict=True)
+            for i, coefficient in zip(q.interventions, answer.edited_coefficients, strict=True)
         ],
         generation=Generation(
             tokens=q.generate,
-            clean=answer["generated_text"],
-            edited=answer["generated_edited_text"] if q.interventions else None,
+            clean=answer.generated_text,
+            edited=answer.generated_edited_text if q.interventions else None,
         )
         if q.generate
         else None,
-        cases={case: sum(layer.case == case for layer in layers) for case in CASES},
+        cases=_cases(answer.layers),
+        unedited=UneditedTrace(
+            prediction=ref(unedited.prediction),
+            heatmap={"active": unedited.active, "ff_logit": unedited.ff_logit},
+            cases=_cases(unedited.layers),
+        )
+        if unedited
+        else None,
     )
 
 
-def _signed(memory: dict) -> tuple[int, int, int]:
+def _cases(layers: list[LayerFigures]) -> dict[str, int]:
+    """Layers per case (§5.2)."""
+    return {case: sum(layer.case == case for layer in layers) for case in CASES}
+
+
+def _signed(memory: MemoryAnswer) -> tuple[int, int, int]:
     """(layer, key, direction): a negative coefficient reads the value's bottom tokens."""
-    return memory["layer"], memory["key"], 1 if memory["coefficient"] >= 0 else -1
+    return memory.layer, memory.key, 1 if memory.coefficient >= 0 else -1
 
 
 def ablation_page(
@@ -263,9 +285,7 @@ def ablation_page(
         session=session, model_id=model.id, token_ids={value_token, *(n for n in nexts if n is not None)}
     )
     rows = []
-    for trigger, following, before, after in zip(
-        triggers, nexts, answer["before"], answer["after"], strict=True
-    ):
+    for trigger, following, before, after in zip(triggers, nexts, answer.before, answer.after, strict=True):
         sentence = sentences[trigger.sentence_index]
         rows.append(
             AblationRow(

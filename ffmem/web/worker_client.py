@@ -1,11 +1,18 @@
-"""The web process's client of the live worker (ffmem/worker/live_server.py): every failure becomes an AppError
-that says what happened and what to do — the browse pages never depend on the worker."""
+"""The web process's client of the live worker (ffmem/worker/live_server.py): every failure becomes an
+AppError that says what happened and what to do — the browse pages never depend on the worker. Answers
+are parsed into the models the worker answers with (ffmem/engine/trace_answer.py)."""
 
 from __future__ import annotations
 
-import httpx
+from typing import TypeVar
 
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from ffmem.engine.trace_answer import AblationAnswer, TraceAnswer
 from ffmem.web.errors import AppError, sentence
+
+Answer = TypeVar("Answer", bound=BaseModel)
 
 START = (
     "Start one with `ffmem worker` (or `ffmem serve`, which starts one); the browse pages work without it."
@@ -17,11 +24,25 @@ class LiveWorker:
         self.url = url.rstrip("/")
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout)
 
-    def trace(self, payload: dict) -> dict:
-        return self._post("/trace", payload)
+    def trace(self, payload: dict) -> TraceAnswer:
+        return self._parse(TraceAnswer, self._post("/trace", payload))
 
-    def ablation(self, payload: dict) -> dict:
-        return self._post("/ablation", payload)
+    def ablation(self, payload: dict) -> AblationAnswer:
+        return self._parse(AblationAnswer, self._post("/ablation", payload))
+
+    def _parse(self, model: type[Answer], answer: dict) -> Answer:
+        """The worker's answer as `model`; one of another shape (a worker of another version) is a 502."""
+        try:
+            return model.model_validate(answer)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            where = ".".join(map(str, problem["loc"])) or "the answer"
+            raise AppError(
+                502,
+                "Live worker failed",
+                f"The live worker at {self.url} answered a {model.__name__} this explorer cannot read "
+                f"({where}: {problem['msg']}); run the same ffmem version on both.",
+            ) from None
 
     def health(self) -> dict:
         """The worker's state, or {"status": "down", "error": …} when it does not answer."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,8 +26,10 @@ from ffmem.engine.errors import FfmemError
 from ffmem.engine.interventions import parse_interventions
 from ffmem.engine.loading import LoadedModel, ModelLoadError, load_model
 from ffmem.engine.trace import ablation, trace
+from ffmem.engine.trace_answer import AblationAnswer, TraceAnswer
 
 log = logging.getLogger("ffmem.worker")
+Answer = TypeVar("Answer")
 
 
 class LiveError(Exception):
@@ -107,7 +109,7 @@ class Live:
                 self.models.popitem(last=False)
         return loaded
 
-    async def run(self, source: str, work: Callable[[LoadedModel], dict]) -> dict:
+    async def run(self, source: str, work: Callable[[LoadedModel], Answer]) -> Answer:
         """Run `work` on the worker thread with `source`'s model, or refuse at once (503)."""
         if self.loading == source:
             raise LiveError(503, f"the live worker is still loading {source}; try again in a few seconds", 5)
@@ -137,7 +139,7 @@ class Live:
         }
 
     # -- the work, on the worker thread ------------------------------------------------------------
-    def trace(self, loaded: LoadedModel, request: TraceRequest) -> dict:
+    def trace(self, loaded: LoadedModel, request: TraceRequest) -> TraceAnswer:
         token_ids = loaded.tokenizer(request.text).input_ids
         if not request.text.strip() or not token_ids:
             raise LiveError(400, "the prompt is empty: type some text")
@@ -163,12 +165,13 @@ class Live:
             generate_tokens=request.generate,
             value_tokens=request.value_tokens,
         )
-        answer = asdict(result)
-        answer["generated_text"] = loaded.tokenizer.decode(result.generated)
-        answer["generated_edited_text"] = loaded.tokenizer.decode(result.generated_edited)
-        return answer
+        return TraceAnswer(
+            **asdict(result),
+            generated_text=loaded.tokenizer.decode(result.generated),
+            generated_edited_text=loaded.tokenizer.decode(result.generated_edited),
+        )
 
-    def ablation(self, loaded: LoadedModel, request: AblationRequest) -> dict:
+    def ablation(self, loaded: LoadedModel, request: AblationRequest) -> AblationAnswer:
         if request.layer >= loaded.n_layers or request.key >= loaded.n_keys:
             raise LiveError(
                 400, f"no memory L{request.layer}K{request.key} in a {loaded.n_layers}×{loaded.n_keys} model"
@@ -182,7 +185,7 @@ class Live:
         if max(len(p) for p in request.prefixes) > self.max_tokens:
             raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
         before, after = ablation(loaded, request.layer, request.key, request.prefixes, request.targets)
-        return {"before": before, "after": after}
+        return AblationAnswer(before=before, after=after)
 
 
 def create_live_app(live: Live) -> FastAPI:
@@ -196,12 +199,12 @@ def create_live_app(live: Live) -> FastAPI:
         return live.health()
 
     @app.post("/trace")
-    async def trace_prompt(request: TraceRequest) -> dict:
+    async def trace_prompt(request: TraceRequest) -> TraceAnswer:
         """Trace one prompt (see ffmem.engine.trace)."""
         return await live.run(request.model, lambda loaded: live.trace(loaded, request))
 
     @app.post("/ablation")
-    async def ablate(request: AblationRequest) -> dict:
+    async def ablate(request: AblationRequest) -> AblationAnswer:
         """Target probabilities after each prefix with one memory as it is and switched off."""
         return await live.run(request.model, lambda loaded: live.ablation(loaded, request))
 

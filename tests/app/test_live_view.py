@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from hand_trace import trace_by_hand
 from sqlalchemy import select
 
 from ffmem.config import Settings
+from ffmem.engine.cases import CASES
 from ffmem.engine.edited_forward import intervene
 from ffmem.engine.interventions import Intervention
 from ffmem.engine.trace import trace
+from ffmem.engine.trace_answer import ForwardFigures, LayerAnswer, LayerFigures, MemoryAnswer, TraceAnswer
 from ffmem.store.models import Run, Sentence, Token, Trigger, ValueToken
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
@@ -26,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout'
 TRACE_FIELDS = {
     "page", "title", "model", "n_layers", "n_keys", "text", "position", "readout", "memories", "generate",
     "interventions", "max_tokens", "worker", "notice", "run", "tokens", "prediction", "top_tokens", "layers",
-    "heatmap", "edits", "generation", "cases",
+    "heatmap", "edits", "generation", "cases", "unedited",
 }  # fmt: skip
 LAYER_FIELDS = {
     "layer",
@@ -39,11 +43,14 @@ LAYER_FIELDS = {
     "settled",
     "agrees",
     "memories",
+    "unedited",
 }
+FIGURE_FIELDS = {"top_r", "top_y", "top_o", "final_prob", "final_rank", "case", "settled"}
 MEMORY_FIELDS = {
     "layer",
     "key",
     "coefficient",
+    "unedited_coefficient",
     "score",
     "tokens",
     "agrees",
@@ -87,13 +94,14 @@ def test_trace_json_equals_the_engine_named_with_the_index(client, db, slug, tin
     assert body["position"] == len(ids) - 1 and body["prediction"]["token_id"] == expected.prediction
     assert len(body["layers"]) == tiny.n_layers and sum(body["cases"].values()) == tiny.n_layers
     assert body["heatmap"]["active"] == expected.active
+    assert body["unedited"] is None  # no edits: one forward pass, nothing beside it
     run_id = body["run"]
     for layer, want in zip(body["layers"], expected.layers, strict=True):
-        assert set(layer) == LAYER_FIELDS
+        assert set(layer) == LAYER_FIELDS and layer["unedited"] is None
         assert layer["top_y"] == {"token_id": want.top_y, "token": names[want.top_y]}
         assert layer["case"] == want.case and layer["final_prob"] == pytest.approx(want.final_prob)
         for memory, m in zip(layer["memories"], want.memories, strict=True):
-            assert set(memory) == MEMORY_FIELDS
+            assert set(memory) == MEMORY_FIELDS and memory["unedited_coefficient"] is None
             assert (memory["key"], memory["coefficient"]) == (m.key, pytest.approx(m.coefficient))
             direction = 1 if m.coefficient >= 0 else -1  # m < 0: the value's bottom tokens
             stored = db.scalars(
@@ -139,6 +147,117 @@ def test_interventions_in_the_url_rerun_the_prediction(client, slug, tiny):
     }
     edited = [m for layer in body["layers"] for m in layer["memories"] if m["edit"]]
     assert all(m["edit"] in ("L2K3", "L1K7*-1") for m in edited)
+
+
+EDITS = "L0K3=-20,L1K7*-1"  # on PROMPT they change the prediction of the tiny model
+
+
+def test_with_edits_every_figure_is_the_edited_pass_with_the_unedited_beside(client, slug, tiny):
+    """Issue 13: the layer table, p(final | r), rank, cases, settled and the heatmaps come from the forward
+    pass under the edits (equal to a trace computed by hand under them); the unedited figures beside them
+    equal a trace by hand without them."""
+    body = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "intervene": EDITS}).json()
+    ids = tiny.tokenizer(PROMPT).input_ids
+    p = len(ids) - 1
+    edits = [Intervention(0, 3, "set", -20.0), Intervention(1, 7, "scale", -1.0)]
+    edited, clean = trace_by_hand(tiny, ids, p, "norm", edits), trace_by_hand(tiny, ids, p, "norm")
+    assert edited.prediction != clean.prediction  # else this test could not tell the passes apart
+    assert set(body) == TRACE_FIELDS and set(body["unedited"]) == {"prediction", "heatmap", "cases"}
+    assert body["prediction"]["token_id"] == edited.prediction
+    assert body["unedited"]["prediction"]["token_id"] == clean.prediction
+    for hand, heatmap, cases, layers in (
+        (edited, body["heatmap"], body["cases"], body["layers"]),
+        (
+            clean,
+            body["unedited"]["heatmap"],
+            body["unedited"]["cases"],
+            [row["unedited"] for row in body["layers"]],
+        ),
+    ):
+        assert heatmap["active"] == hand.active
+        for got, want in zip(heatmap["ff_logit"], hand.ff_logit, strict=True):
+            assert got == pytest.approx(want, abs=1e-3)
+        assert cases == {case: sum(row.case == case for row in hand.layers) for case in CASES}
+        for row, want in zip(layers, hand.layers, strict=True):
+            assert set(FIGURE_FIELDS) <= set(row)
+            assert [row[f"top_{x}"]["token_id"] for x in "ryo"] == [want.top_r, want.top_y, want.top_o]
+            assert (row["final_rank"], row["case"], row["settled"]) == (
+                want.final_rank,
+                want.case,
+                want.settled,
+            )
+            assert row["final_prob"] == pytest.approx(want.final_prob, abs=1e-4)
+    for row, want, was in zip(body["layers"], edited.layers, clean.layers, strict=True):
+        assert set(row["unedited"]) == FIGURE_FIELDS
+        for memory in row["memories"]:
+            assert memory["coefficient"] == pytest.approx(float(want.m[memory["key"]]), abs=1e-4)
+            assert memory["unedited_coefficient"] == pytest.approx(float(was.m[memory["key"]]), abs=1e-4)
+    # The page shows the edited figures and, muted, what they were where the edits changed them.
+    page = client.get(f"/m/{slug}/trace", params={"text": PROMPT, "intervene": EDITS}).text
+    assert (
+        f'with the edits (<span id="unedited-prediction">without them <code class="tok" '
+        f'title="token id {clean.prediction}">' in page
+    )
+    changed = [(e, c) for e, c in zip(edited.layers, clean.layers, strict=True) if e.top_o != c.top_o]
+    assert changed
+    for e, c in changed:
+        assert f'title="token id {e.top_o}">' in page
+        assert (
+            f'<span class="was" title="without the edits">was <code class="tok" title="token id {c.top_o}">'
+            in page
+        )
+    plain = client.get(f"/m/{slug}/trace", params={"text": PROMPT}).text
+    assert 'class="was"' not in plain and "unedited-prediction" not in plain
+
+
+def test_the_worker_answers_the_one_contract(live, tiny_model_dir):
+    """Issue 14: the worker answers TraceAnswer and AblationAnswer (ffmem/engine/trace_answer.py), the
+    models the web process parses; its OpenAPI document says so."""
+    worker = TestClient(create_live_app(live), base_url="http://worker")
+    request = {"model": str(tiny_model_dir), "text": PROMPT, "memories": 2, "interventions": EDITS}
+    body = worker.post("/trace", json=request).json()
+    assert set(body) == set(TraceAnswer.model_fields)
+    assert set(body["layers"][0]) == set(LayerAnswer.model_fields)
+    assert set(body["layers"][0]["memories"][0]) == set(MemoryAnswer.model_fields)
+    assert set(body["unedited"]) == set(ForwardFigures.model_fields)
+    assert set(body["unedited"]["layers"][0]) == set(LayerFigures.model_fields)
+    assert body["interventions"] == [
+        {"layer": 0, "key": 3, "mode": "set", "value": -20.0},
+        {"layer": 1, "key": 7, "mode": "scale", "value": -1.0},
+    ]
+    assert TraceAnswer.model_validate(body).model_dump(mode="json") == body
+    plain = worker.post("/trace", json=request | {"interventions": ""}).json()
+    assert plain["unedited"] is None and plain["interventions"] == []
+    ablation = {"model": str(tiny_model_dir), "layer": 1, "key": 4, "prefixes": [[5, 6]], "targets": [[7, 8]]}
+    answer = worker.post("/ablation", json=ablation).json()
+    assert set(answer) == {"before", "after"} and len(answer["before"][0]) == 2
+    paths = worker.get("/openapi.json").json()["paths"]
+    for path, model in (("/trace", "TraceAnswer"), ("/ablation", "AblationAnswer")):
+        assert paths[path]["post"]["responses"]["200"]["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{model}"
+        }
+
+
+def test_an_answer_of_another_shape_is_a_502_in_the_error_shape(explorer_db, slug):
+    """A worker of another version answers something the contract does not read: a 502 that says so."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ready"})
+        return httpx.Response(200, json={"token_ids": "nope"})
+
+    odd = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://odd")
+    app = create_app(Settings(database_url=explorer_db), live=LiveWorker("http://odd", 5, client=odd))
+    with TestClient(app) as client:
+        response = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT})
+    app.state.engine.dispose()
+    assert response.status_code == 502
+    assert response.json() == {
+        "ok": False,
+        "error": "The live worker at http://odd answered a TraceAnswer this explorer cannot read "
+        "(token_ids: Input should be a valid list); run the same ffmem version on both.",
+        "status": 502,
+    }
 
 
 def test_the_page_and_its_htmx_fragment(client, slug):

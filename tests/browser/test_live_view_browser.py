@@ -183,3 +183,26 @@ def test_no_worker_says_so_and_browsing_goes_on(page, lonely_server, slug):
     response = page.goto(f"{lonely_server}/m/{slug}/layers/0")
     assert response.status == 200
     assert page.locator("table.keys tbody tr").count() == 48
+
+
+def test_an_edit_shows_the_edited_pass_and_what_it_was(page, server, slug):
+    """Issue 13: with edits the table, the summary and the charts are the edited pass's, the unedited
+    figures beside them (muted "was" values, a dashed line, two more heatmaps); a chip keeps the edits."""
+    edits = "L0K3=-20,L1K7*-1"  # they change the tiny model's prediction after PROMPT
+    page.goto(f"{server}/m/{slug}/trace?text=The+capital+of+France+is&intervene={edits}")
+    page.wait_for_selector("#layers")
+    assert page.locator("#summary").inner_text().count("without them") == 2  # prediction and cases
+    assert page.locator("#unedited-prediction code.tok").count() == 1
+    assert page.locator("#layers > tbody .was").count() >= 1
+    assert page.locator("#layers > tbody .was").first.is_visible()
+    page.wait_for_selector("#confidence-chart .main-svg")
+    assert page.locator("#confidence-chart .scatterlayer .trace").count() == 2  # edited and unedited
+    page.wait_for_selector("#trace-heatmap .updatemenu-button", state="attached")
+    assert page.locator("#trace-heatmap .updatemenu-button").count() == 4
+    page.locator("#token-1").click()
+    page.wait_for_url("**position=1**")
+    page.wait_for_selector("#token-1.selected")
+    assert query(page)["intervene"] == [edits]
+    assert page.locator("#unedited-prediction").count() == 1
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "live-view-edited-was.png"), full_page=True)

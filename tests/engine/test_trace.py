@@ -1,11 +1,16 @@
 """The live view's engine on the tiny random Llama: every number of a trace against a direct
-computation from one captured forward pass; interventions change a layer's FF output by exactly
-(m' − m)·v; greedy generation and the ablation test against plain forward passes."""
+computation from one captured forward pass; with edits, every figure against a trace computed by hand
+under them (tests/hand_trace.py) and the unedited figures against one without; interventions change a
+layer's FF output by exactly (m' − m)·v; greedy generation and the ablation test against plain forward
+passes."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
+from hand_trace import trace_by_hand
 
 from ffmem.engine.cases import case_of
 from ffmem.engine.edited_forward import generate, intervene
@@ -17,7 +22,7 @@ from ffmem.engine.interventions import (
     parse_interventions,
 )
 from ffmem.engine.projection import value_logits
-from ffmem.engine.trace import ablation, trace
+from ffmem.engine.trace import LayerReading, ablation, trace
 
 PROMPT = "The capital of France is Paris, a city on the Seine"
 TOL = 1e-4
@@ -221,3 +226,79 @@ def test_workers_ask_glibc_to_keep_freed_memory():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert keep_freed_memory() is True
+
+
+def _assert_reading(reading, hand):
+    """A trace's figures (or its unedited ones) equal those computed by hand."""
+    assert reading.prediction == hand.prediction
+    for row, want in zip(reading.layers, hand.layers, strict=True):
+        assert (row.top_r, row.top_y, row.top_o, row.case, row.settled, row.final_rank) == (
+            want.top_r, want.top_y, want.top_o, want.case, want.settled, want.final_rank
+        )  # fmt: skip
+        assert row.final_prob == pytest.approx(want.final_prob, abs=TOL)
+    assert reading.active == hand.active
+    for got, want in zip(reading.ff_logit, hand.ff_logit, strict=True):
+        assert got == pytest.approx(want, abs=1e-3)
+
+
+EDITS = [Intervention(0, 3, "set", -20.0), Intervention(1, 7, "scale", -1.0)]
+
+
+@pytest.mark.parametrize("readout", ["norm", "raw"])
+@pytest.mark.parametrize(
+    "edits",
+    [EDITS, [Intervention(0, 5, "set", 20.0), Intervention(2, 3, "off")]],
+    ids=["set-scale", "set-off"],
+)
+def test_with_edits_every_figure_comes_from_the_edited_pass(tiny, ids, readout, edits):
+    """Issue 13: the layer table, p(final | r), rank, cases, settled and both heatmaps are those of the
+    forward pass under the edits, computed here by hand; the unedited figures beside them are those of a
+    trace without edits."""
+    p = len(ids) - 1
+    result = trace(tiny, ids, memories=tiny.n_keys, readout=readout, interventions=edits)
+    edited = trace_by_hand(tiny, ids, p, readout, edits)
+    _assert_reading(result, edited)
+    clean = trace_by_hand(tiny, ids, p, readout)
+    _assert_reading(result.unedited, clean)
+    for row, want, was in zip(result.layers, edited.layers, clean.layers, strict=True):
+        for memory in row.memories:  # the edited coefficients, each beside its unedited one
+            assert memory.coefficient == pytest.approx(float(want.m[memory.key]), abs=TOL)
+            assert memory.unedited_coefficient == pytest.approx(float(was.m[memory.key]), abs=TOL)
+    plain = trace(tiny, ids, memories=tiny.n_keys, readout=readout)
+    assert plain.unedited is None
+    assert all(m.unedited_coefficient is None for row in plain.layers for m in row.memories)
+    assert [_figures(row) for row in result.unedited.layers] == [_figures(row) for row in plain.layers]
+    assert (result.unedited.active, result.unedited.ff_logit) == (plain.active, plain.ff_logit)
+    # The edits change the figures (else this test could not tell the two passes apart).
+    assert [_figures(row) for row in result.layers] != [_figures(row) for row in plain.layers]
+
+
+def _figures(row) -> dict:
+    """A layer's figures without its memories."""
+    return {f.name: getattr(row, f.name) for f in fields(LayerReading)}
+
+
+def test_the_edited_prediction_is_the_edited_models(tiny, ids):
+    result = trace(tiny, ids, interventions=EDITS)
+    edited = trace_by_hand(tiny, ids, len(ids) - 1, "norm", EDITS)
+    clean = trace_by_hand(tiny, ids, len(ids) - 1, "norm")
+    assert (result.prediction, result.unedited.prediction) == (edited.prediction, clean.prediction)
+    assert edited.prediction != clean.prediction
+    assert (
+        result.layers[-1].top_o == edited.prediction and result.unedited.layers[-1].top_o == clean.prediction
+    )
+    for change in result.top_tokens:
+        assert change.after == pytest.approx(float(edited.probs[change.token_id]), abs=TOL)
+        assert change.before == pytest.approx(float(clean.probs[change.token_id]), abs=TOL)
+
+
+def test_one_forward_pass_without_edits_two_with(tiny, ids):
+    calls = []
+    handle = tiny.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        trace(tiny, ids)
+        assert len(calls) == 1
+        trace(tiny, ids, interventions=EDITS)
+        assert len(calls) == 3  # the edited pass and the unedited one
+    finally:
+        handle.remove()
