@@ -79,6 +79,12 @@ class Settings(BaseSettings):
         description="A worker holds a shard or job this long after its last progress; then others may.",
     )
     value_tokens: int = Field(30, ge=1, le=1000, description="Top and bottom tokens stored per value.")
+    search_cache_runs: int = Field(
+        2,
+        ge=1,
+        description="Runs whose value matrix the web process keeps in memory for full-vocabulary token "
+        "search (read from the database on a run's first search; ~110 MB each for SmolLM2-135M).",
+    )
     worker_url: str = Field(
         "http://127.0.0.1:8001",
         description="Where the web process finds the live worker (`ffmem worker` listens there; "

@@ -9,13 +9,15 @@ more than a chunk at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ffmem.engine.adapters.base import resolve
 from ffmem.engine.loading import LoadedModel
+from ffmem.engine.vocab_search import BLOCK
 
 READOUTS = ("raw", "norm")
 
@@ -30,6 +32,7 @@ class ValueTokens:
     token_ids: torch.Tensor  # [keys, n] int64
     logits: torch.Tensor  # [keys, n]
     probs: torch.Tensor  # [keys, n]
+    log_z: torch.Tensor  # [keys]: log-sum-exp of each value's logits (probs = exp(logits − log_z))
 
 
 def readout_input(loaded: LoadedModel, vectors: torch.Tensor, readout: str) -> torch.Tensor:
@@ -88,14 +91,17 @@ def project_layer(loaded: LoadedModel, layer: int, n: int = 30, chunk: int = 512
     """Top and bottom `n` tokens of every value of `layer`, for each readout."""
     for readout in READOUTS:
         parts = {1: [], -1: []}
+        log_zs = []
         for _, logits in layer_logits(loaded, layer, readout, chunk):
             log_z = logits.logsumexp(dim=-1, keepdim=True)  # [chunk, 1]
+            log_zs.append(log_z[:, 0])
             for direction in (1, -1):
                 top, ids = logits.topk(n, dim=-1, largest=direction == 1)  # [chunk, n] each
                 parts[direction].append((ids, top, (top - log_z).exp()))
+        log_z = torch.cat(log_zs).cpu()  # [keys]
         for direction in (1, -1):
             ids, top, probs = (torch.cat(t).cpu() for t in zip(*parts[direction], strict=True))
-            yield ValueTokens(layer, readout, direction, ids, top, probs)
+            yield ValueTokens(layer, readout, direction, ids, top, probs, log_z)
 
 
 def target_ranks(
@@ -110,3 +116,57 @@ def target_ranks(
         rank = (logits > own).sum(dim=-1)  # [chunk]
         ranks.append(torch.where(target[:, 0] >= 0, rank, -1))
     return torch.cat(ranks).cpu()  # [keys]
+
+
+def search_arrays(
+    loaded: LoadedModel, log_z: Mapping[tuple[int, str], torch.Tensor]
+) -> Iterator[tuple[str, int, np.ndarray]]:
+    """What full-vocabulary token search reads (ffmem.engine.vocab_search, which says what each array
+    holds), as (name, part, array): the values and output embedding in float16, and per value its log Z
+    under both readouts (`log_z[layer, readout]`, from project_layer) and the final norm's scale and
+    centre, so the web computes any token's logit in every value without torch."""
+    blocks = loaded.adapter.blocks(loaded.model)
+    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+    stats = []
+    norm = None
+    with torch.inference_mode():
+        for layer, block in enumerate(blocks):
+            values = loaded.adapter.value_matrix(block)  # [keys, d]
+            yield "values", layer, _compact(values)
+            columns = [log_z[layer, "raw"].float().cpu(), log_z[layer, "norm"].float().cpu()]
+            try:
+                scale, center, weight, bias = norm_terms(loaded, values)  # [keys], [keys], [d], [d]
+            except TypeError:  # a final norm with no linear form: the raw readout only
+                nan = torch.full_like(columns[0], float("nan"))
+                columns += [nan, nan]
+            else:
+                columns += [scale.cpu(), center.cpu()]
+                norm = torch.stack([weight, bias])  # [2, d]
+            stats.append(torch.stack(columns, dim=1))  # [keys, 4]
+        yield "value_stats", 0, torch.cat(stats).numpy()
+        if norm is not None:
+            yield "norm", 0, norm.cpu().numpy()
+        if getattr(unembedding, "bias", None) is not None:
+            yield "head_bias", 0, unembedding.bias.float().cpu().numpy()
+        weight = unembedding.weight  # [vocab, d]
+        for part, start in enumerate(range(0, weight.shape[0], BLOCK)):
+            yield "unembedding", part, _compact(weight[start : start + BLOCK])
+
+
+def norm_terms(
+    loaded: LoadedModel, vectors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final norm as final_norm(x) = w ⊙ (x − μ(x)) · s(x) + b, per vector (norm_parts' split):
+    [n, d] → (s [n], μ [n], w [d], b [d]), float32; μ = 0 for RMSNorm, b = 0 without a bias."""
+    _, scale, bias = norm_parts(loaded, vectors)
+    norm = resolve(loaded.model, loaded.adapter.final_norm)
+    x = vectors.float()  # [n, d]
+    center = x.mean(dim=-1) if isinstance(norm, torch.nn.LayerNorm) else x.new_zeros(x.shape[0])  # [n]
+    weight = norm.weight.float()  # [d]
+    return scale[:, 0], center, weight, bias if bias is not None else torch.zeros_like(weight)
+
+
+def _compact(rows: torch.Tensor) -> np.ndarray:
+    """float16 (half of float32, and finer than bfloat16), or float32 where float16 would overflow."""
+    fits = rows.abs().max().item() < torch.finfo(torch.float16).max / 2 if rows.numel() else True
+    return rows.to(torch.float16 if fits else torch.float32).cpu().numpy()

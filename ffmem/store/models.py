@@ -303,3 +303,31 @@ class Analysis(Base):
     data: Mapped[dict] = mapped_column(JSON)
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class RunArray(Base):
+    """One array of a run for full-vocabulary token search, as .npy bytes: the values of a layer, a
+    block of the output embedding, the per-value terms of the readouts (ffmem.engine.vocab_search
+    lists them). Written when the run's values are projected; the web reads them without torch."""
+
+    __tablename__ = "run_arrays"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)  # values | unembedding | value_stats …
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)  # the layer, the embedding block, or 0
+    data: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))
+
+
+class Neighbours(Base):
+    """A memory's nearest memories across all layers by cosine, computed once per run (engine.neighbours):
+    `kind` "key" compares keys (for gated FFs the gate and up rows together: the cosine of g·uᵀ, which is
+    cos(g)·cos(u)), "value" compares values. `neighbours`: [[layer, key, cosine], …], the highest first."""
+
+    __tablename__ = "neighbours"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # key | value
+    neighbours: Mapped[list[list[float]]] = mapped_column(JSON)
+

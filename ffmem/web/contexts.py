@@ -276,6 +276,23 @@ class PatternHints(BaseModel):
     final_ngram_share: float
 
 
+class Neighbour(BaseModel):
+    """A memory near another one: its place, the cosine and its page."""
+
+    layer: int
+    key: int
+    cosine: float
+    url: str
+
+
+class MemoryNeighbours(BaseModel):
+    """A memory's nearest memories across all layers (ffmem.engine.neighbours), the highest cosine first."""
+
+    gated: bool  # key cosine = cos(gate) · cos(up) (the cosine of g·uᵀ); else the cosine of the keys
+    by_key: list[Neighbour]
+    by_value: list[Neighbour]
+
+
 class KeyContext(BaseModel):
     page: str = "key"
     title: str
@@ -298,6 +315,7 @@ class KeyContext(BaseModel):
     label: LabelView | None = None  # the memory's label (its newest)
     label_history: list[LabelView] = []  # its earlier labels, the newest first
     label_url: str = ""  # where the label form posts
+    neighbours: MemoryNeighbours | None = None  # None: not computed for this run (yet)
 
 
 class LayerContext(BaseModel):
@@ -321,24 +339,44 @@ class LayerContext(BaseModel):
 
 
 class TokenMatch(BaseModel):
-    """A memory whose value promotes (top) or suppresses (bottom) a searched token."""
+    """A memory whose value promotes (a high logit) or suppresses (a low one) a searched token."""
 
     layer: int
     key: int
-    direction: int  # +1 among the top tokens, −1 among the bottom ones
-    rank: int
+    direction: int  # +1 promotes, −1 suppresses
+    rank: int | None  # the token's rank in the value's readout, from the top (+1) or bottom (−1), 0 first;
+    # None: not among the value's stored top / bottom n_value_tokens (the rank is known only there)
     token: str
     token_id: int
     logit: float
     prob: float
 
 
-class PrefixMatch(BaseModel):
-    """A trigger prefix that contains the searched text."""
+class TextPart(BaseModel):
+    """A piece of a sentence: the searched text (`marked`) or what lies between its occurrences."""
+
+    text: str
+    marked: bool
+
+
+class SentenceKey(BaseModel):
+    """A key one of whose top positive triggers is this sentence, up to a token at or past the match."""
 
     layer: int
     key: int
-    trigger: Trigger
+    coefficient: float
+    position: int
+    trigger_token: str
+    trigger_token_id: int
+    url: str
+
+
+class SentenceMatch(BaseModel):
+    """A sentence that contains the searched text (each occurrence marked), with the keys it triggers."""
+
+    sentence_indices: list[int]  # the corpus sentences with this text (a repeated sentence is one row)
+    parts: list[TextPart]  # the sentence, cut at the occurrences of the text
+    keys: list[SentenceKey]  # the strongest first
 
 
 class SearchContext(BaseModel):
@@ -355,8 +393,13 @@ class SearchContext(BaseModel):
     token_ids: list[int]
     promote: list[TokenMatch]
     suppress: list[TokenMatch]
-    prefixes: list[PrefixMatch]
+    # "full": every memory of every layer ranked by the token's logit in its value's whole readout;
+    # "stored": only values with the token among their stored top / bottom tokens (runs stored before 0008)
+    token_coverage: str = "full"
+    memories: int = 0  # memories ranked ("full")
+    sentences: list[SentenceMatch] = []  # sentences that contain q, one row each, with the keys they trigger
     labels: list[LabelHit] = []  # memories whose label matches q
+    max_length: int = 200  # the longest q the server accepts
 
 
 KeyRow.model_rebuild()

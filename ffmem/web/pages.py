@@ -12,11 +12,11 @@ import re
 
 from sqlalchemy.orm import Session
 
-from ffmem.store import jobs, queries
+from ffmem.store import jobs, memory_search, queries
 from ffmem.store.models import Job, Label, LanguageModel, Run, Sentence
 from ffmem.store.models import Trigger as TriggerRow
 from ffmem.store.results import has_results, results_for
-from ffmem.web import patterns, urls
+from ffmem.web import patterns, token_search, urls
 from ffmem.web.contexts import (
     Agreement,
     Histogram,
@@ -31,13 +31,17 @@ from ffmem.web.contexts import (
     LayerContext,
     LayerSummary,
     Links,
+    MemoryNeighbours,
     ModelContext,
     ModelEntry,
     ModelInfo,
-    PrefixMatch,
+    Neighbour,
     Progress,
     RunInfo,
     SearchContext,
+    SentenceKey,
+    SentenceMatch,
+    TextPart,
     TokenMatch,
     TokenScore,
     Trigger,
@@ -370,6 +374,7 @@ def key_page(
         label=label_view(history[0]) if history else None,
         label_history=[label_view(label) for label in history[1:]],
         label_url=urls.label_url(slug, layer, key),
+        neighbours=memory_neighbours(session, model, run, layer, key),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -387,7 +392,16 @@ def key_page(
 
 
 def search_page(
-    session: Session, slug: str, *, q: str, run_id: int | None, readout: str, by: str, limit: int
+    session: Session,
+    slug: str,
+    *,
+    q: str,
+    run_id: int | None,
+    readout: str,
+    by: str,
+    limit: int,
+    arrays: token_search.ArrayCache,
+    max_length: int,
 ) -> SearchContext | str:
     """The search results, or the URL of a key when `q` names one (`L12 K345`, `12/345`)."""
     model = model_or_404(session, slug)
@@ -400,35 +414,57 @@ def search_page(
     token_ids = token_candidates(session, model, q) if q else []
     promote: list[TokenMatch] = []
     suppress: list[TokenMatch] = []
-    prefixes: list[PrefixMatch] = []
+    coverage, memories = "full", 0
     if token_ids:
         texts = queries.token_texts(session=session, model_id=model.id, token_ids=token_ids)
-        for direction, found in ((1, promote), (-1, suppress)):
-            rows = queries.value_matches(
-                session=session,
-                run_id=run.id,
-                token_ids=token_ids,
-                readout=readout,
-                direction=direction,
-                by=by,
-                limit=limit,
-            )
-            found.extend(
-                TokenMatch(
-                    layer=v.layer,
-                    key=v.key,
-                    direction=direction,
-                    rank=v.rank,
-                    token=texts[v.token_id],
-                    token_id=v.token_id,
-                    logit=v.logit,
-                    prob=v.prob,
+        ranked = token_search.rank_memories(
+            session, arrays, run, token_ids, readout=readout, by=by, limit=limit
+        )
+        if ranked is not None:
+            memories = ranked.memories
+            for direction, hits, found in ((1, ranked.promote, promote), (-1, ranked.suppress, suppress)):
+                found.extend(
+                    TokenMatch(
+                        layer=hit.layer,
+                        key=hit.key,
+                        direction=direction,
+                        rank=ranked.ranks.get((hit.layer, hit.key, hit.token_id, direction)),
+                        token=texts[hit.token_id],
+                        token_id=hit.token_id,
+                        logit=hit.logit,
+                        prob=hit.prob,
+                    )
+                    for hit in hits
                 )
-                for v in rows
-            )
+        else:  # a run stored before full-vocabulary search: the stored top / bottom tokens only
+            coverage = "stored"
+            for direction, found in ((1, promote), (-1, suppress)):
+                rows = queries.value_matches(
+                    session=session,
+                    run_id=run.id,
+                    token_ids=token_ids,
+                    readout=readout,
+                    direction=direction,
+                    by=by,
+                    limit=limit,
+                )
+                found.extend(
+                    TokenMatch(
+                        layer=v.layer,
+                        key=v.key,
+                        direction=direction,
+                        rank=v.rank,
+                        token=texts[v.token_id],
+                        token_id=v.token_id,
+                        logit=v.logit,
+                        prob=v.prob,
+                    )
+                    for v in rows
+                )
     labels: list[LabelHit] = []
+    sentences: list[SentenceMatch] = []
     if len(q.strip()) >= 2:
-        prefixes = prefix_matches(session, model, run, q, limit)
+        sentences = sentence_matches(session, model, run, q, limit)
         labels = [
             LabelHit(
                 layer=label.layer,
@@ -453,12 +489,12 @@ def search_page(
         token_ids=token_ids,
         promote=promote,
         suppress=suppress,
-        prefixes=prefixes,
+        token_coverage=coverage,
+        memories=memories,
+        sentences=sentences,
         labels=labels,
+        max_length=max_length,
     )
-
-
-# ---- helpers ------------------------------------------------------------------------------------
 
 
 def token_candidates(session: Session, model: LanguageModel, text: str) -> list[int]:
@@ -472,27 +508,89 @@ def token_candidates(session: Session, model: LanguageModel, text: str) -> list[
     return queries.find_tokens(session=session, model_id=model.id, texts=forms)
 
 
-def prefix_matches(
+def sentence_matches(
     session: Session, model: LanguageModel, run: Run, text: str, limit: int
-) -> list[PrefixMatch]:
-    """The strongest positive triggers whose prefix contains `text` (ignoring case)."""
+) -> list[SentenceMatch]:
+    """Sentences that contain `text` (ignoring case), one row each (a text the corpus holds twice is one
+    row), every occurrence marked, with the keys whose positive triggers they are up to a token at or past
+    the first occurrence's end: the `limit` strongest such triggers over all sentences, grouped by
+    sentence, the sentence of the strongest first."""
     needle = queries.stored_text(text).lower()
-    sentences = queries.sentences_containing(session=session, corpus_id=run.corpus_id, text=text, limit=50)
+    found = queries.sentences_containing(session=session, corpus_id=run.corpus_id, text=text, limit=50)
     first_positions = {}
-    for sentence in sentences:
+    for sentence in found:
         end = sentence.text.lower().find(needle) + len(needle)  # the first occurrence's end
         first_positions[sentence.index] = next(
             (p for p, (_, stop) in enumerate(sentence.offsets) if stop >= end), len(sentence.offsets)
         )
     rows = queries.triggers_from(session=session, run_id=run.id, first_positions=first_positions, limit=limit)
-    by_index = {s.index: s for s in sentences}
+    by_index = {s.index: s for s in found}
     texts = queries.token_texts(
         session=session, model_id=model.id, token_ids=_trigger_token_ids(rows, by_index)
     )
+    grouped: dict[str, tuple[list[int], list[SentenceKey]]] = {}  # a text the corpus repeats: one row
+    for t in rows:  # the strongest first: so are the rows, and the keys within each
+        sentence = by_index[t.sentence_index]
+        indices, keys = grouped.setdefault(sentence.text, ([], []))
+        if t.sentence_index not in indices:
+            indices.append(t.sentence_index)
+        if any((k.layer, k.key, k.position) == (t.layer, t.key, t.position) for k in keys):
+            continue  # the same key on a copy of the sentence
+        token_id = sentence.token_ids[t.position]
+        keys.append(
+            SentenceKey(
+                layer=t.layer,
+                key=t.key,
+                coefficient=t.coefficient,
+                position=t.position,
+                trigger_token=texts.get(token_id, ""),
+                trigger_token_id=token_id,
+                url=urls.key_url(model.slug, t.layer, t.key, run=run.id),
+            )
+        )
     return [
-        PrefixMatch(layer=t.layer, key=t.key, trigger=trigger_view(t, by_index[t.sentence_index], texts))
-        for t in rows
+        SentenceMatch(sentence_indices=sorted(indices), parts=marked_parts(sentence_text, text), keys=keys)
+        for sentence_text, (indices, keys) in grouped.items()
     ]
+
+
+def marked_parts(sentence: str, text: str) -> list[TextPart]:
+    """`sentence` cut at every occurrence of `text` (any case; a ␣ typed means a space, as stored)."""
+    needle = queries.stored_text(text)
+    if needle.startswith(VISIBLE_SPACE):
+        needle = " " + needle[1:]
+    parts: list[TextPart] = []
+    end = 0
+    for match in re.finditer(re.escape(needle), sentence, flags=re.IGNORECASE) if needle else ():
+        if match.start() > end:
+            parts.append(TextPart(text=sentence[end : match.start()], marked=False))
+        parts.append(TextPart(text=match.group(), marked=True))
+        end = match.end()
+    if end < len(sentence):
+        parts.append(TextPart(text=sentence[end:], marked=False))
+    return parts
+
+
+def memory_neighbours(
+    session: Session, model: LanguageModel, run: Run, layer: int, key: int
+) -> MemoryNeighbours | None:
+    """The memory's nearest memories by key and by value direction, or None when the run has none."""
+    found = memory_search.get_neighbours(session=session, run_id=run.id, layer=layer, key=key)
+    if not found:
+        return None
+
+    def view(kind: str) -> list[Neighbour]:
+        return [
+            Neighbour(
+                layer=int(n_layer),
+                key=int(n_key),
+                cosine=cosine,
+                url=urls.key_url(model.slug, int(n_layer), int(n_key), run=run.id),
+            )
+            for n_layer, n_key, cosine in found.get(kind, [])
+        ]
+
+    return MemoryNeighbours(gated=model.gated, by_key=view("key"), by_value=view("value"))
 
 
 def bin_labels(edges: list[float]) -> list[str]:

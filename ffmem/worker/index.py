@@ -29,8 +29,9 @@ from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel, load_model
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
-from ffmem.engine.projection import project_layer, target_ranks
-from ffmem.store import jobs, queries
+from ffmem.engine.neighbours import memory_neighbours
+from ffmem.engine.projection import project_layer, search_arrays, target_ranks
+from ffmem.store import jobs, memory_search, queries
 from ffmem.store.models import Job, KeyStats, Run, Shard, Trigger, ValueToken
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
 
@@ -408,15 +409,37 @@ class Worker:
                 session.commit()
                 self.timings["projection"] += t1 - t0
                 self.timings["storing"] += time.perf_counter() - t1
+            self.store_neighbours(session, run_id, loaded, options)
             queries.finish_run(session=session, run_id=run_id, n_tokens=state.positions)
             jobs.finish_job(session=session, job_id=job.id)
             jobs.attach_analyses(session=session, index_job=job)
             jobs.drop_layers(session=session, run_id=run_id)
             session.commit()
 
+    def store_neighbours(self, session: Session, run_id: int, loaded: LoadedModel, options) -> None:
+        """Each memory's nearest memories by key and by value direction. They need no corpus, but at
+        prepare they would hold back the run's first results; here they add to its finish."""
+        t0 = time.perf_counter()
+        bar = tqdm(desc="neighbours", unit="block pair", disable=not options.progress)
+
+        def report(kind: str, done: int, total: int) -> None:
+            bar.total = total
+            bar.set_description(f"neighbours by {kind}")
+            bar.n = done
+            bar.refresh()
+
+        found = memory_neighbours(loaded, report=report)
+        bar.close()
+        neighbours = {kind: (index.numpy(), cosine.numpy()) for kind, (index, cosine) in found.items()}
+        memory_search.store_neighbours(
+            session=session, run_id=run_id, n_keys=loaded.n_keys, neighbours=neighbours
+        )
+        self.timings["neighbours"] = self.timings.get("neighbours", 0.0) + time.perf_counter() - t0
+
     def project_values(self, session: Session, job: Job, run_id: int, loaded: LoadedModel, options) -> None:
         """Every value's top and bottom tokens under both readouts: they need no corpus, so the pages
-        show them while the run is still mining."""
+        show them while the run is still mining; and the arrays of full-vocabulary token search."""
+        log_z = {}
         for layer in tqdm(
             range(loaded.n_layers), desc="projecting values", unit="layer", disable=not options.progress
         ):
@@ -424,6 +447,7 @@ class Worker:
             projected = list(project_layer(loaded, layer, options.value_tokens))
             t1 = time.perf_counter()
             for p in projected:
+                log_z[layer, p.readout] = p.log_z
                 queries.store_value_tokens(
                     session=session,
                     run_id=run_id,
@@ -438,6 +462,7 @@ class Worker:
                 raise LostLease(f"job {job.id} was taken over while projecting")
             self.timings["projection"] += t1 - t0
             self.timings["storing"] += time.perf_counter() - t1
+        memory_search.store_run_arrays(session=session, run_id=run_id, arrays=search_arrays(loaded, log_z))
 
     def analyze(self, job: Job) -> None:
         """The paper's analyses of the job's (finished) run, on the model that built it; progress

@@ -83,5 +83,22 @@ def test_search_as_you_type_and_follow_a_result(page, server, facts):
 def test_hostile_corpus_text_stays_text(page, server, facts):
     page.goto(f"{server}/m/{facts['slug']}/search?q=script")
     assert page.locator("#results img").count() == 0
-    prefixes = page.locator("#results .prefix").all_inner_texts()
-    assert any("<script" in p for p in prefixes), prefixes  # shown as the characters it is
+    sentences = page.locator("#results td.sentence").all_inner_texts()
+    assert any("<script>alert(1)</script>" in s for s in sentences), sentences  # the characters it is
+
+
+def test_search_marks_the_text_in_each_sentence_once(page, server, facts):
+    page.goto(f"{server}/m/{facts['slug']}/search")
+    page.locator("#q").fill("Capital OF")
+    page.wait_for_selector("#sentence-matches mark")
+    rows = page.locator("#sentence-matches tbody tr")
+    texts = rows.locator("td.sentence").all_inner_texts()
+    assert texts and len(texts) == len(set(texts)) == rows.count(), "each sentence once"
+    assert page.locator("#sentence-matches mark").all_inner_texts() == ["capital of"] * len(texts)
+    assert rows.first.locator("a.result").count() >= 1  # the keys it triggers, under it
+
+
+def test_search_box_keeps_to_the_servers_limit(page, server, facts):
+    page.goto(f"{server}/m/{facts['slug']}/search")
+    page.locator("#q").fill("x" * 300)  # typing stops at maxlength
+    assert len(page.locator("#q").input_value()) == 200

@@ -1,4 +1,5 @@
-"""Search: memories by value token (both signs), trigger prefixes by text, or jump to `L12 K345`."""
+"""Search: memories by value token (both signs, over every memory's whole readout), sentences by text
+(with the keys they trigger), or jump to `L12 K345`."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
-from ffmem.web import pages
+from ffmem.web import pages, token_search
 from ffmem.web.contexts import SearchContext
 from ffmem.web.rendering import render, wants_json
 from ffmem.web.routes import SessionDep, page
 from ffmem.web.routes.models import RunQuery
 
 router = APIRouter()
+MAX_LENGTH = 200  # the longest q accepted; the search box says so too (maxlength)
 
 
 @page(router, "/m/{model}/search", "search", SearchContext, redirect="`q` names a key (L12 K345): its page.")
@@ -22,15 +24,31 @@ def search(
     session: SessionDep,
     model: str,
     q: Annotated[
-        str, Query(max_length=200, description="A token, text in trigger prefixes, or L12 K345.")
+        str, Query(max_length=MAX_LENGTH, description="A token, text in trigger prefixes, or L12 K345.")
     ] = "",
     run: RunQuery = None,
-    readout: Annotated[Literal["raw", "norm"], Query(description="Value readout: raw v·E or norm.")] = "raw",
-    by: Annotated[Literal["prob", "logit"], Query(description="Rank token matches by.")] = "prob",
+    readout: Annotated[
+        Literal["raw", "norm"], Query(description="Value readout: raw v·E or norm lm_head(final_norm(v)).")
+    ] = "raw",
+    by: Annotated[
+        Literal["prob", "logit"],
+        Query(description="Rank token matches by probability (softmax over the vocabulary) or logit."),
+    ] = "prob",
     limit: Annotated[int, Query(ge=1, le=200, description="Results per section.")] = 50,
 ):
-    """Which memories promote or suppress a token; which trigger prefixes contain a text."""
-    found = pages.search_page(session, model, q=q, run_id=run, readout=readout, by=by, limit=limit)
+    """Which memories promote or suppress a token (every memory ranked by the token's logit in its value's
+    readout); which sentences contain a text, and the keys they trigger."""
+    found = pages.search_page(
+        session,
+        model,
+        q=q,
+        run_id=run,
+        readout=readout,
+        by=by,
+        limit=limit,
+        arrays=token_search.cache_of(request.app),
+        max_length=MAX_LENGTH,
+    )
     if isinstance(found, str):  # q named a key: go there (its JSON twin for a JSON request)
         target = found.replace("?", ".json?", 1) if "?" in found else f"{found}.json"
         return RedirectResponse(target if wants_json(request) else found, status_code=303)

@@ -1,0 +1,111 @@
+"""Memories that fire on the same things, or write the same things: each memory's nearest memories
+across all layers by the cosine of their key directions and of their value directions.
+
+Keys. For a plain FF, m_i = f(x · k_i): the key is k_i. For a gated FF (SwiGLU, Llama's and so the
+default SmolLM2's), m_i = act(x · g_i) · (x · u_i): the gate row decides where the memory opens and the
+up row the size and sign of what passes, so neither alone is "the key"; two memories fire on the same
+inputs only when both agree. We compare them as one object, the rank-one form g_i u_iᵀ of the bilinear
+part (m_i ≈ xᵀ g_i u_iᵀ x where the gate is open): the cosine of two such forms (Frobenius) is exactly
+cos(g_i, g_j) · cos(u_i, u_j). It is high only when both rows agree, and negative when the gates agree
+and the up rows oppose (the same inputs, opposite coefficients) — which "gate only" or "up only" would
+call neighbours.
+
+Values: cos(v_i, v_j). The top `k` by the highest cosine, the memory itself left out.
+
+All pairs of 46,080 memories are compared exactly in blocks: each block pair once (the matrix is
+symmetric), its block rows' running top-k merged as it goes; [block, block] at a time in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ffmem.engine.loading import LoadedModel
+
+NEIGHBOURS = 10  # per memory and kind
+
+
+def key_factors(loaded: LoadedModel) -> list[torch.Tensor]:
+    """The key directions of every memory, layer-major: [K] (plain FF) or [G, U] (gated), each
+    [layers · keys, d]; a memory's key similarity is the product of its factors' cosines."""
+    blocks = loaded.adapter.blocks(loaded.model)
+    keys = torch.cat([loaded.adapter.key_matrix(block) for block in blocks])  # [n, d] (up rows if gated)
+    if loaded.adapter.gates is None:
+        return [keys]
+    gates = torch.cat([loaded.adapter.gate_matrix(block) for block in blocks])  # [n, d]
+    return [gates, keys]
+
+
+def value_factors(loaded: LoadedModel) -> list[torch.Tensor]:
+    """Every value, layer-major: [[layers · keys, d]]."""
+    blocks = loaded.adapter.blocks(loaded.model)
+    return [torch.cat([loaded.adapter.value_matrix(block) for block in blocks])]
+
+
+def memory_neighbours(
+    loaded: LoadedModel,
+    k: int = NEIGHBOURS,
+    block: int = 4096,
+    report: Callable[[str, int, int], None] | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """kind ("key", "value") → (indices [layers · keys, k] int64 layer-major, cosines [·, k] float32)."""
+    with torch.inference_mode():
+        return {
+            kind: nearest(
+                factors(loaded),
+                k,
+                block,
+                None if report is None else lambda d, t, kind=kind: report(kind, d, t),
+            )
+            for kind, factors in (("key", key_factors), ("value", value_factors))
+        }
+
+
+def nearest(
+    factors: Sequence[torch.Tensor],
+    k: int = NEIGHBOURS,
+    block: int = 4096,
+    report: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `k` most similar other rows, similarity(i, j) = Π_f cos(f[i], f[j]) over the factors
+    (one factor: the cosine): (indices [n, k] int64, similarities [n, k] float32, on the CPU), the
+    highest first. A zero row has similarity 0 with every row. `report(done, total)` after each block
+    pair."""
+    units = [torch.nn.functional.normalize(f.float(), dim=1) for f in factors]  # [n, d_f] each
+    n = units[0].shape[0]
+    k = min(k, n - 1)
+    device = units[0].device
+    best = torch.full((n, k), float("-inf"), device=device)
+    best_index = torch.full((n, k), -1, dtype=torch.long, device=device)
+    starts = list(range(0, n, block))
+    total, done = len(starts) * (len(starts) + 1) // 2, 0
+    for i in starts:
+        rows = slice(i, min(i + block, n))
+        for j in starts[starts.index(i) :]:
+            columns = slice(j, min(j + block, n))
+            similarity = units[0][rows] @ units[0][columns].T  # [bi, bj]
+            for unit in units[1:]:
+                similarity *= unit[rows] @ unit[columns].T
+            if i == j:
+                similarity.fill_diagonal_(float("-inf"))  # not its own neighbour
+            _merge(best, best_index, rows, similarity, j, k)
+            if i != j:
+                _merge(best, best_index, columns, similarity.T, i, k)
+            done += 1
+            if report is not None:
+                report(done, total)
+    return best_index.cpu(), best.cpu()
+
+
+def _merge(
+    best: torch.Tensor, best_index: torch.Tensor, rows: slice, similarity: torch.Tensor, offset: int, k: int
+) -> None:
+    """Fold the candidates `similarity` [rows, columns starting at `offset`] into the rows' top k."""
+    values, index = similarity.topk(min(k, similarity.shape[1]), dim=1)  # [b, ≤k]
+    values = torch.cat([best[rows], values], dim=1)
+    index = torch.cat([best_index[rows], index + offset], dim=1)
+    top, order = values.topk(k, dim=1)
+    best[rows] = top
+    best_index[rows] = index.gather(1, order)

@@ -1,0 +1,136 @@
+"""Keyword-only reads and writes for the two ways of finding memories that are not in `queries`:
+full-vocabulary token search (a run's arrays, ffmem.engine.vocab_search) and each memory's nearest
+memories by key and value direction (ffmem.engine.neighbours). No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from sqlalchemy import delete, exists, insert, select, tuple_
+from sqlalchemy.orm import Session
+
+from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
+from ffmem.store.models import Neighbours, RunArray, ValueToken
+from ffmem.store.queries import _bulk_insert
+
+NEIGHBOUR_KINDS = ("key", "value")
+
+
+# ---- token search arrays --------------------------------------------------------------------------
+
+
+def store_run_arrays(*, session: Session, run_id: int, arrays: Iterable[tuple[str, int, np.ndarray]]) -> int:
+    """Store a run's token-search arrays as (name, part, array), replacing any it had; returns the bytes
+    stored."""
+    session.execute(delete(RunArray).where(RunArray.run_id == run_id))
+    stored = 0
+    for name, part, array in arrays:
+        data = to_npy(array)
+        session.execute(insert(RunArray).values(run_id=run_id, name=name, part=int(part), data=data))
+        stored += len(data)
+    return stored
+
+
+def has_run_arrays(*, session: Session, run_id: int) -> bool:
+    """Whether the run has token-search arrays (runs stored before migration 0008 have none)."""
+    where = (RunArray.run_id == run_id, RunArray.name == "value_stats")
+    return bool(session.scalar(select(exists().where(*where))))
+
+
+def load_search_arrays(*, session: Session, run_id: int) -> SearchArrays | None:
+    """A run's value matrix and readout terms (not the output embedding: `embedding_rows`), or None."""
+    rows = session.execute(
+        select(RunArray.name, RunArray.part, RunArray.data)
+        .where(RunArray.run_id == run_id, RunArray.name != "unembedding")
+        .order_by(RunArray.name, RunArray.part)
+    ).all()
+    values = [from_npy(row.data) for row in rows if row.name == "values"]
+    singles = {row.name: from_npy(row.data) for row in rows if row.name != "values"}
+    if not values or "value_stats" not in singles:
+        return None
+    return SearchArrays.from_parts(values, singles)
+
+
+def embedding_rows(*, session: Session, run_id: int, token_ids: Sequence[int]) -> np.ndarray:
+    """Rows of the run's output embedding E for `token_ids`: [len(token_ids), d] float32, reading only
+    the stored blocks that hold them."""
+    parts = sorted({int(t) // BLOCK for t in token_ids})
+    rows = session.execute(
+        select(RunArray.part, RunArray.data).where(
+            RunArray.run_id == run_id, RunArray.name == "unembedding", RunArray.part.in_(parts)
+        )
+    ).all()
+    blocks = {row.part: from_npy(row.data) for row in rows}
+    return np.stack([blocks[int(t) // BLOCK][int(t) % BLOCK] for t in token_ids]).astype(np.float32)
+
+
+def stored_ranks(
+    *,
+    session: Session,
+    run_id: int,
+    readout: str,
+    token_ids: Sequence[int],
+    memories: Sequence[tuple[int, int]],
+) -> dict[tuple[int, int, int, int], int]:
+    """(layer, key, token id, direction) → rank, for the `token_ids` among the stored top (+1) or bottom
+    (−1) value tokens of `memories` ((layer, key) pairs): the exact rank, counted from that end."""
+    if not token_ids or not memories:
+        return {}
+    query = select(
+        ValueToken.layer, ValueToken.key, ValueToken.token_id, ValueToken.direction, ValueToken.rank
+    ).where(
+        ValueToken.run_id == run_id,
+        ValueToken.readout == readout,
+        ValueToken.token_id.in_([int(t) for t in token_ids]),
+        tuple_(ValueToken.layer, ValueToken.key).in_([(int(lay), int(k)) for lay, k in set(memories)]),
+    )
+    return {(r.layer, r.key, r.token_id, r.direction): r.rank for r in session.execute(query)}
+
+
+# ---- neighbours -----------------------------------------------------------------------------------
+
+
+def store_neighbours(
+    *,
+    session: Session,
+    run_id: int,
+    n_keys: int,
+    neighbours: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> int:
+    """Store each memory's nearest memories, replacing any the run had: `neighbours[kind]` is (indices,
+    cosines), each [layers · keys, k], indices layer-major (layer · n_keys + key). Returns rows stored."""
+    session.execute(delete(Neighbours).where(Neighbours.run_id == run_id))
+    stored = 0
+    for kind, (indices, cosines) in neighbours.items():
+        if kind not in NEIGHBOUR_KINDS:
+            raise ValueError(f"unknown neighbour kind {kind!r}; choose from {NEIGHBOUR_KINDS}")
+        layers, keys = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
+        rows = (
+            (
+                run_id,
+                memory // n_keys,
+                memory % n_keys,
+                kind,
+                [
+                    [int(lay), int(k), round(float(c), 6)]
+                    for lay, k, c in zip(layers[memory], keys[memory], cosines[memory], strict=True)
+                ],
+            )
+            for memory in range(indices.shape[0])
+        )
+        _bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "neighbours"), rows)
+        stored += indices.shape[0]
+    return stored
+
+
+def get_neighbours(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[list[float]]]:
+    """kind ("key", "value") → [[layer, key, cosine], …] of one memory, the highest first; {} when the
+    run has none (stored before migration 0008, or still mining)."""
+    rows = session.execute(
+        select(Neighbours.kind, Neighbours.neighbours).where(
+            Neighbours.run_id == run_id, Neighbours.layer == layer, Neighbours.key == key
+        )
+    ).all()
+    return {row.kind: row.neighbours for row in rows}
