@@ -483,12 +483,21 @@ def trace_command(
         for i, t in enumerate(result.token_ids)
     )
     console.print(chips)
+    edited = f", with the edits (without them: {tok(result.unedited.prediction)})" if result.unedited else ""
     console.print(
         f"prediction after position {result.position}: [bold]{tok(result.prediction)}[/] "
-        f"({result.readout} readout)"
+        f"({result.readout} readout){edited}"
     )
     table = Table(
-        "layer", "top(r)", "top(y)", "top(o)", "p(final|r)", "rank", "case", "memories (m: value tokens)"
+        "layer",
+        "top(r)",
+        "top(y)",
+        "top(o)",
+        "p(final|r)",
+        "rank",
+        "case",
+        "memories (m: value tokens)",
+        title="with the edits" if result.unedited else None,
     )
     for layer in result.layers:
         listed = "; ".join(

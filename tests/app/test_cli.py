@@ -103,6 +103,7 @@ def test_unreachable_postgres_is_a_clear_error():
 
 
 def test_trace_command_prints_the_breakdown(tiny, tiny_model_dir):
+    from ffmem.engine.interventions import Intervention
     from ffmem.engine.trace import trace
 
     result = CliRunner().invoke(
@@ -120,10 +121,12 @@ def test_trace_command_prints_the_breakdown(tiny, tiny_model_dir):
         env={"COLUMNS": "200"},
     )
     assert result.exit_code == 0, result.output
-    expected = trace(tiny, tiny.tokenizer("The capital of France is").input_ids, memories=3)
+    ids = tiny.tokenizer("The capital of France is").input_ids
+    expected = trace(tiny, ids, memories=3, interventions=[Intervention(2, 3, "off")])  # what it printed
     decoded = tiny.tokenizer.decode([expected.prediction]).replace(" ", "␣")
+    unedited = tiny.tokenizer.decode([expected.unedited.prediction]).replace(" ", "␣")
     assert f"prediction after position {len(expected.token_ids) - 1}" in result.output
-    assert decoded in result.output
+    assert decoded in result.output and f"with the edits (without them: {unedited})" in result.output
     for layer in expected.layers:
         assert f"K{layer.memories[0].key} {layer.memories[0].coefficient:+.2f}" in result.output
         assert layer.case in result.output
