@@ -97,7 +97,7 @@ def _batch(
         ids[row, : len(prefix)] = torch.tensor(list(prefix))
     mask = (torch.arange(width, device=loaded.device)[None, :] < lengths[:, None]).long()  # [B, width]
     rows, last = torch.arange(b, device=loaded.device), lengths - 1
-    with torch.inference_mode():
+    with loaded.lock, torch.inference_mode():  # hooks on a model live traces share: one pass at a time
         with capture(loaded.model, loaded.adapter) as captured:
             nothing = torch.empty(0, dtype=torch.long, device=loaded.device)
             loaded.model(ids, attention_mask=mask, logits_to_keep=nothing, use_cache=False)
@@ -221,17 +221,18 @@ def _layer_coefficients(loaded: LoadedModel, layer: int, prefixes: list[list[int
         raise _LayerDone
 
     block = loaded.adapter.blocks(loaded.model)[layer]
-    handle = loaded.adapter.value_projection(block).register_forward_hook(stop)
-    try:
-        with (
-            torch.inference_mode(),
-            capture(loaded.model, loaded.adapter, [layer], ("coefficients",)) as captured,
-        ):
-            nothing = torch.empty(0, dtype=torch.long, device=loaded.device)
-            try:
-                loaded.model(ids, attention_mask=mask, logits_to_keep=nothing, use_cache=False)
-            except _LayerDone:
-                pass
-    finally:
-        handle.remove()
+    with loaded.lock:  # hooks on a model live traces share: one pass at a time
+        handle = loaded.adapter.value_projection(block).register_forward_hook(stop)
+        try:
+            with (
+                torch.inference_mode(),
+                capture(loaded.model, loaded.adapter, [layer], ("coefficients",)) as captured,
+            ):
+                nothing = torch.empty(0, dtype=torch.long, device=loaded.device)
+                try:
+                    loaded.model(ids, attention_mask=mask, logits_to_keep=nothing, use_cache=False)
+                except _LayerDone:
+                    pass
+        finally:
+            handle.remove()
     return captured.coefficients[layer]

@@ -118,7 +118,8 @@ def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOp
     source = corpus.name if corpus.name == "wiki-vital" else corpus.source
     text = read_corpus(source, run.n_sentences + options.examples)
     unseen = text.sentences[run.n_sentences :]
-    held_out = tokenize(unseen, loaded.tokenizer, corpus.max_tokens) if unseen else []
+    with loaded.lock:  # the tokenizer is shared with live traces
+        held_out = tokenize(unseen, loaded.tokenizer, corpus.max_tokens) if unseen else []
     rng = random.Random(options.seed)
     prefixes = [
         s.token_ids[: rng.randrange(s.first_position, len(s.token_ids)) + 1]
@@ -157,8 +158,10 @@ def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: Ana
     items = [
         (layer, key, sentences[t.sentence_index].token_ids[: t.position + 1]) for layer, key, t in triggers
     ]
+    with loaded.lock:  # the tokenizer is shared with live traces
+        first_position = 1 if loaded.bos_prepended else 0
     first, last = token_removal(
-        loaded, items, first_position=1 if loaded.bos_prepended else 0, batch=4 * options.batch,
+        loaded, items, first_position=first_position, batch=4 * options.batch,
         progress=options.progress, on_batch=report,
     )  # fmt: skip
     by_key: dict[tuple[int, int], tuple[list[float], list[float]]] = {}

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from ffmem.config import Settings
 from ffmem.engine.corpus import read_corpus, tokenize
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.loading import LoadedModel, load_model
+from ffmem.engine.loading import LoadedModel, shared_model
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.engine.neighbours import memory_neighbours
@@ -248,7 +248,7 @@ class Worker:
                 "max_tokens": options.max_sentence_tokens,
             }
         )
-        with self.sessions() as session:
+        with self.sessions() as session, loaded.lock:  # the tokenizer is shared with live traces
             model_row = _store_model(session, loaded)
             corpus = queries.find_corpus(session=session, fingerprint=fingerprint)
             if corpus is None:
@@ -329,7 +329,8 @@ class Worker:
         started = time.perf_counter()
         mined_tokens = 0
         for number, batch in enumerate(batches[batches_done:], start=batches_done + 1):
-            mine_batches(loaded, [batch], state)
+            with loaded.lock:  # one forward pass at a time on the shared model (live traces wait)
+                mine_batches(loaded, [batch], state)
             sentences_done += len(batch.sentence_index)
             tokens_done += batch.real_tokens
             mined_tokens += batch.real_tokens
@@ -509,10 +510,12 @@ class Worker:
 
     # -- what a worker holds ----------------------------------------------------------------------
     def model(self, options: IndexOptions) -> LoadedModel:
-        """The job's model, loaded once per worker (reloaded when a job names another)."""
+        """The job's model: the process's one copy (shared with its live traces), taken once per worker
+        (again when a job names another)."""
         wanted = (options.model, options.dtype)
         if self.loaded is None or self._loaded_for not in (None, wanted):
-            self.loaded = load_model(
+            self.loaded = None  # ours goes first: no two models at once unless someone else holds it
+            self.loaded = shared_model(
                 options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
             )
         self._loaded_for = wanted
@@ -564,6 +567,7 @@ def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
     return {
         "model_source": loaded.source,
         "model_revision": loaded.revision,
+        "weights_sha256": loaded.weights_sha256,
         "architecture": type(loaded.model).__name__,
         "corpus": corpus.name,
         "corpus_sha256": corpus.source_sha256,

@@ -2,7 +2,9 @@
 
 One trace at a time per worker (one device), on a single thread; at most `queue` requests wait.
 Past that, or while the requested model is still loading, it answers 503 with Retry-After, in the
-app's error shape `{"ok": false, "error", "status"}`. `ffmem worker` serves it beside its index work.
+app's error shape `{"ok": false, "error", "status"}`. `ffmem worker` serves it beside its index work,
+on the same copy of the model (`shared_model`): a trace holds the model's lock, so it waits for the
+batch being mined, and the other way round.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.interventions import parse_interventions
-from ffmem.engine.loading import LoadedModel, ModelLoadError, load_model
+from ffmem.engine.loading import LoadedModel, ModelLoadError, shared_model
 from ffmem.engine.trace import ablation, trace
 from ffmem.engine.trace_answer import AblationAnswer, TraceAnswer
 
@@ -92,13 +94,14 @@ class Live:
             self.loading = None
 
     def model(self, source: str) -> LoadedModel:
-        """The loaded model for `source` (loading it, and evicting the oldest past `capacity`)."""
+        """The loaded model for `source`: the process's one copy, shared with the worker's index work
+        (loading it if no one has; the oldest past `capacity` is let go)."""
         with self._lock:
             if source in self.models:
                 self.models.move_to_end(source)
                 return self.models[source]
         try:
-            loaded = load_model(source, device=self.device, cache_dir=self.cache_dir)
+            loaded = shared_model(source, device=self.device, cache_dir=self.cache_dir)
         except ModelLoadError as error:
             self.failed[source] = str(error)
             raise
@@ -120,9 +123,15 @@ class Live:
         self.pending += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, lambda: work(self.model(source)))
+            return await loop.run_in_executor(self.executor, lambda: self._locked(source, work))
         finally:
             self.pending -= 1
+
+    def _locked(self, source: str, work: Callable):
+        """`work` on `source`'s model while holding it: the worker's index work shares it."""
+        loaded = self.model(source)
+        with loaded.lock:
+            return work(loaded)
 
     def health(self) -> dict:
         status = "loading" if self.loading else ("ready" if self.models else "idle")
