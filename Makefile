@@ -27,6 +27,7 @@ test: install
 bench: install
 	$(PY) bench/bench.py
 	$(PY) bench/web.py
+	$(PY) bench/search.py
 	$(PY) bench/trace.py
 	$(PY) bench/load.py
 	$(PY) bench/analysis.py

@@ -53,9 +53,11 @@ def load_search_arrays(*, session: Session, run_id: int) -> SearchArrays | None:
     return SearchArrays.from_parts(values, singles)
 
 
-def embedding_rows(*, session: Session, run_id: int, token_ids: Sequence[int]) -> np.ndarray:
-    """Rows of the run's output embedding E for `token_ids`: [len(token_ids), d] float32, reading only
-    the stored blocks that hold them."""
+def embedding_rows(
+    *, session: Session, run_id: int, token_ids: Sequence[int]
+) -> tuple[list[int], np.ndarray]:
+    """(the ids found, their rows of the run's output embedding E: [found, d] float32), reading only the
+    stored blocks that hold them; an id past E's rows (a tokenizer's added token) is left out."""
     parts = sorted({int(t) // BLOCK for t in token_ids})
     rows = session.execute(
         select(RunArray.part, RunArray.data).where(
@@ -63,7 +65,10 @@ def embedding_rows(*, session: Session, run_id: int, token_ids: Sequence[int]) -
         )
     ).all()
     blocks = {row.part: from_npy(row.data) for row in rows}
-    return np.stack([blocks[int(t) // BLOCK][int(t) % BLOCK] for t in token_ids]).astype(np.float32)
+    found = [int(t) for t in token_ids if int(t) % BLOCK < len(blocks.get(int(t) // BLOCK, ()))]
+    d = next(iter(blocks.values())).shape[1] if blocks else 0
+    embedding = [blocks[t // BLOCK][t % BLOCK] for t in found]
+    return found, np.stack(embedding).astype(np.float32) if found else np.zeros((0, d), dtype=np.float32)
 
 
 def stored_ranks(

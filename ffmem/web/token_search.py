@@ -74,7 +74,9 @@ def rank_memories(
     arrays = cache.get(session, run)
     if arrays is None or readout not in arrays.readouts:
         return None
-    embedding = memory_search.embedding_rows(session=session, run_id=run.id, token_ids=token_ids)  # [m, d]
+    token_ids, embedding = memory_search.embedding_rows(session=session, run_id=run.id, token_ids=token_ids)
+    if not token_ids:
+        return None
     found = arrays.search(embedding, token_ids, readout=readout, by=by, limit=limit)
     shown = [(hit.layer, hit.key) for hits in found.values() for hit in hits]
     ranks = memory_search.stored_ranks(

@@ -1,0 +1,251 @@
+"""Finding memories on the default index (a benchmark, not a test): `make bench` runs it.
+
+- full-vocabulary token search: server time (the Server-Timing header) of `/m/…/search.json?q=<token>`
+  over random vocabulary words, p50 / p95 (target p50 ≤ 100 ms); the first search of a run, which
+  reads its value matrix from the database; the arithmetic alone (ffmem.engine.vocab_search) p50;
+- the key page with its neighbours section: server time p50 / p95 over random keys;
+- the neighbours of every memory on the real default model (ffmem.engine.neighbours, as the worker runs
+  them) over the run's mining pass (its shards' first claim to last checkpoint, one worker);
+- storage added per key: the run's search arrays and neighbour rows (bytes stored, and pages on disk
+  for SQLite), and the whole database over its keys.
+
+    .venv/bin/python bench/search.py [--db sqlite:////tmp/ffmem-search/ffmem.db]
+
+Builds the default index first (`ffmem index`) when the database has none. The explorer runs as
+`ffmem serve` in its own process (no live worker). Figures go into bench-results.json under "search".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from sqlalchemy import Text, cast, func, select, text
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from results import record  # noqa: E402
+
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.store import memory_search, queries  # noqa: E402
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from ffmem.store.models import Neighbours, RunArray, Shard, Token  # noqa: E402
+
+FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
+QUERIES, KEYS = 60, 200
+
+
+def default_run(url: str, sentences: int):
+    """The finished default run (model, sentences), built first when missing."""
+    settings = get_settings()
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    find = dict(model_slug=settings.model, n_sentences=sentences)
+    with sessions() as session:
+        run = queries.find_finished_run(session=session, **find)
+    if run is None:
+        print(f"building the default index first (ffmem index --sentences {sentences})", flush=True)
+        subprocess.run([*FFMEM, "index", "--sentences", str(sentences), "--db", url], check=True, cwd=ROOT)
+    with sessions() as session:
+        run = queries.find_finished_run(session=session, **find)
+        model = run.model
+        return sessions, run.id, model.slug, model.id, model.n_layers, model.n_keys
+
+
+def serve(url: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # No live worker: these pages never ask one (an unused port stands in for its address).
+    command = [*FFMEM, "serve", "--db", url, "--port", str(port), "--worker-url", "http://127.0.0.1:9"]
+    process = subprocess.Popen(command, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/.json", timeout=2).status_code == 200:
+                return process, base
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise SystemExit("the explorer did not start")
+
+
+def server_ms(response: httpx.Response) -> float:
+    assert response.status_code == 200, (response.status_code, response.text[:300])
+    return float(response.headers["server-timing"].split("dur=")[1])
+
+
+def percentiles(samples: list[float]) -> dict:
+    cuts = statistics.quantiles(samples, n=20, method="inclusive")
+    return {"p50_ms": round(cuts[9], 2), "p95_ms": round(cuts[18], 2), "n": len(samples)}
+
+
+def words(sessions, model_id: int, n: int, rng: random.Random) -> list[str]:
+    """`n` random vocabulary entries that are a space and a word (how a search for a word reads)."""
+    with sessions() as session:
+        texts = session.scalars(select(Token.text).where(Token.model_id == model_id)).all()
+    spaced = sorted(t for t in texts if t.startswith(" ") and t[1:].isalpha() and len(t) > 3)
+    return rng.sample(spaced, n)
+
+
+def web_figures(url: str, sessions, run_id: int, slug: str, model_id: int, layers: int, keys: int) -> dict:
+    rng = random.Random(0)
+    tokens = words(sessions, model_id, QUERIES, rng)
+    process, base = serve(url)
+    try:
+        with httpx.Client(base_url=base, timeout=60) as client:
+            search = f"/m/{slug}/search.json"
+            first = server_ms(client.get(search, params={"q": tokens[0], "run": run_id}))
+            found = client.get(search, params={"q": tokens[0], "run": run_id}).json()
+            assert found["token_coverage"] == "full" and found["memories"] == layers * keys, found
+            token_ms = [
+                server_ms(client.get(search, params={"q": t, "run": run_id, "by": by}))
+                for t in tokens
+                for by in ("prob", "logit")
+            ]
+            picks = [(rng.randrange(layers), rng.randrange(keys)) for _ in range(KEYS)]
+            key_ms, twin_ms = [], []
+            for layer, key in picks:
+                page = client.get(f"/m/{slug}/layers/{layer}/keys/{key}", params={"run": run_id})
+                assert 'id="neighbours-key"' in page.text, "the key page shows its neighbours"
+                key_ms.append(server_ms(page))
+                twin_ms.append(server_ms(client.get(f"/m/{slug}/layers/{layer}/keys/{key}.json")))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    return {
+        "token_search": percentiles(token_ms) | {"target_p50_ms": 100},
+        "first_token_search_ms": round(first, 1),
+        "key_page": percentiles(key_ms) | {"target_p50_ms": 20},
+        "key_page_json": percentiles(twin_ms),
+        "queries": "random ' word' vocabulary entries, by prob and logit, limit 50 (and its text search)",
+    }
+
+
+def arithmetic(sessions, run_id: int, model_id: int) -> dict:
+    """The search alone, in this process: loading a run's arrays, then matvec + ranking per query."""
+    t0 = time.perf_counter()
+    with sessions() as session:
+        arrays = memory_search.load_search_arrays(session=session, run_id=run_id)
+    load = time.perf_counter() - t0
+    rng = random.Random(1)
+    with sessions() as session:
+        ids = session.scalars(select(Token.token_id).where(Token.model_id == model_id)).all()
+        picks = rng.sample(list(ids), QUERIES)
+        rows = {
+            t: memory_search.embedding_rows(session=session, run_id=run_id, token_ids=[t])[1] for t in picks
+        }
+    times = []
+    for t in picks:
+        t0 = time.perf_counter()
+        arrays.search(rows[t], [t], readout="raw", by="prob", limit=50)
+        times.append(1000 * (time.perf_counter() - t0))
+    return {
+        "load_arrays_s": round(load, 2),
+        "resident_mb": round(arrays.nbytes / 2**20, 1),
+        "search_only": percentiles(times),
+    }
+
+
+def storage(url: str, sessions, run_id: int, memories: int) -> dict:
+    with sessions() as session:
+        arrays = session.scalar(select(func.sum(func.length(RunArray.data))).where(RunArray.run_id == run_id))
+        by_name = dict(
+            session.execute(
+                select(RunArray.name, func.sum(func.length(RunArray.data)))
+                .where(RunArray.run_id == run_id)
+                .group_by(RunArray.name)
+            ).all()
+        )
+        neighbour_rows = session.scalar(
+            select(func.count()).select_from(Neighbours).where(Neighbours.run_id == run_id)
+        )
+        neighbour_bytes = session.scalar(
+            select(func.sum(func.length(cast(Neighbours.neighbours, Text)))).where(
+                Neighbours.run_id == run_id
+            )
+        )
+        runs = session.scalar(text("SELECT count(*) FROM runs"))
+        figures = {
+            "search_arrays_bytes_per_key": round(arrays / memories),
+            "search_arrays_mb": {name: round(size / 2**20, 1) for name, size in by_name.items()},
+            "neighbour_rows": neighbour_rows,
+            "neighbours_json_bytes_per_key": round(neighbour_bytes / memories),
+        }
+        if session.get_bind().dialect.name == "sqlite":
+            pages = dict(session.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")).all())
+            ours = {
+                "run_arrays",
+                "neighbours",
+                "sqlite_autoindex_run_arrays_1",
+                "sqlite_autoindex_neighbours_1",
+            }
+            figures["added_on_disk_bytes_per_key"] = round(sum(pages.get(n, 0) for n in ours) / memories)
+            figures["neighbours_on_disk_bytes_per_key"] = round(
+                (pages.get("neighbours", 0) + pages.get("sqlite_autoindex_neighbours_1", 0)) / memories
+            )
+            if runs == 1:
+                path = url.removeprefix("sqlite:///")
+                figures["database_bytes_per_key"] = round(os.path.getsize(path) / memories)
+                figures["database_bytes_per_key_without_ours"] = round(
+                    (os.path.getsize(path) - sum(pages.get(n, 0) for n in ours)) / memories
+                )
+    return figures
+
+
+def neighbours_over_mining(sessions, run_id: int, settings) -> dict:
+    """Neighbours of every memory, timed as the worker runs them, over the run's mining pass."""
+    import torch
+
+    from ffmem.engine.loading import load_model
+    from ffmem.engine.neighbours import memory_neighbours
+
+    with sessions() as session:
+        shards = session.scalars(select(Shard).where(Shard.run_id == run_id)).all()
+        mining = sum((s.updated_at - s.started_at).total_seconds() for s in shards if s.started_at)
+    loaded = load_model(
+        settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir
+    )
+    t0 = time.perf_counter()
+    memory_neighbours(loaded)
+    seconds = time.perf_counter() - t0
+    return {
+        "neighbours_s": round(seconds, 1),
+        "mining_pass_s": round(mining, 1),
+        "ratio": round(seconds / mining, 3) if mining else None,
+        "device": str(loaded.device),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main() -> None:
+    settings = get_settings()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--db", default=settings.database_url)
+    parser.add_argument("--sentences", type=int, default=settings.sentences)
+    args = parser.parse_args()
+    sessions, run_id, slug, model_id, layers, keys = default_run(args.db, args.sentences)
+    memories = layers * keys
+    results = {"run": run_id, "memories": memories, "storage": storage(args.db, sessions, run_id, memories)}
+    print(results, flush=True)
+    results["arithmetic"] = arithmetic(sessions, run_id, model_id)
+    print(results["arithmetic"], flush=True)
+    results["web"] = web_figures(args.db, sessions, run_id, slug, model_id, layers, keys)
+    print(results["web"], flush=True)
+    results["neighbours"] = neighbours_over_mining(sessions, run_id, settings)
+    print(results["neighbours"], flush=True)
+    record("search", results)
+
+
+if __name__ == "__main__":
+    main()
