@@ -65,6 +65,14 @@ def index(
     top_k: Annotated[
         int | None, typer.Option("--top-k", min=1, max=1000, help="Trigger sentences kept per key and sign.")
     ] = None,
+    first_position: Annotated[
+        bool | None,
+        typer.Option(
+            "--first-position/--no-first-position",
+            help="Also mine each sentence's first token (position 0, where the attention sink gives huge "
+            "coefficients) when the tokenizer puts no BOS before it. Default: the `first_position` setting.",
+        ),
+    ] = None,
     db: DbOption = None,
     device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
     dtype: Annotated[
@@ -100,6 +108,7 @@ def index(
         corpus=corpus,
         sentences=sentences,
         top_k=top_k,
+        first_position=first_position,
         device=device.value,
         dtype=dtype.value,
     )

@@ -58,6 +58,13 @@ class Settings(BaseSettings):
     max_sentence_tokens: int = Field(
         128, ge=2, le=4096, description="Sentences longer than this many tokens are truncated."
     )
+    first_position: bool = Field(
+        False,
+        description="Mine each sentence's first token when the tokenizer puts no BOS before it (`ffmem "
+        "index --first-position`). Off, position 0 is left out of the triggers and of every statistic: "
+        "there the attention sink gives some keys coefficients far above any they reach elsewhere. A BOS "
+        "the tokenizer puts first is never mined; the token after it always is.",
+    )
     batch_tokens: int = Field(
         4096,
         ge=64,

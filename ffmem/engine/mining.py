@@ -7,10 +7,11 @@ the most negative coefficient. Alongside, per key: a histogram over fixed bins, 
 mean); the share of positive coefficients comes from the histogram.
 
 The state is bounded (T entries per key and sign, whatever the corpus size), mergeable (its
-layers as ffmem.engine.mined_layer.MinedLayer: two shards mined apart and merged equal one pass) and orderless:
-ties are broken by the sentence index, so the result does not depend on how sentences are split
-into batches or shards (up to the last bits of float32 between batch shapes, which can flip an
-exact tie between identical sentences).
+layers as ffmem.engine.mined_layer.MinedLayer: two shards mined apart and merged equal one pass) and
+orderless: ties are broken by the sentence index, so the result does not depend on how sentences are
+split into batches or shards (up to the last bits of float32 between batch shapes, which can flip an
+exact tie between identical sentences). Which positions are mined is each batch's `mined` mask
+(ffmem.engine.corpus.mined_from): the triggers and every statistic cover exactly those.
 """
 
 from __future__ import annotations
@@ -111,12 +112,15 @@ class MiningState:
         counts[:, ZERO_BIN] -= len(unmined[0])
         self.histogram[layer] += counts
         rows = torch.arange(len(batch.sentence_index), device=c.device)  # [batch]
+        # A sentence with no mined position (one token, not mined) has best ±inf: give it the empty
+        # slot's order key (sentence −1), so it never ranks above an empty slot.
+        sentence = batch.sentence_index.masked_fill(~batch.mined.any(dim=1), -1)  # [batch]
         for sign in SIGNS:
             # The sentence maximum of s·m; argmax only for the few (sentence, key) pairs that enter
             # the top-T, which keeps the full-width reduction a cheap amax.
             c[unmined] = float("-inf") if sign == 1 else float("inf")
             best = c.amax(dim=1) if sign == 1 else -c.amin(dim=1)  # [batch, keys]
-            order = _order_key(best.T, batch.sentence_index[None, :].expand(self.n_keys, -1))  # [keys, batch]
+            order = _order_key(best.T, sentence[None, :].expand(self.n_keys, -1))  # [keys, batch]
             top = self.top[sign]
             _merge_into(top, layer, order, -(rows + 1)[None, :].expand(self.n_keys, -1), self.top_k)
             key, slot = (top.position[layer] < 0).nonzero(as_tuple=True)  # [new] each: entered the top-T
@@ -131,7 +135,7 @@ class MiningState:
         self.positions += int(batch.mined.sum())
         self.sentences += len(batch.sentence_index)
 
-    # -- checkpoints (shards merge as MinedLayer, ffmem.engine.mined_layer) ------------------------------------
+    # -- checkpoints (shards merge as MinedLayer, ffmem.engine.mined_layer) -------------------------
     def layer(self, layer: int) -> MinedLayer:
         """One layer of the state as numpy arrays: what checkpoints and snapshots store."""
         coefficient, sentence, position = {}, {}, {}
@@ -181,7 +185,7 @@ class MiningState:
         return torch.from_numpy(mined.positive_share(self.histogram[layer].cpu().numpy(), self.positions))
 
     def density(self, layer: int) -> torch.Tensor:
-        """Share of positions with |m| within 3 octaves of the key's peak (ffmem.engine.mined_layer.density): [keys]."""
+        """Share of positions with |m| within 3 octaves of the key's peak (mined_layer.density): [keys]."""
         return torch.from_numpy(mined.density(self.histogram[layer].cpu().numpy(), self.positions))
 
 

@@ -65,6 +65,7 @@ RUN_FIELDS = (
     "top_k",
     "dtype",
     "max_sentence_tokens",
+    "first_position",
     "batch_tokens",
     "shard_sentences",
     "value_tokens",

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import read_corpus, tokenize
+from ffmem.engine.corpus import mined_from, read_corpus, tokenize
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel, shared_model
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
@@ -42,6 +42,9 @@ def _setting(name: str):
     return Path(default) if name == "cache_dir" else default
 
 
+BEFORE_OPTIONS = {"first_position": True}  # run options older jobs lack: what they did (mined position 0)
+
+
 @dataclass
 class IndexOptions:
     """What a worker needs for an index run: the run's options (jobs.RUN_FIELDS) and its own."""
@@ -53,6 +56,7 @@ class IndexOptions:
     device: str = _setting("device")
     dtype: str = _setting("dtype")
     max_sentence_tokens: int = _setting("max_sentence_tokens")
+    first_position: bool = _setting("first_position")
     batch_tokens: int = _setting("batch_tokens")
     shard_sentences: int = _setting("shard_sentences")
     value_tokens: int = _setting("value_tokens")
@@ -77,7 +81,9 @@ class IndexOptions:
         return {name: getattr(self, name) for name in jobs.RUN_FIELDS}
 
     def with_run_options(self, options: dict) -> IndexOptions:
-        """These worker settings, with a job's run options."""
+        """These worker settings, with a job's run options (a job queued before an option existed
+        gets what was done then)."""
+        options = BEFORE_OPTIONS | options
         return IndexOptions(**(asdict(self) | {name: options[name] for name in jobs.RUN_FIELDS}))
 
 
@@ -305,6 +311,7 @@ class Worker:
         if batches_done:
             self.resumed_shards += 1
         token_ids, first_positions, _ = self.corpus(corpus_id)
+        first_positions = mined_from(first_positions, first_position=options.first_position)
         if saved:
             state = _state(saved, loaded.device)
         else:
@@ -573,12 +580,25 @@ def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
         "corpus_sha256": corpus.source_sha256,
         "sentences": corpus.n_sentences,
         "max_sentence_tokens": options.max_sentence_tokens,
+        "first_position": options.first_position,
+        "mined_positions": _mined_positions(loaded, options.first_position),
         "batch_tokens": options.batch_tokens,
         "shard_sentences": options.shard_sentences,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+
+
+def _mined_positions(loaded: LoadedModel, first_position: bool) -> str:
+    """The run's position policy in words (ffmem.engine.corpus.mined_from)."""
+    if loaded.bos_prepended:
+        where = f"from 1: the tokenizer puts {loaded.tokenizer.bos_token} first (never mined)"
+    elif first_position:
+        where = "from 0: the tokenizer puts no BOS first; the first token (attention sink) is mined"
+    else:
+        where = "from 1: the tokenizer puts no BOS first; the first token (attention sink) is not mined"
+    return f"{where}. Triggers and every statistic (histogram, mean, shares, tokens) cover these positions"
 
 
 def _store_model(session: Session, loaded: LoadedModel):

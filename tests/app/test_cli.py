@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from ffmem.cli import cli
 from ffmem.config import get_settings
 from ffmem.store.db import make_engine, make_sessionmaker
-from ffmem.store.models import Run, Trigger
+from ffmem.store.models import Job, Run, Trigger
 
 
 @pytest.fixture(autouse=True)
@@ -80,6 +80,26 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, tiny_model_dir, args, 
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("flag", "setting", "wanted"),
+    [
+        ([], "", False),
+        (["--first-position"], "", True),
+        ([], "true", True),
+        (["--no-first-position"], "true", False),
+    ],
+)
+def test_first_position_flag_and_setting_reach_the_job(tmp_path, monkeypatch, flag, setting, wanted):
+    if setting:
+        monkeypatch.setenv("FFMEM_FIRST_POSITION", setting)
+        get_settings.cache_clear()
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    result = CliRunner().invoke(cli, ["index", "--queue", "--db", url, *flag])
+    assert result.exit_code == 0 and "job 1: queued" in result.output, result.output
+    with make_sessionmaker(make_engine(url))() as session:
+        assert session.get(Job, 1).options["first_position"] is wanted
 
 
 def test_out_of_range_top_k_is_refused(tmp_path):

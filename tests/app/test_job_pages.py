@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from ffmem.config import Settings
 from ffmem.store import jobs
@@ -59,6 +59,7 @@ def test_start_a_run_from_the_browser(client, tmp_path):
         "top_k": 5,
         "dtype": "auto",
         "max_sentence_tokens": 128,
+        "first_position": False,
         "batch_tokens": 4096,
         "shard_sentences": 2048,
         "value_tokens": 30,
@@ -92,6 +93,25 @@ def test_bad_start_requests_are_400(client, form, message):
     response = client.post("/jobs.json", data=fields)
     assert response.status_code == 400 and response.json() == {"ok": False, "error": message, "status": 400}
     assert client.get("/.json").json()["jobs"] == []
+
+
+def test_the_first_position_option_from_the_form(db_url):
+    """Unchecked (the form's hidden "false" alone) or left out by an API client: the setting; checked
+    (the checkbox's "true" after the hidden field): on. The form's box starts as the setting says."""
+    for setting in (False, True):
+        app = create_app(Settings(database_url=db_url, first_position=setting))
+        with TestClient(app) as client:
+            home = client.get("/").text
+            assert ('name="first_position" type="checkbox" value="true" checked' in home) is setting
+            cases = [({}, setting), ({"first_position": "false"}, False)]
+            cases += [({"first_position": ["false", "true"]}, True)]
+            for sentences, (form, wanted) in enumerate(cases, start=1):
+                body = start(client, sentences=str(sentences), **form).headers["location"]
+                assert client.get(f"{body}.json").json()["job"]["options"]["first_position"] is wanted
+            with app.state.sessions() as session:
+                session.execute(delete(Job))
+                session.commit()
+        app.state.engine.dispose()
 
 
 def test_unknown_job_and_retry_rules(client, app_for):

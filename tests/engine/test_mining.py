@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from ffmem.engine.corpus import length_bucketed_batches
+from ffmem.engine.corpus import length_bucketed_batches, mined_from
 from ffmem.engine.hooks import capture
 from ffmem.engine.mined_layer import MinedLayer
 from ffmem.engine.mining import MiningState, histogram_bins, histogram_edges, mine_batches, shard_batches
@@ -40,6 +40,8 @@ def expected_triggers(per_sentence, layer, key, sign):
     rows = []
     for index, coefficients in enumerate(per_sentence):
         column = sign * coefficients[layer][:, key]  # [positions]
+        if not len(column):  # nothing mined in this sentence
+            continue
         best = column.max()
         position = int(column.argmax())
         rows.append((float(best), index, position))
@@ -92,6 +94,32 @@ def test_mining_equals_brute_force_for_any_batch_size(tiny, sentences, batch_tok
     ids, first = sentences
     state = mine(tiny, ids, first, batch_tokens)
     assert_matches_brute_force(state, brute_force(tiny, ids, first), first)
+
+
+def test_without_the_first_position_position_0_is_in_no_trigger_and_no_statistic(tiny, sentences):
+    """The default policy (no BOS, first_position off): mining from position 1 equals brute force over
+    positions ≥ 1, statistics included; a one-token sentence has nothing mined and is no trigger."""
+    ids, bos_first = sentences
+    first = mined_from(bos_first, first_position=False)
+    assert first == [1] * len(ids) and mined_from(bos_first, first_position=True) == bos_first
+    one_token = {index for index, s in enumerate(ids) if len(s) == 1}
+    assert one_token  # the fixture has some: their rows in a batch are all unmined
+    for batch_tokens, shard_sentences in ((30, 1000), (10_000, 1000), (100, 16)):
+        state = mine(tiny, ids, first, batch_tokens, shard_sentences=shard_sentences)
+        assert_matches_brute_force(state, brute_force(tiny, ids, first), first)
+        assert state.positions == sum(len(s) - 1 for s in ids) and state.sentences == len(ids)
+        for layer in range(state.n_layers):
+            for sign in (1, -1):
+                _, sentence, position = state.triggers(layer, sign)
+                assert position.ge(1).all() and not set(sentence.flatten().tolist()) & one_token
+
+
+def test_a_sentence_with_nothing_mined_never_outranks_an_empty_slot(tiny):
+    ids = [[5], [7, 8, 9], [11]]
+    state = mine(tiny, ids, mined_from([0, 0, 0], first_position=False), 100)
+    coefficients, sentence, _ = state.triggers(0, 1)
+    assert sentence[:, 0].eq(1).all() and sentence[:, 1:].eq(-1).all()
+    assert torch.isinf(coefficients[:, 1:]).all() and state.positions == 2
 
 
 def test_two_shards_mined_apart_and_merged_equal_one_pass(tiny, sentences):

@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 from tiny_models import TRAINING_TEXT
 
 from ffmem.engine import mining
+from ffmem.engine.corpus import mined_from
 from ffmem.engine.hooks import capture
 from ffmem.engine.projection import value_logits
 from ffmem.store import queries
@@ -69,8 +70,9 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
                     with torch.inference_mode(), capture(tiny.model, tiny.adapter, [layer]) as captured:
                         tiny.model(torch.tensor([sentence.token_ids]))
                     m = captured.coefficients[layer][0, :, key]  # [pos]
-                    best = m.argmax() if sign == 1 else m.argmin()
-                    assert trigger.position == int(best)
+                    first = mined_from([sentence.first_position], first_position=False)[0]  # the default
+                    best = first + int(m[first:].argmax() if sign == 1 else m[first:].argmin())
+                    assert trigger.position == best
                     assert trigger.coefficient == pytest.approx(float(m[best]), rel=1e-5, abs=1e-5)
                     assert sentence.text in SENTENCES
             stats = queries.get_key_stats(session=session, run_id=run.id, layer=layer, key=key)
@@ -187,5 +189,6 @@ def _coefficients(tiny, session, run, layer: int, key: int) -> list[float]:
     for sentence in sentences:
         with torch.inference_mode(), capture(tiny.model, tiny.adapter, [layer]) as captured:
             tiny.model(torch.tensor([sentence.token_ids]))
-        found += captured.coefficients[layer][0, sentence.first_position :, key].tolist()
+        first = mined_from([sentence.first_position], first_position=run.provenance["first_position"])[0]
+        found += captured.coefficients[layer][0, first:, key].tolist()
     return found

@@ -39,6 +39,10 @@ def _start(
     analyze: Annotated[
         bool, Form(description="Then compute the paper's analyses of the run (the settings' sizes).")
     ] = False,
+    first_position: Annotated[
+        bool | None,
+        Form(description="Also mine a sentence's first token where no BOS precedes it (default: setting)."),
+    ] = None,
 ):
     """Queue an index run (a worker builds it); an identical unfinished one is reused."""
     settings = request.app.state.settings
@@ -47,7 +51,9 @@ def _start(
         if not given:
             raise AppError(400, "Bad request", f"{name}: must not be blank")
     _check_corpus(corpus)
-    options = jobs.run_options(settings, model=model, corpus=corpus, sentences=sentences, top_k=top_k)
+    options = jobs.run_options(
+        settings, model=model, corpus=corpus, sentences=sentences, top_k=top_k, first_position=first_position
+    )
     queued, _ = jobs.enqueue(session=session, options=options)
     if analyze:
         jobs.enqueue_analysis(session=session, options=jobs.analysis_options(settings), after=queued.id)
