@@ -138,7 +138,8 @@ class Settings(BaseSettings):
         None,
         description="Token for writes (starting, retrying or deleting runs, analyses, labels): sent as "
         "`Authorization: Bearer …` or entered once at /login (a signed cookie). Without one, only a server "
-        "bound to 127.0.0.1 accepts writes.",
+        "bound to 127.0.0.1 accepts writes, and only from its own machine: a request that came through a "
+        "proxy (Forwarded, X-Forwarded-For or X-Real-IP) is refused, as every client behind it looks local.",
     )
     admin_session_hours: float = Field(12.0, gt=0, description="How long a /login cookie stays valid.")
     read_only: bool = Field(
@@ -147,7 +148,8 @@ class Settings(BaseSettings):
     host: str = Field(
         "127.0.0.1",
         description="The address the explorer listens on (`ffmem serve --host`); without an admin token, "
-        "writes are allowed on 127.0.0.1 (or ::1, localhost) only.",
+        "writes are allowed on 127.0.0.1 (or ::1, localhost) only, from clients on this machine that no "
+        "proxy passed on.",
     )
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
     dtype: str = Field(

@@ -4,13 +4,19 @@ long computation (index runs, their retries and deletion, analyses, labels) need
 - `read_only`: nobody writes, and the pages show no write control;
 - an `admin_token`: the request sends it (`Authorization: Bearer …` or `X-Admin-Token`), or carries
   the signed cookie /login sets (SameSite=Strict, HttpOnly; it names who logged in, for labels);
-- no token: a server bound to a loopback address (the default 127.0.0.1) lets its own machine write;
-  one bound to another address refuses, saying how to set a token.
+- no token: a server bound to a loopback address (the default 127.0.0.1) lets its own machine write:
+  the *client* must be on this machine (its address, after uvicorn has applied a trusted proxy's
+  X-Forwarded-For, is a loopback one, or it has no IP address: a Unix socket or an in-process client)
+  and the request must not have come through a proxy (no Forwarded, X-Forwarded-For or X-Real-IP
+  header, trusted or not): behind a reverse proxy on the same machine every internet client arrives
+  from 127.0.0.1, so only a token can tell them apart. A server bound to another address refuses.
+  Each refusal says how to set a token.
 """
 
 from __future__ import annotations
 
 from hmac import compare_digest
+from ipaddress import IPv6Address, ip_address
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -20,6 +26,7 @@ from ffmem.web.errors import AppError
 
 COOKIE = "ffmem_admin"
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")  # a proxy passed the request on
 
 
 def refusal(request: Request) -> AppError | None:
@@ -28,14 +35,7 @@ def refusal(request: Request) -> AppError | None:
     if settings.read_only:
         return AppError(403, "Read-only", "This server is read-only: it shows the index but changes nothing.")
     if settings.admin_token is None:
-        if settings.host in LOOPBACK:
-            return None
-        return AppError(
-            403,
-            "Writes are off",
-            f"This server listens on {settings.host} and has no admin token, so it refuses writes. "
-            "Set FFMEM_ADMIN_TOKEN and log in at /login, or serve on 127.0.0.1.",
-        )
+        return _local_refusal(request)
     given = _sent_token(request)
     if given is not None:
         if compare_digest(given.encode(), settings.admin_token.get_secret_value().encode()):
@@ -49,6 +49,55 @@ def refusal(request: Request) -> AppError | None:
         "Writing needs the admin token: log in at /login, or send it as `Authorization: Bearer <token>`.",
         headers={"WWW-Authenticate": "Bearer"},
     )
+
+
+def _local_refusal(request: Request) -> AppError | None:
+    """Without a token: None for a request from this machine, straight to a server on loopback."""
+    host = request.app.state.settings.host
+    if host not in LOOPBACK:
+        return AppError(
+            403,
+            "Writes are off",
+            f"This server listens on {host} and has no admin token, so it refuses writes. "
+            "Set FFMEM_ADMIN_TOKEN and log in at /login, or serve on 127.0.0.1.",
+        )
+    proxied = [name for name in PROXY_HEADERS if name in request.headers]
+    if proxied:
+        return AppError(
+            403,
+            "Writes are off",
+            f"This request came through a proxy (it carries {_header_names(proxied)}) and this server has "
+            "no admin token, so it refuses writes: behind a proxy every client looks local. "
+            "Set FFMEM_ADMIN_TOKEN and log in at /login.",
+        )
+    client = request.client.host if request.client else None
+    if not _on_this_machine(client):
+        return AppError(
+            403,
+            "Writes are off",
+            f"This request comes from {client}, not from this machine, and this server has no admin "
+            "token, so it refuses writes. Set FFMEM_ADMIN_TOKEN and log in at /login.",
+        )
+    return None
+
+
+def _on_this_machine(client: str | None) -> bool:
+    """Whether a client address is this machine's: a loopback address (IPv4-mapped too), or no network
+    address at all (None or a bare name: a Unix socket's peer, an in-process test client)."""
+    if client is None:
+        return True
+    try:
+        address = ip_address(client)
+    except ValueError:
+        return "." not in client and ":" not in client  # a bare name such as "testclient" or "localhost"
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _header_names(names: list[str]) -> str:
+    shown = {"forwarded": "Forwarded", "x-forwarded-for": "X-Forwarded-For", "x-real-ip": "X-Real-IP"}
+    return " and ".join(shown[name] for name in names)
 
 
 def require_write(request: Request) -> None:

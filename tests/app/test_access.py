@@ -1,11 +1,19 @@
 """Write access (ffmem/web/access.py): browsing is open; every write needs the admin token (a header or the
-signed cookie of /login) — or, without a token, a server bound to 127.0.0.1; read-only refuses all."""
+signed cookie of /login) — or, without a token, a client on the machine of a server bound to 127.0.0.1 that
+no proxy passed the request on for; read-only refuses all."""
 
 from __future__ import annotations
 
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from ffmem.config import Settings
 from ffmem.store.models import Job, Label, Run, Trigger
@@ -158,3 +166,152 @@ def test_an_empty_token_is_no_token(monkeypatch):
     assert Settings().admin_token is None
     monkeypatch.setenv("FFMEM_ADMIN_TOKEN", TOKEN)
     assert Settings().admin_token.get_secret_value() == TOKEN
+
+
+# ---- the write hole: a reverse proxy on the same machine ----------------------------------------
+
+PROXIED = {
+    "ok": False,
+    "status": 403,
+    "error": "This request came through a proxy (it carries X-Forwarded-For) and this server has no admin "
+    "token, so it refuses writes: behind a proxy every client looks local. "
+    "Set FFMEM_ADMIN_TOKEN and log in at /login.",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class FakeReverseProxy(ThreadingHTTPServer):
+    """A reverse proxy on 127.0.0.1 in front of `upstream`, as nginx would be: it passes each request on
+    with the internet client's address in X-Forwarded-For (here always 203.0.113.9)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = httpx.Client(base_url=upstream)
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    def _pass_on(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+        headers |= {"X-Forwarded-For": "203.0.113.9", "X-Forwarded-Proto": "http"}
+        answer = self.server.upstream.request(self.command, self.path, content=body, headers=headers)
+        self.send_response(answer.status_code)
+        for name, value in answer.headers.items():
+            if name.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    do_GET = do_POST = _pass_on
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def behind_proxy(explorer_db, db):
+    """start(**settings) → (the proxy's URL, the app's own URL): the explorer served by uvicorn on
+    127.0.0.1 as `ffmem serve` serves it (proxy headers believed from 127.0.0.1, the default
+    forwarded_allow_ips), behind a fake reverse proxy on the same machine."""
+    db.execute(Label.__table__.delete())
+    db.commit()
+    started = []
+
+    def start(**settings) -> tuple[str, str]:
+        app = create_app(Settings(database_url=explorer_db, **settings))
+        port = _free_port()
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            proxy_headers=True,
+            forwarded_allow_ips="127.0.0.1",
+        )
+        server = uvicorn.Server(config)
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            threading.Event().wait(0.02)
+        upstream = f"http://127.0.0.1:{port}"
+        proxy = FakeReverseProxy(upstream)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        started.append((app, server, proxy))
+        return proxy.url, upstream
+
+    yield start
+    for app, server, proxy in started:
+        proxy.shutdown()
+        proxy.upstream.close()
+        server.should_exit = True
+        app.state.engine.dispose()
+
+
+def test_behind_a_reverse_proxy_on_loopback_no_token_refuses_writes(behind_proxy, db, slug):
+    """The hole seen: a label POSTed through a proxy to a server on 127.0.0.1 with no token was stored."""
+    proxy, direct = behind_proxy()
+    url = f"/m/{slug}/layers/1/keys/4/labels.json"
+    answer = httpx.post(proxy + url, data=LABEL)
+    assert (answer.status_code, answer.json()) == (403, PROXIED)
+    assert labels(db) == 0
+    assert httpx.get(f"{proxy}/login.json").json()["reason"] == PROXIED["error"]
+    page = httpx.get(f"{proxy}/m/{slug}/layers/1/keys/4").text
+    assert 'class="label-form"' not in page and "Log in" not in page
+    assert httpx.get(f"{proxy}/m/{slug}/layers/1/keys/4.json").status_code == 200  # browsing stays open
+    # The same server, asked directly from its own machine (no proxy headers): it may write.
+    assert httpx.post(direct + url, data=LABEL).status_code == 201
+    assert labels(db) == 1
+
+
+def test_behind_a_reverse_proxy_the_token_allows_writes(behind_proxy, db, slug):
+    proxy, _ = behind_proxy(admin_token=TOKEN)
+    url = f"{proxy}/m/{slug}/layers/1/keys/4/labels.json"
+    assert httpx.post(url, data=LABEL).status_code == 401
+    assert httpx.post(url, data=LABEL, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201
+    assert labels(db) == 1
+
+
+@pytest.mark.parametrize(
+    "header, value, names",
+    [
+        ("X-Forwarded-For", "127.0.0.1", "X-Forwarded-For"),  # even a local address: a proxy said it
+        ("Forwarded", "for=203.0.113.9;proto=https", "Forwarded"),
+        ("X-Real-IP", "203.0.113.9", "X-Real-IP"),
+    ],
+)
+def test_any_proxy_header_refuses_writes_without_a_token(serve, db, slug, header, value, names):
+    """Trusted or not (no proxy is trusted here: uvicorn leaves the client as it is), any header a proxy
+    adds means the client may be anywhere."""
+    client = TestClient(ProxyHeadersMiddleware(serve().app, trusted_hosts=""), client=("127.0.0.1", 40000))
+    answer = client.post(f"/m/{slug}/layers/1/keys/4/labels.json", data=LABEL, headers={header: value})
+    assert (answer.status_code, answer.json()["error"]) == (
+        403,
+        PROXIED["error"].replace("X-Forwarded-For", names),
+    )
+    assert labels(db) == 0
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.53", "::1", "::ffff:127.0.0.1"])
+def test_a_direct_loopback_client_without_proxy_headers_may_write(serve, db, slug, address):
+    client = TestClient(serve().app, client=(address, 40000))
+    assert client.post(f"/m/{slug}/layers/1/keys/4/labels.json", data=LABEL).status_code == 201
+    assert labels(db) == 1
+
+
+def test_a_client_from_elsewhere_may_not_write_without_a_token(serve, db, slug):
+    """A server on 127.0.0.1 only hears its machine, unless something passes requests on (a proxy whose
+    headers are stripped, a tunnel): the client's address decides."""
+    client = TestClient(serve().app, client=("10.0.0.5", 40000))
+    answer = client.post(f"/m/{slug}/layers/1/keys/4/labels.json", data=LABEL)
+    assert (answer.status_code, answer.json()["error"]) == (
+        403,
+        "This request comes from 10.0.0.5, not from this machine, and this server has no admin token, so "
+        "it refuses writes. Set FFMEM_ADMIN_TOKEN and log in at /login.",
+    )
+    assert labels(db) == 0
