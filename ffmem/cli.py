@@ -131,7 +131,13 @@ def index(
 
     if queue:
         job, what = _fail_cleanly(enqueue)
-        said = {"created": "queued", "resumed": "already queued or running", "done": "already built"}[what]
+        from ffmem.store.jobs import Enqueued
+
+        said = {
+            Enqueued.created: "queued",
+            Enqueued.resumed: "already queued or running",
+            Enqueued.done: "already built",
+        }[what]
         typer.echo(f"job {job.id}: {said} (run {job.run_id or '—'}); `ffmem worker --db {url}` builds it")
         return
 
@@ -203,9 +209,11 @@ def worker(
         sessions = make_sessionmaker(engine)
         worker = Worker(sessions, IndexOptions.from_settings(settings, device=device.value))
         if engine.dialect.name == "sqlite":
+            worker.start()  # a dead worker's leases end first: only a live worker refuses this one
             with sessions() as session:
                 holder = jobs.other_live_worker(session=session, worker=worker.name)
             if holder is not None:
+                worker.stop()
                 raise FfmemError(
                     f"SQLite runs one worker at a time and {holder} is working on {url}; "
                     "use Postgres (--db postgresql+psycopg://…) for several workers"
@@ -383,8 +391,10 @@ def analyze(
             session.commit()
             return sessions, job.id, what, found.id, found.model.slug
 
+    from ffmem.store.jobs import Enqueued
+
     sessions, job_id, what, run_id, slug = _fail_cleanly(enqueue)
-    if what == "done":
+    if what == Enqueued.done:
         typer.echo(
             f"run {run_id} is analyzed with these options (job {job_id}): /m/{slug}/analysis; --again redoes"
         )
@@ -584,14 +594,16 @@ def demo(
                 if not session.scalar(select(exists().where(Analysis.run_id == built.id))):
                     jobs.enqueue_analysis(session=session, options=analysis, run_id=built.id)
                     session.commit()
-                return built.id, "done"
+                return built.id, jobs.Enqueued.done
             job, what = jobs.enqueue(session=session, options=jobs.run_options(settings))
             jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
             session.commit()
             return job.id, what
 
+    from ffmem.store.jobs import Enqueued
+
     number, what = _fail_cleanly(enqueue)
-    if what == "done":
+    if what == Enqueued.done:
         typer.echo(f"the default index is built (run {number}); database: {url}")
     else:
         typer.echo(f"building the default index in the background: http://127.0.0.1:{port}/jobs/{number}")

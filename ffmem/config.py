@@ -83,7 +83,18 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(
         120.0,
         gt=0,
-        description="A worker holds a shard or job this long after its last progress; then others may.",
+        description="A worker holds a shard or job this long after its last renewal; then others may. "
+        "A heartbeat renews it every third of it while a step runs, so a step may take longer: the lease "
+        "is how long a dead worker's work waits before another worker takes it up (on the same machine "
+        "a dead worker is recognized at once).",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Times a worker may take up one step of a job (preparing a run, mining a shard, "
+        "storing the run, an analysis) whose worker died each time (its lease ran out: killed for memory, "
+        "say); then the job fails, saying so, instead of being taken up forever. Retrying it starts the "
+        "count again; a worker stopped cleanly (Ctrl-C, SIGTERM) gives its step back uncounted.",
     )
     value_tokens: int = Field(30, ge=1, le=1000, description="Top and bottom tokens stored per value.")
     search_cache_runs: int = Field(

@@ -8,11 +8,14 @@ character offsets of each token, so the web process can render prefixes without 
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
+from typing import ClassVar
 
 from sqlalchemy import (
     JSON,
     Boolean,
     DateTime,
+    Enum,
     Float,
     ForeignKey,
     Index,
@@ -23,8 +26,52 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
+
+
+class JobKind(StrEnum):
+    """What a job does: build an index run, or compute the paper's analyses of a finished one."""
+
+    index = "index"
+    analysis = "analysis"
+
+
+class JobStatus(StrEnum):
+    """Where a job is: queued (nobody took it yet), running (a worker holds it, or its run's shards are
+    open to every worker), done, failed (its error says why; it can be retried)."""
+
+    queued = "queued"
+    running = "running"
+    done = "done"
+    failed = "failed"
+
+
+ACTIVE = (JobStatus.queued, JobStatus.running)  # unfinished: at most one such job per fingerprint
+
+
+class ShardStatus(StrEnum):
+    """pending (nobody mined it yet), running (under a worker's lease, or its lease ran out), done
+    (merged into its run's snapshot)."""
+
+    pending = "pending"
+    running = "running"
+    done = "done"
+
+
+def _stored_as_text(enum: type[StrEnum], name: str) -> Enum:
+    """A column holding one of `enum`'s values as text (VARCHAR(20) and the CHECK constraint `name` on
+    every backend, not a Postgres ENUM type), read back as the enum member."""
+    return Enum(
+        enum,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=20,
+        values_callable=lambda members: [member.value for member in members],
+        validate_strings=True,
+    )
 
 
 class Base(DeclarativeBase):
@@ -210,26 +257,42 @@ class KeyStats(Base):
 
 
 class Job(Base):
-    """A piece of work for the workers, queued until claimed: an index run ("index") or the paper's
-    analyses of a finished run ("analysis"; its `run_id` is set once that run is done).
+    """A piece of work for the workers, queued until claimed: an index run (`JobKind.index`) or the paper's
+    analyses of a finished run (`JobKind.analysis`; its `run_id` is set once that run is done; until
+    then it waits for the index job `after_job_id` that builds it).
 
     The same options give the same `fingerprint`: running the same `ffmem index` again finds the
-    unfinished job and resumes its run instead of starting over.
+    unfinished job and resumes its run instead of starting over. At most one queued or running job has
+    a fingerprint (a partial unique index), so two `ffmem index` started at once make one job.
     """
 
     __tablename__ = "jobs"
+    __table_args__ = (
+        Index(
+            "uq_jobs_active_fingerprint",
+            "fingerprint",
+            unique=True,
+            sqlite_where=text("status IN ('queued', 'running')"),
+            postgresql_where=text("status IN ('queued', 'running')"),
+        ),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    kind: Mapped[str] = mapped_column(String(20))
-    status: Mapped[str] = mapped_column(String(20), index=True)  # queued | running | done | failed
+    kind: Mapped[JobKind] = mapped_column(_stored_as_text(JobKind, "kind"))
+    status: Mapped[JobStatus] = mapped_column(_stored_as_text(JobStatus, "status"), index=True)
+    # What the job computes: an index run's RUN_FIELDS, an analysis's ANALYSIS_FIELDS and seed.
     options: Mapped[dict] = mapped_column(JSON)
     fingerprint: Mapped[str] = mapped_column(String(64), index=True)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
-    worker: Mapped[str | None] = mapped_column(String(200))  # who prepares or finishes the run
+    # An analysis queued with its index run waits for that job (its run_id is set when the run is done).
+    after_job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    worker: Mapped[str | None] = mapped_column(String(200))  # the id of who holds the job (jobs.worker_id)
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Times a worker took up the job's current step (preparing, finishing, the analysis); past
+    # Settings.max_attempts, the worker having died each time, the job fails.
     attempts: Mapped[int] = mapped_column(Integer)
     error: Mapped[dict | None] = mapped_column(JSON)  # {type, message, traceback}
-    progress: Mapped[dict | None] = mapped_column(JSON)  # analyses: {stage, done, total}
+    progress: Mapped[dict | None] = mapped_column(JSON)  # analyses: jobs.StageProgress as a dict
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -241,7 +304,8 @@ class Shard(Base):
     """Sentences [start, stop) of a run's corpus: the unit workers claim (with a lease), checkpoint and merge.
 
     Its checkpoint (MinedLayer rows under its index) holds the state after `batches_done` batches;
-    when the shard is done it is merged into the run's snapshot (rows under shard −1) and dropped.
+    when the shard is done it is merged into the run's snapshot (rows under `MinedLayerRow.SNAPSHOT`)
+    and dropped.
     """
 
     __tablename__ = "shards"
@@ -250,8 +314,11 @@ class Shard(Base):
     index: Mapped[int] = mapped_column(Integer, primary_key=True)
     start: Mapped[int] = mapped_column(Integer)
     stop: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(20))  # pending | running | done (merged)
+    status: Mapped[ShardStatus] = mapped_column(_stored_as_text(ShardStatus, "status"))
     worker: Mapped[str | None] = mapped_column(String(200))
+    # Times a worker took the shard up; past Settings.max_attempts, the worker having died each time,
+    # its job fails.
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     batches_done: Mapped[int] = mapped_column(Integer)  # batches in the checkpoint
     sentences_done: Mapped[int] = mapped_column(Integer)  # progress, also past the checkpoint
@@ -261,14 +328,17 @@ class Shard(Base):
 
 
 class MinedLayerRow(Base):
-    """One layer of a mining state (ffmem.engine.mined_layer.MinedLayer as bytes): a running shard's checkpoint
-    (`shard` ≥ 0) or the run's snapshot of its merged shards (`shard` = −1). The web reads these for
+    """One layer of a mining state (ffmem.engine.mined_layer.MinedLayer as bytes), in one of two roles:
+    a running shard's checkpoint (`shard` = the shard's index, ≥ 0), or the run's snapshot, the merge
+    of its finished shards (`shard` = `SNAPSHOT`, −1: no shard has that index). The web reads both for
     provisional results while a run is mining; they are dropped once the run is stored."""
 
     __tablename__ = "mined_layers"
 
+    SNAPSHOT: ClassVar[int] = -1  # the `shard` of a run's snapshot rows
+
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)  # a shard's index, or SNAPSHOT
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     data: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))
 
@@ -330,4 +400,3 @@ class Neighbours(Base):
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # key | value
     neighbours: Mapped[list[list[float]]] = mapped_column(JSON)
-

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from ffmem.store.models import (
     Corpus,
     Job,
+    JobKind,
     KeyStats,
     Label,
     LanguageModel,
@@ -222,10 +223,9 @@ def fail_run(*, session: Session, run_id: int, error: BaseException) -> Run:
 def delete_run(*, session: Session, run_id: int) -> None:
     """Delete a run and the jobs that built, analyze or wait to analyze it; the database cascades to
     its triggers, value tokens, key stats, shards and analyses (labels belong to the model and stay)."""
-    builders = set(session.scalars(select(Job.id).where(Job.run_id == run_id, Job.kind == "index")))
-    waiting = session.scalars(select(Job).where(Job.kind == "analysis", Job.run_id.is_(None))).all()
-    doomed = [job.id for job in waiting if job.options.get("after") in builders]  # waiting for this run
-    session.execute(delete(Job).where((Job.run_id == run_id) | Job.id.in_(doomed)))
+    builders = select(Job.id).where(Job.run_id == run_id, Job.kind == JobKind.index)
+    waiting = Job.after_job_id.in_(builders)  # analyses waiting for this run (the cascade would take them)
+    session.execute(delete(Job).where((Job.run_id == run_id) | waiting))
     session.execute(delete(Run).where(Run.id == run_id))
 
 

@@ -11,6 +11,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel
 
+from ffmem.store.models import JobKind, JobStatus
+
 
 def _utc(moment: datetime) -> datetime:
     """SQLite gives back naive datetimes (stored as UTC): mark them UTC, as Postgres gives them."""
@@ -74,11 +76,12 @@ class Progress(BaseModel):
 
 class JobInfo(BaseModel):
     id: int
-    kind: str  # index | analysis
-    status: str  # queued | running | done | failed
-    options: dict
+    kind: JobKind  # index | analysis
+    status: JobStatus  # queued | running | done | failed
+    options: dict  # what it computes: an index run's options; an analysis's examples, keys, triggers, seed
+    after_job_id: int | None  # an analysis waiting for this index job to build its run
     progress: dict | None  # analyses: {stage, done, total} batches of the analysis running
-    attempts: int
+    attempts: int  # times a worker took up its current step (Settings.max_attempts)
     worker: str | None
     error: dict | None  # {type, message, traceback}
     created_at: Moment

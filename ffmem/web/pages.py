@@ -13,7 +13,7 @@ import re
 from sqlalchemy.orm import Session
 
 from ffmem.store import jobs, memory_search, queries
-from ffmem.store.models import Job, Label, LanguageModel, Run, Sentence
+from ffmem.store.models import Job, JobKind, Label, LanguageModel, Run, Sentence
 from ffmem.store.models import Trigger as TriggerRow
 from ffmem.store.results import has_results, results_for
 from ffmem.web import patterns, token_search, urls
@@ -192,21 +192,21 @@ def job_page(session: Session, job_id: int) -> JobContext:
         raise AppError(404, "Unknown job", f"There is no job {job_id}.")
     run = job.run
     progress = None
-    if run is not None and job.kind == "index":
+    if run is not None and job.kind == JobKind.index:
         done = jobs.progress(session=session, run=run)
-        since = done["mining_since"]
+        since = done.mining_since
         elapsed = (jobs.now() - _aware(since)).total_seconds() if since else 0.0
-        rate = done["sentences_done"] / elapsed if elapsed > 0 and done["sentences_done"] else None
+        rate = done.sentences_done / elapsed if elapsed > 0 and done.sentences_done else None
         finished = run.status == "done"
         progress = Progress(
-            sentences_done=run.n_sentences if finished else done["sentences_done"],
+            sentences_done=run.n_sentences if finished else done.sentences_done,
             n_sentences=run.n_sentences,
-            fraction=1.0 if finished else done["fraction"],
-            tokens_done=done["tokens_done"],
-            shards=done["shards"],
-            shards_done=done["shards_done"],
-            tokens_per_s=done["tokens_done"] / elapsed if rate and not finished else None,
-            eta_seconds=(run.n_sentences - done["sentences_done"]) / rate if rate and not finished else None,
+            fraction=1.0 if finished else done.fraction,
+            tokens_done=done.tokens_done,
+            shards=done.shards,
+            shards_done=done.shards_done,
+            tokens_per_s=done.tokens_done / elapsed if rate and not finished else None,
+            eta_seconds=(run.n_sentences - done.sentences_done) / rate if rate and not finished else None,
         )
     return JobContext(
         title=f"{job.kind} job {job.id}: {job.status}",

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
 
+from ffmem.store.models import JobKind, JobStatus
 from ffmem.web import charts, urls
 from ffmem.web.access import admin_name, can_write, login_offered
 from ffmem.web.display import number, percent, visible
@@ -22,6 +23,7 @@ templates.env.filters.update(visible=visible, number=number, percent=percent)
 templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
+templates.env.globals.update(JobKind=JobKind, JobStatus=JobStatus)  # templates compare with these
 
 
 def wants_json(request: Request) -> bool:

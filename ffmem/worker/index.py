@@ -32,8 +32,10 @@ from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.engine.neighbours import memory_neighbours
 from ffmem.engine.projection import project_layer, search_arrays, target_ranks
 from ffmem.store import jobs, memory_search, queries
+from ffmem.store.jobs import Enqueued, JobKind, JobStatus, ShardStatus, StageProgress
 from ffmem.store.models import Job, KeyStats, Run, Shard, Trigger, ValueToken
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
+from ffmem.worker.leases import Heartbeat, Presence
 
 
 def _setting(name: str):
@@ -64,6 +66,7 @@ class IndexOptions:
     progress: bool = True
     checkpoint_batches: int = _setting("checkpoint_batches")
     lease_seconds: float = _setting("lease_seconds")
+    max_attempts: int = _setting("max_attempts")
 
     @classmethod
     def from_settings(cls, settings: Settings, device: str | None = None, **given) -> IndexOptions:
@@ -74,6 +77,7 @@ class IndexOptions:
             cache_dir=Path(settings.cache_dir),
             checkpoint_batches=settings.checkpoint_batches,
             lease_seconds=settings.lease_seconds,
+            max_attempts=settings.max_attempts,
         )
 
     def run_options(self) -> dict:
@@ -129,11 +133,11 @@ def build_index(
         session.commit()
         job_id = job.id
     worker = Worker(sessions, options, loaded=loaded)
-    if what != "done":
+    if what != Enqueued.done:
         worker.work(job_id=job_id)
     if analysis is not None:
         worker.work(job_id=analysis_job.id)
-    return worker.summary(job_id, already_built=what == "done")
+    return worker.summary(job_id, already_built=what == Enqueued.done)
 
 
 @dataclass
@@ -144,7 +148,8 @@ class Worker:
     sessions: sessionmaker
     options: IndexOptions  # worker settings (device, cache, progress, lease); run options come from jobs
     loaded: LoadedModel | None = None
-    name: str = field(default_factory=jobs.worker_name)
+    name: str = field(default_factory=jobs.worker_id)  # random per process: see ffmem.worker.leases
+    presence: Presence = field(default_factory=Presence)
     timings: dict = field(default_factory=lambda: {"mining": 0.0, "projection": 0.0, "storing": 0.0})
     padding: list = field(default_factory=lambda: [0, 0])  # real, computed tokens
     resumed_shards: int = 0
@@ -159,24 +164,36 @@ class Worker:
     def work(self, job_id: int | None = None, poll_seconds: float = 1.0, once: bool = False) -> None:
         """Do work until job `job_id` is done or failed (or, without one and with `once`, until no job
         is queued or running)."""
+        self.start()
         try:
             self._work(job_id, poll_seconds, once)
         finally:
-            with self.sessions() as session:
-                jobs.release_leases(session=session, worker=self.name)
-                session.commit()
+            self.stop()
+
+    def start(self) -> None:
+        """Announce this worker (its presence file) and end the leases of workers known to be dead."""
+        self.presence.announce(self.name)
+        with self.sessions() as session:
+            for holder in jobs.lease_holders(session=session):
+                if holder != self.name and self.presence.is_dead(holder):
+                    jobs.end_leases(session=session, worker=holder)
+            session.commit()
+
+    def stop(self) -> None:
+        """Give back what this worker holds (uncounted: it did not die) and withdraw its presence."""
+        with self.sessions() as session:
+            jobs.release_leases(session=session, worker=self.name)
+            session.commit()
+        self.presence.withdraw(self.name)
 
     def _work(self, job_id: int | None, poll_seconds: float, once: bool) -> None:
-        with self.sessions() as session:
-            jobs.expire_dead_leases(session=session)
-            session.commit()
         while True:
             if job_id is not None:
                 with self.sessions() as session:
                     job = session.get(Job, job_id)
-                    if job.status == "done":
+                    if job.status == JobStatus.done:
                         return
-                    if job.status == "failed":
+                    if job.status == JobStatus.failed:
                         raise FfmemError(
                             f"{job.kind} job {job_id} failed: {job.error['type']}: {job.error['message']}"
                         )
@@ -200,37 +217,49 @@ class Worker:
                 if job_id is not None and job.id != job_id:
                     continue
                 shard = jobs.claim_shard(
-                    session=session, run_id=job.run_id, worker=self.name, lease=self.lease
+                    session=session,
+                    run_id=job.run_id,
+                    worker=self.name,
+                    lease=self.lease,
+                    max_attempts=self.options.max_attempts,
                 )
+                session.commit()  # a shard given up on has failed its job
                 if shard is not None:
-                    session.commit()
-                    self._guarded(job.id, lambda job=job, shard=shard: self.mine_shard(job, shard))
+                    held = self._shard_lease(shard)
+                    self._guarded(job.id, lambda job=job, shard=shard: self.mine_shard(job, shard), held)
                     return True
-            job = jobs.claim_job(session=session, worker=self.name, lease=self.lease, job_id=job_id)
+            job = jobs.claim_job(
+                session=session,
+                worker=self.name,
+                lease=self.lease,
+                max_attempts=self.options.max_attempts,
+                job_id=job_id,
+            )
+            session.commit()  # jobs given up on are failed
             if job is None:
-                session.rollback()
                 return False
-            session.commit()
-        if job.kind == "analysis":
-            self._guarded(job.id, lambda: self.analyze(job))
+        if job.kind == JobKind.analysis:
+            self._guarded(job.id, lambda: self.analyze(job), self._job_lease(job.id))
             return True
         if job.run_id is None:
-            self._guarded(job.id, lambda: self.prepare(job))
+            self._guarded(job.id, lambda: self.prepare(job), self._job_lease(job.id))
             return True
         with self.sessions() as session:
             shards = jobs.shard_counts(session=session, run_id=job.run_id)
-            if shards["pending"] or shards["running"]:  # a retried job: its shards are open again
+            if shards[ShardStatus.pending] or shards[ShardStatus.running]:  # retried: its shards are open
                 jobs.release_job(session=session, job_id=job.id)
                 session.commit()
                 return True
-        self._guarded(job.id, lambda: self.finish(job))
+        self._guarded(job.id, lambda: self.finish(job), self._job_lease(job.id))
         return True
 
-    def _guarded(self, job_id: int, action) -> None:
-        """Run `action`; an error fails the job (stored with its traceback). A lost lease is no error:
-        the work is someone else's now. Interrupts leave everything to be resumed."""
+    def _guarded(self, job_id: int, action, heartbeat: Heartbeat) -> None:
+        """Run `action` while `heartbeat` renews its lease; an error fails the job (stored with its
+        traceback). A lost lease is no error: the work is someone else's now. Interrupts leave
+        everything to be resumed."""
         try:
-            action()
+            with heartbeat:
+                action()
         except LostLease:
             return
         except Exception as error:
@@ -238,6 +267,33 @@ class Worker:
                 jobs.fail_job(session=session, job_id=job_id, error=error)
                 session.commit()
             raise
+
+    def _job_lease(self, job_id: int) -> Heartbeat:
+        """A heartbeat that renews this worker's lease on job `job_id` every third of the lease."""
+
+        def renew() -> bool:
+            with self.sessions() as session:
+                held = jobs.hold_job(session=session, job_id=job_id, worker=self.name, lease=self.lease)
+                session.commit()
+            return held
+
+        return Heartbeat(renew, self.options.lease_seconds / 3, name=f"lease of job {job_id}")
+
+    def _shard_lease(self, shard: Shard) -> Heartbeat:
+        """A heartbeat that renews this worker's lease on `shard` every third of the lease."""
+        run_id, index = shard.run_id, shard.index
+
+        def renew() -> bool:
+            with self.sessions() as session:
+                held = jobs.hold_shard(
+                    session=session, run_id=run_id, index=index, worker=self.name, lease=self.lease
+                )
+                session.commit()
+            return held
+
+        return Heartbeat(
+            renew, self.options.lease_seconds / 3, name=f"lease of shard {index} of run {run_id}"
+        )
 
     # -- the three kinds of work ------------------------------------------------------------------
     def prepare(self, job: Job) -> None:
@@ -307,7 +363,7 @@ class Worker:
             saved, batches_done = jobs.load_checkpoint(
                 session=session, run_id=shard.run_id, index=shard.index
             )
-            done_before = jobs.progress(session=session, run=run)["sentences_done"]
+            done_before = jobs.progress(session=session, run=run).sentences_done
         if batches_done:
             self.resumed_shards += 1
         token_ids, first_positions, _ = self.corpus(corpus_id)
@@ -370,19 +426,16 @@ class Worker:
         with self.sessions() as session:
             jobs.lock_run(session=session, run_id=shard.run_id)  # one merge at a time
             current = session.get(Shard, (shard.run_id, shard.index), populate_existing=True)
-            if current.status != "done":  # a shard taken over and finished twice merges once
-                snapshot = jobs.load_layers(session=session, run_id=shard.run_id, shard=jobs.SNAPSHOT)
+            if current.status != ShardStatus.done:  # a shard taken over and finished twice merges once
+                snapshot = jobs.load_snapshot(session=session, run_id=shard.run_id)
                 layers = [state.layer(layer) for layer in range(state.n_layers)]
                 if snapshot is not None:
                     layers = [
                         MinedLayer.merge([MinedLayer.from_bytes(s), m])
                         for s, m in zip(snapshot, layers, strict=True)
                     ]
-                jobs.save_layers(
-                    session=session,
-                    run_id=shard.run_id,
-                    shard=jobs.SNAPSHOT,
-                    layers=[m.to_bytes() for m in layers],
+                jobs.save_snapshot(
+                    session=session, run_id=shard.run_id, layers=[m.to_bytes() for m in layers]
                 )
                 jobs.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
             session.commit()
@@ -393,7 +446,7 @@ class Worker:
         loaded = self.model(options)
         with self.sessions() as session:
             run_id = job.run_id
-            layers = jobs.load_layers(session=session, run_id=run_id, shard=jobs.SNAPSHOT)
+            layers = jobs.load_snapshot(session=session, run_id=run_id)
             state = _state(layers, loaded.device)
             corpus_id = session.get(Run, run_id).corpus_id
             for table in (Trigger, KeyStats):  # a finisher that died may have stored some
@@ -477,7 +530,7 @@ class Worker:
         and the lease are renewed in the job's row every few seconds."""
         with self.sessions() as session:
             built_by = session.scalars(
-                select(Job).where(Job.kind == "index", Job.run_id == job.run_id).order_by(Job.id.desc())
+                select(Job).where(Job.kind == JobKind.index, Job.run_id == job.run_id).order_by(Job.id.desc())
             ).first()
             source = session.get(Run, job.run_id).model.source
         options = (
@@ -504,7 +557,7 @@ class Worker:
             if moment - last["at"] < every and stage == last["stage"] and done < total:
                 return
             last["at"], last["stage"] = moment, stage
-            progress = {"stage": stage, "done": done, "total": total}
+            progress = StageProgress(stage=stage, done=done, total=total)
             with self.sessions() as session:
                 held = jobs.set_progress(
                     session=session, job_id=job_id, worker=self.name, lease=self.lease, progress=progress

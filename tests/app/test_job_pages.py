@@ -17,6 +17,7 @@ JOB_FIELDS = {
     "kind",
     "status",
     "options",
+    "after_job_id",
     "progress",
     "attempts",
     "worker",

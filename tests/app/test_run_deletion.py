@@ -43,7 +43,7 @@ def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tm
         # Its analyses: one queued for it, one still waiting for its index job (as if queued with it).
         jobs.enqueue_analysis(session=session, options={"examples": 5}, run_id=run_id)
         builder = session.scalars(select(Job.id).where(Job.kind == "index")).one()
-        waiting = Job(kind="analysis", status="queued", options={"after": builder, "examples": 6},
+        waiting = Job(kind="analysis", status="queued", options={"examples": 6}, after_job_id=builder,
                       fingerprint="w", attempts=0, created_at=jobs.now())  # fmt: skip
         session.add(waiting)
         session.commit()

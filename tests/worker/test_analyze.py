@@ -39,10 +39,12 @@ def analyzed(db_url, tiny, tmp_path):
     summary = build_index(options, sessions, loaded=tiny, analysis=analysis)
     with sessions() as session:
         job = session.scalars(select(Job).where(Job.kind == "analysis")).one()
-        assert (job.status, job.run_id, job.options) == (
+        index_job = session.scalars(select(Job.id).where(Job.kind == "index")).one()
+        assert (job.status, job.run_id, job.after_job_id, job.options) == (
             "done",
             summary.run_id,
-            {"run": summary.run_id} | analysis,
+            index_job,
+            analysis,
         )
         # The last report: token removal's last batch (one batch a layer here).
         assert job.progress == {"stage": "token_removal", "done": 3, "total": 3}
@@ -177,13 +179,13 @@ def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url
         index_job, _ = jobs.enqueue(session=session, options=options.run_options())
         waiting, what = jobs.enqueue_analysis(session=session, options=analysis, after=index_job.id)
         session.commit()
-        assert (what, waiting.kind, waiting.run_id, waiting.options) == (
-            "created", "analysis", None, {"after": index_job.id} | analysis,
+        assert (what, waiting.kind, waiting.run_id, waiting.after_job_id, waiting.options) == (
+            "created", "analysis", None, index_job.id, analysis,
         )  # fmt: skip
         # Before its run is built nobody may claim it: the index job goes first, then nothing is left.
         index_id, waiting_id, lease = index_job.id, waiting.id, timedelta(seconds=60)
-        assert jobs.claim_job(session=session, worker="a", lease=lease).id == index_id
-        assert jobs.claim_job(session=session, worker="b", lease=lease) is None
+        assert jobs.claim_job(session=session, worker="a", lease=lease, max_attempts=3).id == index_id
+        assert jobs.claim_job(session=session, worker="b", lease=lease, max_attempts=3) is None
         session.rollback()
     worker = Worker(sessions, options, loaded=tiny)
     worker.work(job_id=index_id)
@@ -219,7 +221,9 @@ def test_an_analysis_that_lost_its_job_stops(db_url, tiny, tmp_path):
     worker = Worker(sessions, options, loaded=tiny)
     with sessions() as session:
         job, _ = jobs.enqueue_analysis(session=session, options={"examples": 3}, run_id=summary.run_id)
-        claimed = jobs.claim_job(session=session, worker=worker.name, lease=timedelta(seconds=60))
+        claimed = jobs.claim_job(
+            session=session, worker=worker.name, lease=timedelta(seconds=60), max_attempts=3
+        )
         session.commit()
         assert claimed.id == job.id
     report = worker._reporter(job.id)

@@ -207,7 +207,9 @@ def test_sqlite_runs_one_worker(tmp_path):
     sessions = make_sessionmaker(make_engine(url))
     with sessions() as session:
         job, _ = jobs.enqueue(session=session, options={"model": "x"})
-        jobs.claim_job(session=session, worker="elsewhere:1:abc", lease=timedelta(seconds=600))
+        jobs.claim_job(
+            session=session, worker="elsewhere:1:abc", lease=timedelta(seconds=600), max_attempts=3
+        )
         session.commit()
     refused = cli("worker", "--once", "--db", url, env=dict(os.environ), check=False, timeout=120)
     assert refused.returncode == 2
@@ -230,17 +232,26 @@ def test_a_lapsed_lease_passes_the_shard_to_another_worker(db_url, tiny, tiny_mo
     short = timedelta(milliseconds=50)
     with sessions() as session:
         run_id = session.get(Job, job.id).run_id
-        taken = jobs.claim_shard(session=session, run_id=run_id, worker=first.name, lease=short)
+        taken = jobs.claim_shard(
+            session=session, run_id=run_id, worker=first.name, lease=short, max_attempts=3
+        )
         session.commit()
         assert taken.index == 0
     with sessions() as session:  # while the lease holds, another worker gets the next shard
         assert (
-            jobs.claim_shard(session=session, run_id=run_id, worker="host-b:2:bbbbbb", lease=short).index == 1
+            jobs.claim_shard(
+                session=session, run_id=run_id, worker="host-b:2:bbbbbb", lease=short, max_attempts=3
+            ).index
+            == 1
         )
     time.sleep(0.1)  # the first worker stalls past its lease
     with sessions() as session:
         again = jobs.claim_shard(
-            session=session, run_id=run_id, worker="host-b:2:bbbbbb", lease=timedelta(minutes=5)
+            session=session,
+            run_id=run_id,
+            worker="host-b:2:bbbbbb",
+            lease=timedelta(minutes=5),
+            max_attempts=3,
         )
         session.commit()
         assert (again.index, again.worker) == (0, "host-b:2:bbbbbb")
@@ -261,3 +272,91 @@ def jobs_worker(sessions, chosen, tiny, name):
     from ffmem.worker.index import Worker
 
     return Worker(sessions, chosen, loaded=tiny, name=name)
+
+
+def test_a_prepare_longer_than_the_lease_keeps_its_job(db_url, tiny, tiny_model_dir, tmp_path):
+    """The heartbeat renews the lease (2 s) while a prepare runs three times as long: nobody can take the
+    job meanwhile; once the beats stop, the lease runs out and another worker may."""
+    sessions = make_sessionmaker(make_engine(db_url))
+    chosen = options(tiny_model_dir, tmp_path / "c.txt", tmp_path, lease_seconds=2.0)
+    with sessions() as session:
+        job, _ = jobs.enqueue(session=session, options=chosen.run_options())
+        session.commit()
+    worker = jobs_worker(sessions, chosen, tiny, "host-a:1:" + "a" * 32)
+    tries = []
+
+    def slow_prepare(claimed) -> None:
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:  # another worker keeps trying to take the job
+            with sessions() as session:
+                taken = jobs.claim_job(
+                    session=session, worker="other", lease=timedelta(minutes=5), max_attempts=9
+                )
+                tries.append(None if taken is None else taken.worker)
+                session.rollback()
+            time.sleep(0.1)
+
+    worker.prepare = slow_prepare
+    assert worker.step()
+    assert len(tries) >= 30 and set(tries) == {None}
+    with sessions() as session:
+        held = session.get(Job, job.id)
+        assert (held.status, held.worker, held.attempts) == ("running", worker.name, 1)
+    time.sleep(2.2)  # no heartbeat now: the lease runs out
+    with sessions() as session:
+        taken = jobs.claim_job(session=session, worker="other", lease=timedelta(minutes=5), max_attempts=9)
+        assert (taken.id, taken.worker, taken.attempts) == (job.id, "other", 2)
+
+
+def test_two_workers_with_one_hostname_and_pid_keep_their_leases(
+    db_url, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Containers share host names and PIDs (here both "worker" and 7): the ids differ by their uuid, and a
+    worker starting or stopping ends only its own leases and those of workers it knows are dead."""
+    from ffmem.worker.index import Worker
+    from ffmem.worker.leases import Presence
+
+    monkeypatch.setattr(jobs.socket, "gethostname", lambda: "worker")
+    monkeypatch.setattr(jobs.os, "getpid", lambda: 7)
+    sessions = make_sessionmaker(make_engine(db_url))
+    chosen = options(tiny_model_dir, tmp_path / "c.txt", tmp_path)
+    a = Worker(sessions, chosen, presence=Presence(tmp_path / "container-a"))
+    b = Worker(sessions, chosen, presence=Presence(tmp_path / "container-b"))
+    assert a.name.startswith("worker:7:") and b.name.startswith("worker:7:") and a.name != b.name
+    a.start()
+    with sessions() as session:
+        job, _ = jobs.enqueue(session=session, options=chosen.run_options())
+        jobs.claim_job(session=session, worker=a.name, lease=timedelta(minutes=5), max_attempts=3)
+        session.commit()
+
+    def holder() -> tuple[str | None, bool]:
+        with sessions() as session:
+            row = session.get(Job, job.id)
+            lease = (
+                row.lease_until
+                if row.lease_until.tzinfo
+                else row.lease_until.replace(tzinfo=jobs.now().tzinfo)
+            )
+            return row.worker, lease > jobs.now()
+
+    b.start()  # in another container: a's presence file is not there, so a may be alive
+    b.stop()
+    assert holder() == (a.name, True)
+    with sessions() as session:
+        assert (
+            jobs.claim_job(session=session, worker=b.name, lease=timedelta(minutes=5), max_attempts=3) is None
+        )
+    # In a's own container a third worker sees a alive (its lock is held) and leaves its lease alone …
+    c = Worker(sessions, chosen, presence=Presence(tmp_path / "container-a"))
+    c.start()
+    c.stop()
+    assert holder() == (a.name, True)
+    # … until a's process dies (the kernel drops its lock; its file stays): then it ends a's lease at once.
+    os.close(a.presence._held.pop(a.name))
+    c.start()
+    assert holder() == (a.name, False)
+    with sessions() as session:
+        taken = jobs.claim_job(session=session, worker=c.name, lease=timedelta(minutes=5), max_attempts=3)
+        assert (taken.id, taken.attempts) == (job.id, 2)
+        session.commit()
+    c.stop()

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 
 from ffmem.engine.text_files import CorpusError, corpus_file
 from ffmem.store import jobs
-from ffmem.store.models import Job
+from ffmem.store.models import Job, JobStatus
 from ffmem.web import pages, urls
 from ffmem.web.contexts import JobContext
 from ffmem.web.errors import AppError, sentence
@@ -70,15 +70,15 @@ def _retry(request: Request, session: SessionDep, job_id: JobId):
     found = session.get(Job, job_id)
     if found is None:
         raise AppError(404, "Unknown job", f"There is no job {job_id}.")
-    if found.status != "failed":
+    if found.status != JobStatus.failed:
         raise AppError(
             409, "Not failed", f"Job {job_id} is {found.status}; only a failed job can be retried."
         )
-    jobs.retry(session=session, job_id=job_id)
+    queued = jobs.retry(session=session, job_id=job_id)  # or the unfinished job with its options
     session.commit()
     if wants_json(request):
-        return JSONResponse(pages.job_page(session, job_id).model_dump(mode="json"))
-    return RedirectResponse(urls.job_url(job_id), status_code=303)
+        return JSONResponse(pages.job_page(session, queued.id).model_dump(mode="json"))
+    return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
 
 def _check_corpus(corpus: str) -> None:
