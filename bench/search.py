@@ -5,7 +5,8 @@
   reads its value matrix from the database; the arithmetic alone (ffmem.engine.vocab_search) p50;
 - the key page with its neighbours section: server time p50 / p95 over random keys;
 - the neighbours of every memory on the real default model (ffmem.engine.neighbours, as the worker runs
-  them) over the run's mining pass (its shards' first claim to last checkpoint, one worker);
+  them) over the mining pass of the default index (measured on the run when it is the default one, and
+  estimated from the mining speed measured back to back with the neighbours);
 - storage added per key: the run's search arrays and neighbour rows (bytes stored, and pages on disk
   for SQLite), and the whole database over its keys.
 
@@ -203,26 +204,45 @@ def storage(url: str, sessions, run_id: int, memories: int) -> dict:
     return figures
 
 
-def neighbours_over_mining(sessions, run_id: int, settings) -> dict:
-    """Neighbours of every memory, timed as the worker runs them, over the run's mining pass."""
+def neighbours_over_mining(sessions, run_id: int, settings, sample: int) -> dict:
+    """Neighbours of every memory, timed as the worker runs them, over the mining pass of the default
+    index: measured (its shards' first claim to last checkpoint) when this run is it, and, back to back
+    with the neighbours in this process (the same load on the machine), estimated from the mining speed
+    over `sample` sentences times the default corpus's tokens."""
     import torch
 
+    from bench import batches_for  # bench/bench.py
     from ffmem.engine.loading import load_model
+    from ffmem.engine.mining import MiningState, mine_batches
     from ffmem.engine.neighbours import memory_neighbours
 
     with sessions() as session:
         shards = session.scalars(select(Shard).where(Shard.run_id == run_id)).all()
-        mining = sum((s.updated_at - s.started_at).total_seconds() for s in shards if s.started_at)
+        measured = sum((s.updated_at - s.started_at).total_seconds() for s in shards if s.started_at)
+        run_sentences = queries.get_run(session=session, run_id=run_id).n_sentences
     loaded = load_model(
         settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir
     )
+    default_tokens = sum(b.real_tokens for b in batches_for(loaded, settings.sentences, settings))
+    batches = batches_for(loaded, sample, settings)
+    t0 = time.perf_counter()
+    mine_batches(
+        loaded, batches, MiningState(loaded.n_layers, loaded.n_keys, settings.top_k, device=loaded.device)
+    )
+    rate = sum(b.real_tokens for b in batches) / (time.perf_counter() - t0)
     t0 = time.perf_counter()
     memory_neighbours(loaded)
     seconds = time.perf_counter() - t0
+    estimated = default_tokens / rate
     return {
         "neighbours_s": round(seconds, 1),
-        "mining_pass_s": round(mining, 1),
-        "ratio": round(seconds / mining, 3) if mining else None,
+        "mining_tokens_per_s": round(rate, 1),
+        "default_index_tokens": default_tokens,
+        "default_mining_pass_estimated_s": round(estimated, 1),
+        "ratio_to_estimated_mining_pass": round(seconds / estimated, 3),
+        "this_run_mining_pass_s": round(measured, 1),
+        "this_run_sentences": run_sentences,
+        "ratio_to_this_run_mining_pass": round(seconds / measured, 3) if measured else None,
         "device": str(loaded.device),
         "threads": torch.get_num_threads(),
     }
@@ -232,7 +252,8 @@ def main() -> None:
     settings = get_settings()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--db", default=settings.database_url)
-    parser.add_argument("--sentences", type=int, default=settings.sentences)
+    parser.add_argument("--sentences", type=int, default=settings.sentences, help="the index's sentences")
+    parser.add_argument("--mining-sample", type=int, default=300, help="sentences mined to time mining")
     args = parser.parse_args()
     sessions, run_id, slug, model_id, layers, keys = default_run(args.db, args.sentences)
     memories = layers * keys
@@ -242,7 +263,7 @@ def main() -> None:
     print(results["arithmetic"], flush=True)
     results["web"] = web_figures(args.db, sessions, run_id, slug, model_id, layers, keys)
     print(results["web"], flush=True)
-    results["neighbours"] = neighbours_over_mining(sessions, run_id, settings)
+    results["neighbours"] = neighbours_over_mining(sessions, run_id, settings, args.mining_sample)
     print(results["neighbours"], flush=True)
     record("search", results)
 
