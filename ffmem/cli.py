@@ -420,6 +420,45 @@ def analyze(
 
 
 @cli.command()
+def compose(
+    run: Annotated[
+        int | None, typer.Option(min=1, help="Index run (default: the newest finished one).")
+    ] = None,
+    db: DbOption = None,
+    device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+) -> None:
+    """Compute an index run's weight graph (which memories feed which) and its memories' explanations.
+
+    A run computes both when it is stored; this fills them in for runs stored before, or again.
+    """
+    settings = get_settings()
+    url = db or settings.database_url
+
+    def work():
+        from sqlalchemy import select
+
+        from ffmem.engine.loading import load_model
+        from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+        from ffmem.store.models import Run
+        from ffmem.worker.composition import compose as compose_run
+
+        upgrade(url)
+        sessions = make_sessionmaker(make_engine(url))
+        with sessions() as session:
+            query = select(Run).where(Run.status == "done").order_by(Run.id.desc())
+            found = session.get(Run, run) if run else session.scalars(query.limit(1)).first()
+            if found is None or found.status != "done":
+                raise FfmemError(f"no finished index run {run or ''} in {url}; build one with `ffmem index`")
+            run_id, slug, source, dtype = found.id, found.model.slug, found.model.source, found.dtype
+        loaded = load_model(source, device=device.value, dtype=dtype, cache_dir=settings.cache_dir)
+        return run_id, slug, compose_run(sessions, run_id, loaded, progress=True)
+
+    run_id, slug, seconds = _fail_cleanly(work)
+    spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
+    typer.echo(f"stored the weight graph and explanations of run {run_id} ({spent}); see /m/{slug}")
+
+
+@cli.command()
 def export(
     run: Annotated[int, typer.Argument(min=1, help="The index run to export.")],
     format: Annotated[str, typer.Option("--format", help="jsonl or parquet (needs pyarrow).")] = "jsonl",

@@ -145,6 +145,20 @@ class Settings(BaseSettings):
         False,
         description="Queue the paper's analyses with every index run (`ffmem index --analyze` for one run).",
     )
+    explain_sentences: int = Field(
+        1000,
+        ge=0,
+        description="Held-out sentences (those of the run's corpus after the ones it mined) on which each "
+        "memory's automatic explanation is scored when the run is stored; 0 leaves them unscored.",
+    )
+    explainer_url: str = Field(
+        "",
+        description="Base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8080/v1) whose model "
+        "writes the memories' explanations instead of the built-in heuristic. Empty (the default): nothing "
+        "is sent anywhere.",
+    )
+    explainer_model: str = Field("", description="Model name sent to explainer_url (empty: the server's).")
+    explainer_timeout: float = Field(60.0, gt=0, description="Seconds to wait for explainer_url's answer.")
     admin_token: SecretStr | None = Field(
         None,
         description="Token for writes (starting, retrying or deleting runs, analyses, labels): sent as "

@@ -400,3 +400,39 @@ class Neighbours(Base):
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # key | value
     neighbours: Mapped[list[list[float]]] = mapped_column(JSON)
+
+
+class MemoryLinks(Base):
+    """A memory's strongest links in its run's weight graph (ffmem.engine.weight_graph), computed once per
+    run from the weights: `direction` "in" lists the earlier memories whose values write most into its key,
+    "out" the later keys that read its value most. `links`: [[layer, key, score], …], the largest |score|
+    first; score > 0: a positive coefficient of the writer raises the reader's coefficient."""
+
+    __tablename__ = "memory_links"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    direction: Mapped[str] = mapped_column(String(3), primary_key=True)  # in | out
+    links: Mapped[list[list[float]]] = mapped_column(JSON)
+
+
+class Explanation(Base):
+    """A memory's automatic description, computed once per run (ffmem.worker.composition): `text` built
+    offline from the index (how its top triggers end, the words that set their prefixes apart from the
+    corpus, its value's top tokens) or written by a local model (`source`); `score`, how well its
+    pattern predicts the key's coefficient on held-out sentences (the correlation over their positions of
+    "the pattern occurs here" with m; NULL when the run has no held-out sentences or it never occurs).
+    `pattern`: the token ids it matches, {"final": [...], "ngram": [...], "context": [...]}; `details`:
+    {"positions", "matches", "auroc"} (ffmem.engine.explanations.PatternScore)."""
+
+    __tablename__ = "explanations"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source: Mapped[str] = mapped_column(String(100))  # heuristic | llm:<model name>
+    text: Mapped[str] = mapped_column(Text)
+    score: Mapped[float | None] = mapped_column(Float)
+    pattern: Mapped[dict] = mapped_column(JSON)
+    details: Mapped[dict] = mapped_column(JSON)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 
+from ffmem.web.composition_view import WeightGraphView
 from ffmem.web.contexts import AnalysisFigure, Histogram, LayerSummary, TraceContext, ValueReadout
 from ffmem.web.display import visible
 
@@ -262,5 +263,64 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
             "height": 360,
             "xaxis": {"title": {"text": "relative depth (layer / last layer)"}, "range": [-0.02, 1.02]},
             "yaxis": {"title": {"text": figure.unit}, **({"type": "log"} if figure.unit == "rank" else {})},
+        },
+    }
+
+
+def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) -> dict:
+    """The memory (centre) between the earlier memories whose values write into its key (left) and the
+    later keys that read its value (right), each at its layer, the strongest highest; an edge's width is
+    its |score|, its colour the sign (blue: a positive coefficient of the writer raises the reader's).
+    A click on a node opens that memory (`layout.meta.links`: static/charts.js)."""
+    strongest = max([abs(link.score) for link in graph.inbound + graph.outbound] or [1.0]) or 1.0
+    edges, nodes = [], []
+    for links in (graph.inbound, graph.outbound):
+        for rank, link in enumerate(links):
+            y = (len(links) - 1) / 2 - rank
+            color = POSITIVE if link.score > 0 else NEGATIVE
+            width = 1 + 5 * abs(link.score) / strongest
+            edges.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "x": [link.layer, layer],
+                    "y": [y, 0],
+                    "line": {"color": color, "width": width},
+                    "hoverinfo": "skip",
+                }
+            )
+            nodes.append((link, y, color))
+    node_trace = {
+        "type": "scatter",
+        "mode": "markers+text",
+        "x": [link.layer for link, _, _ in nodes],
+        "y": [y for _, y, _ in nodes],
+        "text": [f"L{link.layer} K{link.key}" for link, _, _ in nodes],
+        "textposition": "top center",
+        "marker": {"size": 11, "color": [color for _, _, color in nodes]},
+        "customdata": [
+            [link.url, f"{link.score:+.3g}", label(link.explanation or "")] for link, _, _ in nodes
+        ],
+        "hovertemplate": "%{text} · score %{customdata[1]}<br>%{customdata[2]}<extra></extra>",
+    }
+    centre = {
+        "type": "scatter",
+        "mode": "markers+text",
+        "x": [layer],
+        "y": [0],
+        "text": [f"L{layer} K{key}"],
+        "textposition": "bottom center",
+        "marker": {"size": 16, "color": NEUTRAL, "symbol": "diamond"},
+        "hovertemplate": "this memory<extra></extra>",
+    }
+    return {
+        "data": [*edges, node_trace, centre],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": "weight graph: who writes into this key ← · → who reads this value"},
+            "height": 380,
+            "xaxis": {"title": {"text": "layer"}, "range": [-0.5, n_layers - 0.5]},
+            "yaxis": {"visible": False},
+            "meta": {"links": True},
         },
     }

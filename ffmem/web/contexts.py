@@ -11,6 +11,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel
 
+from ffmem.web.composition_view import ExplanationHit, ExplanationView, WeightGraphView
+
 from ffmem.store.models import JobKind, JobStatus
 
 
@@ -319,6 +321,8 @@ class KeyContext(BaseModel):
     label_history: list[LabelView] = []  # its earlier labels, the newest first
     label_url: str = ""  # where the label form posts
     neighbours: MemoryNeighbours | None = None  # None: not computed for this run (yet)
+    explanation: ExplanationView | None = None  # its automatic description (None: none for this run)
+    weight_graph: WeightGraphView | None = None  # who feeds it, whom it feeds (None: not computed)
 
 
 class LayerContext(BaseModel):
@@ -402,6 +406,7 @@ class SearchContext(BaseModel):
     memories: int = 0  # memories ranked ("full")
     sentences: list[SentenceMatch] = []  # sentences that contain q, one row each, with the keys they trigger
     labels: list[LabelHit] = []  # memories whose label matches q
+    explanations: list[ExplanationHit] = []  # memories whose automatic explanation contains q
     max_length: int = 200  # the longest q the server accepts
 
 

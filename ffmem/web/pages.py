@@ -17,6 +17,7 @@ from ffmem.store.models import Job, JobKind, Label, LanguageModel, Run, Sentence
 from ffmem.store.models import Trigger as TriggerRow
 from ffmem.store.results import has_results, results_for
 from ffmem.web import patterns, token_search, urls
+from ffmem.web.composition_view import explanation_hits, key_composition
 from ffmem.web.contexts import (
     Agreement,
     Histogram,
@@ -375,6 +376,7 @@ def key_page(
         label_history=[label_view(label) for label in history[1:]],
         label_url=urls.label_url(slug, layer, key),
         neighbours=memory_neighbours(session, model, run, layer, key),
+        **composition_fields(session, slug, run, layer, key),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -493,6 +495,7 @@ def search_page(
         memories=memories,
         sentences=sentences,
         labels=labels,
+        explanations=explanation_hits(session, slug, run, q, limit),
         max_length=max_length,
     )
 
@@ -569,6 +572,12 @@ def marked_parts(sentence: str, text: str) -> list[TextPart]:
     if end < len(sentence):
         parts.append(TextPart(text=sentence[end:], marked=False))
     return parts
+
+
+def composition_fields(session: Session, slug: str, run: Run, layer: int, key: int) -> dict:
+    """The key page's weight graph and automatic explanation (ffmem.web.composition_view)."""
+    weight_graph, explanation = key_composition(session, slug, run, layer, key)
+    return {"weight_graph": weight_graph, "explanation": explanation}
 
 
 def memory_neighbours(

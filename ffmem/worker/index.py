@@ -35,6 +35,7 @@ from ffmem.store import jobs, memory_search, queries
 from ffmem.store.jobs import Enqueued, JobKind, JobStatus, ShardStatus, StageProgress
 from ffmem.store.models import Job, KeyStats, Run, Shard, Trigger, ValueToken
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
+from ffmem.worker.composition import compose
 from ffmem.worker.leases import Heartbeat, Presence
 
 
@@ -470,6 +471,7 @@ class Worker:
                 session.commit()
                 self.timings["projection"] += t1 - t0
                 self.timings["storing"] += time.perf_counter() - t1
+            compose(self.sessions, run_id, loaded, progress=options.progress)  # weight graph, explanations
             self.store_neighbours(session, run_id, loaded, options)
             queries.finish_run(session=session, run_id=run_id, n_tokens=state.positions)
             jobs.finish_job(session=session, job_id=job.id)

@@ -7,6 +7,14 @@
       var figure = JSON.parse(el.dataset.figure);
       window.Plotly.newPlot(el, figure.data, figure.layout, { displayModeBar: false, responsive: true });
       el.dataset.drawn = "1";
+      if (figure.layout.meta && figure.layout.meta.links) {
+        // A figure whose points are links (the weight graph): a click opens the point's customdata[0].
+        el.on("plotly_click", function (data) {
+          var point = data.points && data.points[0];
+          var url = point && Array.isArray(point.customdata) ? point.customdata[0] : null;
+          if (typeof url === "string" && url.charAt(0) === "/") window.location.assign(url);
+        });
+      }
       if (el.id === "trace-heatmap") {
         // A click on a column selects that position: the same as clicking its token chip.
         el.on("plotly_click", function (data) {

@@ -1,0 +1,130 @@
+"""Keyword-only reads and writes of what a run knows about its memories together: the weight graph
+(`memory_links`: which memories feed which) and the automatic explanations (`explanations`). No torch:
+array inputs are numpy arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy import delete, func, or_, select
+from sqlalchemy.orm import Session
+
+from ffmem.store.models import Explanation, MemoryLinks
+from ffmem.store.queries import _bulk_insert, _same_shape, stored_text
+
+DIRECTIONS = ("in", "out")  # in: earlier memories writing into the key; out: later keys reading the value
+
+
+@dataclass(frozen=True)
+class Link:
+    layer: int
+    key: int
+    score: float
+
+
+def delete_links(*, session: Session, run_id: int) -> None:
+    """Drop a run's weight graph (before it is computed again)."""
+    session.execute(delete(MemoryLinks).where(MemoryLinks.run_id == run_id))
+
+
+def delete_explanations(*, session: Session, run_id: int) -> None:
+    """Drop a run's explanations (before they are computed again)."""
+    session.execute(delete(Explanation).where(Explanation.run_id == run_id))
+
+
+def store_links(
+    *,
+    session: Session,
+    run_id: int,
+    direction: str,
+    layers: np.ndarray,
+    keys: np.ndarray,
+    scores: np.ndarray,
+) -> int:
+    """Store every memory's links one way ([n_layers, d_ff, n] arrays: the other memory's layer (−1: an
+    empty slot) and key, and the score, strongest first); memories with no link get no row. Returns
+    rows stored."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    layers, keys, scores = _same_shape(3, layers=layers, keys=keys, scores=scores)
+    rows = []
+    for layer in range(layers.shape[0]):
+        for key in range(layers.shape[1]):
+            kept = layers[layer, key] >= 0
+            if kept.any():
+                found = zip(
+                    layers[layer, key][kept], keys[layer, key][kept], scores[layer, key][kept], strict=True
+                )
+                rows.append((layer, key, [[int(a), int(b), float(f"{score:.5g}")] for a, b, score in found]))
+    columns = ("run_id", "layer", "key", "direction", "links")
+    _bulk_insert(
+        session,
+        MemoryLinks.__table__,
+        columns,
+        ((run_id, layer, key, direction, links) for layer, key, links in rows),
+    )
+    return len(rows)
+
+
+def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[Link]] | None:
+    """A memory's links both ways ({"in": [...], "out": [...]}), or None when the run has no weight graph."""
+    rows = session.execute(
+        select(MemoryLinks.direction, MemoryLinks.links).where(
+            MemoryLinks.run_id == run_id, MemoryLinks.layer == layer, MemoryLinks.key == key
+        )
+    ).all()
+    if not rows and not has_links(session=session, run_id=run_id):
+        return None
+    found = {direction: [] for direction in DIRECTIONS}
+    for direction, links in rows:
+        found[direction] = [Link(int(layer), int(other), float(score)) for layer, other, score in links]
+    return found
+
+
+def has_links(*, session: Session, run_id: int) -> bool:
+    query = select(MemoryLinks.run_id).where(MemoryLinks.run_id == run_id).limit(1)
+    return session.scalars(query).first() is not None
+
+
+def store_explanations(*, session: Session, run_id: int, rows: Iterable[tuple]) -> None:
+    """Store explanations: rows of (layer, key, source, text, score or None, pattern dict, details dict)."""
+    columns = ("run_id", "layer", "key", "source", "text", "score", "pattern", "details")
+    _bulk_insert(
+        session,
+        Explanation.__table__,
+        columns,
+        (
+            (run_id, int(layer), int(key), source, stored_text(text), score, pattern, details)
+            for layer, key, source, text, score, pattern, details in rows
+        ),
+    )
+
+
+def get_explanation(*, session: Session, run_id: int, layer: int, key: int) -> Explanation | None:
+    return session.get(Explanation, (run_id, layer, key))
+
+
+def search_explanations(*, session: Session, run_id: int, text: str, limit: int) -> list[Explanation]:
+    """Explanations whose text contains `text` (any case), the best scored first (unscored last)."""
+    needle = stored_text(text).lower()
+    query = (
+        select(Explanation)
+        .where(Explanation.run_id == run_id, func.lower(Explanation.text).contains(needle, autoescape=True))
+        .order_by(
+            or_(Explanation.score.is_(None)), Explanation.score.desc(), Explanation.layer, Explanation.key
+        )
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def explanation_summary(*, session: Session, run_id: int) -> dict:
+    """How many memories of a run are explained and scored, and their mean score."""
+    count, scored, mean = session.execute(
+        select(func.count(), func.count(Explanation.score), func.avg(Explanation.score)).where(
+            Explanation.run_id == run_id
+        )
+    ).one()
+    return {"explained": count, "scored": scored, "mean_score": None if mean is None else float(mean)}

@@ -1,0 +1,111 @@
+"""What the key page and the search show of how memories work together (ffmem.store.composition): the
+memory's links in its run's weight graph, its automatic explanation, and explanations matching a search."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session
+
+from ffmem.store import composition
+from ffmem.store.models import Explanation, Run
+from ffmem.web import urls
+
+
+class LinkView(BaseModel):
+    """Another memory linked to this one in the weight graph."""
+
+    layer: int
+    key: int
+    score: float  # v_writer · r_reader (ffmem.engine.weight_graph): > 0, a positive writer raises the reader
+    url: str
+    explanation: str | None  # the other memory's automatic explanation, when the run has one
+
+
+class WeightGraphView(BaseModel):
+    """A memory's strongest links both ways, the largest |score| first."""
+
+    inbound: list[LinkView]  # earlier memories whose values write most into this key
+    outbound: list[LinkView]  # later keys that read this memory's value most
+
+
+class ExplanationView(BaseModel):
+    """A memory's automatic description and how well its pattern predicts the key on held-out text."""
+
+    text: str
+    source: str  # heuristic | llm:<model>
+    score: float | None  # Pearson r of "the pattern occurs" with m over held-out positions
+    auroc: float | None  # the pattern telling apart positions where the key fires (≥ half its max)
+    positions: int  # held-out positions scored
+    matches: int  # positions where the pattern occurs at least in part
+
+
+class ExplanationHit(ExplanationView):
+    """A memory whose automatic explanation matches a search."""
+
+    layer: int
+    key: int
+    url: str
+
+
+def key_composition(
+    session: Session, slug: str, run: Run, layer: int, key: int
+) -> tuple[WeightGraphView | None, ExplanationView | None]:
+    """The key page's weight graph and explanation (None where the run has none)."""
+    links = composition.get_links(session=session, run_id=run.id, layer=layer, key=key)
+    found = composition.get_explanation(session=session, run_id=run.id, layer=layer, key=key)
+    explanation = None if found is None else explanation_view(found)
+    if links is None:
+        return None, explanation
+    others = {(link.layer, link.key) for direction in links.values() for link in direction}
+    texts = explanation_texts(session, run.id, others)
+
+    def view(link) -> LinkView:
+        return LinkView(
+            layer=link.layer,
+            key=link.key,
+            score=link.score,
+            url=urls.key_url(slug, link.layer, link.key),
+            explanation=texts.get((link.layer, link.key)),
+        )
+
+    graph = WeightGraphView(inbound=[view(x) for x in links["in"]], outbound=[view(x) for x in links["out"]])
+    return graph, explanation
+
+
+def explanation_texts(session: Session, run_id: int, memories: set[tuple[int, int]]) -> dict:
+    """(layer, key) → explanation text, for those of `memories` the run explains."""
+    if not memories:
+        return {}
+    query = select(Explanation.layer, Explanation.key, Explanation.text).where(
+        Explanation.run_id == run_id, tuple_(Explanation.layer, Explanation.key).in_(sorted(memories))
+    )
+    return {(layer, key): text for layer, key, text in session.execute(query)}
+
+
+def explanation_view(found: Explanation) -> ExplanationView:
+    details = found.details or {}
+    return ExplanationView(
+        text=found.text,
+        source=found.source,
+        score=found.score,
+        auroc=details.get("auroc"),
+        positions=details.get("positions", 0),
+        matches=details.get("matches", 0),
+    )
+
+
+def explanation_hits(session: Session, slug: str, run: Run, q: str, limit: int) -> list[ExplanationHit]:
+    """Memories whose automatic explanation contains `q` (any case), the best scored first."""
+    if len(q.strip()) < 2:
+        return []
+    found = composition.search_explanations(session=session, run_id=run.id, text=q.strip(), limit=limit)
+    return [
+        ExplanationHit(
+            layer=e.layer,
+            key=e.key,
+            url=urls.key_url(slug, e.layer, e.key),
+            **explanation_view(e).model_dump(),
+        )
+        for e in found
+    ]

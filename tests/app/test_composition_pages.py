@@ -1,0 +1,110 @@
+"""The key page's weight graph and automatic explanation, and explanations in the search, on the tiny
+index (SQLite and Postgres): the JSON twin gives what the store holds, every graph node links to its
+memory, and the search finds a memory by a word of its explanation."""
+
+from __future__ import annotations
+
+import json
+import re
+from html import unescape
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from ffmem.config import Settings
+from ffmem.store import composition
+from ffmem.store.models import Explanation, Run
+from ffmem.web import urls
+from ffmem.web.main import create_app
+
+
+@pytest.fixture(scope="module")
+def client(explorer_db):
+    app = create_app(Settings(database_url=explorer_db))
+    with TestClient(app) as client:
+        yield client
+    app.state.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def run(db) -> Run:
+    return db.scalars(select(Run)).one()
+
+
+def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
+    body = client.get(f"/m/{slug}/layers/1/keys/5.json").json()
+    stored = composition.get_links(session=db, run_id=run.id, layer=1, key=5)
+    graph = body["weight_graph"]
+    for direction, shown in (("in", graph["inbound"]), ("out", graph["outbound"])):
+        assert [(m["layer"], m["key"], m["score"]) for m in shown] == [
+            (link.layer, link.key, link.score) for link in stored[direction]
+        ]
+        assert len(shown) == 10
+        assert all(m["url"] == urls.key_url(slug, m["layer"], m["key"]) for m in shown)
+        assert all(m["explanation"] for m in shown)  # every memory of the run is explained
+    assert {m["layer"] for m in graph["inbound"]} == {0} and {m["layer"] for m in graph["outbound"]} == {2}
+    scores = [abs(m["score"]) for m in graph["inbound"]]
+    assert scores == sorted(scores, reverse=True)
+
+    page = client.get(f"/m/{slug}/layers/1/keys/5").text
+    assert 'id="weight-graph-in"' in page and 'id="weight-graph-out"' in page
+    figure = json.loads(unescape(re.search(r'id="weight-graph-chart" data-figure="([^"]*)"', page).group(1)))
+    nodes = next(trace for trace in figure["data"] if trace.get("customdata"))
+    assert [point[0] for point in nodes["customdata"]] == [
+        m["url"] for m in graph["inbound"] + graph["outbound"]
+    ]
+    assert figure["layout"]["meta"] == {"links": True}
+    for m in graph["inbound"][:3]:
+        assert f'href="{m["url"]}"' in page
+
+
+def test_layer_zero_reads_no_earlier_memory(client, slug):
+    body = client.get(f"/m/{slug}/layers/0/keys/0.json").json()
+    assert body["weight_graph"]["inbound"] == [] and len(body["weight_graph"]["outbound"]) == 10
+    assert "layer 0 reads no earlier memory" in client.get(f"/m/{slug}/layers/0/keys/0").text
+
+
+def test_the_explanation_shows_beside_the_label(client, db, run, slug):
+    stored = db.get(Explanation, (run.id, 2, 3))
+    body = client.get(f"/m/{slug}/layers/2/keys/3.json").json()
+    assert body["explanation"] == {
+        "text": stored.text,
+        "source": "heuristic",
+        "score": None,  # the tiny index mined its whole corpus: nothing is held out
+        "auroc": None,
+        "positions": 0,
+        "matches": 0,
+    }
+    page = client.get(f"/m/{slug}/layers/2/keys/3").text
+    assert page.index('id="label"') < page.index('id="explanation"')
+    shown = re.search(r'id="explanation-text"><strong>(.*?)</strong>', page, re.S).group(1)
+    assert unescape(shown) == stored.text
+    assert "no sentences beyond those it mined" in page
+
+
+def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):
+    stored = db.scalars(
+        select(Explanation)
+        .where(Explanation.run_id == run.id, Explanation.text.like("%ends with “%"))
+        .order_by(Explanation.layer, Explanation.key)
+    ).first()
+    ngram = re.search(r"ends with “([^”]+)”", stored.text).group(1)
+    assert len(ngram.strip()) >= 2  # the search looks for texts of two characters or more
+    body = client.get(f"/m/{slug}/search.json", params={"q": ngram, "run": run.id, "limit": 200}).json()
+    found = [(hit["layer"], hit["key"]) for hit in body["explanations"]]
+    assert (stored.layer, stored.key) in found
+    assert all(ngram.strip().lower() in hit["text"].lower() for hit in body["explanations"])
+    assert set(body["explanations"][0]) == {
+        "layer",
+        "key",
+        "url",
+        "text",
+        "source",
+        "score",
+        "auroc",
+        "positions",
+        "matches",
+    }
+    page = client.get(f"/m/{slug}/search", params={"q": ngram, "run": run.id}).text
+    assert 'id="explanation-matches"' in page and f'href="{urls.key_url(slug, *found[0])}"' in page

@@ -1,0 +1,242 @@
+"""A run's weight graph and explanations, computed when it is stored: on a tiny model with one key
+planted to fire on the token "Paris", its description names the word and predicts the key on the
+held-out sentences; the same run described twice gives the same rows; a local model behind an
+OpenAI-compatible URL writes the description only when one is set."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from sqlalchemy import select
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from ffmem.engine.loading import load_model
+from ffmem.engine.weight_graph import weight_graph
+from ffmem.store import composition
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Analysis, Explanation, MemoryLinks
+from ffmem.worker.composition import ComposeOptions, compose
+from ffmem.worker.index import IndexOptions, build_index
+
+PLANTED = 7  # the key of layer 0 that fires on "Paris"
+PARIS = [
+    "The capital of France is Paris.",
+    "We flew to Paris in May.",
+    "She loves Paris and Rome.",
+    "Many artists lived in Paris long ago.",
+    "The river runs through Paris slowly.",
+    "In spring Paris is full of visitors.",
+    "They opened a museum in Paris last year.",
+    "A train leaves for Paris every hour.",
+]
+OTHER = [
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "The quick brown fox jumps over the lazy dog.",
+    "In 1969, astronauts landed on the Moon for the first time.",
+    "Mozart wrote more than six hundred works of music.",
+    "The lazy dog sleeps in the sun.",
+    "Music fills the hall at night.",
+    "The fox ran over the hill.",
+    "Astronauts trained for many years.",
+    "Boiling water makes good tea.",
+    "The dog and the fox are friends.",
+]
+MINED = 18  # the first 18 sentences are mined, the rest held out
+
+
+@pytest.fixture(scope="module")
+def planted_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny Llama with key PLANTED of layer 0 reading the embedding of "Paris" through its gate and
+    up rows (layer 0's attention silenced, its FF norm unit): it fires on that token and hardly elsewhere."""
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (word,) = tokenizer("Paris", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        block = model.model.layers[0]
+        block.self_attn.o_proj.weight.zero_()
+        block.post_attention_layernorm.weight.fill_(1.0)
+        embedding = model.model.embed_tokens.weight[word]
+        block.mlp.gate_proj.weight[PLANTED] = 2 * embedding / embedding.norm()
+        block.mlp.up_proj.weight[PLANTED] = 2 * embedding / embedding.norm()
+    folder = tmp_path_factory.mktemp("planted")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def planted(planted_dir):
+    return load_model(str(planted_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory, planted, planted_dir):
+    """(sessions, run id) of an index of the planted model over 18 sentences of a 36-sentence corpus."""
+    folder = tmp_path_factory.mktemp("planted-run")
+    corpus = folder / "corpus.txt"
+    mined = PARIS[:6] + OTHER + PARIS[6:7] + OTHER[:1]
+    held_out = PARIS + OTHER
+    assert len(mined) == MINED
+    corpus.write_text("\n".join(mined + held_out) + "\n")
+    url = f"sqlite:///{folder / 'ffmem.db'}"
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    options = IndexOptions(
+        model=str(planted_dir),
+        corpus=str(corpus),
+        sentences=MINED,
+        top_k=6,
+        device="cpu",
+        dtype="float32",
+        batch_tokens=128,
+        shard_sentences=8,
+        value_tokens=5,
+        cache_dir=folder / "cache",
+        progress=False,
+    )
+    summary = build_index(options, sessions, loaded=planted)
+    return sessions, summary.run_id
+
+
+def _paris(planted) -> int:
+    (word,) = planted.tokenizer("Paris", add_special_tokens=False).input_ids
+    return word
+
+
+def _rows(sessions, run_id):
+    with sessions() as session:
+        query = (
+            select(Explanation)
+            .where(Explanation.run_id == run_id)
+            .order_by(Explanation.layer, Explanation.key)
+        )
+        return [
+            (e.layer, e.key, e.source, e.text, e.score, e.pattern, e.details) for e in session.scalars(query)
+        ]
+
+
+def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run, planted):
+    sessions, run_id = planted_run
+    with sessions() as session:
+        found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
+        assert found.source == "heuristic"
+        assert found.text.startswith("ends in “Paris” 100%"), found.text
+        assert found.pattern["final"] == [_paris(planted)]
+        # the held-out sentences (18 of them, 8 with "Paris") were never mined
+        assert found.details["positions"] > 100 and found.details["matches"] == len(PARIS)
+        assert found.score > 0.9 and found.details["auroc"] > 0.95
+        hits = composition.search_explanations(session=session, run_id=run_id, text="paris", limit=5)
+        assert (hits[0].layer, hits[0].key) == (0, PLANTED)
+        assert composition.explanation_summary(session=session, run_id=run_id)["explained"] == 3 * 48
+        stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
+        assert stored["explanations"].data["held_out_sentences"] == len(PARIS + OTHER)
+        assert stored["explanations"].options["explainer_url"] is False
+        assert stored["weight_graph"].data["rows"] == {"in": 2 * 48, "out": 2 * 48}
+
+
+def test_explanations_are_deterministic(planted_run, planted):
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    compose(sessions, run_id, planted, ComposeOptions(batch_tokens=64))
+    assert _rows(sessions, run_id) == before
+
+
+def test_the_stored_weight_graph_is_the_engines(planted_run, planted):
+    sessions, run_id = planted_run
+    graph = weight_graph(planted)
+    with sessions() as session:
+        assert composition.get_links(session=session, run_id=run_id, layer=0, key=3)["in"] == []
+        for layer, key in ((1, 0), (2, 47), (0, PLANTED)):
+            links = composition.get_links(session=session, run_id=run_id, layer=layer, key=key)
+            for direction, (layers, keys, scores) in (
+                ("in", (graph.inbound_layer, graph.inbound_key, graph.inbound_score)),
+                ("out", (graph.outbound_layer, graph.outbound_key, graph.outbound_score)),
+            ):
+                expected = [
+                    (int(a), int(b), float(s))
+                    for a, b, s in zip(layers[layer, key], keys[layer, key], scores[layer, key], strict=True)
+                    if a >= 0
+                ]
+                got = [(link.layer, link.key, link.score) for link in links[direction]]
+                assert [g[:2] for g in got] == [e[:2] for e in expected]
+                assert all(
+                    abs(g[2] - e[2]) <= 1e-4 * max(1.0, abs(e[2])) for g, e in zip(got, expected, strict=True)
+                )
+        rows = session.scalars(select(MemoryLinks).where(MemoryLinks.run_id == run_id)).all()
+        assert len(rows) == 4 * 48  # layer 0 has no inbound links, layer 2 no outbound ones
+
+
+def _answer(content: str) -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": content}}]})
+
+
+def test_a_local_model_writes_the_description_when_one_is_set(planted_run, planted):
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    asked = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append(body)
+        prompt = body["messages"][0]["content"]
+        if "⟦Paris⟧" in prompt:
+            return _answer(
+                'Sure: {"description": "the city of Paris", "ends_with": ["Paris"], "context": []}'
+            )
+        return httpx.Response(500, text="overloaded")
+
+    client = httpx.Client(transport=httpx.MockTransport(server), base_url="http://explainer.test/v1")
+    options = ComposeOptions(explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer")
+    try:
+        compose(sessions, run_id, planted, options, client=client)
+        with sessions() as session:
+            found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
+            assert (found.source, found.text) == ("llm:tiny-explainer", "the city of Paris")
+            assert found.pattern["final"] == [_paris(planted)] and found.score > 0.9
+            other = composition.get_explanation(session=session, run_id=run_id, layer=1, key=0)
+            assert other.source == "heuristic"  # the server failed on it: the heuristic one stays
+            data = session.get(Analysis, (run_id, "explanations")).data
+            assert data["explainer_failures"] == 3 * 48 - sum(
+                "⟦Paris⟧" in a["messages"][0]["content"] for a in asked
+            )
+        assert len(asked) == 3 * 48 and {a["model"] for a in asked} == {"tiny-explainer"}
+        assert asked[0]["temperature"] == 0
+    finally:
+        compose(sessions, run_id, planted, ComposeOptions())
+    assert _rows(sessions, run_id) == before
+
+
+def test_nothing_is_sent_without_a_url(planted_run, planted, monkeypatch):
+    sessions, run_id = planted_run
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an HTTP request was made without explainer_url")
+
+    monkeypatch.setattr(httpx.Client, "send", refuse)
+    compose(sessions, run_id, planted, ComposeOptions())
+    assert {row[2] for row in _rows(sessions, run_id)} == {"heuristic"}
+
+
+def test_ffmem_compose_fills_in_a_run(planted_run):
+    from typer.testing import CliRunner
+
+    from ffmem.cli import cli
+
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    with sessions() as session:
+        composition.delete_links(session=session, run_id=run_id)
+        composition.delete_explanations(session=session, run_id=run_id)
+        session.commit()
+    url = sessions.kw["bind"].url.render_as_string(hide_password=False)
+    result = CliRunner().invoke(cli, ["compose", "--run", str(run_id), "--db", url, "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert f"stored the weight graph and explanations of run {run_id}" in result.output
+    assert _rows(sessions, run_id) == before
+    with sessions() as session:
+        assert composition.has_links(session=session, run_id=run_id)
+    missing = CliRunner().invoke(cli, ["compose", "--run", "999", "--db", url])
+    assert missing.exit_code == 2 and "no finished index run 999" in missing.output
