@@ -228,3 +228,15 @@ def test_the_worker_stored_arrays_and_neighbours_for_every_memory(db, run, tiny)
         select(RunArray.name, func.count()).where(RunArray.run_id == run.id).group_by(RunArray.name)
     ).all()
     assert dict(names) == {"values": tiny.n_layers, "unembedding": 1, "value_stats": 1, "norm": 1}
+
+
+def test_marked_parts_cut_at_every_occurrence_as_typed():
+    parts = pages.marked_parts("A+B and a+b, then ab", "a+b")  # regex characters are plain text
+    assert [(p.text, p.marked) for p in parts] == [
+        ("A+B", True),
+        (" and ", False),
+        ("a+b", True),
+        (", then ab", False),
+    ]
+    assert [(p.text, p.marked) for p in pages.marked_parts("x y", "␣y")] == [("x", False), (" y", True)]
+    assert [(p.text, p.marked) for p in pages.marked_parts("nothing here", "zz")] == [("nothing here", False)]
