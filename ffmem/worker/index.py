@@ -179,6 +179,7 @@ class Worker:
                 if holder != self.name and self.presence.is_dead(holder):
                     jobs.end_leases(session=session, worker=holder)
             session.commit()
+        self.presence.sweep()  # the files of workers that died holding nothing
 
     def stop(self) -> None:
         """Give back what this worker holds (uncounted: it did not die) and withdraw its presence."""

@@ -7,9 +7,9 @@
 - `Presence`: each worker process holds an exclusive lock (flock) on a file named by its random id
   for as long as it lives; the kernel drops the lock when the process dies, however it dies. A worker
   starting finds a holder's file unlocked: that holder is dead, and its leases end at once (rerunning a
-  killed `ffmem index` resumes without waiting the lease out). No file: the holder runs elsewhere (on
-  another machine, in another container) and its lease decides. Host names and PIDs, which
-  containers share, are never used to judge.
+  killed `ffmem index` resumes without waiting the lease out); then dead workers' files go. No file:
+  the holder runs elsewhere (on another machine, in another container) and its lease decides. Host
+  names and PIDs, which containers share, are never used to judge.
 """
 
 from __future__ import annotations
@@ -88,6 +88,11 @@ class Presence:
             log.debug("no presence file for %s (%s)", worker, error)
             return
         self._held[worker] = descriptor
+
+    def sweep(self) -> None:
+        """Drop the files of dead workers (call it once their leases are ended: a file is the proof)."""
+        for path in self.folder.glob("*.lock"):
+            self.is_dead(path.stem)
 
     def withdraw(self, worker: str) -> None:
         """`worker` stops: drop its file and lock."""

@@ -351,10 +351,13 @@ def test_two_workers_with_one_hostname_and_pid_keep_their_leases(
     c.start()
     c.stop()
     assert holder() == (a.name, True)
-    # … until a's process dies (the kernel drops its lock; its file stays): then it ends a's lease at once.
+    # … until a's process dies (the kernel drops its lock; its file stays): then it ends a's lease at once,
+    # and drops a's file, as it drops those of workers that died holding nothing.
     os.close(a.presence._held.pop(a.name))
+    (tmp_path / "container-a" / ("d" * 32 + ".lock")).touch()
     c.start()
     assert holder() == (a.name, False)
+    assert [path.name for path in (tmp_path / "container-a").iterdir()] == [c.name[-32:] + ".lock"]
     with sessions() as session:
         taken = jobs.claim_job(session=session, worker=c.name, lease=timedelta(minutes=5), max_attempts=3)
         assert (taken.id, taken.attempts) == (job.id, 2)
