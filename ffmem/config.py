@@ -39,6 +39,17 @@ class Settings(BaseSettings):
     max_query_bytes: int = Field(
         8192, ge=1, description="Longest query string the web app accepts (bytes); longer ones get a 414."
     )
+    max_upload_bytes: int = Field(
+        20_000_000,
+        ge=1,
+        description="Largest corpus file that can be uploaded from the browser (/corpora, bytes); a larger "
+        "one gets a 413. Larger corpora: put the file where the workers read it and pass its path.",
+    )
+    upload_dir: Path = Field(
+        Path("data/corpora"),
+        description="Folder where corpora uploaded from the browser are kept (each with its line counts); "
+        "jobs name them by path, so workers on other machines need it shared at the same path.",
+    )
     cache_dir: Path = Field(
         Path("data/cache"),
         description="Folder for the dequantized safetensors copy of GGUF models and index checkpoints.",

@@ -94,6 +94,11 @@ def store_vocabulary(*, session: Session, model_id: int, texts: list[str], piece
 # ---- corpora ------------------------------------------------------------------------------------
 
 
+def list_corpora(*, session: Session) -> list[Corpus]:
+    """Every corpus the database holds (one per source and tokenization), the newest first."""
+    return list(session.scalars(select(Corpus).order_by(Corpus.id.desc())))
+
+
 def find_corpus(*, session: Session, fingerprint: str) -> Corpus | None:
     """The corpus tokenized with this fingerprint, if stored."""
     return session.scalars(select(Corpus).where(Corpus.fingerprint == fingerprint)).one_or_none()
@@ -730,6 +735,15 @@ def label_history(*, session: Session, model_id: int, layer: int, key: int) -> l
     """A memory's labels, the newest (its label) first."""
     query = select(Label).where(Label.model_id == model_id, Label.layer == layer, Label.key == key)
     return list(session.scalars(query.order_by(Label.id.desc())))
+
+
+def get_label(*, session: Session, label_id: int) -> Label | None:
+    return session.get(Label, label_id)
+
+
+def delete_label(*, session: Session, label_id: int) -> None:
+    """Delete one label; when it was its memory's newest, the one before it is the label again."""
+    session.execute(delete(Label).where(Label.id == label_id))
 
 
 def _newest_labels(model_id: int):

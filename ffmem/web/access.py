@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from hmac import compare_digest
 from ipaddress import IPv6Address, ip_address
+from urllib.parse import quote, unquote
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -128,6 +129,30 @@ def admin_name(request: Request) -> str | None:
     except BadSignature:  # also an expired one
         return None
     return payload.get("name", "") if isinstance(payload, dict) else None
+
+
+AUTHOR_COOKIE = "ffmem_author"  # the name last given with a label, offered again in the label form
+
+
+def label_author(request: Request) -> str:
+    """The author a label form starts with: the name just saved, the login's name, or the last one given."""
+    saved = getattr(request.state, "label_author", None)
+    if saved is not None:
+        return saved
+    return admin_name(request) or unquote(request.cookies.get(AUTHOR_COOKIE, ""))[:100]
+
+
+def remember_author(request: Request, response: Response, author: str) -> None:
+    """Keep `author` for the next label form (a year; it is only a default, not a credential). The page
+    answering this request shows it too (set `request.state.label_author` before rendering it)."""
+    response.set_cookie(
+        AUTHOR_COOKIE,
+        quote(author),
+        max_age=365 * 24 * 3600,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
 
 
 def login_refusal(request: Request, token: str) -> AppError | None:

@@ -79,33 +79,73 @@ def coefficient_histogram(histogram: Histogram) -> dict:
 
 
 LAYER_SERIES = {
-    "positive_share": "share of positive coefficients",
+    "positive_share": "share of positive coefficients (m > 0)",
     "density": "density (|m| near each key's peak)",
     "max_prob": "max value probability",
-    "agreement_rate": "key–value agreement (top token = next token)",
+    "agreement_rate": "agreement rate (value's top token = next token)",
 }
+SHARES = ("positive_share", "density", "agreement_rate")  # drawn as percentages
+
+
+def layer_axis(n_layers: int) -> dict:
+    """An x-axis over layers 0…n−1: no room wasted beyond them, a tick every 1, 2 or 5 layers."""
+    step = 1 if n_layers <= 12 else 2 if n_layers <= 24 else 5
+    return {
+        "title": {"text": "layer (0-based)"},
+        "range": [-0.5, n_layers - 0.5],
+        "tick0": 0,
+        "dtick": step,
+        "zeroline": False,
+    }
 
 
 def layer_lines(layers: list[LayerSummary], field: str) -> dict:
-    """One statistic across layers, as a line with markers."""
+    """One statistic across layers, as a line with markers, on an honest y-axis: from 0; the positive
+    share over 0–100% with 50% marked, so a layer at 50.3% does not look far from one at 49.8%."""
+    values = [getattr(s, field) for s in layers]
+    top = max((v for v in values if v is not None), default=0.0)
+    yaxis: dict = {"range": [0, 1.15 * top if top > 0 else 0.05 if field in SHARES else 1], "zeroline": True}
+    shapes = []
+    if field == "positive_share":
+        yaxis["range"] = [0, 1]
+        shapes = [
+            {
+                "type": "line",
+                "xref": "paper",
+                "x0": 0,
+                "x1": 1,
+                "y0": 0.5,
+                "y1": 0.5,
+                "line": {"color": NEUTRAL, "width": 1, "dash": "dot"},
+            }
+        ]
+    if field in SHARES:
+        yaxis["tickformat"] = ".0%" if field == "positive_share" else ".1%"
+    hover = "%{y:.2%}" if field in SHARES else "%{y:.4g}"
     return {
         "data": [
             {
                 "type": "scatter",
                 "mode": "lines+markers",
                 "x": [s.layer for s in layers],
-                "y": [getattr(s, field) for s in layers],
+                "y": values,
                 "line": {"color": POSITIVE},
-                "hovertemplate": "layer %{x}: %{y:.4g}<extra></extra>",
+                "hovertemplate": "layer %{x}: " + hover + "<extra></extra>",
             }
         ],
         "layout": BASE_LAYOUT
         | {
             "title": {"text": LAYER_SERIES[field]},
-            "xaxis": {"title": {"text": "layer (0-based)"}, "dtick": 1 if len(layers) <= 32 else None},
+            "xaxis": layer_axis(len(layers)),
+            "yaxis": yaxis,
+            "shapes": shapes,
             "height": 280,
         },
     }
+
+
+# The live view's heatmap modes, in the order of its buttons (the unedited ones only with edits).
+HEATMAP_MODES = ("ff_logit", "active", "ff_logit_unedited", "active_unedited")
 
 
 def trace_heatmap(ctx: TraceContext) -> dict:
@@ -124,6 +164,8 @@ def trace_heatmap(ctx: TraceContext) -> dict:
             ("FF → logit, unedited", ctx.unedited.heatmap["ff_logit"], "RdBu", 0),
             ("active, unedited", ctx.unedited.heatmap["active"], "Viridis", None),
         ]
+    modes = HEATMAP_MODES[: len(maps)]
+    shown = modes.index(ctx.heatmap_mode) if ctx.heatmap_mode in modes else 0  # the URL's `heatmap=`
     data = [
         {
             "type": "heatmap",
@@ -132,7 +174,7 @@ def trace_heatmap(ctx: TraceContext) -> dict:
             "z": z,
             "colorscale": scale,
             **({"zmid": mid} if mid is not None else {}),
-            "visible": i == 0,
+            "visible": i == shown,
             "name": title,
             "hovertemplate": "layer %{y}<br>position %{x}<br>" + title + " %{z:.3g}<extra></extra>",
         }
@@ -150,9 +192,11 @@ def trace_heatmap(ctx: TraceContext) -> dict:
             "margin": {"l": 50, "r": 20, "t": 40, "b": 110},
             "xaxis": {"type": "category", "tickangle": -50, "title": {"text": "position (click to select)"}},
             "yaxis": {"title": {"text": "layer"}, "autorange": True},
+            "meta": {"modes": list(modes)},  # static/charts.js keeps the chosen one in the URL
             "updatemenus": [
                 {
                     "type": "buttons",
+                    "active": shown,
                     "direction": "right",
                     "x": 0,
                     "y": 1.12,
@@ -224,9 +268,31 @@ def residual_confidence(ctx: TraceContext) -> dict:
 SERIES_COLORS = ("#2b6cb0", "#c05621", "#2f855a", "#6b46c1", "#b7791f")
 
 
+PAPER_LINE = {"color": "rgba(113, 128, 150, 0.55)", "width": 5, "dash": "dash"}
+PAPER_BAND = "rgba(113, 128, 150, 0.15)"
+
+
 def analysis_chart(figure: AnalysisFigure) -> dict:
-    """Our per-layer series (solid, by relative depth) and the paper's values (dashed, approximate)."""
-    data = [
+    """Our per-layer series (solid, by relative depth) and the paper's values (dashed, approximate).
+
+    The paper's lines are drawn first, wide and translucent, so where ours runs on top of one both stay
+    visible; a paper range (a "low end" and a "high end", Fig. 7) is a shaded band between them."""
+    paper = []
+    for name, points in figure.paper.items():
+        band = name.endswith("high end") and paper and paper[-1]["name"].endswith("low end")
+        paper.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": html.escape(name, quote=False),
+                "x": [x for x, _ in points],
+                "y": [y for _, y in points],
+                "line": PAPER_LINE,
+                **({"fill": "tonexty", "fillcolor": PAPER_BAND} if band else {}),
+                "hovertemplate": "paper: %{y:.3g}<extra></extra>",
+            }
+        )
+    data = paper + [
         {
             "type": "scatter",
             "mode": "lines+markers",
@@ -241,18 +307,15 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
         }
         for i, (name, values) in enumerate(figure.series.items())
     ]
-    data += [
-        {
-            "type": "scatter",
-            "mode": "lines+markers",
-            "name": html.escape(name, quote=False),
-            "x": [x for x, _ in points],
-            "y": [y for _, y in points],
-            "line": {"color": "#718096", "dash": "dash"},
-            "hovertemplate": "paper: %{y:.3g}<extra></extra>",
-        }
-        for name, points in figure.paper.items()
-    ]
+    if figure.unit == "rank":  # log scale: one labelled tick a power of ten, written out (1, 10, 100, 1,000)
+        yaxis = {"title": {"text": "rank (0 = top; log scale)"}, "type": "log", "dtick": 1}
+        yaxis["tickformat"] = ",d"
+    elif figure.unit in ("share", "probability"):
+        yaxis = {"title": {"text": figure.unit}, "rangemode": "tozero"}
+        if figure.unit == "share":
+            yaxis["tickformat"] = ".0%"
+    else:
+        yaxis = {"title": {"text": figure.unit}}
     return {
         "data": data,
         "layout": BASE_LAYOUT
@@ -262,7 +325,7 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
             "legend": {"orientation": "h", "y": -0.3},
             "height": 360,
             "xaxis": {"title": {"text": "relative depth (layer / last layer)"}, "range": [-0.02, 1.02]},
-            "yaxis": {"title": {"text": figure.unit}, **({"type": "log"} if figure.unit == "rank" else {})},
+            "yaxis": yaxis,
         },
     }
 

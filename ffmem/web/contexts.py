@@ -100,6 +100,60 @@ class JobContext(BaseModel):
     model: str | None  # the run's model slug, once known
     progress: Progress | None
     polling: bool  # the page refreshes its progress until the job ends
+    max_attempts: int | None = None  # times a worker may take up one step (Settings.max_attempts)
+
+
+class JobsContext(BaseModel):
+    """Every job, the newest first."""
+
+    page: str = "jobs"
+    title: str
+    jobs: list[JobInfo]
+    limit: int  # at most this many are listed
+
+
+class CorpusFileView(BaseModel):
+    """A corpus file uploaded from the browser, with its lines counted as the CLI's reader counts them."""
+
+    name: str  # the uploaded file's name
+    corpus: str  # what an index run is started with: the file's path on this server
+    size: int  # bytes
+    sha256: str
+    lines: int  # usable lines (JSONL: records with a "text")
+    skipped: dict[str, int]  # lines skipped, by reason (ffmem/engine/text_files.py)
+    uploaded_at: Moment
+
+
+class CorpusUpload(BaseModel):
+    """The JSON answer to an upload: the corpus kept, and whether the same file was there already."""
+
+    corpus: CorpusFileView
+    already: bool
+
+
+class IndexedCorpus(BaseModel):
+    """A corpus as an index run read and tokenized it (stored once per tokenizer)."""
+
+    name: str
+    source: str  # where it was read from
+    tokenizer: str
+    n_sentences: int
+    n_tokens: int
+    skipped: dict  # lines skipped, by reason
+    created_at: Moment
+
+
+class CorporaContext(BaseModel):
+    """The corpora this server knows: the bundled one, the uploaded files, those the database holds."""
+
+    page: str = "corpora"
+    title: str
+    bundled: str  # wiki-vital
+    files: list[CorpusFileView]  # the newest first
+    indexed: list[IndexedCorpus]  # the newest first
+    uploaded: CorpusFileView | None = None  # the file just uploaded (`?uploaded=`), shown first
+    max_upload_bytes: int
+    skip_reasons: dict[str, str]  # what each skip reason means
 
 
 class LoginContext(BaseModel):
@@ -115,11 +169,32 @@ class LoginContext(BaseModel):
     next: str  # where the form goes back to
 
 
+class StartHere(BaseModel):
+    """Where a newcomer goes next: pages of the first model whose index can be browsed."""
+
+    model: str
+    prompt: str  # an example prompt for the live view
+    live_view: str  # that prompt traced
+    search: str
+    analysis: str
+    layers: str  # the model page: statistics per layer
+    top_layer: str  # the last layer's keys, those whose triggers' next tokens are their value's top first
+
+
+class CorpusChoice(BaseModel):
+    """A corpus the index form offers: its name, and what the form sends (wiki-vital or a path)."""
+
+    name: str
+    corpus: str
+
+
 class HomeContext(BaseModel):
     page: str = "home"
     title: str
     models: list[ModelEntry]
     jobs: list[JobInfo]  # the newest first
+    start: StartHere | None = None  # None until a model has an index to browse
+    corpora: list[CorpusChoice] = []  # the bundled corpus and the uploaded ones, for the index form
 
 
 class LayerSummary(BaseModel):
@@ -164,6 +239,7 @@ class ValueReadout(BaseModel):
 class LabelView(BaseModel):
     """A person's annotation of a memory (see ffmem.store.models.Label)."""
 
+    id: int
     pattern: str
     tag: str  # shallow | semantic | "" (untagged)
     author: str
@@ -174,6 +250,15 @@ class LabelAnswer(BaseModel):
     """The JSON answer to a new label: the label, and how many earlier ones stay as its history."""
 
     label: LabelView
+    history: int
+
+
+class LabelDeleted(BaseModel):
+    """The JSON answer to deleting a label: it, the memory's label now (the one before it, if any), and how
+    many earlier ones stay."""
+
+    deleted: LabelView
+    label: LabelView | None
     history: int
 
 
@@ -512,6 +597,8 @@ class TraceContext(BaseModel):
     edits: list[EditView] = []
     generation: Generation | None = None
     cases: dict[str, int] = {}  # layers per case
+    heatmap_mode: str = "ff_logit"  # the heatmap shown first (`heatmap=`; charts.HEATMAP_MODES)
+    notice_field: str | None = None  # the form field the notice is about: shown next to it
     unedited: UneditedTrace | None = None  # the same without the edits (None without edits)
 
 

@@ -32,3 +32,26 @@ def number(value: float | int | None, digits: int = 3) -> str:
 
 def percent(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def tail_words(text: str, limit: int) -> str:
+    """The end of `text` in at most `limit` characters, cut at a word boundary, with … where it was cut."""
+    if len(text) <= limit:
+        return text
+    tail = text[-(limit - 1) :]
+    space = next((i for i, char in enumerate(tail) if char.isspace()), None)
+    if space is not None and space < len(tail) - 1:  # drop the partial first word (not the whole tail)
+        tail = tail[space:].lstrip()
+    return "…" + tail
+
+
+def duration(start, end) -> str:
+    """The time from `start` to `end` (datetimes) as a person says it: 42 s, 4 min 12 s, 1 h 3 min."""
+    seconds = max(0, round((end - start).total_seconds()))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"

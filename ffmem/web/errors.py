@@ -19,12 +19,23 @@ log = logging.getLogger("ffmem")
 
 
 class AppError(Exception):
-    """An error a person can act on: an HTTP status, a short title, and a message that says what to do."""
+    """An error a person can act on: an HTTP status, a short title, and a message that says what to do.
 
-    def __init__(self, status: int, title: str, message: str, headers: dict[str, str] | None = None) -> None:
+    `field`: the form field that caused it (a page shows the message next to that field, the page kept)."""
+
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        *,
+        field: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.title, self.message = status, title, message
         self.headers = headers or {}  # e.g. Retry-After on a 503
+        self.field = field
 
 
 def sentence(text: str) -> str:
@@ -48,7 +59,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_query(request: Request, error: RequestValidationError) -> Response:
-        return error_response(request, AppError(400, "Bad request", _describe(error)))
+        return error_response(request, AppError(400, "Bad request", _describe(error), field=_field(error)))
 
     @app.exception_handler(DBAPIError)
     async def database_error(request: Request, error: DBAPIError) -> Response:
@@ -86,6 +97,15 @@ def error_response(request: Request, error: AppError) -> Response:
     from ffmem.web.rendering import render_error  # the templates need the error module first
 
     return render_error(request, error)
+
+
+def _field(error: RequestValidationError) -> str | None:
+    """The parameter of the first problem (`q`, `pattern`), for a page to show the message next to it."""
+    problems = error.errors()
+    if not problems:
+        return None
+    where = [str(part) for part in problems[0].get("loc", ()) if part not in ("query", "path", "body")]
+    return where[0] if where else None
 
 
 def _describe(error: RequestValidationError) -> str:

@@ -20,10 +20,12 @@ from ffmem.web import patterns, token_search, urls
 from ffmem.web.composition_view import explanation_hits, key_composition
 from ffmem.web.contexts import (
     Agreement,
+    CorpusChoice,
     Histogram,
     HomeContext,
     JobContext,
     JobInfo,
+    JobsContext,
     KeyContext,
     KeyRow,
     KeyStatsView,
@@ -42,6 +44,7 @@ from ffmem.web.contexts import (
     SearchContext,
     SentenceKey,
     SentenceMatch,
+    StartHere,
     TextPart,
     TokenMatch,
     TokenScore,
@@ -133,7 +136,9 @@ def run_info(run: Run) -> RunInfo:
 
 
 def label_view(label: Label) -> LabelView:
-    return LabelView(pattern=label.pattern, tag=label.tag, author=label.author, created_at=label.created_at)
+    return LabelView(
+        id=label.id, pattern=label.pattern, tag=label.tag, author=label.author, created_at=label.created_at
+    )
 
 
 def model_info(model: LanguageModel) -> ModelInfo:
@@ -180,14 +185,47 @@ def _trigger_token_ids(rows: list[TriggerRow], sentences: dict[int, Sentence]) -
 # ---- pages --------------------------------------------------------------------------------------
 
 
-def home_page(session: Session) -> HomeContext:
+EXAMPLE_PROMPT = "The capital of France is"
+
+
+def home_page(session: Session, corpora: list[CorpusChoice] | None = None) -> HomeContext:
+    """`corpora`: those the index form offers (ffmem/web/corpora.py)."""
     models = queries.list_models(session=session)
     entries = [ModelEntry(model=model_info(m), runs=[run_info(r) for r in reversed(m.runs)]) for m in models]
     recent = [JobInfo.model_validate(job, from_attributes=True) for job in jobs.recent_jobs(session=session)]
-    return HomeContext(title="ffmem: feed-forward memories", models=entries, jobs=recent)
+    return HomeContext(
+        title="ffmem: feed-forward memories",
+        models=entries,
+        jobs=recent,
+        start=start_here(session, models),
+        corpora=corpora or [],
+    )
 
 
-def job_page(session: Session, job_id: int) -> JobContext:
+def start_here(session: Session, models: list[LanguageModel]) -> StartHere | None:
+    """The next steps for a newcomer, on the first model with a finished index run."""
+    for model in models:
+        if queries.latest_finished_run(session=session, model_id=model.id) is not None:
+            slug = model.slug
+            return StartHere(
+                model=slug,
+                prompt=EXAMPLE_PROMPT,
+                live_view=urls.trace_url(slug, text=EXAMPLE_PROMPT),
+                search=urls.search_url(slug),
+                analysis=urls.analysis_url(slug),
+                layers=urls.model_url(slug),
+                top_layer=urls.layer_url(slug, model.n_layers - 1, sort="agreement", order="desc"),
+            )
+    return None
+
+
+def jobs_page(session: Session, *, limit: int) -> JobsContext:
+    found = jobs.recent_jobs(session=session, limit=limit)
+    listed = [JobInfo.model_validate(job, from_attributes=True) for job in found]
+    return JobsContext(title="ffmem: jobs", jobs=listed, limit=limit)
+
+
+def job_page(session: Session, job_id: int, *, max_attempts: int | None = None) -> JobContext:
     job = session.get(Job, job_id)
     if job is None:
         raise AppError(404, "Unknown job", f"There is no job {job_id}.")
@@ -216,6 +254,7 @@ def job_page(session: Session, job_id: int) -> JobContext:
         model=run.model.slug if run is not None else None,
         progress=progress,
         polling=job.status in jobs.ACTIVE,
+        max_attempts=max_attempts,
     )
 
 

@@ -13,16 +13,17 @@ from pydantic import BaseModel
 
 from ffmem.store.models import JobKind, JobStatus
 from ffmem.web import charts, urls
-from ffmem.web.access import admin_name, can_write, login_offered
-from ffmem.web.display import number, percent, visible
+from ffmem.web.access import admin_name, can_write, label_author, login_offered
+from ffmem.web.display import duration, number, percent, tail_words, visible
 from ffmem.web.errors import AppError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
-templates.env.filters.update(visible=visible, number=number, percent=percent)
+templates.env.filters.update(visible=visible, number=number, percent=percent, tail_words=tail_words)
 templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
+templates.env.globals.update(label_author=label_author, duration=duration)
 templates.env.globals.update(JobKind=JobKind, JobStatus=JobStatus)  # templates compare with these
 
 
@@ -56,11 +57,25 @@ def twin_url(request: Request) -> str:
     return f"{twin}?{request.url.query}" if request.url.query else twin
 
 
+def wants_fragment(request: Request) -> bool:
+    """An htmx request: it swaps a part of the page."""
+    return bool(request.headers.get("HX-Request"))
+
+
 def render_error(request: Request, error: AppError) -> Response:
-    """The one error shape."""
+    """The one error shape. To an htmx request, the message alone: the page keeps everything else and
+    shows it next to the field that caused it (`X-Error-Field`, static/app.js), else where the answer
+    was going; the URL is not pushed."""
     if wants_json(request):
         body = {"ok": False, "error": error.message, "status": error.status}
         return JSONResponse(body, status_code=error.status, headers=error.headers)
+    if wants_fragment(request):
+        headers = error.headers | {"HX-Push-Url": "false"}
+        if error.field:
+            headers["X-Error-Field"] = error.field
+        return templates.TemplateResponse(
+            request, "_error.html", {"error": error}, status_code=error.status, headers=headers
+        )
     return templates.TemplateResponse(
         request,
         "error.html",

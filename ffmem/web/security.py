@@ -7,7 +7,8 @@
   error pages, 500s included (`install` wraps the whole middleware stack: Starlette sends the 500 page
   from its outermost ServerErrorMiddleware, outside any middleware added with `add_middleware`).
 - **Limits** (`RequestLimits`): a query string over `settings.max_query_bytes` is a 414, a request body
-  over `settings.max_body_bytes` a 413, both in the app's error shape and before the routes run, so
+  over `settings.max_body_bytes` (a corpus upload: `settings.max_upload_bytes`) a 413, both in the app's
+  error shape and before the routes run, so
   nothing of a refused request is stored. Bodies without a Content-Length (chunked) are read chunk by
   chunk and refused as soon as they pass the limit: at most the limit is ever held in memory.
 """
@@ -66,9 +67,27 @@ HEADERS = Secure(
 )
 
 
+UPLOAD_PATHS = ("/corpora", "/corpora.json")  # corpus uploads: their own, larger body limit
+MULTIPART_SLACK = 64 * 1024  # the form's other fields and the multipart boundaries around the file
+
+
+def upload_too_large(limit: int) -> AppError:
+    """A corpus upload over `limit` bytes (refused here before it arrives, or by the route as it is read)."""
+    message = (
+        f"The file is larger than {limit:,} bytes, the most this server accepts for a corpus upload "
+        "(FFMEM_MAX_UPLOAD_BYTES); put a larger one where the workers read it and pass its path."
+    )
+    return AppError(413, "Corpus too large", message, field="file")
+
+
 def install(app: FastAPI, settings: Settings) -> None:
     """Size limits inside, security headers outside everything else (500 pages included)."""
-    app.add_middleware(RequestLimits, max_body=settings.max_body_bytes, max_query=settings.max_query_bytes)
+    app.add_middleware(
+        RequestLimits,
+        max_body=settings.max_body_bytes,
+        max_query=settings.max_query_bytes,
+        max_upload=settings.max_upload_bytes,
+    )
     build = app.build_middleware_stack
     app.build_middleware_stack = lambda: SecureASGIMiddleware(build(), secure=HEADERS)
 
@@ -76,8 +95,9 @@ def install(app: FastAPI, settings: Settings) -> None:
 class RequestLimits:
     """Refuse an over-long query string (414) or request body (413) before the app sees the request."""
 
-    def __init__(self, app: ASGIApp, *, max_body: int, max_query: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_body: int, max_query: int, max_upload: int | None = None) -> None:
         self.app, self.max_body, self.max_query = app, max_body, max_query
+        self.max_upload = max_upload if max_upload is not None else max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,12 +110,16 @@ class RequestLimits:
             )
             await self._refuse(scope, receive, send, AppError(414, "Query too long", message))
             return
-        body = await self._read_body(scope, receive)
+        upload = scope.get("method") == "POST" and scope.get("path") in UPLOAD_PATHS
+        limit = self.max_upload + MULTIPART_SLACK if upload else self.max_body
+        body = await self._read_body(scope, receive, limit)
         if body is None:
-            message = (
-                f"The request body is larger than {self.max_body:,} bytes, the most this server accepts."
-            )
-            await self._refuse(scope, receive, send, AppError(413, "Request too large", message))
+            if upload:
+                refused = upload_too_large(self.max_upload)
+            else:
+                message = f"The request body is larger than {limit:,} bytes, the most this server accepts."
+                refused = AppError(413, "Request too large", message)
+            await self._refuse(scope, receive, send, refused)
             return
 
         async def replay() -> Message:
@@ -103,10 +127,10 @@ class RequestLimits:
 
         await self.app(scope, replay, send)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> list[Message] | None:
-        """The body's messages (at most `max_body` bytes), or None as soon as it is larger."""
+    async def _read_body(self, scope: Scope, receive: Receive, limit: int) -> list[Message] | None:
+        """The body's messages (at most `limit` bytes), or None as soon as it is larger."""
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body:
+        if declared.isdigit() and int(declared) > limit:
             return None  # refused unread
         messages, size = [], 0
         while True:
@@ -115,7 +139,7 @@ class RequestLimits:
             if message["type"] != "http.request":  # the client went away: let the app see it
                 return messages
             size += len(message.get("body", b""))
-            if size > self.max_body:
+            if size > limit:
                 return None
             if not message.get("more_body", False):
                 return messages

@@ -53,7 +53,7 @@ class TraceQuery:
             self.interventions = parse_interventions(intervene, model.n_layers, model.n_keys)
         except InterventionError as error:  # raised by trace_page; the form shows what was typed
             self.interventions = []
-            self.error = AppError(400, "Bad intervention", sentence(str(error)))
+            self.error = AppError(400, "Bad intervention", sentence(str(error)), field="intervene")
 
     def url(self, fmt: str | None = None, **changes) -> str:
         values = {
@@ -113,9 +113,9 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
     if q.error:
         raise q.error
     if not q.text.strip():
-        raise AppError(400, "Empty prompt", "The prompt is empty: type some text.")
+        raise AppError(400, "Empty prompt", "The prompt is empty: type some text.", field="text")
     if len(q.text) > 32 * max_tokens:
-        raise AppError(400, "Prompt too long", f"Prompts are limited to {max_tokens} tokens.")
+        raise AppError(400, "Prompt too long", f"Prompts are limited to {max_tokens} tokens.", field="text")
     answer = live.trace(
         {
             "model": q.model.source,

@@ -39,6 +39,14 @@ def search_url(model: str, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/search", fmt, **query)
 
 
+def corpora_url(fmt: str | None = None, **query) -> str:
+    return _url("/corpora", fmt, **query)
+
+
+def jobs_url(fmt: str | None = None, **query) -> str:
+    return _url("/jobs", fmt, **query)
+
+
 def job_url(job_id: int, fmt: str | None = None) -> str:
     return _url(f"/jobs/{int(job_id)}", fmt)
 
@@ -77,6 +85,10 @@ def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **que
 
 def label_url(model: str, layer: int, key: int, fmt: str | None = None) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/labels", fmt)
+
+
+def delete_label_url(model: str, layer: int, key: int, label_id: int, fmt: str | None = None) -> str:
+    return _url(f"{label_url(model, layer, key)}/{int(label_id)}/delete", fmt)
 
 
 def start_analysis_url(model: str) -> str:

@@ -32,8 +32,8 @@ def test_label_a_memory_then_edit_it(client, db, slug):
         f"{url}.json", data={"pattern": "  a capital city  ", "tag": "semantic", "author": "bob"}
     )
     assert second.status_code == 201
-    assert second.json()["label"] | {"created_at": None} == {
-        "pattern": "a capital city", "tag": "semantic", "author": "bob", "created_at": None
+    assert second.json()["label"] | {"created_at": None, "id": None} == {
+        "id": None, "pattern": "a capital city", "tag": "semantic", "author": "bob", "created_at": None
     }  # fmt: skip
     assert second.json()["history"] == 1
     key = client.get(f"/m/{slug}/layers/1/keys/4.json").json()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from hand_trace import trace_by_hand
+from markupsafe import escape
 from sqlalchemy import select
 
 from ffmem.config import Settings
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout'
 TRACE_FIELDS = {
     "page", "title", "model", "n_layers", "n_keys", "text", "position", "readout", "memories", "generate",
     "interventions", "max_tokens", "worker", "notice", "run", "tokens", "prediction", "top_tokens", "layers",
-    "heatmap", "edits", "generation", "cases", "unedited",
+    "heatmap", "edits", "generation", "cases", "unedited", "heatmap_mode", "notice_field",
 }  # fmt: skip
 LAYER_FIELDS = {
     "layer",
@@ -310,8 +311,9 @@ def test_bad_input_is_a_400_that_says_what_is_allowed(client, slug, params, mess
     assert response.json() == {"ok": False, "error": message, "status": 400}
     page = client.get(f"/m/{slug}/trace", params=params)
     assert page.status_code == 400
-    if "Input should" not in message:  # not a malformed parameter: the form again, with the reason
-        assert 'id="prompt"' in page.text and 'id="worker-notice"' in page.text
+    if "Input should" not in message:  # not a malformed parameter: the form again, with the reason (next
+        # to the prompt or the edits when one of them is the cause, else in a notice)
+        assert 'id="prompt"' in page.text and str(escape(message)) in page.text
 
 
 def test_a_huge_prompt_is_refused_before_the_worker(client, explorer_db, slug):

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Path, Request
+from fastapi import APIRouter, Form, Path, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from ffmem.engine.text_files import CorpusError, corpus_file
 from ffmem.store import jobs
 from ffmem.store.models import Job, JobStatus
 from ffmem.web import pages, urls
-from ffmem.web.contexts import JobContext
+from ffmem.web.contexts import JobContext, JobsContext
 from ffmem.web.errors import AppError, sentence
 from ffmem.web.rendering import render, wants_json
 from ffmem.web.routes import SessionDep, action, page
@@ -20,6 +20,16 @@ from ffmem.web.routes import SessionDep, action, page
 router = APIRouter()
 # Job ids are the database's 32-bit integers: a larger one is a 400, not an overflow in the query.
 JobId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The job's number.")]
+
+
+@page(router, "/jobs", "jobs", JobsContext)
+def jobs_list(
+    request: Request,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Jobs listed, the newest first.")] = 100,
+):
+    """Every job, the newest first: what it computes, its status, when it ran."""
+    return render(request, "jobs.html", pages.jobs_page(session, limit=limit))
 
 
 @page(router, "/jobs/{job_id}", "job", JobContext)

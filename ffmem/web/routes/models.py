@@ -8,7 +8,7 @@ from fastapi import APIRouter, Form, Path, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from ffmem.store import jobs, queries
-from ffmem.web import analysis_page, pages, urls
+from ffmem.web import analysis_page, corpora, pages, urls
 from ffmem.web.contexts import AnalysisContext, HomeContext, JobContext, ModelContext
 from ffmem.web.errors import AppError
 from ffmem.web.rendering import render, wants_json
@@ -23,7 +23,8 @@ RunQuery = Annotated[
 @page(router, "/", "home", HomeContext)
 def home(request: Request, session: SessionDep):
     """The indexed models and their index runs."""
-    return render(request, "home.html", pages.home_page(session))
+    offered = corpora.choices(request.app.state.settings.upload_dir)
+    return render(request, "home.html", pages.home_page(session, corpora=offered))
 
 
 @page(router, "/m/{model}", "model", ModelContext)

@@ -10,14 +10,16 @@ from fastapi import APIRouter, Query, Request
 
 from ffmem.web import pages
 from ffmem.web import trace_view as live_view
+from ffmem.web.charts import HEATMAP_MODES
 from ffmem.web.contexts import AblationContext, TraceContext
 from ffmem.web.errors import AppError
 from ffmem.web.ratelimit import LiveBudget
-from ffmem.web.rendering import render, wants_json
+from ffmem.web.rendering import render, render_error, wants_fragment, wants_json
 from ffmem.web.routes import SessionDep, page
 from ffmem.web.routes.models import RunQuery
 
 router = APIRouter()
+HeatmapMode = Literal[HEATMAP_MODES]
 
 
 @page(router, "/m/{model}/trace", "trace", TraceContext, live=True)
@@ -46,6 +48,9 @@ def trace(
     generate: Annotated[
         int, Query(ge=0, le=20, description="Greedy tokens, with and without the edits.")
     ] = 0,
+    heatmap: Annotated[
+        HeatmapMode, Query(description="The heatmap shown: the FF's logit change or active memories.")
+    ] = "ff_logit",
 ):
     """Type a prompt: which memories fire, how the prediction forms layer by layer, and edits."""
     settings = request.app.state.settings
@@ -60,11 +65,15 @@ def trace(
     except AppError as error:
         if wants_json(request):
             raise
-        # The page keeps the form and says why there is no trace (a bad prompt or edit, too many live
-        # requests, or the worker down, busy or failed); the browse pages work on.
-        notice = f"{error.title}: {error.message}"
+        if error.field and wants_fragment(request):
+            return render_error(request, error)  # next to the field; the trace on the page stays
+        # The page keeps the form and says why there is no trace (a bad prompt or edit — next to its field —,
+        # too many live requests, or the worker down, busy or failed); the browse pages work on.
+        notice = error.message if error.field else f"{error.title}: {error.message}"
         ctx = live_view.trace_form(live, q, settings.max_prompt_tokens, notice=notice)
+        ctx = ctx.model_copy(update={"notice_field": error.field, "heatmap_mode": heatmap})
         return render(request, "trace.html", ctx, "trace", status_code=error.status, headers=error.headers)
+    ctx = ctx.model_copy(update={"heatmap_mode": heatmap})
     return render(request, "trace.html", ctx, fragment="trace")
 
 

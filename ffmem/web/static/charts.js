@@ -1,5 +1,7 @@
 // Draw every plotly figure spec found in a `.chart[data-figure]` element (also after htmx swaps).
 (function () {
+  var HEATMAP = "heatmap"; // the live view's query parameter that keeps the heatmap's mode (charts.HEATMAP_MODES)
+
   function draw(root) {
     if (!window.Plotly) return;
     root.querySelectorAll(".chart[data-figure]").forEach(function (el) {
@@ -23,9 +25,24 @@
           var chip = column === null ? null : document.getElementById("token-" + column);
           if (chip) chip.click();
         });
+        // A mode button puts the mode in the URL (the first mode is the default: no parameter).
+        var modes = (figure.layout.meta && figure.layout.meta.modes) || [];
+        el.on("plotly_buttonclicked", function (data) {
+          var url = new URL(window.location.href);
+          if (data.active > 0 && modes[data.active]) url.searchParams.set(HEATMAP, modes[data.active]);
+          else url.searchParams.delete(HEATMAP);
+          window.history.replaceState(window.history.state, "", url.toString());
+        });
       }
     });
   }
+
+  // Every request that swaps the live view (a chip, an edit link, the form) asks for the mode shown now.
+  document.addEventListener("htmx:configRequest", function (event) {
+    var target = event.detail.target;
+    var mode = new URL(window.location.href).searchParams.get(HEATMAP);
+    if (target && target.id === "trace" && mode) event.detail.parameters[HEATMAP] = mode;
+  });
   window.addEventListener("load", function () { draw(document); });
   document.addEventListener("htmx:afterSettle", function (event) { draw(event.target); });
 })();
