@@ -109,6 +109,25 @@ def test_a_job_page_gives_its_times(serve, db):
     assert "top-T" in page and "top k" not in page  # one name for it
 
 
+def test_a_job_page_explains_a_second_attempt(serve, db):
+    client = serve()
+    job = db.scalars(select(Job).order_by(Job.id)).first()
+    before = job.attempts
+    assert 'id="job-attempts"' not in client.get(f"/jobs/{job.id}").text  # a first attempt needs no word
+    job.attempts = 2
+    db.commit()
+    try:
+        page = client.get(f"/jobs/{job.id}").text
+        attempts = re.search(r'<p class="meta" id="job-attempts">(.*?)</p>', page, re.S).group(1)
+        assert attempts.startswith("Attempt 2 of at most 3: a worker took this step up again")
+        assert "stopped answering" in attempts and "Past 3 attempts the job fails" in attempts
+        capped = serve(max_attempts=5).get(f"/jobs/{job.id}").text
+        assert "Attempt 2 of at most 5" in capped
+    finally:
+        job.attempts = before
+        db.commit()
+
+
 def test_the_favicon_is_served(serve):
     client = serve()
     icon = client.get("/favicon.ico")

@@ -35,7 +35,8 @@ def jobs_list(
 @page(router, "/jobs/{job_id}", "job", JobContext)
 def job(request: Request, session: SessionDep, job_id: JobId):
     """One job: its status, its progress (polled until it ends), its error."""
-    return render(request, "job.html", pages.job_page(session, job_id), fragment="progress")
+    ctx = pages.job_page(session, job_id, max_attempts=request.app.state.settings.max_attempts)
+    return render(request, "job.html", ctx, fragment="progress")
 
 
 @action(router, "/jobs", "start_job", JobContext, status=201)
