@@ -39,14 +39,17 @@ def render(
     *,
     status_code: int = 200,
     headers: dict[str, str] | None = None,
+    field_errors: dict[str, str] | None = None,
 ) -> Response:
-    """The page for `ctx`: JSON for `.json`, `fragment` for htmx requests that target it, else the page."""
+    """The page for `ctx`: JSON for `.json`, `fragment` for htmx requests that target it, else the page.
+
+    `field_errors`: why a form field's value was refused, shown next to it (`#FIELD-error`)."""
     if wants_json(request):
         return JSONResponse(ctx.model_dump(mode="json"), status_code=status_code, headers=headers)
     name = template
     if fragment and request.headers.get("HX-Request") and request.headers.get("HX-Target") == fragment:
         name = f"_{fragment}.html"
-    context = {"ctx": ctx, "json_url": twin_url(request)}
+    context = {"ctx": ctx, "json_url": twin_url(request), "field_errors": field_errors or {}}
     return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
 
 

@@ -104,8 +104,11 @@ def valid(db, slug) -> dict[str, str]:
         "sentences": "40",
         "top_k": "5",
         "analyze": "false",
-        # a label
+        # a label, and deleting one
         "pattern": "capital cities",
+        "label_id": "1",
+        # a corpus upload (sent as a form field, not a file: refused however it is filled)
+        "file": "corpus.txt",
         "tag": "semantic",
         "author": "tester",
         # an analysis

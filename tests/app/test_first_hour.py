@@ -370,6 +370,24 @@ def test_an_over_long_search_names_its_field(serve, slug):
     assert answer.status_code == 400 and answer.headers["X-Error-Field"] == "q"
     assert "at most 200 characters" in answer.text
     assert 'maxlength="200"' in client.get(f"/m/{slug}/search").text
+    page = client.get(f"/m/{slug}/search", params={"q": "x" * 250})  # a link typed by hand: the page, kept
+    assert page.status_code == 400 and '<h1>Search' in page.text
+    assert f'name="q" value="{"x" * 200}"' in page.text
+    slot = re.search(r'<span class="field-error" id="q-error" role="alert">(.*?)</span>', page.text)
+    assert slot.group(1) == "q: String should have at most 200 characters"
+    body = client.get(f"/m/{slug}/search.json", params={"q": "x" * 250})
+    assert body.status_code == 400
+    message = "q: String should have at most 200 characters"
+    assert body.json() == {"ok": False, "error": message, "status": 400}
+
+
+def test_an_error_page_links_back_to_the_page_before(serve, slug):
+    client = serve()
+    came_from = f"http://testserver/m/{slug}/layers/1"
+    page = client.get(f"/m/{slug}/layers/99", headers={"Referer": came_from}).text
+    assert f'<a id="back" href="{came_from}">Back to the page you came from</a>' in page
+    elsewhere = client.get(f"/m/{slug}/layers/99", headers={"Referer": "https://example.com/"}).text
+    assert 'id="back"' not in elsewhere  # only a page of this site
 
 
 # ---- small ones ---------------------------------------------------------------------------------------

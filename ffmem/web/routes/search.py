@@ -10,7 +10,8 @@ from fastapi.responses import RedirectResponse
 
 from ffmem.web import pages, token_search
 from ffmem.web.contexts import SearchContext
-from ffmem.web.rendering import render, wants_json
+from ffmem.web.errors import AppError
+from ffmem.web.rendering import render, wants_fragment, wants_json
 from ffmem.web.routes import SessionDep, page
 from ffmem.web.routes.models import RunQuery
 
@@ -24,7 +25,11 @@ def search(
     session: SessionDep,
     model: str,
     q: Annotated[
-        str, Query(max_length=MAX_LENGTH, description="A token, text in trigger prefixes, or L12 K345.")
+        str,
+        Query(
+            description="A token, text in trigger prefixes, or L12 K345.",
+            json_schema_extra={"maxLength": MAX_LENGTH},  # checked below: the page shows why, its box kept
+        ),
     ] = "",
     run: RunQuery = None,
     readout: Annotated[
@@ -38,10 +43,16 @@ def search(
 ):
     """Which memories promote or suppress a token (every memory ranked by the token's logit in its value's
     readout); which sentences contain a text, and the keys they trigger."""
+    too_long = None
+    if len(q) > MAX_LENGTH:
+        message = f"q: String should have at most {MAX_LENGTH} characters"
+        too_long = AppError(400, "Bad request", message, field="q")
+        if wants_json(request) or wants_fragment(request):
+            raise too_long
     found = pages.search_page(
         session,
         model,
-        q=q,
+        q=q[:MAX_LENGTH] if too_long else q,
         run_id=run,
         readout=readout,
         by=by,
@@ -49,6 +60,8 @@ def search(
         arrays=token_search.cache_of(request.app),
         max_length=MAX_LENGTH,
     )
+    if too_long:  # the page, its box holding what fits, the reason next to it
+        return render(request, "search.html", found, status_code=400, field_errors={"q": too_long.message})
     if isinstance(found, str):  # q named a key: go there (its JSON twin for a JSON request)
         target = found.replace("?", ".json?", 1) if "?" in found else f"{found}.json"
         return RedirectResponse(target if wants_json(request) else found, status_code=303)
