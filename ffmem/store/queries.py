@@ -515,7 +515,7 @@ def get_sentences(*, session: Session, corpus_id: int, indices: Iterable[int]) -
 
 
 def layer_summaries(*, session: Session, run_id: int) -> list[Row]:
-    """One row per layer: key count and aggregates of the key statistics (see contexts.LayerSummary)."""
+    """One row per layer: key count and aggregates of the key statistics (see results.LayerFigures)."""
     top_agrees = case((KeyStats.next_token_rank == 0, 1.0), (KeyStats.next_token_rank.is_not(None), 0.0))
     query = (
         select(

@@ -11,9 +11,9 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel
 
-from ffmem.web.composition_view import ExplanationHit, ExplanationView, WeightGraphView
-
 from ffmem.store.models import JobKind, JobStatus
+from ffmem.store.results import LayerFigures
+from ffmem.web.composition_view import ExplanationHit, ExplanationView, WeightGraphView
 
 
 def _utc(moment: datetime) -> datetime:
@@ -197,19 +197,7 @@ class HomeContext(BaseModel):
     corpora: list[CorpusChoice] = []  # the bundled corpus and the uploaded ones, for the index form
 
 
-class LayerSummary(BaseModel):
-    """Per-layer statistics over the layer's keys (means unless named otherwise)."""
-
-    layer: int
-    keys: int
-    positive_share: float | None
-    density: float | None
-    max_coefficient: float | None  # the largest over the layer's keys
-    max_prob: float | None  # the largest value probability over the layer's keys
-    mean_max_prob: float | None
-    agreement_rate: float | None  # share of keys whose value's top token follows their top trigger
-    agreeing_keys: int | None  # keys with at least one trigger followed by a top value token
-    value_norm: float | None
+LayerSummary = LayerFigures  # the model page's rows are the store's per-layer figures, as they are
 
 
 class ModelContext(BaseModel):
@@ -597,9 +585,9 @@ class TraceContext(BaseModel):
     edits: list[EditView] = []
     generation: Generation | None = None
     cases: dict[str, int] = {}  # layers per case
+    unedited: UneditedTrace | None = None  # the same without the edits (None without edits)
     heatmap_mode: str = "ff_logit"  # the heatmap shown first (`heatmap=`; charts.HEATMAP_MODES)
     notice_field: str | None = None  # the form field the notice is about: shown next to it
-    unedited: UneditedTrace | None = None  # the same without the edits (None without edits)
 
 
 class AblationRow(BaseModel):

@@ -32,7 +32,6 @@ from ffmem.web.contexts import (
     LabelHit,
     LabelView,
     LayerContext,
-    LayerSummary,
     Links,
     MemoryNeighbours,
     ModelContext,
@@ -271,7 +270,7 @@ def model_page(session: Session, slug: str, run_id: int | None) -> ModelContext:
         title=f"{model.slug}: layers",
         model=model_info(model),
         run=run_info(run),
-        layers=[LayerSummary.model_validate(row, from_attributes=True) for row in results.layer_figures()],
+        layers=results.layer_figures(),
         provisional=results.coverage(),
     )
 

@@ -33,7 +33,7 @@ def test_the_analysis_page_queues_an_analysis_job(explorer_db, slug):
             run,
             None,
         )
-        assert job["options"] == {"run": run, "examples": 7, "keys": 2, "triggers": 3, "seed": 0}
+        assert job["options"] == {"examples": 7, "keys": 2, "triggers": 3, "seed": 0}  # the run is run_id
         # The same analysis again: the queued job is reused; the HTML form redirects to its page.
         redirect = client.post(f"/m/{slug}/analysis", data=form, follow_redirects=False)
         assert (redirect.status_code, redirect.headers["location"]) == (303, f"/jobs/{job['id']}")

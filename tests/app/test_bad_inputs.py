@@ -104,6 +104,7 @@ def valid(db, slug) -> dict[str, str]:
         "sentences": "40",
         "top_k": "5",
         "analyze": "false",
+        "first_position": "false",
         # a label, and deleting one
         "pattern": "capital cities",
         "label_id": "1",

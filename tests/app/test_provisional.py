@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from ffmem.config import Settings
+from ffmem.engine.corpus import mined_from
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.store import jobs
 from ffmem.store.db import make_engine, make_sessionmaker
@@ -33,11 +34,14 @@ def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_pat
     assert worker.step()  # mine shard 0 (sentences 0–7) and merge it
     with sessions() as session:
         slug = session.scalars(select(LanguageModel.slug)).one()
-        ids = [list(map(int, ids)) for ids in worker.corpus(1)[0]]
-    # What shard 0 alone mines, computed directly.
+        token_ids, first_positions, _ = worker.corpus(1)
+        ids = [list(map(int, sentence)) for sentence in token_ids]
+    # What shard 0 alone mines, computed directly, from the positions the run mines (not position 0).
+    first = mined_from(first_positions, first_position=False)
+    assert set(first) == {1}
     alone = MiningState(3, 48, 4)
     mine_batches(
-        tiny, shard_batches(ids, [0] * len(ids), shard=0, shard_sentences=8, batch_tokens=64, pad_id=0), alone
+        tiny, shard_batches(ids, first, shard=0, shard_sentences=8, batch_tokens=64, pad_id=0), alone
     )
 
     app = create_app(Settings(database_url=db_url))
