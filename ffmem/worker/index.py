@@ -486,10 +486,10 @@ class Worker:
         t0 = time.perf_counter()
         bar = tqdm(desc="neighbours", unit="block pair", disable=not options.progress)
 
-        def report(kind: str, done: int, total: int) -> None:
-            bar.total = total
-            bar.set_description(f"neighbours by {kind}")
-            bar.n = done
+        def report(kind: str, done: int, total: int) -> None:  # keys, then values: `total` pairs each
+            bar.total = 2 * total
+            bar.set_description(f"neighbours by {kind}", refresh=False)
+            bar.n = done + (total if kind == "value" else 0)
             bar.refresh()
 
         found = memory_neighbours(loaded, report=report)
