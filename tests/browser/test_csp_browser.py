@@ -128,7 +128,7 @@ def test_browse_pages_work_under_the_policy(watched, server, index):
     charts_drawn(page, "#histogram-chart", 1)
     visit(page, f"{server}/m/{slug}/search")
     page.locator("#q").fill("the")  # searches as you type (htmx)
-    page.wait_for_selector("#results .prefix")
+    page.wait_for_selector("#results #sentence-matches mark")
     visit(page, f"{server}/m/{slug}/analysis")
     figures = page.locator("section.figure .chart[data-figure]").count()
     assert figures == 8
