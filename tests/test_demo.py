@@ -72,8 +72,8 @@ def test_demo_serves_at_once_and_builds_in_the_background(tmp_path, tiny_model_d
             assert analysis["job"]["status"] in ("queued", "running"), analysis
             assert time.monotonic() < deadline, "the analyses did not finish"
             time.sleep(0.3)
+        assert analysis["job"]["run_id"] == job["run"]["id"]
         assert analysis["job"]["options"] == {
-            "run": job["run"]["id"],
             "examples": 500,
             "keys": 10,
             "triggers": 10,
