@@ -693,30 +693,30 @@ def sentences_containing(*, session: Session, corpus_id: int, text: str, limit: 
     return list(session.scalars(query))
 
 
-def triggers_from(
-    *, session: Session, run_id: int, first_positions: dict[int, int], limit: int
-) -> list[Trigger]:
-    """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`.
+def triggers_from(*, session: Session, run_id: int, first_positions: dict[int, int], limit: int) -> list[Row]:
+    """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`,
+    as rows (layer, key, rank, sentence_index, position, coefficient).
 
     `first_positions` maps a sentence index to the first position whose prefix qualifies. One
-    indexed query per sentence (an OR over sentences would scan every trigger of the run).
+    indexed query per sentence (an OR over sentences would scan every trigger of the run); once
+    `limit` are found, the next sentences are asked only for triggers at least as strong as the
+    weakest of them.
     """
-    found: list[Trigger] = []
+    columns = (Trigger.layer, Trigger.key, Trigger.rank, Trigger.sentence_index, Trigger.position)
+    found: list[Row] = []
     for sentence, position in first_positions.items():
-        query = (
-            select(Trigger)
-            .where(
-                Trigger.run_id == run_id,
-                Trigger.sentence_index == sentence,
-                Trigger.sign == 1,
-                Trigger.position >= position,
-            )
-            .order_by(Trigger.coefficient.desc())
-            .limit(limit)
+        query = select(*columns, Trigger.coefficient).where(
+            Trigger.run_id == run_id,
+            Trigger.sentence_index == sentence,
+            Trigger.sign == 1,
+            Trigger.position >= position,
         )
-        found += session.scalars(query)
-    found.sort(key=lambda t: (-t.coefficient, t.layer, t.key))
-    return found[:limit]
+        if len(found) >= limit:
+            query = query.where(Trigger.coefficient >= found[-1].coefficient)
+        found += session.execute(query.order_by(Trigger.coefficient.desc()).limit(limit)).all()
+        found.sort(key=lambda t: (-t.coefficient, t.layer, t.key))
+        del found[limit:]
+    return found
 
 
 def add_label(

@@ -157,6 +157,15 @@ def test_text_search_shows_each_sentence_once_with_the_matches_marked(client, db
             k["url"] == f"/m/{slug}/layers/{k['layer']}/keys/{k['key']}?run={run.id}" for k in s["keys"]
         )
     assert strongest == sorted(strongest, reverse=True), "the sentence of the strongest trigger first"
+    reaching = sorted(  # every trigger whose prefix reaches past the text, the strongest first
+        (-t.coefficient, t.layer, t.key, t.position)
+        for t in db.scalars(select(Trigger).where(Trigger.run_id == run.id, Trigger.sign == 1))
+        if "capital of"
+        in sentences[t.sentence_index].text[: sentences[t.sentence_index].offsets[t.position][1]].lower()
+    )
+    few = _get(client, f"/m/{slug}/search.json?q=capital%20OF&limit=5")["sentences"]
+    shown = {(k["layer"], k["key"], k["position"]) for s in few for k in s["keys"]}
+    assert shown == {(layer, key, position) for _, layer, key, position in reaching[:5]}, "the 5 strongest"
     page = client.get(f"/m/{slug}/search?q=capital%20OF").text
     assert page.count("<mark>capital of</mark>") == len(body["sentences"])
 
