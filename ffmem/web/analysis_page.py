@@ -63,14 +63,14 @@ def analysis_page(session: Session, settings: Settings, slug: str, run_id: int |
         figures.append(
             figure(
                 "fig4",
-                "Fig. 4 — key–value agreement",
+                "Fig. 4 — agreement rate: keys whose value predicts what follows their top trigger",
                 f"The share of keys whose value's top token (raw readout, softmax(v·E)) is the token that "
                 f"follows their top trigger prefix; a random value would agree {data['baseline']:.2g} of the "
                 f"time. The paper saw almost none in layers 1–10 and up to about 3.5% in the upper layers: "
                 f"upper-layer values predict what follows their keys' patterns.",
                 "share",
-                {"agreement": data["agreement"], "random baseline": [data["baseline"]] * len(layers)},
-                {"agreement (paper)": _paper((0, 0.0), (0.6, 0.0), (1, 0.035))},
+                {"agreement rate": data["agreement"], "random baseline": [data["baseline"]] * len(layers)},
+                {"agreement rate (paper)": _paper((0, 0.0), (0.6, 0.0), (1, 0.035))},
             )
         )
         figures.append(

@@ -7,6 +7,7 @@ Plotly reads a little HTML in labels, so every label from a corpus or a vocabula
 from __future__ import annotations
 
 import html
+import math
 
 from ffmem.web.composition_view import WeightGraphView
 from ffmem.web.contexts import AnalysisFigure, Histogram, LayerSummary, TraceContext, ValueReadout
@@ -268,6 +269,17 @@ def residual_confidence(ctx: TraceContext) -> dict:
 SERIES_COLORS = ("#2b6cb0", "#c05621", "#2f855a", "#6b46c1", "#b7791f")
 
 
+def log_ticks(low: float, high: float) -> list[int]:
+    """1, 2 and 5 times the powers of ten from below `low` to above `high`."""
+    ticks, power = [], 1
+    while power <= 10 * high:
+        ticks += [step * power for step in (1, 2, 5)]
+        power *= 10
+    below = max([tick for tick in ticks if tick <= low], default=1)
+    above = min([tick for tick in ticks if tick >= high], default=ticks[-1])
+    return [tick for tick in ticks if below <= tick <= above]
+
+
 PAPER_LINE = {"color": "rgba(113, 128, 150, 0.55)", "width": 5, "dash": "dash"}
 PAPER_BAND = "rgba(113, 128, 150, 0.15)"
 
@@ -307,9 +319,12 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
         }
         for i, (name, values) in enumerate(figure.series.items())
     ]
-    if figure.unit == "rank":  # log scale: one labelled tick a power of ten, written out (1, 10, 100, 1,000)
-        yaxis = {"title": {"text": "rank (0 = top; log scale)"}, "type": "log", "dtick": 1}
-        yaxis["tickformat"] = ",d"
+    if figure.unit == "rank":  # log scale, every tick written out in full: 1, 2, 5, 10, 20, …, 20,000
+        ranks = [v for values in figure.series.values() for v in values if v is not None and v > 0]
+        ticks = log_ticks(min(ranks, default=1), max(ranks, default=10))
+        yaxis = {"title": {"text": "rank (0 = top; log scale)"}, "type": "log"}
+        yaxis |= {"tickvals": ticks, "ticktext": [f"{tick:,}" for tick in ticks]}
+        yaxis["range"] = [math.log10(ticks[0]), math.log10(ticks[-1])]  # from the tick below to the one above
     elif figure.unit in ("share", "probability"):
         yaxis = {"title": {"text": figure.unit}, "rangemode": "tozero"}
         if figure.unit == "share":
@@ -320,7 +335,8 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
         "data": data,
         "layout": BASE_LAYOUT
         | {
-            "title": {"text": html.escape(figure.title, quote=False)},  # our prose: spaces stay spaces
+            "title": {"text": ""},  # the page heads the chart with its title (it wraps there)
+            "margin": {"l": 60, "r": 20, "t": 16, "b": 48},
             "showlegend": True,
             "legend": {"orientation": "h", "y": -0.3},
             "height": 360,

@@ -430,8 +430,11 @@ def test_the_analysis_charts_label_their_log_axis_and_keep_the_paper_visible():
             series={"ours": [0.5, 0.5]}, paper=paper,
         )  # fmt: skip
 
-    rank = charts.analysis_chart(figure("rank", {}))["layout"]["yaxis"]
-    assert (rank["type"], rank["dtick"], rank["tickformat"]) == ("log", 1, ",d")
+    ranks = figure("rank", {}).model_copy(update={"series": {"q0.5": [3.0, 17_000.0, None]}})
+    rank = charts.analysis_chart(ranks)["layout"]["yaxis"]
+    assert rank["type"] == "log"
+    assert rank["tickvals"] == [2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+    assert rank["ticktext"][-3:] == ["5,000", "10,000", "20,000"]  # every label in full, none ambiguous
     band = charts.analysis_chart(
         figure("share", {"paper: low end": [[0, 0.1], [1, 0.1]], "paper: high end": [[0, 0.5], [1, 0.5]]})
     )["data"]

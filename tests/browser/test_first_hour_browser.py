@@ -101,10 +101,10 @@ def slow_server(index, worker):
     app.state.engine.dispose()
 
 
-@pytest.fixture
+@pytest.fixture(params=[390, 1024], ids=["phone", "small laptop"])
 def phone(browser, request, dialogs):
-    """A page 390 px wide (a phone), failing its test on any page error."""
-    context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=1)
+    """A page 390 px wide (a phone) or 1024 px (a small laptop), failing its test on any page error."""
+    context = browser.new_context(viewport={"width": request.param, "height": 844}, device_scale_factor=1)
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
@@ -371,7 +371,7 @@ def test_a_file_over_the_limit_is_refused_before_it_is_sent(browser, index, work
     app.state.engine.dispose()
 
 
-# ---- phone widths: no page scrolls sideways -------------------------------------------------------
+# ---- phone widths (and a small laptop's): no page scrolls sideways --------------------------------
 
 PAGES = {
     "home": "/",
@@ -397,12 +397,12 @@ def test_no_page_scrolls_sideways_on_a_phone(phone, server, index, kind):
     if phone.locator(".chart").count():
         phone.wait_for_selector(".chart .main-svg")  # charts drawn: they must fit too
     width, client = no_sideways_scroll(phone)
-    assert client == 390
+    assert client == phone.viewport_size["width"]
     assert width <= client, f"{kind}: the page is {width} px wide at {client} px"
     header_box = phone.locator("header form.searchbox input")
     if header_box.count():  # the header's search box fits on the screen, not clipped
         box = header_box.bounding_box()
-        assert box["x"] >= 0 and box["x"] + box["width"] <= client and box["width"] >= 150
+        assert box["x"] >= 0 and box["x"] + box["width"] <= client and box["width"] >= 150, kind
     # A wide table scrolls inside its own box: no table (but those inside another) reaches past the screen.
     rights = phone.evaluate(
         "() => [...document.querySelectorAll('main table')].filter(t => !t.parentElement.closest('table'))"

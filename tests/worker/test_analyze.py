@@ -136,7 +136,7 @@ def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
         figures = {f["name"]: f for f in body["figures"]}
         assert list(figures) == ["fig3", "fig4", "fig5", "fig7", "fig8", "fig9", "fig10", "fig11"]
         assert figures["fig3"]["series"]["last token removed"] == stored["token_removal"]["last"]
-        assert figures["fig4"]["series"]["agreement"] == stored["agreement"]["agreement"]
+        assert figures["fig4"]["series"]["agreement rate"] == stored["agreement"]["agreement"]
         assert figures["fig7"]["series"]["m > 0"] == [v / 48 for v in stored["census"]["positive"]]
         assert figures["fig11"]["series"] == stored["census"]["cases"]
         assert figures["fig9"]["depth"] == [0.0, 0.5, 1.0] and figures["fig8"]["paper"]
