@@ -148,7 +148,7 @@ def test_every_write_route_is_guarded(serve, db, slug):
     """Each POST route but /login and /logout answers 401 without the token, and changes nothing."""
     client = serve(host="0.0.0.0", admin_token=TOKEN)
     posts = [path for path, item in client.get("/openapi.json").json()["paths"].items() if "post" in item]
-    values = {"model": slug, "layer": "1", "key": "4", "job_id": "1", "run": "1"}
+    values = {"model": slug, "layer": "1", "key": "4", "job_id": "1", "run": "1", "label_id": "1"}
     db.expire_all()
     counts = [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, Trigger)]
     guarded = [path for path in posts if path not in ("/login", "/login.json", "/logout", "/logout.json")]
