@@ -58,7 +58,7 @@ def analyzed(db_url, tiny, tmp_path):
 
 def test_stored_analyses_equal_the_engine(analyzed, tiny):
     sessions, run_id, seconds = analyzed
-    assert set(seconds) == {"agreement", "census", "token_removal"}
+    assert set(seconds) == {"agreement", "census", "token_removal", "weight_graph", "explanations"}
     with sessions() as session:
         stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
         run = session.get(Run, run_id)
@@ -132,7 +132,7 @@ def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
     app = create_app(Settings(database_url=db_url))
     with TestClient(app) as client:
         body = client.get(f"/m/{slug}/analysis.json").json()
-        assert body["missing"] == [] and set(body["computed"]) == {"agreement", "census", "token_removal"}
+        assert body["missing"] == [] and {"agreement", "census", "token_removal"} <= set(body["computed"])
         figures = {f["name"]: f for f in body["figures"]}
         assert list(figures) == ["fig3", "fig4", "fig5", "fig7", "fig8", "fig9", "fig10", "fig11"]
         assert figures["fig3"]["series"]["last token removed"] == stored["token_removal"]["last"]
@@ -197,7 +197,7 @@ def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url
         assert "none is held out" in failed.error["message"]
         # What was computed before the failure is kept; the run's pages are untouched.
         names = session.scalars(select(Analysis.name).where(Analysis.run_id == run.id)).all()
-        assert names == ["agreement"]
+        assert "agreement" in names and "census" not in names  # those that need no held-out sentences
         # Queued again for the run (as the analysis page does): the failed job is retried.
         again, what = jobs.enqueue_analysis(session=session, options=analysis, run_id=run.id)
         assert (what, again.id, again.status) == ("resumed", waiting_id, "queued")  # a retry
