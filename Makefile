@@ -31,6 +31,8 @@ bench: install
 	$(PY) bench/trace.py
 	$(PY) bench/load.py
 	$(PY) bench/analysis.py
+	$(PY) bench/weight_graph.py
+	$(PY) bench/explanations.py
 	$(PY) bench/jobs.py
 	$(PY) bench/fuzz.py
 

@@ -1,0 +1,116 @@
+"""Explanations without an API key on the default index (a benchmark, not a test): `make bench` runs it
+after weight_graph.py (whose `default_run` builds the index when it is missing).
+
+Describes every memory of the default run and scores each description on the held-out sentences (the
+corpus's sentences after the 2,000 the run mined; `explain_sentences` of them), as a finished run
+does (ffmem.worker.composition.store_explanations), and reports the time of each part (target: all
+memories in ≤ 10 minutes), the scores' distribution overall and by depth, and the key page's server
+time with the new sections (TestClient, random keys). Figures go into bench-results.json under
+"explanations".
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from results import record  # noqa: E402
+from weight_graph import default_run  # noqa: E402
+
+from ffmem.config import Settings, get_settings  # noqa: E402
+from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
+from ffmem.store.models import Explanation, Run  # noqa: E402
+from ffmem.worker.composition import ComposeOptions, store_explanations  # noqa: E402
+
+
+def page_times(url: str, slug: str, n_layers: int, n_keys: int, samples: int) -> dict:
+    """Server time (the Server-Timing header, else wall time) of the key page and its JSON twin."""
+    from fastapi.testclient import TestClient
+
+    from ffmem.web.main import create_app
+
+    app = create_app(Settings(database_url=url))
+    rng = random.Random(1)
+    times = {"key_page": [], "key_page_json": []}
+    with TestClient(app) as client:
+        for _ in range(samples):
+            path = f"/m/{slug}/layers/{rng.randrange(n_layers)}/keys/{rng.randrange(n_keys)}"
+            for name, suffix in (("key_page", ""), ("key_page_json", ".json")):
+                start = time.perf_counter()
+                response = client.get(path + suffix)
+                wall = (time.perf_counter() - start) * 1000
+                assert response.status_code == 200, response.text
+                timing = response.headers.get("server-timing", "")
+                server = [float(p.split("dur=")[1]) for p in timing.split(",") if "dur=" in p]
+                times[name].append(sum(server) if server else wall)
+    app.state.engine.dispose()
+    return {name: {"p50_ms": round(statistics.median(t), 1), "n": len(t)} for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--db", help="database URL (default: the settings')")
+    parser.add_argument("--pages", type=int, default=100, help="key pages timed")
+    args = parser.parse_args()
+    settings = get_settings()
+    url = args.db or settings.database_url
+    run_id = default_run(url)
+    sessions = make_sessionmaker(make_engine(url))
+    loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
+    options = ComposeOptions.from_settings(settings) if not settings.explainer_url else ComposeOptions()
+    start = time.perf_counter()
+    summary = store_explanations(sessions, run_id, loaded, options)
+    seconds = time.perf_counter() - start
+    with sessions() as session:
+        run = session.get(Run, run_id)
+        slug, n_layers, n_keys = run.model.slug, run.model.n_layers, run.model.n_keys
+        rows = (
+            session.query(Explanation.layer, Explanation.score, Explanation.details)
+            .filter_by(run_id=run_id)
+            .all()
+        )
+        best = (
+            session.query(Explanation)
+            .filter(Explanation.run_id == run_id, Explanation.score.is_not(None))
+            .order_by(Explanation.score.desc())
+            .limit(5)
+            .all()
+        )
+        examples = [f"L{e.layer} K{e.key} ({e.score:.2f}): {e.text}" for e in best]
+    scores = [s for _, s, _ in rows if s is not None]
+    thirds = [
+        [s for layer, s, _ in rows if s is not None and layer * 3 // n_layers == third] for third in range(3)
+    ]
+    results = {
+        "memories": len(rows),
+        "threads": torch.get_num_threads(),
+        "seconds": round(seconds, 1),
+        "parts_seconds": {k: round(v, 1) for k, v in summary.items() if k.endswith("_seconds")},
+        "held_out_sentences": summary["held_out_sentences"],
+        "held_out_positions": summary["held_out_positions"],
+        "scored": len(scores),
+        "score_median": round(statistics.median(scores), 3) if scores else None,
+        "score_above_0.3": round(sum(s > 0.3 for s in scores) / max(1, len(scores)), 3),
+        "score_median_by_depth_third": [round(statistics.median(t), 3) if t else None for t in thirds],
+        "auroc_median": None if summary["median_auroc"] is None else round(summary["median_auroc"], 3),
+        "examples": examples,
+        "target_seconds": 600,
+    }
+    print(results, flush=True)
+    results["pages"] = page_times(url, slug, n_layers, n_keys, args.pages)
+    print(results["pages"], flush=True)
+    record("explanations", results)
+
+
+if __name__ == "__main__":
+    main()
