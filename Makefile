@@ -27,8 +27,10 @@ test: install
 bench: install
 	$(PY) bench/bench.py
 	$(PY) bench/web.py
+	$(PY) bench/examples.py
 	$(PY) bench/search.py
 	$(PY) bench/trace.py
+	$(PY) bench/attribution.py
 	$(PY) bench/load.py
 	$(PY) bench/analysis.py
 	$(PY) bench/weight_graph.py

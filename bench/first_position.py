@@ -135,18 +135,62 @@ def report(loaded, out, argmax0, argmax1, token_ids, first: int) -> dict:
     }
 
 
+def sink_positions(
+    loaded, token_ids: list[list[int]], keys: list[tuple[int, int]], ratio: float = 10.0
+) -> dict:
+    """Where the sink sits, sentence by sentence: the positions whose residual norm after each layer of
+    `keys` is over `ratio` × the sentence's median, counted by position (0, 1, 2, later); and for each
+    of `keys` the position of its largest coefficient in the sentences where that exceeds a tenth of
+    its largest anywhere."""
+    layers = sorted({layer for layer, _ in keys})
+    sinks = {layer: {"0": 0, "1": 0, "2": 0, "later": 0, "none": 0} for layer in layers}
+    peaks = {f"L{layer}K{key}": [] for layer, key in keys}  # (max m, position) per sentence
+    with (
+        torch.inference_mode(),
+        capture(loaded.model, loaded.adapter, layers, ("coefficients", "layer_output")) as c,
+    ):
+        for ids in token_ids:
+            loaded.model.base_model(input_ids=torch.tensor([ids]), use_cache=False)
+            for layer in layers:
+                norms = c.layer_output[layer][0].float().norm(dim=-1)  # [pos]
+                big = (norms > ratio * norms.median()).nonzero().flatten().tolist()
+                for position in big:
+                    sinks[layer][str(position) if position < 3 else "later"] += 1
+                sinks[layer]["none"] += not big
+            for layer, key in keys:
+                m = c.coefficients[layer][0, :, key].float()  # [pos]
+                peaks[f"L{layer}K{key}"].append((float(m.max()), int(m.argmax())))
+    where = {}
+    for name, rows in peaks.items():
+        top = max(value for value, _ in rows)
+        strong = [position for value, position in rows if value > top / 10]
+        where[name] = {"largest": round(top, 1), "sentences_over_a_tenth": len(strong)}
+        where[name] |= {f"at_{p}": sum(q == p for q in strong) for p in (0, 1, 2)}
+        where[name]["later"] = sum(q > 2 for q in strong)
+    return {"sink_ratio": ratio, "residual_norm_outliers_by_position": sinks, "strong_coefficients": where}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--corpus", default="wiki-vital")
     parser.add_argument("--sentences", type=int, default=2000)
     parser.add_argument("--prefix-token", type=int, default=None, help="a token id put before every sentence")
+    parser.add_argument(
+        "--sinks",
+        default=None,
+        help="instead: where the sink sits, sentence by sentence, for these keys (e.g. 11:1229,28:678)",
+    )
     args = parser.parse_args()
     loaded = load_model(args.model, device="cpu", dtype="float32")
     tokenized = tokenize(read_corpus(args.corpus, args.sentences).sentences, loaded.tokenizer)
     first = 0 if args.prefix_token is None else 1
     token_ids = [([args.prefix_token] if first else []) + s.token_ids for s in tokenized]
     token_ids = [ids for ids in token_ids if len(ids) > first]
+    if args.sinks:
+        keys = [tuple(map(int, k.split(":"))) for k in args.sinks.split(",")]
+        print(json.dumps({"sentences": len(token_ids), **sink_positions(loaded, token_ids, keys)}, indent=1))
+        return
     out, argmax0, argmax1 = extremes(loaded, token_ids, first)
     result = {
         "model": args.model,

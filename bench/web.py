@@ -26,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app import queries  # noqa: E402
+from ffmem.store import queries  # noqa: E402
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402

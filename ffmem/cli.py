@@ -619,25 +619,21 @@ def demo(
     def enqueue():
         from sqlalchemy import exists, select
 
-        from ffmem.store import jobs, queries
+        from ffmem.store import jobs
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
         from ffmem.store.models import Analysis
 
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
             analysis = jobs.analysis_options(settings, **DEMO_ANALYSIS)
-            built = queries.find_finished_run(
-                session=session, model_slug=settings.model, n_sentences=settings.sentences
-            )
-            if built is not None:
-                if not session.scalar(select(exists().where(Analysis.run_id == built.id))):
-                    jobs.enqueue_analysis(session=session, options=analysis, run_id=built.id)
-                    session.commit()
-                return built.id, jobs.Enqueued.done
             job, what = jobs.enqueue(session=session, options=jobs.run_options(settings))
-            jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
+            if what == jobs.Enqueued.done:  # built before: analyze it unless that was done too
+                if not session.scalar(select(exists().where(Analysis.run_id == job.run_id))):
+                    jobs.enqueue_analysis(session=session, options=analysis, run_id=job.run_id)
+            else:
+                jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
             session.commit()
-            return job.id, what
+            return (job.run_id if what == jobs.Enqueued.done else job.id), what
 
     from ffmem.store.jobs import Enqueued
 

@@ -64,8 +64,27 @@ class Settings(BaseSettings):
         description="Corpus indexed when none is named: 'wiki-vital' (bundled Wikipedia summaries), "
         "a .txt file (one or more sentences a line) or a .jsonl file with a 'text' field.",
     )
-    sentences: int = Field(2000, ge=1, description="Sentences mined when --sentences is not given.")
+    sentences: int | None = Field(
+        None,
+        ge=1,
+        description="Sentences read from the corpus when --sentences is not given; empty (the default): all "
+        "of them (the bundled wiki-vital: ~36.5K sentences, ~1M tokens).",
+    )
+    held_out_every: int = Field(
+        10,
+        ge=0,
+        description="Every this many-th sentence of a run's corpus (index % n = n − 1) is held out of "
+        "mining: the paper's analyses and the explanations' scores read those. 0: none is held out "
+        "(then they read the corpus's sentences after the run's --sentences).",
+    )
     top_k: int = Field(50, ge=1, le=1000, description="Trigger sentences kept per key and sign (T).")
+    shaded_triggers: int = Field(
+        10,
+        ge=0,
+        le=1000,
+        description="Top triggers per sign whose every token the key page shades: after mining, one more "
+        "pass over their sentences (and the band samples') reads the key's coefficient at each token.",
+    )
     max_sentence_tokens: int = Field(
         128, ge=2, le=4096, description="Sentences longer than this many tokens are truncated."
     )

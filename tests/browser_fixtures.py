@@ -83,3 +83,31 @@ def page(browser, request, dialogs):
     context.close()
     assert errors == [], errors
     assert dialogs == [], dialogs
+
+
+# Each CSP violation is reported to the test through an exposed function (the init script and the
+# binding come from the driver, so the page's CSP does not apply to them).
+REPORT_VIOLATIONS = """
+document.addEventListener("securitypolicyviolation", (event) => {
+  const where = `${event.sourceFile}:${event.lineNumber}`;
+  window.cspViolation(`${event.violatedDirective} blocked ${event.blockedURI} at ${where}: ${event.sample}`);
+});
+"""
+
+
+@pytest.fixture
+def watched(page):
+    """The page, with every CSP violation and console error it reports collected; none may happen."""
+    violations: list[str] = []
+    console: list[str] = []
+    page.expose_function("cspViolation", lambda text: violations.append(text))
+    page.add_init_script(REPORT_VIOLATIONS)
+
+    def on_console(message) -> None:
+        if message.type == "error" and not message.location.get("url", "").endswith("/favicon.ico"):
+            console.append(f"{message.text} ({message.location.get('url')})")  # we serve no favicon
+
+    page.on("console", on_console)
+    yield page
+    assert violations == []
+    assert console == []

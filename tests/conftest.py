@@ -74,6 +74,6 @@ def session(db_url):
     engine.dispose()
 
 
-from browser_fixtures import browser, dialogs, page  # noqa: E402,F401  (Playwright on Debian's Chromium)
+from browser_fixtures import browser, dialogs, page, watched  # noqa: E402,F401  (Playwright on Debian's Chromium)
 from explorer_index import db, explorer_db, slug  # noqa: E402,F401  (a tiny index for the explorer)
 from tiny_models import tiny, tiny_model_dir  # noqa: E402,F401  (tiny random model fixtures)

@@ -65,3 +65,23 @@ def db(explorer_db):
 def slug(db) -> str:
     """The tiny model's URL name."""
     return db.scalars(select(LanguageModel.slug)).one()
+
+
+def four_shard_options(tiny_model_dir, tmp_path) -> IndexOptions:
+    """A run of the tiny model over 28 sentences in 4 shards of 7 (shard k: every 4th from the k-th),
+    nothing held out: what the progress and provisional-page tests rewind and inspect."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(EXPLORER_SENTENCES[:7] * 4) + "\n")
+    return IndexOptions(
+        model=str(tiny_model_dir),
+        corpus=str(corpus),
+        cache_dir=tmp_path,
+        progress=False,
+        sentences=None,
+        held_out_every=0,
+        top_k=4,
+        device="cpu",
+        dtype="float32",
+        batch_tokens=64,
+        shard_sentences=8,
+    )

@@ -82,7 +82,9 @@ def test_demo_from_a_cold_cache_computes_the_right_numbers(tmp_path):
         provenance = job["run"]["provenance"]
         assert provenance["weights_sha256"] == KNOWN["smollm2-135m"].weights_sha256
         slug = job["model"]
-        assert slug == "smollm2-135m" and job["run"]["n_sentences"] == SENTENCES
+        held_out = len(range(9, SENTENCES, 10))  # every 10th sentence is held out of mining
+        assert slug == "smollm2-135m" and job["run"]["n_sentences"] == SENTENCES - held_out
+        assert provenance["held_out_every"] == 10 and provenance["sentences"] == SENTENCES
 
         # The live trace, from the worker's live thread (the analyses run beside it meanwhile).
         traced = httpx.get(f"{base}/m/{slug}/trace.json", params={"text": PROMPT}, timeout=300)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,16 +136,35 @@ def mined_from(first_positions: list[int], *, first_position: bool) -> list[int]
     return [max(first, floor) for first in first_positions]
 
 
+def mined_sentences(n_sentences: int, held_out_every: int) -> list[int]:
+    """The sentences a run mines: all but the held-out ones, every `held_out_every`-th sentence (index
+    % held_out_every == held_out_every − 1), which the analyses read instead; 0 holds none out."""
+    return [i for i in range(n_sentences) if not held_out_every or i % held_out_every != held_out_every - 1]
+
+
+def held_out_sentences(n_sentences: int, held_out_every: int) -> list[int]:
+    """The sentences a run holds out of mining (see mined_sentences)."""
+    return list(range(held_out_every - 1, n_sentences, held_out_every)) if held_out_every else []
+
+
+def shard_members(mined: list[int], shard: int, shard_sentences: int) -> list[int]:
+    """The sentences of shard number `shard`: every n-th mined sentence from the shard-th (n, the number of
+    shards), so that each shard — the first checkpoint the pages show too — is spread over the corpus."""
+    n_shards = -(-len(mined) // shard_sentences)
+    return mined[shard::n_shards]
+
+
 def length_bucketed_batches(
     token_ids: list[list[int]],
     first_positions: list[int],
     *,
-    start: int,
+    indices: Sequence[int],
     batch_tokens: int,
     pad_id: int,
     min_fill: float = 0.9,
 ) -> Iterator[Batch]:
-    """Batches of one shard (sentences start, start+1, …), longest first, packed to a token budget.
+    """Batches of some sentences (`indices`: each one's index in the corpus), longest first, packed to a
+    token budget.
 
     Sorting the shard by length keeps the padding small: a batch takes the next sentences while
     batch size × padded length stays within `batch_tokens` and each is at least `min_fill` of the
@@ -169,4 +188,4 @@ def length_bucketed_batches(
             input_ids[row, : len(ids)] = torch.tensor(ids)
             attention_mask[row, : len(ids)] = 1
             mined[row, first_positions[member] : len(ids)] = True
-        yield Batch(input_ids, attention_mask, mined, torch.tensor([start + m for m in members]))
+        yield Batch(input_ids, attention_mask, mined, torch.tensor([indices[m] for m in members]))

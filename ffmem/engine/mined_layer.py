@@ -16,9 +16,14 @@ SIGNS = (1, -1)  # +1: highest coefficients; −1: most negative
 OCTAVES = 21  # magnitude bins per sign: |m| < 2^-9, [2^-9, 2^-8), …, [2^9, 2^10), ≥ 2^10
 ZERO_BIN = OCTAVES  # +0.0 (and positive subnormals) sit between the negative and positive bins
 DENSITY_OCTAVES = 3  # density: positions within this many octaves of a key's peak |coefficient|
+N_BINS = 2 * OCTAVES + 1  # histogram bins (see histogram_edges)
+SAMPLES = 2  # band samples kept per key and histogram bin
+# A band sample's order key is priority << 32 | sentence (priority: a 31-bit hash of sentence, layer and
+# key); the lowest keys of a bin are kept. An empty slot holds the largest int64, above every real key.
+EMPTY_SAMPLE = np.iinfo(np.int64).max
 # The stored format: one version byte, then an .npz archive. Bump it when the arrays change; a row
 # written before the byte existed starts with the zip signature (b"PK") and is read as version 0.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: band samples
 _ZIP_SIGNATURE = b"PK"
 
 
@@ -71,6 +76,17 @@ class MinedLayer:
     total: np.ndarray  # [keys] float64: the sum of every coefficient
     positions: int  # positions mined
     sentences: int  # sentences mined
+    # Band samples (examples across the range): per key and histogram bin, the SAMPLES sentences of
+    # lowest order key (see EMPTY_SAMPLE) among those whose extreme coefficient — the sentence maximum
+    # where it is > 0 (positive bins), the minimum where it is < 0 (negative bins) — falls in the bin.
+    sample_order: np.ndarray  # [keys, bins, SAMPLES] int64, EMPTY_SAMPLE where empty
+    sample_position: np.ndarray  # [keys, bins, SAMPLES] int16: where the extreme is
+    sample_coefficient: np.ndarray  # [keys, bins, SAMPLES] float32: the extreme
+
+    @property
+    def sample_sentence(self) -> np.ndarray:
+        """[keys, bins, SAMPLES] int64: each band sample's sentence, −1 where empty."""
+        return np.where(self.sample_order == EMPTY_SAMPLE, -1, self.sample_order & 0xFFFFFFFF)
 
     @property
     def top_k(self) -> int:
@@ -81,6 +97,9 @@ class MinedLayer:
             "histogram": self.histogram,
             "total": self.total,
             "counts": np.array([self.positions, self.sentences]),
+            "sample_order": self.sample_order,
+            "sample_position": self.sample_position,
+            "sample_coefficient": self.sample_coefficient,
         }
         for sign in SIGNS:
             arrays[f"coefficient{sign:+d}"] = self.coefficient[sign]
@@ -94,17 +113,23 @@ class MinedLayer:
     @classmethod
     def from_bytes(cls, data: bytes) -> MinedLayer:
         if data[:2] == _ZIP_SIGNATURE:
-            archive = data  # version 0: no version byte, the same arrays
-        elif data[:1] == bytes([FORMAT_VERSION]):
-            archive = data[1:]
+            archive = data  # version 0: no version byte, the arrays of version 1
+        elif data[:1] in (b"\x01", bytes([FORMAT_VERSION])):
+            archive = data[1:]  # version 1: no band samples (read as empty)
         else:
             version = data[0] if data else None
             raise MinedFormatError(
-                f"a stored mined layer has format version {version}; this ffmem reads versions 0 and "
+                f"a stored mined layer has format version {version}; this ffmem reads versions 0 to "
                 f"{FORMAT_VERSION}. Upgrade ffmem, or delete the run and index it again."
             )
         with np.load(io.BytesIO(archive)) as arrays:
             positions, sentences = (int(n) for n in arrays["counts"])
+            keys = arrays["histogram"].shape[0]
+            samples = (
+                {name: arrays[name] for name in ("sample_order", "sample_position", "sample_coefficient")}
+                if "sample_order" in arrays
+                else empty_samples(keys)
+            )
             return cls(
                 coefficient={sign: arrays[f"coefficient{sign:+d}"] for sign in SIGNS},
                 sentence={sign: arrays[f"sentence{sign:+d}"] for sign in SIGNS},
@@ -113,6 +138,7 @@ class MinedLayer:
                 total=arrays["total"],
                 positions=positions,
                 sentences=sentences,
+                **samples,
             )
 
     @classmethod
@@ -130,6 +156,8 @@ class MinedLayer:
             coefficient[sign] = sign * np.take_along_axis(values, order, axis=1)
             sentence[sign] = np.take_along_axis(sentences, order, axis=1)
             position[sign] = np.take_along_axis(positions, order, axis=1)
+        sample_order = np.concatenate([p.sample_order for p in parts], axis=-1)  # [keys, bins, Σ S]
+        kept = np.argsort(sample_order, axis=-1, kind="stable")[..., :SAMPLES]  # [keys, bins, S]
         return cls(
             coefficient=coefficient,
             sentence=sentence,
@@ -138,6 +166,13 @@ class MinedLayer:
             total=sum(p.total for p in parts),
             positions=sum(p.positions for p in parts),
             sentences=sum(p.sentences for p in parts),
+            sample_order=np.take_along_axis(sample_order, kept, axis=-1),
+            **{
+                name: np.take_along_axis(
+                    np.concatenate([getattr(p, name) for p in parts], axis=-1), kept, axis=-1
+                )
+                for name in ("sample_position", "sample_coefficient")
+            },
         )
 
     def mean(self) -> np.ndarray:
@@ -148,3 +183,13 @@ class MinedLayer:
 
     def density(self) -> np.ndarray:
         return density(self.histogram, self.positions)  # [keys]
+
+
+def empty_samples(keys: int) -> dict[str, np.ndarray]:
+    """The band-sample arrays of a layer with nothing mined (also what a version-1 row reads as)."""
+    shape = (keys, N_BINS, SAMPLES)
+    return {
+        "sample_order": np.full(shape, EMPTY_SAMPLE, dtype=np.int64),
+        "sample_position": np.zeros(shape, dtype=np.int16),
+        "sample_coefficient": np.zeros(shape, dtype=np.float32),
+    }

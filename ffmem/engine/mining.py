@@ -24,12 +24,26 @@ import numpy as np
 import torch
 
 from ffmem.engine import mined_layer as mined
-from ffmem.engine.corpus import Batch, length_bucketed_batches
+from ffmem.engine.corpus import Batch, length_bucketed_batches, mined_sentences, shard_members
 from ffmem.engine.hooks import capture
 from ffmem.engine.loading import LoadedModel
-from ffmem.engine.mined_layer import OCTAVES, SIGNS, ZERO_BIN, MinedLayer, histogram_edges
+from ffmem.engine.mined_layer import (
+    EMPTY_SAMPLE,
+    N_BINS,
+    SAMPLES,
+    SIGNS,
+    ZERO_BIN,
+    MinedLayer,
+    histogram_edges,
+)
 
 LOWEST_EXPONENT = 118  # float32 biased exponent of 2^-9
+CODES = 512  # a float32's sign and biased exponent bits, as the number (bits >> 23) & 511
+
+
+def _code_values() -> torch.Tensor:
+    """One float32 per code (sign and exponent, mantissa 0): its bin is every such float's bin."""
+    return (torch.arange(CODES, dtype=torch.int32) << 23).view(torch.float32)  # [CODES]
 
 
 def histogram_bins(coefficients: torch.Tensor, workspace: dict | None = None) -> torch.Tensor:
@@ -46,7 +60,9 @@ def histogram_bins(coefficients: torch.Tensor, workspace: dict | None = None) ->
     torch.bitwise_right_shift(bits, 23, out=code)  # sign and biased exponent bits
     torch.bitwise_right_shift(code, 8, out=sign)  # −1 where the sign bit is set, else 0
     torch.gt(code, 0, out=positive)  # sign bit clear and a nonzero exponent
-    octave = code.bitwise_and_(255).sub_(LOWEST_EXPONENT - 1).clamp_(0, OCTAVES - 1)  # 0 … 20 by magnitude
+    octave = (
+        code.bitwise_and_(255).sub_(LOWEST_EXPONENT - 1).clamp_(0, mined.OCTAVES - 1)
+    )  # 0 … 20 by magnitude
     # 21 + octave (+1 when positive), or 20 − octave where negative; +0.0 lands on ZERO_BIN.
     return octave.bitwise_xor_(sign).add_(positive).add_(ZERO_BIN)
 
@@ -85,11 +101,16 @@ class MiningState:
             for sign in SIGNS
         }
         self.edges = histogram_edges()
-        n_bins = 2 * OCTAVES + 1
+        n_bins = N_BINS
         self.histogram = torch.zeros((n_layers, n_keys, n_bins), dtype=torch.long, device=device)
+        shape = (n_layers, n_keys, n_bins, SAMPLES)  # band samples (MinedLayer.sample_order)
+        self.sample_order = torch.full(shape, EMPTY_SAMPLE, dtype=torch.long, device=device)
+        self.sample_position = torch.zeros(shape, dtype=torch.int16, device=device)
+        self.sample_coefficient = torch.zeros(shape, dtype=torch.float32, device=device)
         self.total = torch.zeros((n_layers, n_keys), dtype=torch.float64, device=device)
         self.positions = 0  # mined positions (the denominator of every share)
-        self._key_offsets = torch.arange(n_keys, dtype=torch.int32, device=device) * n_bins  # [keys]
+        self._key_offsets = torch.arange(n_keys, dtype=torch.int32, device=device) * CODES  # [keys]
+        self._code_bins = histogram_bins(_code_values()).long().to(device)  # [CODES]: each code's bin
         self._workspace: dict[str, torch.Tensor] = {}
         self.sentences = 0
 
@@ -106,9 +127,14 @@ class MiningState:
         c[unmined] = 0.0
         self.total[layer] += c.sum(dim=(0, 1)).double()
         n_bins = self.histogram.shape[-1]
-        bins = histogram_bins(c, self._workspace).view(-1, self.n_keys)  # [batch·pos, keys] int32
-        bins.add_(self._key_offsets)  # one bincount for every key at once (int32: no int64 copy)
-        counts = torch.bincount(bins.view(-1), minlength=self.n_keys * n_bins).view(self.n_keys, n_bins)
+        # Count each float's sign and exponent (a code, 0 … 511) per key with one bincount, then fold
+        # the 512 codes into the histogram's bins: two cheap passes over the coefficients, not ten.
+        codes = _scratch(self._workspace, "codes", c.shape, torch.int32, c.device)  # [batch, pos, keys]
+        torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes).bitwise_and_(CODES - 1)
+        codes = codes.view(-1, self.n_keys).add_(self._key_offsets)  # one bincount for every key at once
+        by_code = torch.bincount(codes.view(-1), minlength=self.n_keys * CODES).view(self.n_keys, CODES)
+        counts = torch.zeros((self.n_keys, n_bins), dtype=torch.long, device=c.device)
+        counts.index_add_(1, self._code_bins, by_code)  # [keys, bins]
         counts[:, ZERO_BIN] -= len(unmined[0])
         self.histogram[layer] += counts
         rows = torch.arange(len(batch.sentence_index), device=c.device)  # [batch]
@@ -129,6 +155,50 @@ class MiningState:
                 per_position = c[row, :, key]  # [new, pos]
                 where = per_position.argmax(dim=1) if sign == 1 else per_position.argmin(dim=1)
                 top.position[layer, key, slot] = where
+            self._sample(layer, sign, c, best, batch.sentence_index, sentence)
+
+    def _sample(
+        self,
+        layer: int,
+        sign: int,
+        c: torch.Tensor,
+        best: torch.Tensor,
+        index: torch.Tensor,
+        sentence: torch.Tensor,
+    ) -> None:
+        """Fold a batch's sentence extremes into the band samples (MinedLayer.sample_order).
+
+        `best`: [batch, keys] s·(the sentence's extreme); `index`: [batch] the sentences; `sentence`: the
+        same with −1 for a sentence with no mined position. The batch's lowest order keys per key and bin
+        are found with SAMPLES rounds of a scatter-min, then merged with the kept ones.
+        """
+        n_bins = N_BINS
+        signed = best * sign  # [batch, keys]: the extreme itself
+        useful = (best > 0) & torch.isfinite(best) & (sentence >= 0)[:, None]  # [batch, keys]
+        bins = histogram_bins(signed).long().masked_fill_(~useful, n_bins).T  # [keys, batch]; n_bins: none
+        order = (_priority(index, layer, self.n_keys) << 32) | index[None, :]  # [keys, batch]
+        order = order.masked_fill(~useful.T, EMPTY_SAMPLE)  # [keys, batch]
+        found = []
+        for _ in range(SAMPLES):
+            lowest = torch.full((self.n_keys, n_bins + 1), EMPTY_SAMPLE, dtype=torch.long, device=c.device)
+            lowest.scatter_reduce_(1, bins, order, "amin")  # [keys, bins + 1]
+            found.append(lowest[:, :n_bins])
+            order = order.masked_fill(order == lowest.gather(1, bins), EMPTY_SAMPLE)  # [keys, batch]
+        merged = torch.cat([self.sample_order[layer], torch.stack(found, dim=-1)], dim=-1)  # [keys, bins, 2S]
+        kept, slot = merged.sort(dim=-1)  # [keys, bins, 2S] each
+        kept, slot = kept[..., :SAMPLES], slot[..., :SAMPLES]  # [keys, bins, S]
+        position = self.sample_position[layer].gather(-1, slot.clamp(max=SAMPLES - 1))  # [keys, bins, S]
+        coefficient = self.sample_coefficient[layer].gather(-1, slot.clamp(max=SAMPLES - 1))
+        key, band, new = ((slot >= SAMPLES) & (kept != EMPTY_SAMPLE)).nonzero(as_tuple=True)  # [new] each
+        if len(key):
+            ordered, rows = index.sort()  # [batch] each: the batch's sentences are in length order
+            row = rows[torch.searchsorted(ordered, kept[key, band, new] & 0xFFFFFFFF)]  # [new]
+            per_position = c[row, :, key]  # [new, pos]
+            where = per_position.argmax(dim=1) if sign == 1 else per_position.argmin(dim=1)  # [new]
+            position[key, band, new] = where.to(torch.int16)
+            coefficient[key, band, new] = signed[row, key]
+        self.sample_order[layer], self.sample_position[layer] = kept, position
+        self.sample_coefficient[layer] = coefficient
 
     def count(self, batch: Batch) -> None:
         """Count a batch's positions and sentences once (after its layers were folded in)."""
@@ -151,6 +221,9 @@ class MiningState:
             total=self.total[layer].cpu().numpy(),
             positions=self.positions,
             sentences=self.sentences,
+            sample_order=self.sample_order[layer].cpu().numpy(),
+            sample_position=self.sample_position[layer].cpu().numpy(),
+            sample_coefficient=self.sample_coefficient[layer].cpu().numpy(),
         )
 
     @classmethod
@@ -166,6 +239,9 @@ class MiningState:
                 state.top[sign].position[index] = torch.from_numpy(layer.position[sign]).to(device).long()
             state.histogram[index] = torch.from_numpy(layer.histogram).to(device)
             state.total[index] = torch.from_numpy(layer.total).to(device)
+            state.sample_order[index] = torch.from_numpy(layer.sample_order).to(device)
+            state.sample_position[index] = torch.from_numpy(layer.sample_position).to(device)
+            state.sample_coefficient[index] = torch.from_numpy(layer.sample_coefficient).to(device)
         state.positions, state.sentences = first.positions, first.sentences
         return state
 
@@ -208,6 +284,18 @@ def _unpack(order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)  # [keys, n]
     tie = order & 0xFFFFFFFF  # [keys, n]
     return values, torch.where(tie == 0, -1, 0xFFFFFFFF - tie)
+
+
+def _priority(sentence: torch.Tensor, layer: int, n_keys: int) -> torch.Tensor:
+    """A pseudo-random 31-bit number per (key, sentence) of `layer`: [keys, n] int64, the same in every
+    batch, shard and device, so the band samples do not depend on how the corpus was split. A
+    multiply–xorshift hash in int64 arithmetic that never overflows."""
+    memory = torch.arange(n_keys, device=sentence.device) + layer * n_keys  # [keys]
+    x = (sentence[None, :] * 2654435761 % 2**32) ^ (memory[:, None] * 2246822519 % 2**32)  # [keys, n]
+    x = x ^ (x >> 16)
+    x = x * 0x45D9F3B % 2**32
+    x = x ^ (x >> 16)
+    return x >> 1
 
 
 def _merge_into(state: TopK, layer: int, order: torch.Tensor, position: torch.Tensor, top_k: int) -> None:
@@ -253,15 +341,15 @@ def shard_batches(
     shard_sentences: int,
     batch_tokens: int,
     pad_id: int,
+    held_out_every: int = 0,
 ) -> list[Batch]:
-    """The length-bucketed batches of shard number `shard` (sentences shard·S … (shard+1)·S − 1)."""
-    start = shard * shard_sentences
-    stop = min(start + shard_sentences, len(token_ids))
+    """The length-bucketed batches of shard number `shard` (corpus.shard_members of the mined sentences)."""
+    members = shard_members(mined_sentences(len(token_ids), held_out_every), shard, shard_sentences)
     return list(
         length_bucketed_batches(
-            token_ids[start:stop],
-            first_positions[start:stop],
-            start=start,
+            [token_ids[i] for i in members],
+            [first_positions[i] for i in members],
+            indices=members,
             batch_tokens=batch_tokens,
             pad_id=pad_id,
         )

@@ -7,7 +7,9 @@ model's prediction; "raw" = the paper's r·E):
 - the probability and rank of the final prediction under r (the paper's Fig. 10);
 - the case: agreement (all three equal), residual (top(o) = top(r)), ffn (top(o) = top(y)),
   composition (none);
-- the memories ranked by |m_i|·‖v_i‖, with their signed coefficients.
+- the memories ranked by |m_i|·‖v_i‖, with their signed coefficients;
+- who pushes a target token (default: the prediction): each memory's direct contribution to its logit
+  (ffmem.engine.attribution).
 Over all layers × positions: the number of active memories and the FF's share of the logit of each
 position's final prediction (lens(o)[t] − lens(r)[t], = y·e_t for the raw readout).
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ffmem.engine.adapters.base import resolve
+from ffmem.engine.attribution import Attribution, attribute
 from ffmem.engine.cases import case_of
 from ffmem.engine.edited_forward import generate, intervene
 from ffmem.engine.hooks import capture
@@ -98,6 +101,7 @@ class Trace:
     edited_coefficients: list[float] = field(default_factory=list)  # each edited m_i before the edit
     generated: list[int] = field(default_factory=list)  # greedy continuation without the interventions
     generated_edited: list[int] = field(default_factory=list)  # and with them
+    attribution: Attribution | None = None  # who pushes the target token, in the pass shown
 
 
 def top_index(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -125,21 +129,29 @@ def trace(
     generate_tokens: int = 0,
     top_tokens: int = 10,
     value_tokens: int = 0,
+    target: int | None = None,
+    attribution: bool = True,
 ) -> Trace:
     """Trace the prompt `token_ids` at `position` (default: the last): one forward pass, two with
-    interventions (the edited one, read in full, and the unedited one for comparison)."""
+    interventions (the edited one, read in full, and the unedited one for comparison). With
+    `attribution`, the memories' contributions to `target`'s logit (default: the prediction) in the
+    pass read in full."""
     n_positions = len(token_ids)
     position = n_positions - 1 if position is None else position
     ids = torch.tensor([list(token_ids)], device=loaded.device)  # [1, pos]
     with torch.inference_mode():
         with intervene(loaded, interventions):  # no hooks without interventions
-            reading, m, logits = _read(loaded, ids, position, readout)  # m [layers, pos, d_ff]
+            reading, m, logits, stream = _read(loaded, ids, position, readout)  # m [layers, pos, d_ff]
         unedited, clean_m, clean_logits = None, m, logits
         if interventions:
-            unedited, clean_m, clean_logits = _read(loaded, ids, position, readout)
+            unedited, clean_m, clean_logits, _ = _read(loaded, ids, position, readout)
 
         # The memories at the selected position, by the size of their contribution.
         layers = [row.layer for row in reading.layers]
+        attributed = None
+        if attribution:
+            wanted = reading.prediction if target is None else target
+            attributed = attribute(loaded, layers, m[:, position], *stream, wanted, readout, memories)
         scores = m[:, position].abs() * loaded.value_norms[layers]  # [layers, d_ff]
         best = scores.topk(min(memories, scores.shape[1]), dim=-1)  # [layers, k]
         coefficients = m[:, position].gather(1, best.indices)  # [layers, k]
@@ -190,6 +202,7 @@ def trace(
         unedited=unedited,
         interventions=list(interventions),
         edited_coefficients=[float(clean_m[i.layer, position, i.key]) for i in interventions],
+        attribution=attributed,
     )
     if generate_tokens:
         result.generated = generate(loaded, token_ids, generate_tokens)
@@ -200,10 +213,10 @@ def trace(
 
 def _read(
     loaded: LoadedModel, ids: torch.Tensor, position: int, readout: str
-) -> tuple[Reading, torch.Tensor, torch.Tensor]:
+) -> tuple[Reading, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One forward pass of `ids` ([1, pos]) read layer by layer at `position`, under whatever
     interventions are active. → (the reading, the coefficients m [layers, pos, d_ff] in float32, the
-    model's logits after `position` [vocab] in float32)."""
+    model's logits after `position` [vocab] in float32, (r, y, o) at `position` [layers, d] each)."""
     with capture(loaded.model, loaded.adapter) as captured:
         nothing = torch.empty(0, dtype=torch.long, device=ids.device)
         loaded.model(ids, logits_to_keep=nothing, use_cache=False)  # no logits: the readout is below
@@ -248,7 +261,7 @@ def _read(
             )
         )
     reading = Reading(target, rows, active.tolist(), (lens_o - lens_r).tolist())
-    return reading, m, logits[position].float()
+    return reading, m, logits[position].float(), (r[:, position], y, o[:, position])
 
 
 def read_layers(

@@ -70,6 +70,43 @@ class EditAnswer(BaseModel):
     value: float
 
 
+class ContributionAnswer(BaseModel):
+    """One memory's direct contribution to the target's logit (ffmem.engine.attribution)."""
+
+    layer: int
+    key: int
+    coefficient: float = Field(description="m_i at the position (edited, with interventions).")
+    value_logit: float = Field(description="The target's logit in the value: v_i·e_t (raw), v_i·g_t (norm).")
+    contribution: float = Field(description="m_i · value_logit: > 0 promotes the target, < 0 suppresses it.")
+
+
+class LayerAttributionAnswer(BaseModel):
+    """One layer's memories and the target's logit."""
+
+    layer: int
+    memories: list[ContributionAnswer] = Field(description="The largest |contribution|, largest first.")
+    memories_sum: float = Field(description="Σ over all the layer's memories.")
+    bias: float = Field(description="The FF's output bias read the same way (0 without one).")
+    direct: float = Field(description="y·e_t (raw) or y·g_t (norm): = memories_sum + bias.")
+    change: float = Field(description="The FF's change to the target's logit lens, lens(o) − lens(r).")
+    residual: float = Field(description="change − (memories_sum + bias).")
+
+
+class AttributionAnswer(BaseModel):
+    """Who pushes the target token at the position, in the pass shown (ffmem.engine.attribution)."""
+
+    target: int = Field(description="The token attributed.")
+    typed: str | None = Field(None, description="The target as asked (None: the prediction).")
+    typed_tokens: list[int] = Field([], description="The tokens it is (the first is attributed).")
+    readout: Literal["norm", "raw"]
+    logit: float = Field(description="The target's logit after the position under the readout.")
+    scale: float | None = Field(description="norm: the final norm's scale at the final residual.")
+    total: float = Field(description="Σ of every memory's contribution over all layers.")
+    layers: list[LayerAttributionAnswer]
+    promoters: list[ContributionAnswer] = Field(description="The largest positive contributions overall.")
+    suppressors: list[ContributionAnswer] = Field(description="The most negative overall.")
+
+
 class TraceAnswer(BaseModel):
     """POST /trace: one prompt traced (ffmem.engine.trace.Trace, and the continuations as text)."""
 
@@ -88,6 +125,7 @@ class TraceAnswer(BaseModel):
     generated_edited: list[int] = Field([], description="And with them.")
     generated_text: str = ""
     generated_edited_text: str = ""
+    attribution: AttributionAnswer | None = Field(None, description="Who pushes the target token, here.")
 
 
 class AblationAnswer(BaseModel):
@@ -95,3 +133,20 @@ class AblationAnswer(BaseModel):
 
     before: list[list[float]] = Field(description="[prefix][target]")
     after: list[list[float]] = Field(description="[prefix][target]")
+
+
+class CoefficientsAnswer(BaseModel):
+    """POST /coefficients: one memory's coefficient at every token of a text
+    (ffmem.engine.key_coefficients)."""
+
+    layer: int
+    key: int
+    token_ids: list[int]
+    tokens: list[str] = Field(description="Each token's text, as the tokenizer decodes it alone.")
+    offsets: list[tuple[int, int]] = Field(description="Each token's [start, end) characters in the text.")
+    first_position: int = Field(description="1 when the tokenizer put a BOS first (never mined), else 0.")
+    coefficients: list[float] = Field(description="m at every token, in order.")
+    max: float = Field(description="The largest m over all tokens…")
+    max_position: int = Field(description="… and where (the first such token).")
+    min: float = Field(description="The smallest m over all tokens…")
+    min_position: int = Field(description="… and where (the first such token).")

@@ -117,7 +117,9 @@ RUN_FIELDS = (
     "model",
     "corpus",
     "sentences",
+    "held_out_every",
     "top_k",
+    "shaded_triggers",
     "dtype",
     "max_sentence_tokens",
     "first_position",
@@ -311,6 +313,8 @@ def claim_job(
 def _job_step(job: Job) -> str:
     if job.kind == JobKind.analysis:
         return "computing the analyses"
+    if job.kind == JobKind.comparison:
+        return "comparing two runs"
     return "preparing the run" if job.run_id is None else "storing the run"
 
 
@@ -403,15 +407,20 @@ def open_jobs(*, session: Session) -> list[Job]:
 
 
 def create_shards(*, session: Session, run_id: int, n_sentences: int, shard_sentences: int) -> None:
-    """The run's shards, all pending."""
+    """The run's shards, all pending: n = ⌈n_sentences / shard_sentences⌉ of them, shard k mining every
+    n-th of the run's mined sentences from the k-th (ffmem.engine.corpus.shard_members); [start, stop)
+    is its span when the shards' sentences are listed one shard after another."""
     moment = now()
-    for index, start in enumerate(range(0, n_sentences, shard_sentences)):
+    n_shards = -(-n_sentences // shard_sentences)
+    start = 0
+    for index in range(n_shards):
+        stop = start + len(range(index, n_sentences, n_shards))
         session.add(
             Shard(
                 run_id=run_id,
                 index=index,
                 start=start,
-                stop=min(start + shard_sentences, n_sentences),
+                stop=stop,
                 status=ShardStatus.pending,
                 attempts=0,
                 batches_done=0,
@@ -420,6 +429,7 @@ def create_shards(*, session: Session, run_id: int, n_sentences: int, shard_sent
                 updated_at=moment,
             )
         )
+        start = stop
     session.flush()
 
 

@@ -244,15 +244,18 @@ def get_run(*, session: Session, run_id: int) -> Run | None:
     return session.get(Run, run_id)
 
 
-def find_finished_run(*, session: Session, model_slug: str, n_sentences: int) -> Run | None:
-    """The latest finished run of the model `model_slug` over `n_sentences` sentences, if any."""
+def find_finished_run(*, session: Session, model_slug: str, n_sentences: int | None = None) -> Run | None:
+    """The latest finished run of the model `model_slug` (over `n_sentences` corpus sentences when given)."""
     query = (
         select(Run)
         .join(LanguageModel, Run.model_id == LanguageModel.id)
-        .where(LanguageModel.slug == model_slug, Run.n_sentences == n_sentences, Run.status == "done")
+        .join(Corpus, Run.corpus_id == Corpus.id)
+        .where(LanguageModel.slug == model_slug, Run.status == "done")
         .order_by(Run.id.desc())
         .limit(1)
     )
+    if n_sentences is not None:
+        query = query.where(Corpus.n_sentences == n_sentences)
     return session.scalars(query).first()
 
 

@@ -18,7 +18,8 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mined_layer import MinedLayer
-from ffmem.store import jobs, queries
+from ffmem.store import jobs, key_examples, queries
+from ffmem.store.key_examples import BandSample
 from ffmem.store.models import KeyStats, Run, Trigger
 
 
@@ -65,6 +66,9 @@ class RunResults(Protocol):
     def key_stats(self, layer: int, key: int) -> KeyStats | None:
         """A key's statistics, its histogram counts included; None when the run has none for it."""
 
+    def band_samples(self, layer: int, key: int) -> list[BandSample]:
+        """A key's examples across its coefficient range (key_examples.BandSample), by bin then slot."""
+
     def layer_figures(self) -> list[LayerFigures]:
         """One row per layer for the model page."""
 
@@ -101,6 +105,10 @@ class StoredResults:
 
     def key_stats(self, layer: int, key: int) -> KeyStats | None:
         return queries.get_key_stats(session=self.session, run_id=self.run.id, layer=layer, key=key)
+
+    def band_samples(self, layer: int, key: int) -> list[BandSample]:
+        found = key_examples.key_examples(session=self.session, run_id=self.run.id, layer=layer, key=key)
+        return found.samples if found else []
 
     def layer_figures(self) -> list[LayerFigures]:
         figures = []
@@ -198,6 +206,10 @@ class MiningResults:
             if found:
                 tops[row.key] = found[0]
         return len(keys), rows, tops
+
+    def band_samples(self, layer: int, key: int) -> list[BandSample]:
+        mined = self.mined(layer)
+        return [] if mined is None else key_examples.samples_of(mined, key)
 
     def key_stats(self, layer: int, key: int) -> KeyStats | None:
         """What is known so far; agreement over every positive trigger so far (no next-token rank or

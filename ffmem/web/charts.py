@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import math
 
+from ffmem.web.comparison_view import LayerChange
 from ffmem.web.composition_view import WeightGraphView
 from ffmem.web.contexts import AnalysisFigure, Histogram, LayerSummary, TraceContext, ValueReadout
 from ffmem.web.display import visible
@@ -401,5 +402,45 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
             "xaxis": {"title": {"text": "layer"}, "range": [-0.5, n_layers - 0.5]},
             "yaxis": {"visible": False},
             "meta": {"links": True},
+        },
+    }
+
+
+COMPARISON_SERIES = {  # LayerChange field → legend, colour
+    "mean_overlap": ("mean trigger overlap (positive)", POSITIVE),
+    "mean_key_cosine": ("mean key cosine", NEGATIVE),
+    "mean_value_cosine": ("mean value cosine", NEUTRAL),
+}
+
+
+def comparison_layers(layers: list[LayerChange]) -> dict:
+    """Two runs side by side, per layer: the mean overlap of the memories' top triggers and the mean
+    cosine of their keys and values between the two models (1: unchanged), on one axis up to 1."""
+    lowest = min(
+        [getattr(s, field) for s in layers for field in COMPARISON_SERIES if getattr(s, field) is not None]
+        or [0.0]
+    )
+    return {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": name,
+                "x": [s.layer for s in layers],
+                "y": [getattr(s, field) for s in layers],
+                "line": {"color": color},
+                "hovertemplate": f"layer %{{x}}: %{{y:.4f}}<extra>{name}</extra>",
+            }
+            for field, (name, color) in COMPARISON_SERIES.items()
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": "per layer: trigger overlap and weight cosines (1 = unchanged)"},
+            "xaxis": layer_axis(len(layers)),
+            "yaxis": {"range": [min(0.0, lowest) - 0.02, 1.05], "zeroline": True},
+            "showlegend": True,
+            "legend": {"orientation": "h", "y": -0.25},
+            "height": 340,
+            "margin": BASE_LAYOUT["margin"] | {"b": 90},
         },
     }

@@ -294,6 +294,41 @@ class Trigger(BaseModel):
     sentence_index: int
     position: int
     value_rank: int | None = None  # rank of next_token among the value's top (or, for −, bottom) tokens
+    shading: ShadedText | None = (
+        None  # the key's m at every token of the sentence (a finished run's first few)
+    )
+
+
+class ShadedToken(BaseModel):
+    """One token of a shaded text: its text as the tokenizer decodes it and this key's coefficient there."""
+
+    text: str
+    coefficient: float | None  # None: not computed at this token (shown unshaded)
+
+
+class BandSample(BaseModel):
+    """An example from one band of a key's coefficient range: a sentence whose extreme coefficient (its
+    maximum when > 0, minimum when < 0) lies in histogram bin `bin` (`band`, its range), at `position`."""
+
+    bin: int
+    band: str
+    sign: int
+    coefficient: float
+    sentence_index: int
+    position: int
+    sentence: str
+    shading: ShadedText | None = None  # None while the run mines, or for runs stored before 0011
+
+
+class ShadedText(BaseModel):
+    """A text with every token shaded by one key's coefficient (ffmem/web/shading.py builds it;
+    templates/_shading.html's `shaded` macro renders it): positive and negative in two hues, intensity
+    |m| / scale."""
+
+    tokens: list[ShadedToken]
+    scale: float  # |m| that shades fully (0: nothing is shaded)
+    peak: int | None  # the outlined token's index (e.g. the trigger token, or the text's max)
+    prefix_end: int | None  # the last token of the trigger prefix: those after it are dimmed
 
 
 class Agreement(BaseModel):
@@ -371,6 +406,36 @@ class MemoryNeighbours(BaseModel):
     by_value: list[Neighbour]
 
 
+class CoefficientAt(BaseModel):
+    """One memory's coefficient at one token of a text."""
+
+    position: int
+    token: str
+    coefficient: float
+
+
+class TryText(BaseModel):
+    """The key page's "try your own text" (`?text=`): this key's coefficient at every token of the text,
+    from the live worker (ffmem/web/try_text.py), and how its max and min compare with the stored triggers."""
+
+    text: str | None  # None: the box only
+    max_length: int  # the longest text the box accepts, in characters
+    notice: str | None = None  # why there is no answer: a bad text, or the worker down, busy or loading
+    notice_field: str | None = None  # the form field the notice is about ("text"): shown next to it
+    tokens: list[TokenRef] = []  # the text's tokens (texts as the tokenizer decodes each alone)
+    shaded: ShadedText | None = None  # the text, every token shaded; scale: the key's largest stored |m|
+    first_mined: int | None = None  # max, min and their ranks cover positions from here, as the run mines
+    max: CoefficientAt | None = None  # the largest m there (None: no position the run would mine)
+    min: CoefficientAt | None = None
+    # Where max would rank among the run's stored positive triggers (each a sentence's max; 1: above them
+    # all, positive_of + 1: below them all), and min among the negative ones; ties rank with the stored.
+    max_rank: int | None = None
+    min_rank: int | None = None
+    positive_of: int = 0  # stored positive triggers compared with (at most top-T)
+    negative_of: int = 0
+    top_k: int = 0  # the run's top-T
+
+
 class KeyContext(BaseModel):
     page: str = "key"
     title: str
@@ -383,6 +448,7 @@ class KeyContext(BaseModel):
     triggers: list[Trigger]
     negative_triggers: list[Trigger]
     more_triggers: int  # how many more positive triggers the run holds beyond those shown
+    samples: list[BandSample] = []  # examples across the range, strongest band first, positive then negative
     value: dict[str, ValueReadout]  # readout ("raw", "norm") → top and bottom tokens
     stats: KeyStatsView | None
     histogram: Histogram | None
@@ -396,6 +462,7 @@ class KeyContext(BaseModel):
     neighbours: MemoryNeighbours | None = None  # None: not computed for this run (yet)
     explanation: ExplanationView | None = None  # its automatic description (None: none for this run)
     weight_graph: WeightGraphView | None = None  # who feeds it, whom it feeds (None: not computed)
+    try_text: TryText | None = None  # "try your own text": the box, and the answer for `?text=`
 
 
 class LayerContext(BaseModel):
@@ -533,6 +600,49 @@ class TokenChangeView(TokenRef):
     before: float
     after: float
     change: float
+    target_url: str  # this trace with this token as the attribution's target
+
+
+class AttributedMemory(BaseModel):
+    """One memory's direct contribution to the target's logit (ffmem.engine.attribution)."""
+
+    layer: int
+    key: int
+    coefficient: float  # m_i (edited, with edits)
+    value_logit: float  # the target's logit in the value: v·e_t (raw), v·g_t (norm, the final norm folded)
+    contribution: float  # m_i · value_logit: > 0 promotes the target, < 0 suppresses it
+    top_token: TokenRef | None  # the top token of sign(m)·v under the readout (None: the index has none)
+    veto: bool  # a veto case (ffmem.engine.attribution_terms): it pushes the target, its layer pushes it down
+    url: str  # the key page
+
+
+class AttributionLayer(BaseModel):
+    """One layer: its memories' contributions beside the FF's actual change to the target's logit."""
+
+    layer: int
+    memories: list[AttributedMemory]  # the largest |contribution|, largest first
+    memories_sum: float  # Σ over all the layer's memories (S_ℓ)
+    bias: float  # the FF's output bias read the same way (0 without one)
+    direct: float  # y·e_t (raw) or y·g_t (norm): = memories_sum + bias up to float error
+    change: float  # the FF's change to the target's logit lens: lens(o) − lens(r) (raw: y·e_t)
+    residual: float  # change − (memories_sum + bias): float error (raw), the norm's non-linearity (norm)
+
+
+class AttributionView(BaseModel):
+    """Who pushes the target token at the selected position, in the pass the page shows."""
+
+    target: TokenRef
+    typed: str | None  # the target as the URL asked for it (None: the prediction)
+    note: str | None  # e.g. a typed text that is several tokens: which one is attributed
+    readout: str
+    logit: float  # the target's logit after the position under the readout
+    scale: float | None  # norm: the final norm's scale at the actual final residual, folded in
+    total: float  # Σ of every memory's contribution over all layers
+    largest_residual: float  # the largest |residual| over the layers
+    vetoes: int  # memories marked as veto cases
+    layers: list[AttributionLayer]
+    promoters: list[AttributedMemory]  # the largest contributions overall
+    suppressors: list[AttributedMemory]  # the most negative overall
 
 
 class EditView(BaseModel):
@@ -588,6 +698,8 @@ class TraceContext(BaseModel):
     unedited: UneditedTrace | None = None  # the same without the edits (None without edits)
     heatmap_mode: str = "ff_logit"  # the heatmap shown first (`heatmap=`; charts.HEATMAP_MODES)
     notice_field: str | None = None  # the form field the notice is about: shown next to it
+    target: str | None = None  # the attribution's target as the URL asks (`target=`; None: the prediction)
+    attribution: AttributionView | None = None  # who pushes the target token, here
 
 
 class AblationRow(BaseModel):

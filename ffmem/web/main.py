@@ -13,7 +13,7 @@ from fastapi.staticfiles import StaticFiles
 from ffmem.config import Settings, get_settings
 from ffmem.store.db import Retry, make_engine, make_sessionmaker
 from ffmem.web import errors, routes, security
-from ffmem.web.routes import access, corpora, jobs, keys, layers, models, search, trace
+from ffmem.web.routes import access, compare, corpora, jobs, keys, layers, models, search, trace
 from ffmem.web.worker_client import LiveWorker
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
     app.state.sessions = make_sessionmaker(engine)
     app.state.live = live or LiveWorker(settings.worker_url, settings.worker_timeout)
     app.mount("/static", CachedStatic(directory=STATIC), name="static")
-    for module in (models, layers, keys, search, jobs, corpora, trace, access):
+    for module in (models, layers, keys, compare, search, jobs, corpora, trace, access):
         app.include_router(module.router)
     app.openapi = routes.openapi(app)  # without FastAPI's 422: malformed input is a 400 here
 

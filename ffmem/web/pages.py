@@ -12,7 +12,7 @@ import re
 
 from sqlalchemy.orm import Session
 
-from ffmem.store import jobs, memory_search, queries
+from ffmem.store import jobs, key_examples, memory_search, queries
 from ffmem.store.models import Job, JobKind, Label, LanguageModel, Run, Sentence
 from ffmem.store.models import Trigger as TriggerRow
 from ffmem.store.results import has_results, results_for
@@ -20,6 +20,7 @@ from ffmem.web import patterns, token_search, urls
 from ffmem.web.composition_view import explanation_hits, key_composition
 from ffmem.web.contexts import (
     Agreement,
+    BandSample,
     CorpusChoice,
     Histogram,
     HomeContext,
@@ -43,6 +44,7 @@ from ffmem.web.contexts import (
     SearchContext,
     SentenceKey,
     SentenceMatch,
+    ShadedText,
     StartHere,
     TextPart,
     TokenMatch,
@@ -51,6 +53,7 @@ from ffmem.web.contexts import (
     ValueReadout,
 )
 from ffmem.web.errors import AppError
+from ffmem.web.shading import shade, token_pieces
 
 READOUTS = ("raw", "norm")
 KEY_JUMP = re.compile(
@@ -165,6 +168,27 @@ def trigger_view(
         position=row.position,
         value_rank=value_ids.index(following) if value_ids and following in value_ids else None,
     )
+
+
+def _sample_view(sample: key_examples.BandSample, sentence: Sentence, labels: list[str]) -> BandSample:
+    """A band sample with its band's range (`labels`: bin_labels of the run's edges) and its sentence."""
+    return BandSample(
+        bin=sample.bin,
+        band=labels[sample.bin],
+        sign=1 if sample.coefficient > 0 else -1,
+        coefficient=sample.coefficient,
+        sentence_index=sample.sentence_index,
+        position=sample.position,
+        sentence=sentence.text,
+    )
+
+
+def _shading(sentence: Sentence, values, position: int, texts: dict[int, str], scale: float) -> ShadedText:
+    """A stored sentence shaded by its stored coefficients (NaN: not mined, unshaded), trigger outlined."""
+    alone = [texts.get(i, "") for i in sentence.token_ids]
+    pieces = token_pieces(sentence.text, [tuple(o) for o in sentence.offsets], alone)
+    coefficients = [None if math.isnan(v) else float(v) for v in values]
+    return shade(pieces, coefficients, peak=position, prefix_end=position, scale=scale)
 
 
 def positive_triggers(session: Session, run: Run, layer: int, key: int, limit: int) -> list[TriggerRow]:
@@ -354,18 +378,26 @@ def key_page(
     run = run_or_404(session, model, run_id)
     where = dict(session=session, run_id=run.id, layer=layer, key=key)
     results = results_for(session, run)
-    positive = results.triggers(layer, key, 1, limit)
-    negative = results.triggers(layer, key, -1, limit)
-    more = results.count_triggers(layer, key, 1) - len(positive)
+    stored = key_examples.key_examples(**where) if run.status == "done" else None
+    samples = stored.samples if stored else results.band_samples(layer, key)
+    shaded = (stored.positive, stored.negative) if stored else (0, 0)
+    positive = results.triggers(layer, key, 1, max(limit, shaded[0]))
+    negative = results.triggers(layer, key, -1, max(limit, shaded[1]))
+    more = results.count_triggers(layer, key, 1) - min(len(positive), limit)
     value_rows = {
         (readout, direction): queries.get_value_tokens(**where, readout=readout, direction=direction)
         for readout in READOUTS
         for direction in (1, -1)
     }
     sentences = queries.get_sentences(
-        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in positive + negative]
+        session=session,
+        corpus_id=run.corpus_id,
+        indices=[t.sentence_index for t in positive + negative] + [s.sentence_index for s in samples],
     )
     wanted = _trigger_token_ids(positive + negative, sentences)
+    if stored:
+        shown = [*positive[: shaded[0]], *negative[: shaded[1]], *samples]
+        wanted.update(i for row in shown for i in sentences[row.sentence_index].token_ids)
     wanted.update(v.token_id for rows in value_rows.values() for v in rows)
     endings = [sentences[t.sentence_index].token_ids[: t.position + 1] for t in positive]
     history = queries.label_history(session=session, model_id=model.id, layer=layer, key=key)
@@ -375,6 +407,15 @@ def key_page(
     bottom_ids = [v.token_id for v in value_rows["raw", -1]]
     triggers = [trigger_view(t, sentences[t.sentence_index], texts, top_ids) for t in positive]
     negative_triggers = [trigger_view(t, sentences[t.sentence_index], texts, bottom_ids) for t in negative]
+    scale = max((abs(t.coefficient) for t in triggers[:1] + negative_triggers[:1]), default=0.0)
+    labels = bin_labels(run.histogram_edges)
+    sample_views = [_sample_view(s, sentences[s.sentence_index], labels) for s in samples]
+    if stored:
+        views = [*triggers[: shaded[0]], *negative_triggers[: shaded[1]], *sample_views]
+        arrays = stored.shading([len(sentences[v.sentence_index].token_ids) for v in views])
+        for view, values in zip(views, arrays, strict=True):
+            view.shading = _shading(sentences[view.sentence_index], values, view.position, texts, scale)
+    triggers, negative_triggers = triggers[:limit], negative_triggers[:limit]
     found = results.key_stats(layer, key)
     stats = None if found is None else KeyStatsView.model_validate(found, from_attributes=True)
     histogram = None
@@ -405,6 +446,7 @@ def key_page(
         triggers=triggers,
         negative_triggers=negative_triggers,
         more_triggers=more,
+        samples=sorted(sample_views, key=lambda v: (-v.sign, -abs(v.coefficient), v.sentence_index)),
         value=value,
         stats=stats,
         histogram=histogram,

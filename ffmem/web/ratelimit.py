@@ -68,4 +68,11 @@ async def spend(request: Request) -> AppError | None:
     return limit.spend(client_address(request))
 
 
+async def spend_on_text(request: Request) -> AppError | None:
+    """Dependency of a browse page whose live part `?text=` asks for (the key page's "try your own text"):
+    spends one of the client's live requests only when the URL holds a text; browsing is never limited."""
+    return None if request.query_params.get("text") is None else await spend(request)
+
+
 LiveBudget = Annotated[AppError | None, Depends(spend)]
+LiveTextBudget = Annotated[AppError | None, Depends(spend_on_text)]

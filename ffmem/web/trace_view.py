@@ -3,13 +3,16 @@
 The worker answers a TraceAnswer (ffmem/engine/trace_answer.py) of token ids; the database gives their
 texts and, from the newest run that has projected its values, each listed memory's value tokens (its top
 tokens for m > 0, its bottom tokens for m < 0: a negative coefficient flips the value). With edits, the
-figures are those of the edited forward pass, each layer's unedited figures beside them.
+figures are those of the edited forward pass, each layer's unedited figures beside them. The attribution
+(who pushes the target token, here) is of that pass too; its memories' own top tokens, for the veto
+marks, come from the same run's value tokens.
 """
 
 from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from ffmem.engine.attribution_terms import TARGET_CHARS, is_veto
 from ffmem.engine.cases import CASES
 from ffmem.engine.interventions import (
     Intervention,
@@ -17,13 +20,16 @@ from ffmem.engine.interventions import (
     format_interventions,
     parse_interventions,
 )
-from ffmem.engine.trace_answer import LayerFigures, MemoryAnswer
+from ffmem.engine.trace_answer import AttributionAnswer, ContributionAnswer, LayerFigures, MemoryAnswer
 from ffmem.store import jobs, queries
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import pages, urls
 from ffmem.web.contexts import (
     AblationContext,
     AblationRow,
+    AttributedMemory,
+    AttributionLayer,
+    AttributionView,
     EditView,
     Generation,
     LayerFiguresView,
@@ -45,8 +51,10 @@ DEFAULTS = {"readout": "norm", "memories": 10, "generate": 0}
 class TraceQuery:
     """What a trace URL holds; `url(**changes)` is the same trace with some of it changed."""
 
-    def __init__(self, model: LanguageModel, text, position, readout, memories, generate, intervene) -> None:
-        self.model, self.text, self.position = model, text, position
+    def __init__(
+        self, model: LanguageModel, text, position, readout, memories, generate, intervene, target=None
+    ) -> None:
+        self.model, self.text, self.position, self.target = model, text, position, target
         self.readout, self.memories, self.generate = readout, memories, generate
         self.typed, self.error = intervene or "", None
         try:
@@ -63,6 +71,7 @@ class TraceQuery:
             "readout": self.readout,
             "memories": self.memories,
             "generate": self.generate,
+            "target": self.target,
         } | changes
         kept = {k: v for k, v in values.items() if v is not None and DEFAULTS.get(k) != v}
         return urls.trace_url(self.model.slug, fmt, **kept)
@@ -99,6 +108,7 @@ def _query_fields(q: TraceQuery, max_tokens: int) -> dict:
         generate=q.generate,
         interventions=q.typed if q.error else format_interventions(q.interventions),
         max_tokens=max_tokens,
+        target=q.target,
     )
 
 
@@ -116,6 +126,20 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         raise AppError(400, "Empty prompt", "The prompt is empty: type some text.", field="text")
     if len(q.text) > 32 * max_tokens:
         raise AppError(400, "Prompt too long", f"Prompts are limited to {max_tokens} tokens.", field="text")
+    if q.target == "":
+        raise AppError(
+            400,
+            "Empty target",
+            "The target is empty: type a token, e.g. ' London', or leave it out.",
+            field="target",
+        )
+    if q.target is not None and len(q.target) > TARGET_CHARS:
+        raise AppError(
+            400,
+            "Target too long",
+            f"A target is one token: at most {TARGET_CHARS} characters.",
+            field="target",
+        )
     answer = live.trace(
         {
             "model": q.model.source,
@@ -125,23 +149,26 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
             "readout": q.readout,
             "interventions": format_interventions(q.interventions),
             "generate": q.generate,
+            "target": q.target,
         }
     )
     run = value_run(session, q.model)
-    signed = [_signed(m) for layer in answer.layers for m in layer.memories]
-    value_tokens = (
-        queries.memory_value_tokens(
-            session=session, run_id=run.id, readout=q.readout, memories=signed, n=MEMORY_TOKENS
-        )
-        if run is not None
-        else {}
-    )
+    attribution = answer.attribution
+    traced = {_signed(m) for layer in answer.layers for m in layer.memories}
+    attributed = {_signed(m) for m in _attributed(attribution)} - traced if attribution else set()
+    value_tokens = {}
+    if run is not None:  # the listed memories' value tokens; the attribution's others only their top one
+        for memories, n in ((traced, MEMORY_TOKENS), (attributed, 1)):
+            value_tokens |= queries.memory_value_tokens(
+                session=session, run_id=run.id, readout=q.readout, memories=memories, n=n
+            )
     unedited = answer.unedited
     figures = [*answer.layers, *(unedited.layers if unedited else [])]
     wanted = set(answer.token_ids) | {answer.prediction} | {c.token_id for c in answer.top_tokens}
     wanted |= {t for layer in figures for t in (layer.top_r, layer.top_y, layer.top_o)}
     wanted |= {t for ids in value_tokens.values() for t in ids}
     wanted |= {unedited.prediction} if unedited else set()
+    wanted |= {attribution.target, *attribution.typed_tokens} if attribution else set()
     texts = queries.token_texts(session=session, model_id=q.model.id, token_ids=wanted)
 
     def ref(token_id: int) -> TokenRef:  # built, not validated: hundreds per page, from our own data
@@ -203,7 +230,11 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         prediction=ref(answer.prediction),
         top_tokens=[
             TokenChangeView(
-                before=c.before, after=c.after, change=c.after - c.before, **ref(c.token_id).model_dump()
+                before=c.before,
+                after=c.after,
+                change=c.after - c.before,
+                target_url=q.url(target=f"#{c.token_id}"),
+                **ref(c.token_id).model_dump(),
             )
             for c in answer.top_tokens
         ],
@@ -237,6 +268,71 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         )
         if unedited
         else None,
+        attribution=_attribution_view(q, attribution, value_tokens, ref) if attribution else None,
+    )
+
+
+def _attributed(attribution: AttributionAnswer) -> list[ContributionAnswer]:
+    """Every memory the attribution lists: per layer and overall."""
+    listed = [m for layer in attribution.layers for m in layer.memories]
+    return listed + attribution.promoters + attribution.suppressors
+
+
+def _attribution_view(q: TraceQuery, answer: AttributionAnswer, value_tokens: dict, ref) -> AttributionView:
+    """The attribution named with the index: each memory's own top token (the first of its signed value
+    tokens) and the veto marks (ffmem.engine.attribution_terms.is_veto)."""
+    sums = {layer.layer: layer.memories_sum for layer in answer.layers}
+    largest = {
+        layer.layer: max((abs(c.contribution) for c in layer.memories), default=0.0)
+        for layer in answer.layers
+    }
+
+    def memory(m: ContributionAnswer) -> AttributedMemory:
+        ids = value_tokens.get(_signed(m))
+        top = ids[0] if ids else None
+        return AttributedMemory.model_construct(  # built, not validated: hundreds per page, our own data
+            layer=m.layer,
+            key=m.key,
+            coefficient=m.coefficient,
+            value_logit=m.value_logit,
+            contribution=m.contribution,
+            top_token=None if top is None else ref(top),
+            veto=is_veto(m.contribution, sums[m.layer], largest[m.layer], top == answer.target),
+            url=urls.key_url(q.model.slug, m.layer, m.key),
+        )
+
+    rows = [
+        AttributionLayer(
+            layer=layer.layer,
+            memories=[memory(m) for m in layer.memories],
+            memories_sum=layer.memories_sum,
+            bias=layer.bias,
+            direct=layer.direct,
+            change=layer.change,
+            residual=layer.residual,
+        )
+        for layer in answer.layers
+    ]
+    note = None
+    if answer.typed is not None and len(answer.typed_tokens) > 1:
+        pieces = " + ".join(repr(ref(t).token) for t in answer.typed_tokens)
+        note = (
+            f"{answer.typed!r} is {len(answer.typed_tokens)} tokens ({pieces}): "
+            f"the first, {ref(answer.target).token!r}, is attributed."
+        )
+    return AttributionView(
+        target=ref(answer.target),
+        typed=answer.typed,
+        note=note,
+        readout=answer.readout,
+        logit=answer.logit,
+        scale=answer.scale,
+        total=answer.total,
+        largest_residual=max((abs(layer.residual) for layer in answer.layers), default=0.0),
+        vetoes=sum(m.veto for row in rows for m in row.memories),
+        layers=rows,
+        promoters=[memory(m) for m in answer.promoters],
+        suppressors=[memory(m) for m in answer.suppressors],
     )
 
 
@@ -245,7 +341,7 @@ def _cases(layers: list[LayerFigures]) -> dict[str, int]:
     return {case: sum(layer.case == case for layer in layers) for case in CASES}
 
 
-def _signed(memory: MemoryAnswer) -> tuple[int, int, int]:
+def _signed(memory: MemoryAnswer | ContributionAnswer) -> tuple[int, int, int]:
     """(layer, key, direction): a negative coefficient reads the value's bottom tokens."""
     return memory.layer, memory.key, 1 if memory.coefficient >= 0 else -1
 

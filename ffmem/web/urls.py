@@ -97,3 +97,12 @@ def start_analysis_url(model: str) -> str:
 
 def analysis_url(model: str, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/analysis", fmt, **query)
+
+
+def compare_url(model: str, fmt: str | None = None, **query) -> str:
+    """Two runs side by side: query a (run of `model`), b (any run of the same shape), sort, limit, layer."""
+    return _url(f"/m/{quote(model, safe='')}/compare", fmt, **query)
+
+
+def start_compare_url(model: str) -> str:
+    return f"/m/{quote(model, safe='')}/compare"

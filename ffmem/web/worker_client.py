@@ -9,7 +9,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ffmem.engine.trace_answer import AblationAnswer, TraceAnswer
+from ffmem.engine.trace_answer import AblationAnswer, CoefficientsAnswer, TraceAnswer
 from ffmem.web.errors import AppError, sentence
 
 Answer = TypeVar("Answer", bound=BaseModel)
@@ -26,6 +26,9 @@ class LiveWorker:
 
     def trace(self, payload: dict) -> TraceAnswer:
         return self._parse(TraceAnswer, self._post("/trace", payload))
+
+    def coefficients(self, payload: dict) -> CoefficientsAnswer:
+        return self._parse(CoefficientsAnswer, self._post("/coefficients", payload))
 
     def ablation(self, payload: dict) -> AblationAnswer:
         return self._parse(AblationAnswer, self._post("/ablation", payload))
@@ -75,12 +78,13 @@ class LiveWorker:
         if response.status_code == 200:
             return response.json()
         try:
-            message = response.json()["error"]
-        except (ValueError, KeyError, TypeError):
-            message = f"the live worker answered {response.status_code}"
+            body = response.json()
+            message, field = body["error"], body.get("field")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message, field = f"the live worker answered {response.status_code}", None
         if response.status_code == 503:
             retry = {"Retry-After": response.headers.get("Retry-After", "5")}
             raise AppError(503, "Live worker busy", sentence(message), headers=retry)
         if 400 <= response.status_code < 500:
-            raise AppError(400, "Bad request", sentence(message))
+            raise AppError(400, f"Bad {field}" if field else "Bad request", sentence(message), field=field)
         raise AppError(502, "Live worker failed", sentence(message))

@@ -2,7 +2,7 @@
 
 - "agreement" (Figs. 4, 5), from the stored key statistics: per layer, the share of keys whose value's
   top token is the token after their top trigger, and the distribution of that token's rank;
-- "census" (Figs. 7–11): held-out sentences of the run's corpus (those after the ones it mined), one
+- "census" (Figs. 7–11): the run's held-out sentences (ffmem.worker.held_out), one
   random prefix each, through ffmem.engine.analyses.census;
 - "token_removal" (Fig. 3): for a sample of keys per layer, their top trigger prefixes without their
   first and without their last token (ffmem.engine.analyses.token_removal); per layer the mean changes, and
@@ -26,11 +26,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from stop_words import get_stop_words
 
 from ffmem.engine.analyses import census, token_removal
-from ffmem.engine.corpus import read_corpus, tokenize
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel
 from ffmem.store import queries
 from ffmem.store.models import Analysis, KeyStats, Run, Token
+from ffmem.worker.held_out import held_out
 
 RANK_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
@@ -116,19 +116,16 @@ def _agreement(session: Session, run: Run, loaded: LoadedModel, options: Analysi
 def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions, report) -> dict:
     corpus = run.corpus
     source = corpus.name if corpus.name == "wiki-vital" else corpus.source
-    text = read_corpus(source, run.n_sentences + options.examples)
-    unseen = text.sentences[run.n_sentences :]
-    with loaded.lock:  # the tokenizer is shared with live traces
-        held_out = tokenize(unseen, loaded.tokenizer, corpus.max_tokens) if unseen else []
     rng = random.Random(options.seed)
     prefixes = [
         s.token_ids[: rng.randrange(s.first_position, len(s.token_ids)) + 1]
-        for s in held_out
+        for s in held_out(session, run, options.examples, loaded)
         if len(s.token_ids) > s.first_position
     ]
     if not prefixes:
         raise FfmemError(
-            f"{source} has no sentences beyond the {run.n_sentences:,} the run mined: none is held out"
+            f"{source} has no sentences beyond the {run.corpus.n_sentences:,} the run read, and it held none "
+            "out of mining: none is held out"
         )
     value_top = torch.from_numpy(value_top_tokens(session, run.id, run.model.n_layers))  # [layers, 2, d_ff]
     stop = set(get_stop_words("en"))

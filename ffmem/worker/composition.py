@@ -5,9 +5,9 @@
   write most into its key and the 10 later keys that read its value most, from the weights alone;
 - explanations (ffmem.engine.explanations): for every memory a short description read off the index
   (how its top triggers end, the words that set them apart, its value's top tokens, its shallowness),
-  scored on held-out sentences: the sentences of the run's corpus after the ones it mined, the same
-  ones the census analysis samples (worker/analysis_jobs.py), `explain_sentences` of them. A corpus
-  with nothing past the mined sentences leaves the explanations unscored.
+  scored on the run's held-out sentences (ffmem.worker.held_out), the same ones the census analysis
+  samples (worker/analysis_jobs.py), `explain_sentences` of them. A run with none held out leaves the
+  explanations unscored.
 
 With `explainer_url` set, a local model behind that OpenAI-compatible URL writes each description
 instead (`LocalExplainer`): it gets the same evidence, answers in JSON with the tokens its pattern
@@ -33,7 +33,7 @@ from sqlalchemy.orm import sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings, get_settings
-from ffmem.engine.corpus import length_bucketed_batches, read_corpus, tokenize
+from ffmem.engine.corpus import length_bucketed_batches
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.explanations import (
     LONGEST,
@@ -51,6 +51,7 @@ from ffmem.engine.loading import LoadedModel
 from ffmem.engine.weight_graph import TOP, weight_graph
 from ffmem.store import composition, queries
 from ffmem.store.models import Analysis, KeyStats, Run, Token, Trigger
+from ffmem.worker.held_out import held_out
 
 HEURISTIC = "heuristic"
 
@@ -194,8 +195,6 @@ def store_explanations(
                 heuristic = describe(prefixes[key], values, shallow, frequency, words, texts)
                 row.append(Evidence(layer, key, prefixes[key], values, shallow, heuristic))
             evidence.append(row)
-        held_out_source = run.corpus.name if run.corpus.name == "wiki-vital" else run.corpus.source
-        n_mined, max_tokens = run.n_sentences, run.corpus.max_tokens
     timings["describe_seconds"] = time.perf_counter() - start
 
     descriptions = {(e.layer, e.key): (HEURISTIC, e.heuristic) for row in evidence for e in row}
@@ -216,9 +215,10 @@ def store_explanations(
         timings["explainer_seconds"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    held_out = _held_out(held_out_source, n_mined, options.explain_sentences, loaded, max_tokens)
+    with sessions() as session:
+        held = held_out(session, session.get(Run, run_id), options.explain_sentences, loaded)
     patterns = [[descriptions[layer, key][1].pattern for key in range(n_keys)] for layer in range(n_layers)]
-    scores = score_patterns(loaded, patterns, fires_at, held_out, options)
+    scores = score_patterns(loaded, patterns, fires_at, held, options)
     timings["score_seconds"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -226,7 +226,7 @@ def store_explanations(
     for layer in range(n_layers):
         for key, score in enumerate(scores[layer]):
             source, description = descriptions[layer, key]
-            details = score.details() if held_out else {"positions": 0, "matches": 0, "auroc": None}
+            details = score.details() if held else {"positions": 0, "matches": 0, "auroc": None}
             rows.append(
                 (
                     layer,
@@ -250,8 +250,8 @@ def store_explanations(
         summary
         | timings
         | {
-            "held_out_sentences": len(held_out),
-            "held_out_positions": scores[0][0].positions if held_out and scores and scores[0] else 0,
+            "held_out_sentences": len(held),
+            "held_out_positions": scores[0][0].positions if held and scores and scores[0] else 0,
             "median_score": float(np.median(correlations)) if correlations.size else None,
             "median_auroc": float(np.median(aurocs)) if aurocs.size else None,
             "explainer_failures": failures,
@@ -274,19 +274,6 @@ def _layer_prefixes(
     return prefixes
 
 
-def _held_out(source: str, mined: int, wanted: int, loaded: LoadedModel, max_tokens: int) -> list:
-    """The corpus's sentences after the `mined` ones the run mined (at most `wanted`), tokenized; none when
-    the corpus has no more or cannot be read again."""
-    if wanted <= 0:
-        return []
-    try:
-        text = read_corpus(source, mined + wanted)
-    except (FfmemError, OSError):
-        return []
-    unseen = text.sentences[mined:]
-    return tokenize(unseen, loaded.tokenizer, max_tokens) if unseen else []
-
-
 def score_patterns(
     loaded: LoadedModel,
     patterns: list[list[Pattern]],
@@ -302,7 +289,9 @@ def score_patterns(
         first = [max(s.first_position, 1) for s in held_out]
         pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
         batches = list(
-            length_bucketed_batches(ids, first, start=0, batch_tokens=options.batch_tokens, pad_id=pad)
+            length_bucketed_batches(
+                ids, first, indices=range(len(ids)), batch_tokens=options.batch_tokens, pad_id=pad
+            )
         )
         current = []
 

@@ -17,6 +17,7 @@ from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from sqlalchemy import delete, select
@@ -24,17 +25,20 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import mined_from, read_corpus, tokenize
+from ffmem.engine.comparison import memory_weights
+from ffmem.engine.corpus import held_out_sentences, mined_from, mined_sentences, read_corpus, tokenize
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel, shared_model
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.engine.neighbours import memory_neighbours
 from ffmem.engine.projection import project_layer, search_arrays, target_ranks
-from ffmem.store import jobs, memory_search, queries
+from ffmem.engine.sentence_coefficients import sentence_coefficients
+from ffmem.store import jobs, key_examples, memory_search, queries
 from ffmem.store.jobs import Enqueued, JobKind, JobStatus, ShardStatus, StageProgress
-from ffmem.store.models import Job, KeyStats, Run, Shard, Trigger, ValueToken
+from ffmem.store.models import Job, KeyExamples, KeyStats, Run, Shard, Trigger, ValueToken
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
+from ffmem.worker.comparison import compare_runs
 from ffmem.worker.composition import compose
 from ffmem.worker.leases import Heartbeat, Presence
 
@@ -45,7 +49,9 @@ def _setting(name: str):
     return Path(default) if name == "cache_dir" else default
 
 
-BEFORE_OPTIONS = {"first_position": True}  # run options older jobs lack: what they did (mined position 0)
+FIRST_CHECKPOINT = 2  # batches: a shard's first checkpoint, before every `checkpoint_batches`
+# Run options older jobs lack: what they did (mined position 0, shaded nothing).
+BEFORE_OPTIONS = {"first_position": True, "shaded_triggers": 0, "held_out_every": 0}
 
 
 @dataclass
@@ -55,7 +61,9 @@ class IndexOptions:
     model: str = _setting("model")
     corpus: str = _setting("corpus")
     sentences: int | None = _setting("sentences")
+    held_out_every: int = _setting("held_out_every")
     top_k: int = _setting("top_k")
+    shaded_triggers: int = _setting("shaded_triggers")
     device: str = _setting("device")
     dtype: str = _setting("dtype")
     max_sentence_tokens: int = _setting("max_sentence_tokens")
@@ -108,6 +116,7 @@ class IndexSummary:
     mining_seconds: float
     projection_seconds: float
     storing_seconds: float
+    shading_seconds: float = 0.0  # the second pass (Worker.shade)
     already_built: bool = False
 
 
@@ -243,6 +252,9 @@ class Worker:
         if job.kind == JobKind.analysis:
             self._guarded(job.id, lambda: self.analyze(job), self._job_lease(job.id))
             return True
+        if job.kind == JobKind.comparison:
+            self._guarded(job.id, lambda: self.compare(job), self._job_lease(job.id))
+            return True
         if job.run_id is None:
             self._guarded(job.id, lambda: self.prepare(job), self._job_lease(job.id))
             return True
@@ -336,7 +348,7 @@ class Worker:
                 corpus_id=corpus.id,
                 top_k=options.top_k,
                 n_value_tokens=options.value_tokens,
-                n_sentences=corpus.n_sentences,
+                n_sentences=len(mined_sentences(corpus.n_sentences, options.held_out_every)),
                 dtype=str(loaded.dtype).removeprefix("torch."),
                 device=str(loaded.device),
                 package_version=version("ffmem"),
@@ -347,7 +359,7 @@ class Worker:
             jobs.create_shards(
                 session=session,
                 run_id=run.id,
-                n_sentences=corpus.n_sentences,
+                n_sentences=run.n_sentences,
                 shard_sentences=options.shard_sentences,
             )
             self.project_values(session, job, run.id, loaded, options)
@@ -381,6 +393,7 @@ class Worker:
             shard_sentences=options.shard_sentences,
             batch_tokens=options.batch_tokens,
             pad_id=_pad_id(loaded),
+            held_out_every=options.held_out_every,
         )
         sentences_done = sum(len(b.sentence_index) for b in batches[:batches_done])
         tokens_done = sum(b.real_tokens for b in batches[:batches_done])
@@ -401,7 +414,9 @@ class Worker:
             mined_tokens += batch.real_tokens
             self.padding[0] += batch.real_tokens
             self.padding[1] += batch.computed_tokens
-            checkpoint = number % options.checkpoint_batches == 0 and number < len(batches)
+            # The first checkpoint comes early, so the pages show provisional triggers within seconds.
+            due = number % options.checkpoint_batches == 0 or number == FIRST_CHECKPOINT
+            checkpoint = due and number < len(batches)
             with self.sessions() as session:
                 held = jobs.checkpoint_shard(
                     session=session,
@@ -451,10 +466,11 @@ class Worker:
             layers = jobs.load_snapshot(session=session, run_id=run_id)
             state = _state(layers, loaded.device)
             corpus_id = session.get(Run, run_id).corpus_id
-            for table in (Trigger, KeyStats):  # a finisher that died may have stored some
+            for table in (Trigger, KeyStats, KeyExamples):  # a finisher that died may have stored some
                 session.execute(delete(table).where(table.run_id == run_id))
             session.commit()
-        _, _, following = self.corpus(corpus_id)
+        token_ids, first_positions, following = self.corpus(corpus_id)
+        shading = self.shade(state, token_ids, first_positions, loaded, options)
         with self.sessions() as session:
             for layer in tqdm(
                 range(loaded.n_layers), desc="storing", unit="layer", disable=not options.progress
@@ -466,6 +482,13 @@ class Worker:
                 norms = loaded.value_norms[layer].cpu()  # [keys]
                 t1 = time.perf_counter()
                 _store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
+                key_examples.store_key_examples(
+                    session=session,
+                    run_id=run_id,
+                    layer=layer,
+                    mined=state.layer(layer),
+                    **shading.pop(layer),
+                )
                 if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
                     session.rollback()
                     raise LostLease(f"job {job.id} was taken over while storing")
@@ -479,6 +502,51 @@ class Worker:
             jobs.attach_analyses(session=session, index_job=job)
             jobs.drop_layers(session=session, run_id=run_id)
             session.commit()
+
+    def shade(self, state: MiningState, token_ids, first_positions, loaded: LoadedModel, options) -> dict:
+        """The second pass: each key's coefficient at every token of its first `shaded_triggers`
+        triggers of each sign and of its band samples (engine.sentence_coefficients). Per layer, the
+        arguments of key_examples.store_key_examples: {"positive", "negative", "samples"}, per key a
+        list of float16 arrays."""
+        t0 = time.perf_counter()
+        counts, wanted = {}, {}
+        for layer in range(state.n_layers):
+            blocks = [
+                state.triggers(layer, sign)[1][:, : options.shaded_triggers].numpy() for sign in (1, -1)
+            ]
+            blocks.append(state.layer(layer).sample_sentence.reshape(state.n_keys, -1))  # by bin, then slot
+            valid = [block >= 0 for block in blocks]  # triggers fill ranks 0 … n−1; samples any slot
+            counts[layer] = np.stack([v.sum(axis=1) for v in valid], axis=1)  # [keys, 3]
+            sentences = np.concatenate([block for block in blocks], axis=1)  # [keys, 2S + bins·samples]
+            keep = np.concatenate(valid, axis=1)  # [keys, …]
+            keys = np.broadcast_to(np.arange(state.n_keys)[:, None], keep.shape)
+            wanted[layer] = np.stack([keys[keep], sentences[keep]], axis=1)  # [n, 2] key-major, in order
+        bar = tqdm(desc="shading", unit="sent", disable=not options.progress)
+
+        def report(done: int, total: int) -> None:
+            bar.total, bar.n = total, done
+            bar.refresh()
+
+        found = sentence_coefficients(
+            loaded,
+            token_ids,
+            mined_from(first_positions, first_position=options.first_position),
+            wanted,
+            batch_tokens=options.batch_tokens,
+            pad_id=_pad_id(loaded),
+            report=report,
+        )
+        bar.close()
+        shading = {}
+        for layer, arrays in found.items():
+            bounds = np.concatenate([[0], np.cumsum(counts[layer].reshape(-1))])  # per key: +, −, samples
+            parts = [arrays[start:stop] for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
+            shading[layer] = {
+                name: [parts[3 * key + i] for key in range(state.n_keys)]
+                for i, name in enumerate(("positive", "negative", "samples"))
+            }
+        self.timings["shading"] = self.timings.get("shading", 0.0) + time.perf_counter() - t0
+        return shading
 
     def store_neighbours(self, session: Session, run_id: int, loaded: LoadedModel, options) -> None:
         """Each memory's nearest memories by key and by value direction. They need no corpus, but at
@@ -531,16 +599,7 @@ class Worker:
     def analyze(self, job: Job) -> None:
         """The paper's analyses of the job's (finished) run, on the model that built it; progress
         and the lease are renewed in the job's row every few seconds."""
-        with self.sessions() as session:
-            built_by = session.scalars(
-                select(Job).where(Job.kind == JobKind.index, Job.run_id == job.run_id).order_by(Job.id.desc())
-            ).first()
-            source = session.get(Run, job.run_id).model.source
-        options = (
-            self.options.with_run_options(built_by.options)
-            if built_by
-            else replace(self.options, model=source)
-        )
+        options = self.run_model_options(job.run_id)
         loaded = self.model(options)
         given = {name: job.options[name] for name in (*jobs.ANALYSIS_FIELDS, "seed")}
         chosen = AnalysisOptions(**given, progress=options.progress)
@@ -548,6 +607,30 @@ class Worker:
         with self.sessions() as session:
             jobs.finish_job(session=session, job_id=job.id)
             session.commit()
+
+    def compare(self, job: Job) -> None:
+        """Two finished runs side by side (ffmem.worker.comparison), each run's weights read from the
+        model that built it, one model after the other."""
+        a, b = job.options["runs"]
+        compare_runs(
+            self.sessions, a, b, lambda run_id: memory_weights(self.model(self.run_model_options(run_id)))
+        )
+        with self.sessions() as session:
+            jobs.finish_job(session=session, job_id=job.id)
+            session.commit()
+
+    def run_model_options(self, run_id: int) -> IndexOptions:
+        """The options that load the model of run `run_id` as its index job loaded it (or by its source)."""
+        with self.sessions() as session:
+            built_by = session.scalars(
+                select(Job).where(Job.kind == JobKind.index, Job.run_id == run_id).order_by(Job.id.desc())
+            ).first()
+            source = session.get(Run, run_id).model.source
+        return (
+            self.options.with_run_options(built_by.options)
+            if built_by
+            else replace(self.options, model=source)
+        )
 
     def _reporter(self, job_id: int, every: float = 2.0):
         """report(analysis, done, total) for `analyze`: stores the progress and renews the lease at
@@ -614,6 +697,7 @@ class Worker:
                 mining_seconds=self.timings["mining"],
                 projection_seconds=self.timings["projection"],
                 storing_seconds=self.timings["storing"],
+                shading_seconds=self.timings.get("shading", 0.0),
                 already_built=already_built,
             )
 
@@ -635,6 +719,9 @@ def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
         "corpus": corpus.name,
         "corpus_sha256": corpus.source_sha256,
         "sentences": corpus.n_sentences,
+        "held_out_every": options.held_out_every,
+        "held_out": _held_out_rule(corpus.n_sentences, options.held_out_every),
+        "shard_order": "shard k of n mines every n-th mined sentence from the k-th: each spans the corpus",
         "max_sentence_tokens": options.max_sentence_tokens,
         "first_position": options.first_position,
         "mined_positions": _mined_positions(loaded, options.first_position),
@@ -644,6 +731,17 @@ def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+
+
+def _held_out_rule(n_sentences: int, every: int) -> str:
+    """Which sentences the run holds out of mining, in words (ffmem.engine.corpus.held_out_sentences)."""
+    if not every:
+        return "none: every sentence read is mined"
+    held = len(held_out_sentences(n_sentences, every))
+    return (
+        f"every {every}th sentence (index % {every} = {every - 1}): {held:,} sentences, not mined; "
+        "the analyses and the explanations' scores read them"
+    )
 
 
 def _mined_positions(loaded: LoadedModel, first_position: bool) -> str:

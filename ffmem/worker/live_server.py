@@ -2,9 +2,10 @@
 
 One trace at a time per worker (one device), on a single thread; at most `queue` requests wait.
 Past that, or while the requested model is still loading, it answers 503 with Retry-After, in the
-app's error shape `{"ok": false, "error", "status"}`. `ffmem worker` serves it beside its index work,
-on the same copy of the model (`shared_model`): a trace holds the model's lock, so it waits for the
-batch being mined, and the other way round.
+app's error shape `{"ok": false, "error", "status"}` (with `"field"` when one request field is at
+fault, e.g. a bad `target`: the app shows the message next to it). `ffmem worker` serves it beside
+its index work, on the same copy of the model (`shared_model`): a trace holds the model's lock, so it
+waits for the batch being mined, and the other way round.
 """
 
 from __future__ import annotations
@@ -24,20 +25,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from ffmem.engine.attribution_terms import TARGET_CHARS, target_id
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.interventions import parse_interventions
+from ffmem.engine.key_coefficients import key_coefficients
 from ffmem.engine.loading import LoadedModel, ModelLoadError, shared_model
 from ffmem.engine.trace import ablation, trace
-from ffmem.engine.trace_answer import AblationAnswer, TraceAnswer
+from ffmem.engine.trace_answer import AblationAnswer, CoefficientsAnswer, TraceAnswer
 
 log = logging.getLogger("ffmem.worker")
 Answer = TypeVar("Answer")
 
 
 class LiveError(Exception):
-    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
+    """`field`: the request field at fault (answered beside the message, so the page shows it there)."""
+
+    def __init__(
+        self, status: int, message: str, retry_after: int | None = None, *, field: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.retry_after = status, message, retry_after
+        self.status, self.message, self.retry_after, self.field = status, message, retry_after, field
 
 
 class TraceRequest(BaseModel):
@@ -49,6 +56,11 @@ class TraceRequest(BaseModel):
     interventions: str = Field("", max_length=4000, description="L12K345, L12K345*0.5, L12K345=3.2, …")
     generate: int = Field(0, ge=0, le=20, description="Greedy tokens generated with and without them.")
     value_tokens: int = Field(0, ge=0, le=20, description="Top tokens of each listed memory's value.")
+    target: str | None = Field(
+        None,
+        max_length=10_000,
+        description="The token to attribute: text (its first token) or #id (None: the prediction).",
+    )
 
 
 class AblationRequest(BaseModel):
@@ -57,6 +69,13 @@ class AblationRequest(BaseModel):
     key: int = Field(ge=0)
     prefixes: Annotated[list[list[int]], Field(min_length=1, max_length=100)]
     targets: Annotated[list[list[int]], Field(min_length=1, max_length=100)]
+
+
+class CoefficientsRequest(BaseModel):
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    text: str = Field(description="The text whose tokens are read.")
+    layer: int = Field(ge=0)
+    key: int = Field(ge=0)
 
 
 class Live:
@@ -148,15 +167,19 @@ class Live:
         }
 
     # -- the work, on the worker thread ------------------------------------------------------------
-    def trace(self, loaded: LoadedModel, request: TraceRequest) -> TraceAnswer:
-        token_ids = loaded.tokenizer(request.text).input_ids
-        if not request.text.strip() or not token_ids:
+    def _checked(self, token_ids: list[int], text: str) -> None:
+        """Refuse an empty prompt or one past max_prompt_tokens (400)."""
+        if not text.strip() or not token_ids:
             raise LiveError(400, "the prompt is empty: type some text")
         if len(token_ids) > self.max_tokens:
             raise LiveError(
                 400,
                 f"the prompt has {len(token_ids)} tokens; the limit is {self.max_tokens} (max_prompt_tokens)",
             )
+
+    def trace(self, loaded: LoadedModel, request: TraceRequest) -> TraceAnswer:
+        token_ids = loaded.tokenizer(request.text).input_ids
+        self._checked(token_ids, request.text)
         if request.position is not None and request.position >= len(token_ids):
             raise LiveError(
                 400,
@@ -164,6 +187,7 @@ class Live:
                 f"(positions 0–{len(token_ids) - 1})",
             )
         interventions = parse_interventions(request.interventions, loaded.n_layers, loaded.n_keys)
+        typed_tokens = _target_tokens(loaded, request.target)
         result = trace(
             loaded,
             token_ids,
@@ -173,18 +197,40 @@ class Live:
             interventions=interventions,
             generate_tokens=request.generate,
             value_tokens=request.value_tokens,
+            target=typed_tokens[0] if typed_tokens else None,
         )
+        answer = asdict(result)
+        if answer["attribution"] is not None:
+            answer["attribution"] |= {"typed": request.target, "typed_tokens": typed_tokens}
         return TraceAnswer(
-            **asdict(result),
+            **answer,
             generated_text=loaded.tokenizer.decode(result.generated),
             generated_edited_text=loaded.tokenizer.decode(result.generated_edited),
         )
 
+    def coefficients(self, loaded: LoadedModel, request: CoefficientsRequest) -> CoefficientsAnswer:
+        _check_memory(loaded, request.layer, request.key)
+        encoded = loaded.tokenizer(request.text, return_offsets_mapping=True)
+        token_ids = encoded.input_ids
+        self._checked(token_ids, request.text)
+        m = key_coefficients(loaded, token_ids, request.layer, request.key)  # [pos]
+        bos = loaded.tokenizer.bos_token_id
+        return CoefficientsAnswer(
+            layer=request.layer,
+            key=request.key,
+            token_ids=token_ids,
+            tokens=[loaded.tokenizer.decode([i]) for i in token_ids],
+            offsets=[tuple(o) for o in encoded.offset_mapping],
+            first_position=1 if bos is not None and len(token_ids) > 1 and token_ids[0] == bos else 0,
+            coefficients=m.tolist(),
+            max=float(m.max()),
+            max_position=int(m.argmax()),
+            min=float(m.min()),
+            min_position=int(m.argmin()),
+        )
+
     def ablation(self, loaded: LoadedModel, request: AblationRequest) -> AblationAnswer:
-        if request.layer >= loaded.n_layers or request.key >= loaded.n_keys:
-            raise LiveError(
-                400, f"no memory L{request.layer}K{request.key} in a {loaded.n_layers}×{loaded.n_keys} model"
-            )
+        _check_memory(loaded, request.layer, request.key)
         if len(request.targets) != len(request.prefixes) or len({len(t) for t in request.targets}) != 1:
             raise LiveError(400, "give one list of targets per prefix, all of the same length")
         vocab = loaded.model.config.vocab_size
@@ -197,8 +243,38 @@ class Live:
         return AblationAnswer(before=before, after=after)
 
 
+def _target_tokens(loaded: LoadedModel, target: str | None) -> list[int]:
+    """The tokens a target is (ffmem.engine.attribution_terms: text or #id); [] for None, the prediction.
+    An empty or too long target, an id past the vocabulary, or a text with no token or an unknown one: 400."""
+    if target is None:
+        return []
+    if not target:
+        raise LiveError(
+            400, "the target is empty: type a token, e.g. ' London', or leave it out", field="target"
+        )
+    if len(target) > TARGET_CHARS:
+        raise LiveError(
+            400, f"the target is {len(target)} characters; the limit is {TARGET_CHARS}", field="target"
+        )
+    vocab = loaded.model.config.vocab_size
+    if (token := target_id(target)) is not None:
+        if token >= vocab:
+            raise LiveError(400, f"no token #{token}: token ids run 0–{vocab - 1}", field="target")
+        return [token]
+    ids = loaded.tokenizer(target, add_special_tokens=False).input_ids
+    unknown = loaded.tokenizer.unk_token_id
+    if not ids or (unknown is not None and unknown in ids) or max(ids) >= vocab:
+        raise LiveError(400, f"the tokenizer has no token for the target {target!r}", field="target")
+    return ids
+
+
+def _check_memory(loaded: LoadedModel, layer: int, key: int) -> None:
+    if layer >= loaded.n_layers or key >= loaded.n_keys:
+        raise LiveError(400, f"no memory L{layer}K{key} in a {loaded.n_layers}×{loaded.n_keys} model")
+
+
 def create_live_app(live: Live) -> FastAPI:
-    """The worker's HTTP face: GET /health, POST /trace, POST /ablation."""
+    """The worker's HTTP face: GET /health, POST /trace, POST /coefficients, POST /ablation."""
     app = FastAPI(title="ffmem live worker", version="0.1.0")
     app.state.live = live
 
@@ -212,6 +288,11 @@ def create_live_app(live: Live) -> FastAPI:
         """Trace one prompt (see ffmem.engine.trace)."""
         return await live.run(request.model, lambda loaded: live.trace(loaded, request))
 
+    @app.post("/coefficients")
+    async def coefficients(request: CoefficientsRequest) -> CoefficientsAnswer:
+        """One memory's coefficient at every token of a text, its max and min and where."""
+        return await live.run(request.model, lambda loaded: live.coefficients(loaded, request))
+
     @app.post("/ablation")
     async def ablate(request: AblationRequest) -> AblationAnswer:
         """Target probabilities after each prefix with one memory as it is and switched off."""
@@ -219,7 +300,7 @@ def create_live_app(live: Live) -> FastAPI:
 
     @app.exception_handler(LiveError)
     async def live_error(request: Request, error: LiveError) -> JSONResponse:
-        return _error(error.status, error.message, error.retry_after)
+        return _error(error.status, error.message, error.retry_after, error.field)
 
     @app.exception_handler(FfmemError)
     async def user_error(request: Request, error: FfmemError) -> JSONResponse:
@@ -238,8 +319,10 @@ def create_live_app(live: Live) -> FastAPI:
     return app
 
 
-def _error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, retry_after: int | None = None, field: str | None = None
+) -> JSONResponse:
+    """The app's error shape; `field`, when one request field is at fault, beside it."""
     headers = {"Retry-After": str(retry_after)} if retry_after else None
-    return JSONResponse(
-        {"ok": False, "error": message, "status": status}, status_code=status, headers=headers
-    )
+    body = {"ok": False, "error": message, "status": status} | ({"field": field} if field else {})
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -112,6 +112,9 @@ def valid(db, slug) -> dict[str, str]:
         "file": "corpus.txt",
         "tag": "semantic",
         "author": "tester",
+        # comparing two runs (a run with itself: refused)
+        "a": str(db.scalars(select(Run.id)).one()),
+        "b": str(db.scalars(select(Run.id)).one()),
         # an analysis
         "examples": "10",
         "keys": "5",

@@ -71,16 +71,18 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     assert body["explanation"] == {
         "text": stored.text,
         "source": "heuristic",
-        "score": None,  # the tiny index mined its whole corpus: nothing is held out
-        "auroc": None,
-        "positions": 0,
-        "matches": 0,
+        "score": stored.score,  # scored on the held-out sentence (index 9 of the tiny index's 16)
+        "auroc": stored.details["auroc"],
+        "positions": stored.details["positions"],
+        "matches": stored.details["matches"],
     }
+    assert stored.details["positions"] > 0
     page = client.get(f"/m/{slug}/layers/2/keys/3").text
     assert page.index('id="label"') < page.index('id="explanation"')
     shown = re.search(r'id="explanation-text"><strong>(.*?)</strong>', page, re.S).group(1)
     assert unescape(shown) == stored.text
-    assert "no sentences beyond those it mined" in page
+    held = f"{stored.details['positions']:,} held-out positions"
+    assert (f"over {stored.details['positions']:,} positions of held-out" if stored.score is not None else held) in page
 
 
 def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):

@@ -80,7 +80,7 @@ def test_export_writes_every_table(explorer_db, db, tmp_path, fmt):
         assert len(stats) == db.scalar(
             select(func.count()).select_from(KeyStats).where(KeyStats.run_id == run.id)
         )
-        assert len(read(out / f"sentences.{fmt}")) == run.n_sentences
+        assert len(read(out / f"sentences.{fmt}")) == run.corpus.n_sentences  # held-out ones too
         labels = read(out / f"labels.{fmt}")
         assert [(label["pattern"], label["current"]) for label in labels] == [
             ("a city", False),
@@ -88,7 +88,7 @@ def test_export_writes_every_table(explorer_db, db, tmp_path, fmt):
         ]
         meta = json.loads((out / "run.json").read_text())
         assert meta["run"] == run.id and meta["n_sentences"] == run.n_sentences
-        assert f"wrote run {run.id} to {out}/ ({fmt}): sentences {run.n_sentences}" in result.output
+        assert f"wrote run {run.id} to {out}/ ({fmt}): sentences {run.corpus.n_sentences}" in result.output
     finally:
         db.execute(Label.__table__.delete())
         db.commit()

@@ -168,7 +168,12 @@ ERROR_BODY = {
 
 def test_every_operation_documents_its_errors_in_the_one_shape():
     assert DOCUMENT["components"]["schemas"]["ErrorBody"] == ERROR_BODY
-    live = ("/m/{model}/trace", "/m/{model}/layers/{layer}/keys/{key}/ablation")
+    # the live routes; the key page asks the live worker for `?text=` (try your own text)
+    live = (
+        "/m/{model}/trace",
+        "/m/{model}/layers/{layer}/keys/{key}/ablation",
+        "/m/{model}/layers/{layer}/keys/{key}",
+    )
     for path, item in DOCUMENT["paths"].items():
         for method, operation in item.items():
             codes = {code for code in operation["responses"] if code != "422"}

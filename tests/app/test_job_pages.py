@@ -57,7 +57,9 @@ def test_start_a_run_from_the_browser(client, tmp_path):
         "model": "smollm2-135m",
         "corpus": "wiki-vital",
         "sentences": 40,
+        "held_out_every": 10,
         "top_k": 5,
+        "shaded_triggers": 10,
         "dtype": "auto",
         "max_sentence_tokens": 128,
         "first_position": False,
@@ -136,18 +138,13 @@ def test_unknown_job_and_retry_rules(client, app_for):
 
 
 def test_progress_of_a_running_run(db_url, tiny, tiny_model_dir, tmp_path):
-    from explorer_index import EXPLORER_SENTENCES
+    from explorer_index import four_shard_options
 
-    from ffmem.worker.index import IndexOptions, build_index
+    from ffmem.worker.index import build_index
 
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n".join(EXPLORER_SENTENCES[:7] * 4) + "\n")  # 28 sentences, shards of 8
     sessions = make_sessionmaker(make_engine(db_url))
-    chosen = dict(sentences=None, top_k=4, device="cpu", dtype="float32", batch_tokens=64, shard_sentences=8)
     build_index(
-        IndexOptions(
-            model=str(tiny_model_dir), corpus=str(corpus), cache_dir=tmp_path, progress=False, **chosen
-        ),
+        four_shard_options(tiny_model_dir, tmp_path),  # 28 sentences, 4 shards of 7
         sessions,
         loaded=tiny,
     )
@@ -166,22 +163,31 @@ def test_progress_of_a_running_run(db_url, tiny, tiny_model_dir, tmp_path):
         unfinished = client.get(f"/m/{slug}/layers/0.json").json()
     app.state.engine.dispose()
     progress = body["progress"]
-    assert done == 8 + 8 + 4
+    assert done == 7 + 7 + 4
     assert (
         progress["sentences_done"],
         progress["n_sentences"],
         progress["shards"],
         progress["shards_done"],
     ) == (
-        20,
+        18,
         28,
         4,
         2,
     )
-    assert progress["fraction"] == pytest.approx(20 / 28) and progress["eta_seconds"] > 0
-    assert fragment.lstrip().startswith('<section id="progress" hx-get="/jobs/1"') and "71.4%" in fragment
+    assert progress["fraction"] == pytest.approx(18 / 28) and progress["eta_seconds"] > 0
+    assert fragment.lstrip().startswith('<section id="progress" hx-get="/jobs/1"') and "64.3%" in fragment
     assert unfinished == {
         "ok": False,
         "status": 404,
         "error": f"Model '{slug}' has no finished index run yet. Job 1 is building one: see /jobs/1.",
     }
+
+
+def test_an_empty_sentences_field_reads_the_whole_corpus(client):
+    """The home page's form leaves `sentences` empty by default: the run reads every sentence."""
+    fields = {"model": "smollm2-135m", "corpus": "wiki-vital", "sentences": "", "top_k": "5"}
+    response = client.post("/jobs", data=fields, follow_redirects=False)
+    assert response.status_code == 303, response.text
+    job = client.get(response.headers["location"] + ".json").json()["job"]
+    assert job["options"]["sentences"] is None and job["options"]["held_out_every"] == 10

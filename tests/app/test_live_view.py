@@ -31,7 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout'
 TRACE_FIELDS = {
     "page", "title", "model", "n_layers", "n_keys", "text", "position", "readout", "memories", "generate",
     "interventions", "max_tokens", "worker", "notice", "run", "tokens", "prediction", "top_tokens", "layers",
-    "heatmap", "edits", "generation", "cases", "unedited", "heatmap_mode", "notice_field",
+    "heatmap", "edits", "generation", "cases", "unedited", "heatmap_mode", "notice_field", "target",
+    "attribution",
 }  # fmt: skip
 LAYER_FIELDS = {
     "layer",
@@ -473,3 +474,158 @@ def test_a_slow_worker_is_a_504_in_the_error_shape(explorer_db, slug):
     assert response.json() == {"ok": False, "error": message, "status": 504}
     assert page.status_code == 504
     assert f"No live trace</strong> — Live worker timed out: {message}" in page.text
+
+
+ATTRIBUTION_FIELDS = {
+    "target", "typed", "note", "readout", "logit", "scale", "total", "largest_residual", "vetoes", "layers",
+    "promoters", "suppressors",
+}  # fmt: skip
+ATTRIBUTION_LAYER_FIELDS = {"layer", "memories", "memories_sum", "bias", "direct", "change", "residual"}
+ATTRIBUTED_FIELDS = {"layer", "key", "coefficient", "value_logit", "contribution", "top_token", "veto", "url"}
+
+
+def by_hand_raw(tiny, ids, target):
+    """Per layer Σ_i m_i·(v_i·e_t) and y·e_t, from plain hooks on the Llama's down_proj and mlp."""
+    m, y = {}, {}
+    handles = []
+    for layer, block in enumerate(tiny.model.model.layers):
+        handles.append(
+            block.mlp.down_proj.register_forward_pre_hook(
+                lambda mod, i, layer=layer: m.update({layer: i[0][0, -1]})
+            )
+        )
+        handles.append(
+            block.mlp.register_forward_hook(lambda mod, i, o, layer=layer: y.update({layer: o[0, -1]}))
+        )
+    try:
+        with torch.inference_mode():
+            tiny.model(torch.tensor([ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.inference_mode():
+        e = tiny.model.lm_head.weight[target]  # [d]
+        values = [block.mlp.down_proj.weight.T for block in tiny.model.model.layers]  # [d_ff, d] each
+        sums = [float(m[layer] @ (values[layer] @ e)) for layer in m]
+        return sums, [float(y[layer] @ e) for layer in y]
+
+
+@pytest.mark.parametrize("readout", ["raw", "norm"])
+def test_attribution_json_twin(client, db, slug, tiny, readout):
+    """Issue 17: who pushes the prediction (the default target), in the JSON twin: exact fields, the
+    engine's numbers, per layer Σ memories = y·e_t by hand (raw), own top tokens from the index and the
+    veto marks by their definition."""
+    params = {"text": PROMPT, "memories": 6, "readout": readout}
+    body = client.get(f"/m/{slug}/trace.json", params=params).json()
+    a = body["attribution"]
+    assert body["target"] is None and set(a) == ATTRIBUTION_FIELDS
+    ids = tiny.tokenizer(PROMPT).input_ids
+    expected = trace(tiny, ids, memories=6, readout=readout).attribution
+    names = texts(db)
+    assert a["target"] == {"token_id": body["prediction"]["token_id"], "token": names[expected.target]}
+    assert (a["typed"], a["note"], a["readout"]) == (None, None, readout)
+    assert a["logit"] == pytest.approx(expected.logit) and a["total"] == pytest.approx(expected.total)
+    assert (a["scale"] is None) == (readout == "raw")
+    assert a["largest_residual"] == pytest.approx(max(abs(row.residual) for row in expected.layers))
+    sums, changes = by_hand_raw(tiny, ids, expected.target)
+    run_id = body["run"]
+    vetoes = 0
+    for row, want in zip(a["layers"], expected.layers, strict=True):
+        assert set(row) == ATTRIBUTION_LAYER_FIELDS and len(row["memories"]) == 6
+        assert row["memories_sum"] == pytest.approx(want.memories_sum, abs=1e-5)
+        assert row["change"] == pytest.approx(want.change, abs=1e-5) and row["bias"] == 0.0
+        if readout == "raw":  # exact up to float error, against hooks by hand
+            assert row["memories_sum"] == pytest.approx(sums[row["layer"]], abs=1e-4)
+            assert row["change"] == pytest.approx(changes[row["layer"]], abs=1e-4)
+            assert abs(row["residual"]) < 1e-4
+        largest = max(abs(m["contribution"]) for m in row["memories"])
+        for memory, m in zip(row["memories"], want.memories, strict=True):
+            assert set(memory) == ATTRIBUTED_FIELDS
+            assert (memory["key"], memory["contribution"]) == (m.key, pytest.approx(m.contribution, abs=1e-5))
+            assert memory["url"] == f"/m/{slug}/layers/{m.layer}/keys/{m.key}"
+            direction = 1 if m.coefficient >= 0 else -1
+            top = db.scalar(
+                select(ValueToken.token_id).where(
+                    ValueToken.run_id == run_id,
+                    ValueToken.layer == m.layer,
+                    ValueToken.key == m.key,
+                    ValueToken.readout == readout,
+                    ValueToken.direction == direction,
+                    ValueToken.rank == 0,
+                )
+            )
+            assert memory["top_token"] == {"token_id": top, "token": names[top]}
+            veto = row["memories_sum"] < 0 and (
+                top == expected.target or (m.contribution > 0 and m.contribution >= 0.25 * largest)
+            )
+            assert memory["veto"] == veto, (row["layer"], m.key)
+            vetoes += veto
+    assert a["vetoes"] == vetoes
+    if readout == "raw":  # layer 1 pushes the prediction down while some of its memories push it up
+        assert [m["veto"] for m in a["layers"][1]["memories"]].count(True) >= 1
+    promoted = sorted((m for w in expected.layers for m in w.memories), key=lambda m: -m.contribution)
+    assert a["promoters"][0]["contribution"] == pytest.approx(promoted[0].contribution, abs=1e-5)
+    assert [p["contribution"] for p in a["promoters"]] == pytest.approx(
+        [p.contribution for p in expected.promoters], abs=1e-5
+    )
+    assert [s["key"] for s in a["suppressors"]] == [s.key for s in expected.suppressors]
+
+
+def test_a_typed_target_is_tokenized_by_the_worker_and_shared_in_the_url(client, db, slug, tiny):
+    """target= ' Paris' (two tokens of the tiny tokenizer: the first is attributed, and the page says so),
+    and #id; the URLs of the page keep the target."""
+    pieces = tiny.tokenizer(" Paris", add_special_tokens=False).input_ids
+    assert len(pieces) == 2
+    body = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "target": " Paris"}).json()
+    a, names = body["attribution"], texts(db)
+    assert body["target"] == " Paris" and a["typed"] == " Paris"
+    assert a["target"] == {"token_id": pieces[0], "token": names[pieces[0]]}
+    first, second = (repr(names[t]) for t in pieces)
+    assert a["note"] == f"' Paris' is 2 tokens ({first} + {second}): the first, {first}, is attributed."
+    ids = tiny.tokenizer(PROMPT).input_ids
+    expected = trace(tiny, ids, target=pieces[0]).attribution
+    assert a["total"] == pytest.approx(expected.total, abs=1e-5)
+    assert (
+        body["tokens"][3]["url"] == f"/m/{slug}/trace?text=The+capital+of+France+is&position=3&target=+Paris"
+    )
+    assert body["layers"][0]["memories"][0]["off_url"].endswith("&target=+Paris")
+    by_id = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "target": "#7"}).json()["attribution"]
+    assert by_id["target"]["token_id"] == 7 and by_id["note"] is None
+    assert by_id["total"] == pytest.approx(trace(tiny, ids, target=7).attribution.total, abs=1e-5)
+    tops = body["top_tokens"]
+    assert tops[0]["target_url"] == (
+        f"/m/{slug}/trace?text=The+capital+of+France+is&target=%23{tops[0]['token_id']}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("", "The target is empty: type a token, e.g. ' London', or leave it out."),
+        ("x" * 101, "A target is one token: at most 100 characters."),
+        ("#300", "No token #300: token ids run 0–299."),
+        ("#99999999", "No token #99999999: token ids run 0–299."),
+    ],
+)
+def test_a_bad_target_is_a_400_next_to_its_field(client, slug, target, message):
+    params = {"text": PROMPT, "target": target}
+    response = client.get(f"/m/{slug}/trace.json", params=params)
+    assert response.status_code == 400
+    assert response.json() == {"ok": False, "error": message, "status": 400}
+    fragment = client.get(
+        f"/m/{slug}/trace", params=params, headers={"HX-Request": "true", "HX-Target": "trace"}
+    )
+    assert fragment.status_code == 400 and fragment.headers["X-Error-Field"] == "target"
+    page = client.get(f"/m/{slug}/trace", params=params)
+    assert page.status_code == 400 and 'id="target-error"' in page.text
+    assert str(escape(message)) in page.text.split('id="target-error"')[1].split("</span>")[0]
+
+
+def test_the_attribution_section_is_rendered_and_escaped(client, slug):
+    hostile = "<b>x"
+    page = client.get(f"/m/{slug}/trace", params={"text": PROMPT, "target": hostile, "readout": "raw"})
+    assert page.status_code == 200
+    assert 'id="attribution"' in page.text and 'id="attribution-layers"' in page.text
+    assert "<b>x" not in page.text and "&lt;b&gt;x" in page.text
+    assert 'id="target-note"' in page.text and 'id="attribution-legend"' in page.text
+    assert f'href="/m/{slug}/layers/0/keys/' in page.text.split('id="attribution"')[1]

@@ -19,6 +19,7 @@ from ffmem.web.display import visible
 from ffmem.web.main import create_app
 
 TRIGGER_FIELDS = {
+    "shading",
     "rank",
     "coefficient",
     "prefix",
@@ -102,7 +103,7 @@ def test_home_lists_models_and_runs(client, slug, run):
         "done",
         6,
     )
-    assert entry["runs"][0]["n_sentences"] == 2 * (6 + len(HOSTILE))
+    assert entry["runs"][0]["n_sentences"] == 2 * (6 + len(HOSTILE)) - 1  # sentence 9 is held out
 
 
 def test_model_page_aggregates_the_key_statistics(client, db, slug, run):
@@ -197,7 +198,7 @@ def test_key_page_matches_the_stored_rows(client, db, slug, run, tiny):
     layer, key = 2, 7
     page = html_of(client, f"/m/{slug}/layers/{layer}/keys/{key}")
     assert alternate(page) == f"/m/{slug}/layers/{layer}/keys/{key}.json"
-    assert 'id="next-key"' in page and 'id="previous-key"' in page and 'class="trigger"' in page
+    assert 'id="next-key"' in page and 'id="previous-key"' in page and 'class="shaded"' in page
     body = json_of(client, f"/m/{slug}/layers/{layer}/keys/{key}.json")
     assert (body["model"], body["layer"], body["key"], body["run"]["id"]) == (slug, layer, key, run.id)
     assert {"triggers", "negative_triggers", "value", "agreement", "histogram", "stats", "links"} <= set(body)
@@ -234,6 +235,15 @@ def test_key_page_matches_the_stored_rows(client, db, slug, run, tiny):
             )
             assert trigger["value_rank"] == (value_ids.index(following) if following in value_ids else None)
             assert trigger["sentence"] == sentence.text
+            shading = trigger["shading"]  # every token of the sentence, the trigger outlined
+            assert "".join(t["text"] for t in shading["tokens"]) == sentence.text
+            assert shading["peak"] == shading["prefix_end"] == row.position
+            assert shading["tokens"][0]["coefficient"] is None  # position 0 is not mined
+            at_trigger = shading["tokens"][row.position]["coefficient"]
+            assert at_trigger == pytest.approx(row.coefficient, rel=2e-3, abs=2e-3)  # float16
+            assert shading["scale"] == pytest.approx(
+                max(abs(body["triggers"][0]["coefficient"]), abs(body["negative_triggers"][0]["coefficient"]))
+            )
     endings = [
         db.get(Sentence, (run.corpus_id, row.sentence_index)).token_ids[: row.position + 1]
         for row in queries.get_triggers(session=db, run_id=run.id, layer=layer, key=key, sign=1)
@@ -494,3 +504,46 @@ def test_vendored_assets_are_served_with_long_cache(client):
 def test_server_timing_header(client, slug):
     timing = client.get(f"/m/{slug}/layers/0/keys/0.json").headers["server-timing"]
     assert re.fullmatch(r"app;dur=\d+\.\d\d", timing)
+
+
+def test_key_page_shows_examples_across_the_range(client, db, slug, run):
+    """The band samples: exact fields, each in its band, strongest band first per sign, shaded, escaped."""
+    from ffmem.store.key_examples import key_examples
+
+    layer, key = 1, 3
+    body = json_of(client, f"/m/{slug}/layers/{layer}/keys/{key}.json")
+    stored = key_examples(session=db, run_id=run.id, layer=layer, key=key)
+    samples = body["samples"]
+    assert samples and len(samples) == len(stored.samples)
+    assert set(samples[0]) == {
+        "bin",
+        "band",
+        "sign",
+        "coefficient",
+        "sentence_index",
+        "position",
+        "sentence",
+        "shading",
+    }
+    edges = run.histogram_edges
+    for sample in samples:
+        low, high = edges[sample["bin"] - 1], edges[min(sample["bin"], len(edges) - 1)]
+        if sample["sign"] > 0 and 22 < sample["bin"] < 42:  # [low, high)
+            assert low <= sample["coefficient"] < high
+        if sample["sign"] < 0 and 0 < sample["bin"] < 20:  # (low, high]
+            assert low < sample["coefficient"] <= high
+        sentence = db.get(Sentence, (run.corpus_id, sample["sentence_index"]))
+        assert sample["sentence"] == sentence.text
+        tokens = sample["shading"]["tokens"]
+        assert "".join(t["text"] for t in tokens) == sentence.text
+        assert tokens[sample["position"]]["coefficient"] == pytest.approx(
+            sample["coefficient"], rel=2e-3, abs=2e-3
+        )
+    signs = [s["sign"] for s in samples]
+    assert signs == sorted(signs, reverse=True)
+    for sign in (1, -1):
+        strengths = [abs(s["coefficient"]) for s in samples if s["sign"] == sign]
+        assert strengths == sorted(strengths, reverse=True)
+    page = html_of(client, f"/m/{slug}/layers/{layer}/keys/{key}")
+    assert 'id="samples"' in page and "Examples across the range" in page
+    assert "<script>alert(1)" not in page and "<img src=x" not in page

@@ -4,7 +4,7 @@ the numbers are exactly those of the shards mined so far; once stored, the pages
 from __future__ import annotations
 
 import pytest
-from explorer_index import EXPLORER_SENTENCES
+from explorer_index import four_shard_options
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
@@ -15,23 +15,18 @@ from ffmem.store import jobs
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import LanguageModel
 from ffmem.web.main import create_app
-from ffmem.worker.index import IndexOptions, Worker
+from ffmem.worker.index import Worker
 
 
 def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_path):
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n".join(EXPLORER_SENTENCES[:7] * 4) + "\n")  # 28 sentences: shards of 8, 8, 8, 4
-    chosen = dict(sentences=None, top_k=4, device="cpu", dtype="float32", batch_tokens=64, shard_sentences=8)
-    options = IndexOptions(
-        model=str(tiny_model_dir), corpus=str(corpus), cache_dir=tmp_path, progress=False, **chosen
-    )
+    options = four_shard_options(tiny_model_dir, tmp_path)  # 28 sentences: 4 shards of 7
     sessions = make_sessionmaker(make_engine(db_url))
     with sessions() as session:
         job, _ = jobs.enqueue(session=session, options=options.run_options())
         session.commit()
     worker = Worker(sessions, options, loaded=tiny)
     assert worker.step()  # prepare: corpus, run, shards, values
-    assert worker.step()  # mine shard 0 (sentences 0–7) and merge it
+    assert worker.step()  # mine shard 0 (every 4th sentence from 0: 7 of 28) and merge it
     with sessions() as session:
         slug = session.scalars(select(LanguageModel.slug)).one()
         token_ids, first_positions, _ = worker.corpus(1)
@@ -47,7 +42,7 @@ def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_pat
     app = create_app(Settings(database_url=db_url))
     with TestClient(app) as client:
         key = client.get(f"/m/{slug}/layers/1/keys/5.json").json()
-        assert key["provisional"] == pytest.approx(8 / 28) and key["run"]["status"] == "running"
+        assert key["provisional"] == pytest.approx(0.25) and key["run"]["status"] == "running"
         coefficients, sentences, positions = alone.triggers(1, 1)
         assert [t["sentence_index"] for t in key["triggers"]] == sentences[5].tolist()
         assert [t["position"] for t in key["triggers"]] == positions[5].tolist()
@@ -56,17 +51,17 @@ def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_pat
         assert key["stats"]["density"] == pytest.approx(float(alone.density(1)[5]))
         assert key["histogram"]["counts"] == alone.histogram[1, 5].tolist()
         assert key["value"]["raw"]["top"], "values are projected before mining starts"
-        assert "provisional — 29% of the corpus" in client.get(f"/m/{slug}/layers/1/keys/5").text
+        assert "provisional — 25% of the corpus" in client.get(f"/m/{slug}/layers/1/keys/5").text
 
         layer = client.get(f"/m/{slug}/layers/1.json?sort=max_coefficient&order=desc&per_page=5").json()
         best = alone.triggers(1, 1)[0][:, 0]  # [keys]
         assert [k["key"] for k in layer["keys"]] == best.argsort(descending=True)[:5].tolist()
-        assert layer["provisional"] == pytest.approx(8 / 28) and layer["total"] == 48
+        assert layer["provisional"] == pytest.approx(0.25) and layer["total"] == 48
         assert layer["keys"][0]["max_coefficient"] == pytest.approx(float(best.max()))
         model = client.get(f"/m/{slug}.json").json()
-        assert model["provisional"] == pytest.approx(8 / 28) and len(model["layers"]) == 3
+        assert model["provisional"] == pytest.approx(0.25) and len(model["layers"]) == 3
         assert model["layers"][1]["density"] == pytest.approx(float(alone.density(1).mean()))
-        assert "provisional — 29%" in client.get(f"/m/{slug}").text
+        assert "provisional — 25%" in client.get(f"/m/{slug}").text
 
         worker.work(job_id=job.id)  # the rest of the run, stored
         final = client.get(f"/m/{slug}/layers/1/keys/5.json").json()

@@ -115,6 +115,8 @@ def test_other_clients_and_the_browse_pages_are_not_limited(make_app, slug, cloc
     ablation = first.get(f"/m/{slug}/layers/1/keys/4/ablation.json", params={"triggers": 2})
     assert ablation.status_code == 429  # one budget for all the live routes
     assert ablation.json() == {"ok": False, "error": limited("1 per minute", 61), "status": 429}
+    tried = first.get(f"/m/{slug}/layers/1/keys/4.json", params={"text": PROMPT})  # try your own text
+    assert tried.status_code == 429 and tried.json()["error"] == limited("1 per minute", 61)
     browse = [
         "/",
         "/.json",

@@ -51,7 +51,16 @@ def test_layer_page_then_key_page(page, server, facts):
     first = page.locator("table.keys tbody tr").first.locator("a.key").inner_text()
     page.locator("table.keys tbody tr").first.locator("a.key").click()
     page.wait_for_url(f"**/m/{slug}/layers/1/keys/{first}")
-    assert page.locator("table.triggers.positive mark.trigger").count() == 6
+    # Every token of each trigger's sentence shaded by m, the trigger token outlined (issue 15).
+    shaded = page.locator("table.triggers.positive .shaded")
+    assert shaded.count() == 6 and page.locator("table.triggers.positive .stok.peak").count() == 6
+    peak = page.locator("table.triggers.positive .stok.peak").first
+    colour = peak.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert colour not in ("rgba(0, 0, 0, 0)", "transparent"), colour  # the strongest token is coloured
+    assert peak.evaluate("e => getComputedStyle(e).outlineStyle") != "none"
+    assert peak.get_attribute("title").startswith("m = ")
+    samples = page.locator("#samples table.samples tbody tr")  # examples across the range, shaded too
+    assert samples.count() >= 1 and page.locator("#samples .shaded").count() == samples.count()
     page.wait_for_selector("#value-chart-raw .main-svg")  # plotly drew the value chart
     assert page.locator("#value-chart-raw .bars path").count() >= 8
     page.wait_for_selector("#histogram-chart .main-svg")

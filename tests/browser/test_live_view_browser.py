@@ -206,3 +206,53 @@ def test_an_edit_shows_the_edited_pass_and_what_it_was(page, server, slug):
     assert page.locator("#unedited-prediction").count() == 1
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "live-view-edited-was.png"), full_page=True)
+
+
+def test_who_pushes_the_prediction_and_a_typed_target_under_the_policy(watched, server, slug):
+    """Issue 17: the attribution section renders after a trace (the prediction by default); the target box
+    sends a typed token (its first token, said so), an empty box drops `target` from the URL (app.js under
+    the CSP), and "who pushes it" on a top token attributes it."""
+    page = watched
+    run_trace(page, server, slug, PROMPT)
+    section = page.locator("#attribution")
+    assert section.count() == 1 and "target" not in query(page)
+    prediction = page.locator("#summary code.tok").first.inner_text()
+    assert section.locator("h2 code.tok").first.inner_text() == prediction
+    assert page.locator("#attribution-layers > tbody > tr").count() == 3
+    assert page.locator("#promoters tbody tr a").count() >= 1
+    assert page.locator("#promoters tbody tr a").first.get_attribute("href").startswith(f"/m/{slug}/layers/")
+    assert "veto" in page.locator("#attribution-legend").inner_text()
+
+    page.locator("#target").fill(" Paris")
+    page.locator("#run-trace").click()
+    page.wait_for_function("() => new URL(location.href).searchParams.get('target') === ' Paris'")
+    page.wait_for_selector("#target-note")
+    assert "is 2 tokens" in page.locator("#target-note").inner_text()
+    assert page.locator("#target").input_value() == " Paris"
+
+    page.locator("#target").fill("")
+    page.locator("#run-trace").click()
+    page.wait_for_function("() => !new URL(location.href).searchParams.has('target')")
+    page.wait_for_selector("#attribution")
+    assert page.locator("#target-note").count() == 0
+    assert page.locator("#attribution h2 code.tok").first.inner_text() == prediction
+
+    link = page.locator("#prediction a.attribute").nth(1)
+    token = page.locator("#prediction tbody tr").nth(1).locator("code.tok").inner_text()
+    link.click()
+    page.wait_for_function("() => (new URL(location.href).searchParams.get('target') || '').startsWith('#')")
+    page.wait_for_selector("#attribution")
+    page.wait_for_function(
+        "t => document.querySelector('#attribution h2 code.tok').textContent === t", arg=token
+    )
+    page.screenshot(path=str(ARTIFACTS / "live-view-attribution.png"), full_page=True)
+
+
+def test_a_bad_target_is_refused_next_to_the_box(page, server, slug):
+    """A 400 (an id past the vocabulary): the message next to the target box, the trace kept."""
+    run_trace(page, server, slug, PROMPT)
+    page.locator("#target").fill("#99999")
+    page.locator("#run-trace").click()
+    page.wait_for_function("() => document.getElementById('target-error').textContent.includes('No token')")
+    assert page.locator("#target-error").inner_text() == "Bad target: No token #99999: token ids run 0–299."
+    assert page.locator("#attribution").count() == 1  # the trace on the page stays

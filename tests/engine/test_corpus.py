@@ -182,3 +182,21 @@ def test_tokenize_offsets_cover_the_text_and_truncate(tiny):
         assert decoded == sentence.text
     short = tokenize(sentences, tiny.tokenizer, max_tokens=4)
     assert [len(s.token_ids) for s in short] == [4, 4]
+
+
+def test_held_out_sentences_are_every_nth_and_never_mined():
+    from ffmem.engine.corpus import held_out_sentences, mined_sentences
+
+    assert held_out_sentences(25, 10) == [9, 19] and held_out_sentences(25, 0) == []
+    mined = mined_sentences(25, 10)
+    assert sorted(mined + held_out_sentences(25, 10)) == list(range(25)) and 9 not in mined
+    assert mined_sentences(7, 0) == list(range(7))
+
+
+def test_each_shard_spans_the_corpus_and_the_shards_partition_it():
+    from ffmem.engine.corpus import mined_sentences, shard_members
+
+    mined = mined_sentences(1000, 10)  # 900 sentences, 4 shards of at most 256
+    shards = [shard_members(mined, shard, 256) for shard in range(4)]
+    assert sorted(sum(shards, [])) == mined and all(len(s) <= 256 for s in shards)
+    assert shards[0][:3] == [0, 4, 8] and shards[0][-1] > 990  # the first shard reaches the end

@@ -9,7 +9,7 @@ import torch
 
 from ffmem.engine.corpus import length_bucketed_batches, mined_from
 from ffmem.engine.hooks import capture
-from ffmem.engine.mined_layer import MinedLayer
+from ffmem.engine.mined_layer import EMPTY_SAMPLE, SAMPLES, MinedLayer
 from ffmem.engine.mining import MiningState, histogram_bins, histogram_edges, mine_batches, shard_batches
 
 TOP_K = 5
@@ -60,8 +60,61 @@ def mine(tiny, ids, first, batch_tokens, shard_sentences=1000, shards=None):
     return state
 
 
+def reference_bins(values: torch.Tensor) -> torch.Tensor:
+    """Histogram bins by bucketize with the documented convention (edges go to the larger magnitude)."""
+    edges = torch.tensor(histogram_edges(), dtype=torch.float64)
+    neg = torch.bucketize(values.double(), edges, right=False)
+    pos = torch.bucketize(values.double(), edges, right=True)
+    reference = torch.where(torch.signbit(values), torch.clamp(neg, max=20), torch.clamp(pos, min=22))
+    reference[values == 0] = 21  # +0.0 has a bin of its own
+    return reference
+
+
+def sample_priority(sentence: int, memory: int) -> int:
+    """The documented 31-bit hash of (sentence, memory = layer · keys + key), in Python integers."""
+    x = (sentence * 2654435761 % 2**32) ^ (memory * 2246822519 % 2**32)
+    x ^= x >> 16
+    x = x * 0x45D9F3B % 2**32
+    x ^= x >> 16
+    return x >> 1
+
+
+def expected_samples(per_sentence, layer, key, n_keys):
+    """Per bin, the SAMPLES (priority, sentence) lowest of the sentences whose maximum (> 0) or minimum
+    (< 0) falls in it: {bin: [(sentence, position, extreme), …]}."""
+    candidates = {}
+    for index, coefficients in enumerate(per_sentence):
+        column = coefficients[layer][:, key]  # [positions]
+        if not len(column):
+            continue
+        for sign, extreme, where in ((1, column.max(), column.argmax()), (-1, column.min(), column.argmin())):
+            if sign * extreme > 0:
+                band = int(reference_bins(extreme.reshape(1))[0])
+                order = (sample_priority(index, layer * n_keys + key), index)
+                candidates.setdefault(band, []).append((order, index, int(where), float(extreme)))
+    return {band: [c[1:] for c in sorted(rows)[:SAMPLES]] for band, rows in candidates.items()}
+
+
+def assert_samples_match_brute_force(state, per_sentence, first):
+    for layer in range(state.n_layers):
+        mined = state.layer(layer)
+        sentence = mined.sample_sentence  # [keys, bins, S]
+        for key in range(state.n_keys):
+            expected = expected_samples(per_sentence, layer, key, state.n_keys)
+            for band in range(sentence.shape[1]):
+                want = expected.get(band, [])
+                got = [s for s in sentence[key, band].tolist() if s >= 0]
+                assert got == [w[0] for w in want], f"layer {layer} key {key} bin {band}"
+                positions = mined.sample_position[key, band, : len(want)].tolist()
+                assert positions == [w[1] + first[w[0]] for w in want]
+                coefficients = mined.sample_coefficient[key, band, : len(want)]
+                assert coefficients == pytest.approx([w[2] for w in want], rel=1e-5, abs=1e-4)
+                assert (reference_bins(torch.from_numpy(coefficients)) == band).all()  # in its band
+
+
 def assert_matches_brute_force(state, per_sentence, first):
     n_layers, n_keys = state.n_layers, state.n_keys
+    assert_samples_match_brute_force(state, per_sentence, first)
     for layer in range(n_layers):
         for sign in (1, -1):
             coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T]
@@ -78,12 +131,7 @@ def assert_matches_brute_force(state, per_sentence, first):
         mean_diff = (state.mean(layer) - every.double().mean(0)).abs().max()
         assert mean_diff < 1e-4, f"max |mean − brute force| = {mean_diff}"
         assert torch.equal(state.positive_share(layer), (every > 0).double().mean(0))
-        edges = torch.tensor(histogram_edges(), dtype=torch.float64)
-        # reference binning: bucketize with the documented convention (edges go to the larger magnitude)
-        neg = torch.bucketize(every.double(), edges, right=False)
-        pos = torch.bucketize(every.double(), edges, right=True)
-        reference = torch.where(torch.signbit(every), torch.clamp(neg, max=20), torch.clamp(pos, min=22))
-        reference[every == 0] = 21  # +0.0 has a bin of its own
+        reference = reference_bins(every)
         counts = torch.stack([torch.bincount(reference[:, k], minlength=43) for k in range(n_keys)])
         assert torch.equal(state.histogram[layer], counts)
     assert state.positions == sum(len(c[0]) for c in per_sentence)
@@ -163,6 +211,9 @@ def test_numpy_merge_of_mined_layers_equals_the_engine_merge(tiny, sentences):
             assert (merged.position[sign] == expected.position[sign]).all()
             assert (merged.coefficient[sign] == expected.coefficient[sign]).all()
         assert (merged.histogram == expected.histogram).all() and merged.positions == expected.positions
+        assert (merged.sample_order == expected.sample_order).all()
+        assert (merged.sample_position == expected.sample_position).all()
+        assert (merged.sample_coefficient == expected.sample_coefficient).all()
         assert merged.density() == pytest.approx(engine.density(layer).numpy())
         assert merged.positive_share() == pytest.approx(engine.positive_share(layer).numpy())
 
@@ -175,6 +226,9 @@ def assert_same_state(a: MiningState, b: MiningState):
             assert torch.equal(sa, sb) and torch.equal(pa, pb)
             assert (ca - cb).abs().max() < 1e-5
     assert torch.equal(a.histogram, b.histogram)
+    assert torch.equal(a.sample_order, b.sample_order) and a.sample_order.ne(EMPTY_SAMPLE).any()
+    assert torch.equal(a.sample_position, b.sample_position)
+    assert (a.sample_coefficient - b.sample_coefficient).abs().max() < 1e-5
     assert (a.total - b.total).abs().max() < 1e-4
     assert (a.positions, a.sentences) == (b.positions, b.sentences)
 
@@ -211,7 +265,9 @@ def test_histogram_bins_follow_the_edges():
 def test_length_bucketing_pads_little_and_respects_the_budget():
     rng = random.Random(0)
     ids = [[1] * rng.randint(3, 128) for _ in range(2048)]
-    batches = list(length_bucketed_batches(ids, [0] * len(ids), start=0, batch_tokens=4096, pad_id=0))
+    batches = list(
+        length_bucketed_batches(ids, [0] * len(ids), indices=range(len(ids)), batch_tokens=4096, pad_id=0)
+    )
     real = sum(b.real_tokens for b in batches)
     computed = sum(b.computed_tokens for b in batches)
     assert real == sum(map(len, ids))

@@ -88,6 +88,7 @@ def planted_run(tmp_path_factory, planted, planted_dir):
         model=str(planted_dir),
         corpus=str(corpus),
         sentences=MINED,
+        held_out_every=0,  # the held-out sentences are those after the mined ones
         top_k=6,
         device="cpu",
         dtype="float32",

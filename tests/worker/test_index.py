@@ -34,6 +34,7 @@ def options(tiny_model_dir, corpus_file, tmp_path, **changes) -> IndexOptions:
         model=str(tiny_model_dir),
         corpus=str(corpus_file),
         sentences=None,
+        held_out_every=0,  # every sentence mined, as the recomputations here assume
         top_k=4,
         device="cpu",
         dtype="float32",
@@ -192,3 +193,67 @@ def _coefficients(tiny, session, run, layer: int, key: int) -> list[float]:
         first = mined_from([sentence.first_position], first_position=run.provenance["first_position"])[0]
         found += captured.coefficients[layer][0, first:, key].tolist()
     return found
+
+
+def test_key_examples_shade_every_token_and_sample_every_band(
+    db_url, tiny, tiny_model_dir, corpus_file, tmp_path
+):
+    """Each key's stored band samples are its mined ones; the shading of its first triggers and samples
+    equals the coefficient at every token of the sentence run alone (a plain hook on down_proj), and at
+    the trigger's position it is the stored coefficient."""
+    from ffmem.store.key_examples import key_examples
+
+    sessions = make_sessionmaker(make_engine(db_url))
+    summary = build_index(
+        options(tiny_model_dir, corpus_file, tmp_path, shaded_triggers=2), sessions, loaded=tiny
+    )
+    with sessions() as session:
+        run = session.get(Run, summary.run_id)
+        ids = queries.load_sentence_tokens(session=session, corpus_id=run.corpus_id)
+        for layer, key in ((0, 0), (1, 17), (2, 47)):
+            found = key_examples(session=session, run_id=run.id, layer=layer, key=key)
+            triggers = {
+                sign: queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=sign)
+                for sign in (1, -1)
+            }
+            assert (found.positive, found.negative) == (2, 2) and found.samples
+            shown = [*triggers[1][:2], *triggers[-1][:2], *found.samples]
+            arrays = found.shading([len(ids[row.sentence_index]) for row in shown])
+            for row, values in zip(shown, arrays, strict=True):
+                m = _coefficients_by_hand(tiny, ids[row.sentence_index], layer)[:, key]  # [pos]
+                assert math.isnan(values[0])  # position 0 is not mined (no BOS, the default)
+                assert values[1:] == pytest.approx(m[1:].numpy(), rel=3e-3, abs=3e-3)
+                assert float(values[row.position]) == pytest.approx(row.coefficient, rel=3e-3, abs=3e-3)
+
+
+def _coefficients_by_hand(tiny, ids: list[int], layer: int) -> torch.Tensor:
+    """m [pos, keys] of one layer for one sentence alone: the input of its down_proj, by a plain hook."""
+    seen = {}
+    handle = tiny.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(
+        lambda module, args: seen.setdefault("m", args[0][0].detach().clone())
+    )
+    try:
+        with torch.inference_mode():
+            tiny.model(input_ids=torch.tensor([ids]))
+    finally:
+        handle.remove()
+    return seen["m"]
+
+
+def test_held_out_sentences_are_never_mined_and_are_what_the_analyses_read(
+    db_url, tiny, tiny_model_dir, corpus_file, tmp_path
+):
+    from ffmem.worker.held_out import held_out
+
+    sessions = make_sessionmaker(make_engine(db_url))
+    summary = build_index(options(tiny_model_dir, corpus_file, tmp_path, held_out_every=3), sessions, loaded=tiny)
+    with sessions() as session:
+        run = session.get(Run, summary.run_id)
+        assert run.corpus.n_sentences == 21 and run.n_sentences == summary.sentences == 14
+        assert run.provenance["held_out_every"] == 3 and "7 sentences, not mined" in run.provenance["held_out"]
+        mined = set(session.scalars(select(Trigger.sentence_index).where(Trigger.run_id == run.id)))
+        assert mined and not {i for i in mined if i % 3 == 2}
+        read = held_out(session, run, 5, tiny)
+        stored = queries.get_sentences(session=session, corpus_id=run.corpus_id, indices=[2, 5, 8, 11, 14])
+        assert [s.text for s in read] == [stored[i].text for i in (2, 5, 8, 11, 14)]
+        assert [s.token_ids for s in read] == [stored[i].token_ids for i in (2, 5, 8, 11, 14)]

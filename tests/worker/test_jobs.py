@@ -32,6 +32,7 @@ def big_corpus(tmp_path):
 def env_for(tmp_path, **settings) -> dict:
     env = dict(os.environ, FFMEM_CACHE_DIR=str(tmp_path / "cache"))
     defaults = {"batch_tokens": 64, "shard_sentences": 16, "top_k": 4, "value_tokens": 5, "dtype": "float32"}
+    defaults["held_out_every"] = 0  # as tests/worker/test_index.options, the reference
     for name, value in (defaults | settings).items():
         env[f"FFMEM_{name.upper()}"] = str(value)
     return env

@@ -45,8 +45,10 @@ def _start(
     session: SessionDep,
     model: Annotated[str, Form(min_length=1, max_length=500, description="smollm2-135m, a HF id or a path.")],
     corpus: Annotated[str, Form(min_length=1, max_length=500, description="wiki-vital or a server path.")],
-    sentences: Annotated[int, Form(ge=1, le=10_000_000, description="Corpus sentences to mine.")],
     top_k: Annotated[int, Form(ge=1, le=1000, description="Trigger sentences kept per key and sign.")],
+    sentences: Annotated[
+        int | None, Form(ge=1, le=10_000_000, description="Corpus sentences to read (empty: all of them).")
+    ] = None,
     analyze: Annotated[
         bool, Form(description="Then compute the paper's analyses of the run (the settings' sizes).")
     ] = False,

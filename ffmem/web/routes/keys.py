@@ -8,30 +8,61 @@ from fastapi import APIRouter, Form, Path, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from ffmem.store import queries
-from ffmem.web import pages, urls
+from ffmem.web import pages, try_text, urls
 from ffmem.web.access import admin_name, remember_author
 from ffmem.web.contexts import KeyContext, LabelAnswer, LabelDeleted
 from ffmem.web.errors import AppError
-from ffmem.web.rendering import render, wants_fragment, wants_json
+from ffmem.web.ratelimit import LiveTextBudget
+from ffmem.web.rendering import render, render_error, wants_fragment, wants_json
 from ffmem.web.routes import SessionDep, action, page
 from ffmem.web.routes.models import RunQuery
 
 router = APIRouter()
 
 
-@page(router, "/m/{model}/layers/{layer}/keys/{key}", "key", KeyContext)
+@page(router, "/m/{model}/layers/{layer}/keys/{key}", "key", KeyContext, live=True)
 def key(
     request: Request,
     session: SessionDep,
+    refused: LiveTextBudget,
     model: str,
     layer: int,
     key: int,
     run: RunQuery = None,
     triggers: Annotated[int, Query(ge=1, le=1000, description="Trigger prefixes shown per sign.")] = 25,
+    text: Annotated[
+        str | None,
+        Query(
+            max_length=100_000,
+            description="Try your own text: this key's coefficient at every token (asks the live worker).",
+        ),
+    ] = None,
 ):
     """One memory: its key's trigger prefixes and its value's vocabulary distribution."""
     ctx = pages.key_page(session, model, layer, key, run_id=run, limit=triggers)
-    return render(request, "key.html", ctx, fragment="triggers")
+    max_tokens = request.app.state.settings.max_prompt_tokens
+    fragment = "try_text" if request.headers.get("HX-Target") == "try_text" else "triggers"
+    if text is None:
+        return render(request, "key.html", _tried(ctx, try_text.form(None, max_tokens)), fragment=fragment)
+    try:
+        if refused:
+            raise refused
+        tried = try_text.answer(session, request.app.state.live, ctx, text, max_tokens)
+    except AppError as error:
+        if wants_json(request):
+            raise
+        if error.field and wants_fragment(request):
+            return render_error(request, error)  # next to the box; the answer on the page stays
+        # The page (or the section, to htmx) keeps the box and says why there is no answer: a bad text
+        # next to the box; too many live requests, or the worker down, busy or failed, in a notice.
+        notice = error.message if error.field else f"{error.title}: {error.message}"
+        ctx = _tried(ctx, try_text.form(text, max_tokens, notice=notice, field=error.field))
+        return render(request, "key.html", ctx, fragment, status_code=error.status, headers=error.headers)
+    return render(request, "key.html", _tried(ctx, tried), fragment=fragment)
+
+
+def _tried(ctx: KeyContext, tried) -> KeyContext:
+    return ctx.model_copy(update={"try_text": tried})
 
 
 @action(router, "/m/{model}/layers/{layer}/keys/{key}/labels", "label_key", LabelAnswer, status=201)

@@ -48,6 +48,14 @@ def trace(
     generate: Annotated[
         int, Query(ge=0, le=20, description="Greedy tokens, with and without the edits.")
     ] = 0,
+    target: Annotated[
+        str | None,
+        Query(
+            max_length=10_000,
+            description="The token to attribute (who pushes it, here): text such as ' London' (its first "
+            "token) or #id; default: the prediction.",
+        ),
+    ] = None,
     heatmap: Annotated[
         HeatmapMode, Query(description="The heatmap shown: the FF's logit change or active memories.")
     ] = "ff_logit",
@@ -56,7 +64,7 @@ def trace(
     settings = request.app.state.settings
     live = request.app.state.live
     q = live_view.TraceQuery(
-        pages.model_or_404(session, model), text, position, readout, memories, generate, intervene
+        pages.model_or_404(session, model), text, position, readout, memories, generate, intervene, target
     )
     try:
         if refused:

@@ -41,3 +41,17 @@ document.addEventListener("htmx:beforeRequest", function (event) {
   var form = event.detail.elt.closest ? event.detail.elt.closest("form") : null;
   if (form) form.querySelectorAll(".field-error").forEach(function (slot) { slot.textContent = ""; });
 });
+// A field marked data-omit-empty stays out of the URL while it is empty (the live view's target: empty
+// means the default, the prediction, and `target=` is refused), for a plain submit and for htmx alike.
+document.addEventListener("formdata", function (event) {
+  event.target.querySelectorAll("[data-omit-empty]").forEach(function (input) {
+    if (input.name && input.value === "") event.formData.delete(input.name);
+  });
+});
+document.addEventListener("htmx:configRequest", function (event) {
+  var form = event.detail.elt.closest ? event.detail.elt.closest("form") : null;
+  if (!form) return;
+  form.querySelectorAll("[data-omit-empty]").forEach(function (input) {
+    if (input.name && input.value === "") delete event.detail.parameters[input.name];
+  });
+});
