@@ -111,3 +111,33 @@ def test_search_box_keeps_to_the_servers_limit(page, server, facts):
     page.goto(f"{server}/m/{facts['slug']}/search")
     page.locator("#q").fill("x" * 300)  # typing stops at maxlength
     assert len(page.locator("#q").input_value()) == 200
+
+
+def test_weight_graph_and_explanation_on_the_key_page(watched, server, facts):
+    """Issue 17's key-page views under the CSP: the weight graph drawn, its nodes and rows links to the
+    memories they name; the automatic explanation shown and found by the search."""
+    page, slug = watched, facts["slug"]
+    page.goto(f"{server}/m/{slug}/layers/1/keys/3")
+    page.wait_for_selector("#weight-graph-chart .main-svg")  # plotly drew the graph
+    inbound = page.locator("#weight-graph-in tbody a.result")
+    outbound = page.locator("#weight-graph-out tbody a.result")
+    assert inbound.count() == 10 and outbound.count() == 10  # layer 1 of 3: both ways, the top 10
+    target = outbound.first.get_attribute("href")
+    assert target.startswith(f"/m/{slug}/layers/2/keys/")
+    # A click on a graph node opens its memory (static/charts.js reads the node's customdata[0]).
+    page.evaluate(
+        "url => document.getElementById('weight-graph-chart')"
+        ".emit('plotly_click', {points: [{customdata: [url, '+1', '']}]})",
+        target,
+    )
+    page.wait_for_url(f"**{target}")
+    page.go_back()
+    page.wait_for_selector("#explanation-text")
+    text = page.locator("#explanation-text strong").inner_text()
+    assert text and page.locator("#explanation-text .tag").inner_text() == "heuristic"
+    word = max(text.replace("“", " ").replace("”", " ").replace(",", " ").split(), key=len)
+    page.goto(f"{server}/m/{slug}/search")
+    page.locator("#q").fill(word)
+    page.wait_for_selector("#explanation-matches a.result")
+    found = page.locator("#explanation-matches tbody tr td:nth-child(2)").all_inner_texts()
+    assert found and all(word.lower() in row.lower() for row in found), (word, found)
