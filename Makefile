@@ -35,6 +35,7 @@ bench: install
 	$(PY) bench/analysis.py
 	$(PY) bench/weight_graph.py
 	$(PY) bench/explanations.py
+	$(PY) bench/compare.py
 	$(PY) bench/jobs.py
 	$(PY) bench/fuzz.py
 

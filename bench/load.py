@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from app import queries  # noqa: E402
 from results import record  # noqa: E402
-from web import default_run, serve  # noqa: E402
+from web import default_run, free_port, serve  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
@@ -224,12 +223,6 @@ def wait_for_worker(base: str, index: Index) -> None:
         time.sleep(1)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="Length of the load (default 60).")
@@ -247,7 +240,7 @@ def main() -> None:
     # The server (and its worker, on a port of its own) read these from the environment.
     os.environ["FFMEM_TRACE_RATE_LIMIT"] = RATE_LIMIT
     os.environ["FFMEM_WORKER_URL"] = f"http://127.0.0.1:{free_port()}"
-    process, base = serve(url)
+    process, base = serve(url, worker=True)
     try:
         wait_for_worker(base, index)
         timeout = settings.worker_timeout + 10

@@ -133,7 +133,7 @@ def main() -> None:
 
     url = settings.database_url
     slug, _, _ = default_run(url)
-    process, base = serve(url)
+    process, base = serve(url, worker=True)
     try:
         wait_for_worker(base, slug, text)
         results["app_sequential"] = sequential(base, slug, text)

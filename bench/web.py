@@ -26,10 +26,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ffmem.store import queries  # noqa: E402
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
+from ffmem.store import queries  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 
 SAMPLES = 300
@@ -54,11 +54,19 @@ def default_run(url: str) -> tuple[str, int, int]:
         return model.slug, model.n_layers, model.n_keys
 
 
-def serve(url: str) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return probe.getsockname()[1]
+
+
+def serve(url: str, worker: bool = False) -> tuple[subprocess.Popen, str]:
+    """`ffmem serve` on a free port: (its process, its base URL). Without `worker` it starts no live worker
+    (the browse pages need none; a worker loading the model would share the CPU with what is measured)."""
+    port = free_port()
     command = [*FFMEM, "serve", "--db", url, "--port", str(port)]
+    if not worker:
+        command += ["--worker-url", f"http://127.0.0.1:{free_port()}"]  # one that nobody serves
     process = subprocess.Popen(command, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -82,7 +82,9 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     shown = re.search(r'id="explanation-text"><strong>(.*?)</strong>', page, re.S).group(1)
     assert unescape(shown) == stored.text
     held = f"{stored.details['positions']:,} held-out positions"
-    assert (f"over {stored.details['positions']:,} positions of held-out" if stored.score is not None else held) in page
+    assert (
+        f"over {stored.details['positions']:,} positions of held-out" if stored.score is not None else held
+    ) in page
 
 
 def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):

@@ -189,7 +189,10 @@ def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url
         session.rollback()
     worker = Worker(sessions, options, loaded=tiny)
     worker.work(job_id=index_id)
-    with pytest.raises(FfmemError, match="has no sentences beyond the 6 the run read, and it held none out of mining: none is held out"):
+    with pytest.raises(
+        FfmemError,
+        match="has no sentences beyond the 6 the run read, and it held none out of mining: none is held out",
+    ):
         worker.work(job_id=waiting_id)
     with sessions() as session:
         failed, run = session.get(Job, waiting_id), session.scalars(select(Run)).one()

@@ -246,11 +246,15 @@ def test_held_out_sentences_are_never_mined_and_are_what_the_analyses_read(
     from ffmem.worker.held_out import held_out
 
     sessions = make_sessionmaker(make_engine(db_url))
-    summary = build_index(options(tiny_model_dir, corpus_file, tmp_path, held_out_every=3), sessions, loaded=tiny)
+    summary = build_index(
+        options(tiny_model_dir, corpus_file, tmp_path, held_out_every=3), sessions, loaded=tiny
+    )
     with sessions() as session:
         run = session.get(Run, summary.run_id)
         assert run.corpus.n_sentences == 21 and run.n_sentences == summary.sentences == 14
-        assert run.provenance["held_out_every"] == 3 and "7 sentences, not mined" in run.provenance["held_out"]
+        assert (
+            run.provenance["held_out_every"] == 3 and "7 sentences, not mined" in run.provenance["held_out"]
+        )
         mined = set(session.scalars(select(Trigger.sentence_index).where(Trigger.run_id == run.id)))
         assert mined and not {i for i in mined if i % 3 == 2}
         read = held_out(session, run, 5, tiny)
