@@ -488,14 +488,33 @@ def latest_finished_run(*, session: Session, model_id: int) -> Run | None:
 
 
 def token_texts(*, session: Session, model_id: int, token_ids: Iterable[int]) -> dict[int, str]:
-    """Decoded text of each of these vocabulary ids."""
-    wanted = sorted({int(t) for t in token_ids})
-    found: dict[int, str] = {}
-    for chunk in _chunks(wanted, 900):  # under SQLite's bound-parameter limit
-        query = select(Token.token_id, Token.text).where(
-            Token.model_id == model_id, Token.token_id.in_(chunk)
-        )
-        found.update((row.token_id, row.text) for row in session.execute(query))
+    """Decoded text of each of these vocabulary ids (those the model's vocabulary holds)."""
+    texts = vocabulary(session=session, model_id=model_id)
+    return {t: texts[t] for t in {int(i) for i in token_ids} if t in texts}
+
+
+# A model's vocabulary never changes once stored (store_vocabulary writes it once, with the model row),
+# so each process reads it once: a key page looks up ~1,500 token texts. Keyed by the database, the
+# model's id and its creation time (an id reused by a new model row is another entry); a vocabulary
+# not yet complete (the model row's vocab_size) is read again next time.
+_VOCABULARIES: dict[tuple[str, int, datetime], dict[int, str]] = {}
+VOCABULARIES_KEPT = 4
+
+
+def vocabulary(*, session: Session, model_id: int) -> dict[int, str]:
+    """Every stored token text of a model by token id, read once per process."""
+    model = session.get(LanguageModel, model_id)
+    if model is None:
+        return {}
+    cache_key = (session.get_bind().url.render_as_string(), model_id, model.created_at)
+    found = _VOCABULARIES.get(cache_key)
+    if found is None:
+        query = select(Token.token_id, Token.text).where(Token.model_id == model_id)
+        found = dict(session.execute(query).all())
+        if len(found) == model.vocab_size:
+            while len(_VOCABULARIES) >= VOCABULARIES_KEPT:
+                _VOCABULARIES.pop(next(iter(_VOCABULARIES)), None)
+            _VOCABULARIES[cache_key] = found
     return found
 
 
@@ -507,13 +526,15 @@ def find_tokens(*, session: Session, model_id: int, texts: Iterable[str]) -> lis
     return sorted(session.scalars(query))
 
 
-def get_sentences(*, session: Session, corpus_id: int, indices: Iterable[int]) -> dict[int, Sentence]:
-    """These sentences of a corpus, by index."""
+def get_sentences(*, session: Session, corpus_id: int, indices: Iterable[int]) -> dict[int, Row]:
+    """These sentences of a corpus, by index: rows with Sentence's columns (read-only; no ORM objects,
+    which cost more than the query on a key page)."""
     wanted = sorted({int(i) for i in indices})
-    found: dict[int, Sentence] = {}
+    found: dict[int, Row] = {}
+    columns = [getattr(Sentence, column.key) for column in Sentence.__table__.columns]
     for chunk in _chunks(wanted, 900):
-        query = select(Sentence).where(Sentence.corpus_id == corpus_id, Sentence.index.in_(chunk))
-        found.update((sentence.index, sentence) for sentence in session.scalars(query))
+        query = select(*columns).where(Sentence.corpus_id == corpus_id, Sentence.index.in_(chunk))
+        found.update((sentence.index, sentence) for sentence in session.execute(query))
     return found
 
 

@@ -4,7 +4,7 @@ memory's links in its run's weight graph, its automatic explanation, and explana
 from __future__ import annotations
 
 from pydantic import BaseModel
-from sqlalchemy import select, tuple_
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ffmem.store import composition
@@ -77,10 +77,15 @@ def explanation_texts(session: Session, run_id: int, memories: set[tuple[int, in
     """(layer, key) → explanation text, for those of `memories` the run explains."""
     if not memories:
         return {}
+    # Layers IN and keys IN (then the pairs kept here): primary-key lookups, where a row-value IN makes
+    # SQLite read the whole run's explanations.
     query = select(Explanation.layer, Explanation.key, Explanation.text).where(
-        Explanation.run_id == run_id, tuple_(Explanation.layer, Explanation.key).in_(sorted(memories))
+        Explanation.run_id == run_id,
+        Explanation.layer.in_(sorted({layer for layer, _ in memories})),
+        Explanation.key.in_(sorted({key for _, key in memories})),
     )
-    return {(layer, key): text for layer, key, text in session.execute(query)}
+    found = {(layer, key): text for layer, key, text in session.execute(query)}
+    return {memory: text for memory, text in found.items() if memory in memories}
 
 
 def explanation_view(found: Explanation) -> ExplanationView:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel
+from pydantic import AfterValidator, BaseModel, Field, computed_field
 
 from ffmem.store.models import JobKind, JobStatus
 from ffmem.store.results import LayerFigures
@@ -321,14 +321,25 @@ class BandSample(BaseModel):
 
 
 class ShadedText(BaseModel):
-    """A text with every token shaded by one key's coefficient (ffmem/web/shading.py builds it;
-    templates/_shading.html's `shaded` macro renders it): positive and negative in two hues, intensity
-    |m| / scale."""
+    """A text with every token shaded by one key's coefficient (ffmem/web/shading.py builds it and renders
+    it, `shaded` in templates): positive and negative in two hues, intensity |m| / scale.
 
-    tokens: list[ShadedToken]
+    Held as two flat lists (a key page shades ~1,500 tokens: one model per token cost more than the rest
+    of the page); the JSON twin shows them as `tokens`, one {text, coefficient} per token."""
+
+    texts: list[str] = Field(exclude=True)  # each token's text as the tokenizer decodes it
+    coefficients: list[float | None] = Field(exclude=True)  # None: not computed there (unshaded)
     scale: float  # |m| that shades fully (0: nothing is shaded)
     peak: int | None  # the outlined token's index (e.g. the trigger token, or the text's max)
     prefix_end: int | None  # the last token of the trigger prefix: those after it are dimmed
+
+    @computed_field
+    @property
+    def tokens(self) -> list[ShadedToken]:
+        return [
+            ShadedToken.model_construct(text=text, coefficient=coefficient)
+            for text, coefficient in zip(self.texts, self.coefficients, strict=True)
+        ]
 
 
 class Agreement(BaseModel):

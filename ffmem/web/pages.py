@@ -10,6 +10,7 @@ import math
 import random
 import re
 
+import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.store import jobs, key_examples, memory_search, queries
@@ -187,7 +188,7 @@ def _shading(sentence: Sentence, values, position: int, texts: dict[int, str], s
     """A stored sentence shaded by its stored coefficients (NaN: not mined, unshaded), trigger outlined."""
     alone = [texts.get(i, "") for i in sentence.token_ids]
     pieces = token_pieces(sentence.text, [tuple(o) for o in sentence.offsets], alone)
-    coefficients = [None if math.isnan(v) else float(v) for v in values]
+    coefficients = [None if math.isnan(v) else v for v in values.astype(np.float64).tolist()]
     return shade(pieces, coefficients, peak=position, prefix_end=position, scale=scale)
 
 

@@ -16,16 +16,15 @@ from ffmem.web import charts, urls
 from ffmem.web.access import admin_name, can_write, label_author, login_offered
 from ffmem.web.display import duration, number, percent, tail_words, visible
 from ffmem.web.errors import AppError
-from ffmem.web.shading import intensity
+from ffmem.web.shading import shaded_html
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
 templates.env.filters.update(visible=visible, number=number, percent=percent, tail_words=tail_words)
-templates.env.filters.update(intensity=intensity)  # a shaded token's strength (templates/_shading.html)
 templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
-templates.env.globals.update(label_author=label_author, duration=duration)
+templates.env.globals.update(label_author=label_author, duration=duration, shaded=shaded_html)
 templates.env.globals.update(JobKind=JobKind, JobStatus=JobStatus)  # templates compare with these
 
 

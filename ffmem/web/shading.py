@@ -1,9 +1,11 @@
 """Texts shaded token by token by one key's coefficient: the try-your-text answer and stored trigger
-sentences. Torch-free; templates/_shading.html renders the result."""
+sentences. Torch-free; `shaded_html` renders the result (templates call it as `shaded`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from markupsafe import Markup, escape
 
 from ffmem.web.contexts import ShadedText
 
@@ -31,17 +33,12 @@ def shade(
         scale = max(known, default=0.0)
     if scale < 0:
         raise ValueError(f"scale {scale} is negative")
-    # One validation of the whole text (pydantic's core walks the list): a key page shades ~1,500 tokens.
-    return ShadedText.model_validate(
-        {
-            "tokens": [
-                {"text": text, "coefficient": None if c is None else float(c)}
-                for text, c in zip(texts, coefficients, strict=True)
-            ],
-            "scale": float(scale),
-            "peak": peak,
-            "prefix_end": prefix_end,
-        }
+    return ShadedText(
+        texts=list(texts),
+        coefficients=[None if c is None else float(c) for c in coefficients],
+        scale=float(scale),
+        peak=peak,
+        prefix_end=prefix_end,
     )
 
 
@@ -50,6 +47,41 @@ def intensity(coefficient: float | None, scale: float) -> float:
     if coefficient is None or scale <= 0:
         return 0.0
     return min(abs(coefficient) / scale, 1.0)
+
+
+def shaded_html(text: ShadedText, id: str | None = None) -> Markup:
+    """A shaded text as HTML: each token a span, blue for m > 0 and orange for m < 0, as strong as |m| /
+    text.scale; its m on hover (title) and, for screen readers, after it; the peak token outlined; the
+    tokens past the trigger prefix (after text.prefix_end) dimmed behind a boundary. Token texts escaped.
+
+    Python rather than a Jinja macro: a key page shades ~1,500 tokens, and a macro's per-token work
+    cost more than the rest of the page."""
+    peak, end, last = text.peak, text.prefix_end, len(text.texts) - 1
+    parts = [f'<span class="shaded" id="{escape(id)}">' if id else '<span class="shaded">']
+    for i, (token, m) in enumerate(zip(text.texts, text.coefficients, strict=True)):
+        strength = intensity(m, text.scale)
+        classes = "stok"
+        if strength > 0:
+            classes += " m-pos" if m > 0 else " m-neg"
+        if i == peak:
+            classes += " peak"
+        if i == end:
+            classes += " prefix-end"
+        if end is not None and i > end:
+            classes += " past"
+        value = "no coefficient" if m is None else f"m = {m:+.4g}"
+        the_peak = ", the peak" if i == peak else ""
+        title = value + the_peak + (", the end of the trigger prefix" if i == end else "")
+        data = "" if m is None else f' data-m="{m}"'
+        style = f' style="--m: {strength:.3f}"' if strength > 0 else ""
+        parts.append(
+            f'<span class="{classes}" data-index="{i}"{data}{style} title="{title}">{escape(token)}'
+            f'<span class="sr-only"> ({value}{the_peak})</span></span>'
+        )
+        if i == end and i != last:
+            parts.append('<span class="sr-only"> (end of the trigger prefix) </span>')
+    parts.append("</span>")
+    return Markup("".join(parts))
 
 
 def token_pieces(text: str, offsets: Sequence[tuple[int, int]], alone: Sequence[str]) -> list[str]:

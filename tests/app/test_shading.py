@@ -1,6 +1,6 @@
-"""The shared shading component: ffmem.web.shading.shade builds a ShadedText, templates/_shading.html's
-`shaded` macro renders it (sign-aware hue, |m| / scale intensity, value on hover and for screen readers,
-the peak outlined, the prefix boundary, every text escaped)."""
+"""The shared shading component: ffmem.web.shading.shade builds a ShadedText, `shaded` (the templates'
+global, shading.shaded_html) renders it (sign-aware hue, |m| / scale intensity, value on hover and for
+screen readers, the peak outlined, the prefix boundary, every text escaped)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from ffmem.web.shading import intensity, shade, token_pieces
 
 
 def render(text, **kwargs) -> ElementTree.Element:
-    """The macro's markup, parsed (it is well-formed XML: spans and escaped text only)."""
-    macro = templates.env.from_string('{% from "_shading.html" import shaded %}{{ shaded(text, **kw) }}')
-    return ElementTree.fromstring(macro.render(text=text, kw=kwargs))
+    """The markup a template gets, parsed (it is well-formed XML: spans and escaped text only)."""
+    template = templates.env.from_string("{{ shaded(text, **kw) }}")
+    return ElementTree.fromstring(template.render(text=text, kw=kwargs))
 
 
 def tokens(root: ElementTree.Element) -> list[ElementTree.Element]:
@@ -60,7 +60,7 @@ def test_shade_refuses_what_does_not_fit(kwargs, message):
         shade(kwargs.pop("texts"), kwargs.pop("coefficients"), **kwargs)
 
 
-def test_the_macro_shades_each_token_by_sign_and_strength():
+def test_each_token_is_shaded_by_sign_and_strength():
     text = shade(["<b>", " x", " y", " z"], [1.0, -0.5, 0.0, 0.25], peak=0, prefix_end=2, scale=2.0)
     root = render(text, id="demo")
     assert root.get("id") == "demo" and root.get("class") == "shaded"
