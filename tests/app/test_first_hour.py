@@ -371,7 +371,7 @@ def test_an_over_long_search_names_its_field(serve, slug):
     assert "at most 200 characters" in answer.text
     assert 'maxlength="200"' in client.get(f"/m/{slug}/search").text
     page = client.get(f"/m/{slug}/search", params={"q": "x" * 250})  # a link typed by hand: the page, kept
-    assert page.status_code == 400 and '<h1>Search' in page.text
+    assert page.status_code == 400 and "<h1>Search" in page.text
     assert f'name="q" value="{"x" * 200}"' in page.text
     slot = re.search(r'<span class="field-error" id="q-error" role="alert">(.*?)</span>', page.text)
     assert slot.group(1) == "q: String should have at most 200 characters"

@@ -33,9 +33,7 @@ def test_token_texts_equal_the_stored_vocabulary(session):
     queries.store_vocabulary(session=session, model_id=model.id, texts=texts, pieces=texts)
     session.commit()
     wanted = [0, 3, 51, 50, 3, 999, -1]
-    stored = dict(
-        session.execute(select(Token.token_id, Token.text).where(Token.model_id == model.id)).all()
-    )
+    stored = dict(session.execute(select(Token.token_id, Token.text).where(Token.model_id == model.id)).all())
     assert queries.token_texts(session=session, model_id=model.id, token_ids=wanted) == {
         0: " word0",
         3: " word3",
