@@ -1,9 +1,10 @@
 """The path a new user takes: `ffmem demo` (what `make demo` runs) on the real SmolLM2 with an EMPTY model
 cache and a fresh database, its worker's index and live threads sharing one model. The live trace must
-predict " Paris", and the stored top triggers of sampled keys must equal a recomputation written here
-with plain transformers calls (not through ffmem.engine); the job needs one attempt and nothing in the
-output is a traceback. (Loading the model twice at once in the worker once gave a random embedding:
-wrong numbers on every page, and nothing said so.)"""
+predict " Paris", and what the key pages show of sampled keys — the top triggers of both signs, the
+coefficient at every token of the shaded sentences, the band samples — must equal a recomputation
+written here with plain transformers calls (not through ffmem.engine); the job needs one attempt and
+nothing in the output is a traceback. (Loading the model twice at once in the worker once gave a random
+embedding: wrong numbers on every page, and nothing said so.)"""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from ffmem.engine.loading import KNOWN
 
 pytestmark = pytest.mark.smollm2
 
-SENTENCES = 200
+SENTENCES = 60  # the corpus-independent work (projection, weight graph, neighbours) dominates
 SAMPLED = [(0, 7), (11, 1229), (20, 345), (29, 1000)]  # (layer, key); 0-based
-TRIGGERS = 3  # top triggers checked per sampled key
+TRIGGERS = 3  # top triggers checked per sampled key and sign
+SAMPLES = 4  # band samples checked per sampled key
 PROMPT = "The capital of France is"
 
 
@@ -95,7 +97,13 @@ def test_demo_from_a_cold_cache_computes_the_right_numbers(tmp_path):
         for layer, key in SAMPLED:
             page = httpx.get(f"{base}/m/{slug}/layers/{layer}/keys/{key}.json", timeout=30).json()
             assert page["run"]["id"] == job["run"]["id"] and len(page["triggers"]) >= TRIGGERS
-            stored[layer, key] = page["triggers"][:TRIGGERS]
+            positive, negative = page["triggers"][:TRIGGERS], page["negative_triggers"][:TRIGGERS]
+            samples = page["samples"][:SAMPLES]
+            assert len(negative) == TRIGGERS and len(samples) == SAMPLES, page
+            assert all(shown["shading"] for shown in positive + negative + samples), (
+                "a stored run shades them"
+            )
+            stored[layer, key] = (positive, negative, samples)
     finally:
         demo.terminate()  # SIGTERM, as a service manager stops it
         demo.wait(timeout=60)
@@ -122,18 +130,46 @@ def test_demo_from_a_cold_cache_computes_the_right_numbers(tmp_path):
     hooks = [
         model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(keep(layer)) for layer in range(30)
     ]
+
+    def recomputed(layer: int, sentence: str) -> tuple[list[int], torch.Tensor, int]:
+        """The sentence's tokens, the key coefficients of `layer` at each ([pos, d_ff]) and the first mined
+        position."""
+        tokens = tokenizer(sentence, truncation=True, max_length=128).input_ids
+        with torch.inference_mode():
+            model(torch.tensor([tokens]))
+        first = 1 if (tokens[0] == tokenizer.bos_token_id or not provenance["first_position"]) else 0
+        return tokens, coefficients[layer], first
+
+    def same_shading(example: dict, m: torch.Tensor, first: int, where: str) -> None:
+        """Every token of the sentence shaded by m there (float16), the unmined first positions unshaded."""
+        shaded = [token["coefficient"] for token in example["shading"]["tokens"]]  # [pos]
+        assert len(shaded) == len(m) and shaded[:first] == [None] * first, where
+        assert shaded[first:] == pytest.approx(m[first:].half().float().tolist(), rel=2e-3, abs=2e-3), where
+
     try:
-        for (layer, key), triggers in stored.items():
-            for trigger in triggers:
-                tokens = tokenizer(trigger["sentence"], truncation=True, max_length=128).input_ids
-                assert tokens[trigger["position"]] == trigger["trigger_token_id"], trigger
-                first = 1 if (tokens[0] == tokenizer.bos_token_id or not provenance["first_position"]) else 0
-                with torch.inference_mode():
-                    model(torch.tensor([tokens]))
-                m = coefficients[layer][first:, key]  # [mined positions]
-                where = f"L{layer} K{key} trigger {trigger['rank']} ({trigger['sentence'][:60]!r})"
-                assert trigger["position"] == first + int(m.argmax()), where
-                assert trigger["coefficient"] == pytest.approx(float(m.max()), rel=1e-3, abs=1e-4), where
+        for (layer, key), (positive, negative, samples) in stored.items():
+            for sign, triggers in ((1, positive), (-1, negative)):
+                for trigger in triggers:
+                    tokens, m, first = recomputed(layer, trigger["sentence"])
+                    assert tokens[trigger["position"]] == trigger["trigger_token_id"], trigger
+                    mined = sign * m[first:, key]  # [mined positions]
+                    where = (
+                        f"L{layer} K{key} {sign:+d} trigger {trigger['rank']} ({trigger['sentence'][:60]!r})"
+                    )
+                    assert trigger["position"] == first + int(mined.argmax()), where
+                    assert trigger["coefficient"] == pytest.approx(
+                        sign * float(mined.max()), rel=1e-3, abs=1e-4
+                    ), where
+                    same_shading(trigger, m[:, key], first, where)
+            for sample in samples:
+                _, m, first = recomputed(layer, sample["sentence"])
+                mined = sample["sign"] * m[first:, key]  # [mined positions]
+                where = f"L{layer} K{key} band sample in {sample['band']} ({sample['sentence'][:60]!r})"
+                assert sample["position"] == first + int(mined.argmax()), where
+                assert sample["coefficient"] == pytest.approx(
+                    float(m[sample["position"], key]), rel=1e-3, abs=1e-4
+                )
+                same_shading(sample, m[:, key], first, where)
     finally:
         for hook in hooks:
             hook.remove()
