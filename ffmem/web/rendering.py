@@ -17,6 +17,7 @@ from ffmem.web.access import admin_name, can_write, label_author, login_offered
 from ffmem.web.display import duration, number, percent, tail_words, visible
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shaded_html
+from ffmem.web.worker_client import text_max_length
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
@@ -25,6 +26,7 @@ templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
 templates.env.globals.update(label_author=label_author, duration=duration, shaded=shaded_html)
+templates.env.globals.update(text_max_length=text_max_length)  # what the live boxes may send
 templates.env.globals.update(JobKind=JobKind, JobStatus=JobStatus)  # templates compare with these
 
 

@@ -42,7 +42,7 @@ from ffmem.web.contexts import (
     UneditedTrace,
 )
 from ffmem.web.errors import AppError, sentence
-from ffmem.web.worker_client import LiveWorker
+from ffmem.web.worker_client import LiveWorker, text_max_length
 
 MEMORY_TOKENS = 5  # value tokens shown per memory
 DEFAULTS = {"readout": "norm", "memories": 10, "generate": 0}
@@ -124,7 +124,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         raise q.error
     if not q.text.strip():
         raise AppError(400, "Empty prompt", "The prompt is empty: type some text.", field="text")
-    if len(q.text) > 32 * max_tokens:
+    if len(q.text) > text_max_length(max_tokens):
         raise AppError(400, "Prompt too long", f"Prompts are limited to {max_tokens} tokens.", field="text")
     if q.target == "":
         raise AppError(

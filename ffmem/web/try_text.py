@@ -12,28 +12,21 @@ from ffmem.web import pages
 from ffmem.web.contexts import CoefficientAt, KeyContext, TokenRef, TryText
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shade, token_pieces
-from ffmem.web.worker_client import LiveWorker
-
-CHARS_PER_TOKEN = 32  # a text longer than this many characters a token is refused before the worker
-
-
-def max_length(max_tokens: int) -> int:
-    """The longest text the box accepts, in characters (the worker then counts its tokens)."""
-    return CHARS_PER_TOKEN * max_tokens
+from ffmem.web.worker_client import LiveWorker, text_max_length
 
 
 def form(
     text: str | None, max_tokens: int, *, notice: str | None = None, field: str | None = None
 ) -> TryText:
     """The box without an answer: the text as typed and, when there is one, why there is no answer."""
-    return TryText(text=text, max_length=max_length(max_tokens), notice=notice, notice_field=field)
+    return TryText(text=text, max_length=text_max_length(max_tokens), notice=notice, notice_field=field)
 
 
 def check(text: str, max_tokens: int) -> None:
     """Refuse an empty text, or one too long to be within `max_tokens`, before asking the worker (400)."""
     if not text.strip():
         raise AppError(400, "Empty text", "The text is empty: type some text.", field="text")
-    if len(text) > max_length(max_tokens):
+    if len(text) > text_max_length(max_tokens):
         raise AppError(400, "Text too long", f"Texts are limited to {max_tokens} tokens.", field="text")
 
 
@@ -64,7 +57,7 @@ def answer(session: Session, live: LiveWorker, ctx: KeyContext, text: str, max_t
 
     return TryText(
         text=text,
-        max_length=max_length(max_tokens),
+        max_length=text_max_length(max_tokens),
         tokens=[TokenRef(token_id=i, token=t) for i, t in zip(got.token_ids, got.tokens, strict=True)],
         shaded=shade(
             token_pieces(text, got.offsets, got.tokens),

@@ -13,6 +13,13 @@ from ffmem.engine.trace_answer import AblationAnswer, CoefficientsAnswer, TraceA
 from ffmem.web.errors import AppError, sentence
 
 Answer = TypeVar("Answer", bound=BaseModel)
+CHARS_PER_TOKEN = 32  # a text longer than this many characters a token is refused before the worker
+
+
+def text_max_length(max_tokens: int) -> int:
+    """The longest text a box sends to the worker, in characters (the worker then counts its tokens)."""
+    return CHARS_PER_TOKEN * max_tokens
+
 
 START = (
     "Start one with `ffmem worker` (or `ffmem serve`, which starts one); the browse pages work without it."

@@ -327,6 +327,11 @@ def test_a_huge_prompt_is_refused_before_the_worker(client, explorer_db, slug):
         response = roomy.get(f"/m/{slug}/trace.json", params=params)
     app.state.engine.dispose()
     assert response.json() == {"ok": False, "error": "Prompts are limited to 512 tokens.", "status": 400}
+    # The box refuses what the server refuses: 32 characters a token.
+    assert (
+        '<textarea id="prompt" name="text" rows="2" placeholder="The capital of France is" maxlength="16384"'
+        in (client.get(f"/m/{slug}/trace").text)
+    )
 
 
 def test_unknown_model_is_a_404(client):
