@@ -494,9 +494,15 @@ def trace_command(
         str, typer.Option(help="Memories to edit: L12K345 (off), L12K345*0.5 (scale), L12K345=3.2 (on).")
     ] = "",
     generate: Annotated[int, typer.Option(min=0, max=20, help="Greedy tokens, with and without edits.")] = 0,
+    target: Annotated[
+        str | None,
+        typer.Option(help="Who pushes this token (' London' or #5188; default: the prediction)."),
+    ] = None,
     device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
 ) -> None:
-    """Trace a prompt: per layer top(r), top(y), top(o), the final token under r, the case, the memories."""
+    """Trace a prompt: per layer top(r), top(y), top(o), the final token under r, the case, the memories;
+    then who pushes the target token: per layer the memories' contributions m_i·(v_i·e_t) and their sum
+    beside the FF's change to its logit."""
     from rich.console import Console
     from rich.table import Table
 
@@ -505,6 +511,7 @@ def trace_command(
     settings = get_settings()
 
     def run():
+        from ffmem.engine.attribution_terms import target_tokens
         from ffmem.engine.interventions import parse_interventions
         from ffmem.engine.loading import load_model
         from ffmem.engine.trace import trace
@@ -518,6 +525,7 @@ def trace_command(
         if position is not None and position >= len(ids):
             raise FfmemError(f"position {position} is past the prompt's {len(ids)} tokens (0–{len(ids) - 1})")
         edits = parse_interventions(intervene, loaded.n_layers, loaded.n_keys)
+        typed = target_tokens(loaded.tokenizer, loaded.model.config.vocab_size, target)
         result = trace(
             loaded,
             ids,
@@ -527,6 +535,7 @@ def trace_command(
             interventions=edits,
             generate_tokens=generate,
             value_tokens=3,
+            target=typed[0] if typed else None,
         )
         return loaded, result
 
@@ -584,6 +593,34 @@ def trace_command(
         console.print(f"greedy: {visible(loaded.tokenizer.decode(result.generated))}")
     if result.generated_edited:
         console.print(f"greedy, edited: {visible(loaded.tokenizer.decode(result.generated_edited))}")
+    _print_attribution(console, result.attribution, tok)
+
+
+def _print_attribution(console, attribution, tok) -> None:
+    """Who pushes the target token: per layer Σ m_i·(v_i·e_t) beside the FF's change to its logit."""
+    from rich.table import Table
+
+    table = Table(
+        "layer",
+        "Σ memories",
+        "FF change",
+        "difference",
+        "largest contributions (c = m·v·e_t)",
+        title=f"who pushes {tok(attribution.target)} ({attribution.readout} readout, logit "
+        f"{attribution.logit:.2f}; Σ over all memories {attribution.total:+.2f})",
+    )
+    for layer in attribution.layers:
+        listed = "; ".join(f"K{c.key} {c.contribution:+.3f}" for c in layer.memories)
+        table.add_row(
+            str(layer.layer),
+            f"{layer.memories_sum:+.3f}",
+            f"{layer.change:+.3f}",
+            f"{layer.residual:+.3f}",
+            listed,
+        )
+    console.print(table)
+    for name, listed in (("promoters", attribution.promoters), ("suppressors", attribution.suppressors)):
+        console.print(f"{name}: " + ", ".join(f"L{c.layer}K{c.key} {c.contribution:+.3f}" for c in listed))
 
 
 DEMO_ANALYSIS = {"examples": 500, "keys": 10, "triggers": 10}  # a few CPU minutes
@@ -600,7 +637,7 @@ def demo(
     ] = True,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the explorer.")] = 8000,
 ) -> None:
-    """The default index (SmolLM2-135M over 2,000 Wikipedia sentences) and the explorer over it.
+    """The default index (SmolLM2-135M over the bundled Wikipedia sentences) and the explorer over it.
 
     With --serve (the default) the explorer starts at once with its worker, which builds the index
     unless it is built (its progress is on the job's page), then the paper's analyses at a demo's

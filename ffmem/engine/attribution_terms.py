@@ -16,9 +16,35 @@ from __future__ import annotations
 
 import re
 
+from ffmem.engine.errors import FfmemError
+
 TARGET_CHARS = 100  # the longest target text accepted
 TARGET_ID = re.compile(r"#(\d{1,9})")  # `#5188`: a token id
 VETO_SHARE = 0.25  # strongly positive: at least this share of the layer's largest |contribution|
+
+
+class TargetError(FfmemError):
+    field = "target"
+
+
+def target_tokens(tokenizer, vocab_size: int, target: str | None) -> list[int]:
+    """The tokens a target is (the first is attributed); [] for None, the prediction. An empty or too
+    long target, an id past the vocabulary, or a text with no token or an unknown one: TargetError."""
+    if target is None:
+        return []
+    if not target:
+        raise TargetError("the target is empty: type a token, e.g. ' London', or leave it out")
+    if len(target) > TARGET_CHARS:
+        raise TargetError(f"the target is {len(target)} characters; the limit is {TARGET_CHARS}")
+    if (token := target_id(target)) is not None:
+        if token >= vocab_size:
+            raise TargetError(f"no token #{token}: token ids run 0–{vocab_size - 1}")
+        return [token]
+    ids = tokenizer(target, add_special_tokens=False).input_ids
+    unknown = tokenizer.unk_token_id
+    if not ids or (unknown is not None and unknown in ids) or max(ids) >= vocab_size:
+        raise TargetError(f"the tokenizer has no token for the target {target!r}")
+    return ids
 
 
 def target_id(text: str) -> int | None:

@@ -3,3 +3,5 @@
 
 class FfmemError(Exception):
     """An error caused by input or environment, shown as one line (CLI) or a 4xx (web), never a traceback."""
+
+    field: str | None = None  # the input at fault, where a form shows the message next to it

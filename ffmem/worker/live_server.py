@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from ffmem.engine.attribution_terms import TARGET_CHARS, target_id
+from ffmem.engine.attribution_terms import target_tokens
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.interventions import parse_interventions
 from ffmem.engine.key_coefficients import key_coefficients
@@ -187,7 +187,7 @@ class Live:
                 f"(positions 0–{len(token_ids) - 1})",
             )
         interventions = parse_interventions(request.interventions, loaded.n_layers, loaded.n_keys)
-        typed_tokens = _target_tokens(loaded, request.target)
+        typed_tokens = target_tokens(loaded.tokenizer, loaded.model.config.vocab_size, request.target)
         result = trace(
             loaded,
             token_ids,
@@ -243,31 +243,6 @@ class Live:
         return AblationAnswer(before=before, after=after)
 
 
-def _target_tokens(loaded: LoadedModel, target: str | None) -> list[int]:
-    """The tokens a target is (ffmem.engine.attribution_terms: text or #id); [] for None, the prediction.
-    An empty or too long target, an id past the vocabulary, or a text with no token or an unknown one: 400."""
-    if target is None:
-        return []
-    if not target:
-        raise LiveError(
-            400, "the target is empty: type a token, e.g. ' London', or leave it out", field="target"
-        )
-    if len(target) > TARGET_CHARS:
-        raise LiveError(
-            400, f"the target is {len(target)} characters; the limit is {TARGET_CHARS}", field="target"
-        )
-    vocab = loaded.model.config.vocab_size
-    if (token := target_id(target)) is not None:
-        if token >= vocab:
-            raise LiveError(400, f"no token #{token}: token ids run 0–{vocab - 1}", field="target")
-        return [token]
-    ids = loaded.tokenizer(target, add_special_tokens=False).input_ids
-    unknown = loaded.tokenizer.unk_token_id
-    if not ids or (unknown is not None and unknown in ids) or max(ids) >= vocab:
-        raise LiveError(400, f"the tokenizer has no token for the target {target!r}", field="target")
-    return ids
-
-
 def _check_memory(loaded: LoadedModel, layer: int, key: int) -> None:
     if layer >= loaded.n_layers or key >= loaded.n_keys:
         raise LiveError(400, f"no memory L{layer}K{key} in a {loaded.n_layers}×{loaded.n_keys} model")
@@ -304,7 +279,7 @@ def create_live_app(live: Live) -> FastAPI:
 
     @app.exception_handler(FfmemError)
     async def user_error(request: Request, error: FfmemError) -> JSONResponse:
-        return _error(503 if isinstance(error, ModelLoadError) else 400, str(error))
+        return _error(503 if isinstance(error, ModelLoadError) else 400, str(error), field=error.field)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:

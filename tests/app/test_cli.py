@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from sqlalchemy import func, select
 from typer.testing import CliRunner
@@ -153,9 +155,32 @@ def test_trace_command_prints_the_breakdown(tiny, tiny_model_dir):
     assert "p edited" in result.output  # the edit's table
 
 
+def test_trace_command_attributes_a_typed_target(tiny, tiny_model_dir):
+    """--target: per layer the memories' sum beside the FF's change, and the memories that push most."""
+    from ffmem.engine.trace import trace
+
+    arguments = ["trace", "The capital of France is", "--model", str(tiny_model_dir), "--device", "cpu"]
+    result = CliRunner().invoke(
+        cli, [*arguments, "--target", "#7", "--readout", "raw"], env={"COLUMNS": "240"}
+    )
+    assert result.exit_code == 0, result.output
+    ids = tiny.tokenizer("The capital of France is").input_ids
+    expected = trace(tiny, ids, memories=3, readout="raw", target=7).attribution
+    assert expected.target == 7 and "(raw readout, logit" in result.output
+    for layer in expected.layers:
+        cells = (layer.layer, f"{layer.memories_sum:+.3f}", f"{layer.change:+.3f}", f"{layer.residual:+.3f}")
+        row = r"│\s*" + r"\s*│\s*".join(re.escape(str(cell)) for cell in cells) + r"\s*│"
+        assert re.search(row, result.output), row
+        assert f"K{layer.memories[0].key} {layer.memories[0].contribution:+.3f}" in result.output
+    top = expected.promoters[0]
+    assert f"promoters: L{top.layer}K{top.key} {top.contribution:+.3f}" in result.output
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
+        (["Paris", "--target", "#999999"], "error: no token #999999: token ids run 0–"),
+        (["Paris", "--target", ""], "error: the target is empty"),
         (["   "], "error: the prompt is empty"),
         (["Paris", "--position", "99"], "error: position 99 is past the prompt's"),
         (["Paris", "--intervene", "L9K1"], "error: L9K1: layer 9 does not exist; layers are 0–2"),
