@@ -186,47 +186,22 @@ class Run(Base):
     corpus: Mapped[Corpus] = relationship()
 
 
-class Trigger(Base):
-    """A trigger prefix: sentence `sentence_index` up to and including `position`.
+class MemoryList(Base):
+    """One ranked list of a memory, packed as bytes (ffmem.store.memory_lists encodes and decodes them):
+    `kind` "triggers", its top-T trigger prefixes of one `sign` (+1: by maximum coefficient, −1: by
+    minimum); `kind` "raw" or "norm", its value's top (`sign` +1) or bottom (−1) tokens under that readout
+    (raw: v·Eᵀ, the paper's; norm: lm_head(final_norm(v))), with the log-normaliser of the readout, so a
+    token's probability is exp(logit − log_z). Revision 0012 replaced the row-per-entry tables `triggers`
+    and `value_tokens` with it."""
 
-    sign +1: the key's top-T sentences by maximum coefficient; sign -1: by minimum (most negative).
-    """
-
-    __tablename__ = "triggers"
-    # Search walks one sentence's strongest triggers straight off this index (0002 added its tail).
-    __table_args__ = (
-        Index("ix_triggers_sentence", "run_id", "sentence_index", "sign", "coefficient", "position"),
-    )
+    __tablename__ = "memory_lists"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # triggers | raw | norm
+    sign: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # +1 | −1
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    sign: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    rank: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # 0 = strongest
-    sentence_index: Mapped[int] = mapped_column(Integer)
-    position: Mapped[int] = mapped_column(SmallInteger)
-    coefficient: Mapped[float] = mapped_column(Float)
-
-
-class ValueToken(Base):
-    """One of a value's top (`direction` +1) or bottom (-1) tokens under one readout.
-
-    readout "raw": v·Eᵀ (the paper's); "norm": lm_head(final_norm(v)), the model's own logit path.
-    `prob` is the softmax over the full vocabulary.
-    """
-
-    __tablename__ = "value_tokens"
-    __table_args__ = (Index("ix_value_tokens_token", "run_id", "readout", "token_id"),)
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    readout: Mapped[str] = mapped_column(String(8), primary_key=True)
-    direction: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    rank: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    token_id: Mapped[int] = mapped_column(Integer)
-    logit: Mapped[float] = mapped_column(Float)
-    prob: Mapped[float] = mapped_column(Float)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class KeyStats(Base):
