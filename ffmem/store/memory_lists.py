@@ -73,7 +73,11 @@ def encode_triggers(sentence_index: np.ndarray, position: np.ndarray, coefficien
     """One blob per key from [keys, T] arrays (rank = column); entries with sentence index −1 (fewer
     sentences than T) are left out."""
     packed = np.empty(sentence_index.shape, TRIGGER)  # [keys, T]
-    packed["sentence_index"], packed["position"], packed["coefficient"] = sentence_index, position, coefficient
+    packed["sentence_index"], packed["position"], packed["coefficient"] = (
+        sentence_index,
+        position,
+        coefficient,
+    )
     kept = sentence_index >= 0  # [keys, T]
     if kept.all():
         return [row.tobytes() for row in packed]
@@ -148,10 +152,10 @@ class Lists:
     entries: np.ndarray  # [entries] records: TRIGGER, or value_entry's fields as int64 / float32
     log_z: np.ndarray | None  # [entries] float32, or None for triggers
 
-    def where(self, kept: np.ndarray) -> Lists:
-        """The entries where `kept` ([entries] bool) holds."""
-        log_z = None if self.log_z is None else self.log_z[kept]
-        return Lists(self.layer[kept], self.key[kept], self.rank[kept], self.entries[kept], log_z)
+    def take(self, indices: np.ndarray) -> Lists:
+        """The entries at `indices` ([picked] int), in that order."""
+        log_z = None if self.log_z is None else self.log_z[indices]
+        return Lists(self.layer[indices], self.key[indices], self.rank[indices], self.entries[indices], log_z)
 
 
 def decode_many(kind: str, layers: Sequence[int], keys: Sequence[int], blobs: Sequence[bytes]) -> Lists:

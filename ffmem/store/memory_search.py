@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from sqlalchemy import delete, exists, insert, select, tuple_
+from sqlalchemy import delete, exists, insert, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
-from ffmem.store.models import Neighbours, RunArray, ValueToken
+from ffmem.store import queries
+from ffmem.store.models import Neighbours, RunArray
 from ffmem.store.queries import _bulk_insert
 
 NEIGHBOUR_KINDS = ("key", "value")
@@ -83,15 +84,20 @@ def stored_ranks(
     (−1) value tokens of `memories` ((layer, key) pairs): the exact rank, counted from that end."""
     if not token_ids or not memories:
         return {}
-    query = select(
-        ValueToken.layer, ValueToken.key, ValueToken.token_id, ValueToken.direction, ValueToken.rank
-    ).where(
-        ValueToken.run_id == run_id,
-        ValueToken.readout == readout,
-        ValueToken.token_id.in_([int(t) for t in token_ids]),
-        tuple_(ValueToken.layer, ValueToken.key).in_([(int(lay), int(k)) for lay, k in set(memories)]),
+    wanted = {int(t) for t in token_ids}
+    listed = queries.memory_value_tokens(
+        session=session,
+        run_id=run_id,
+        readout=readout,
+        memories={(int(layer), int(key), d) for layer, key in memories for d in (1, -1)},
+        n=None,
     )
-    return {(r.layer, r.key, r.token_id, r.direction): r.rank for r in session.execute(query)}
+    return {
+        (layer, key, token_id, direction): rank
+        for (layer, key, direction), ids in listed.items()
+        for rank, token_id in enumerate(ids)
+        if token_id in wanted
+    }
 
 
 # ---- neighbours -----------------------------------------------------------------------------------

@@ -179,7 +179,9 @@ def downgrade() -> None:
                     yield memory | dict(sign=sign, rank=rank, sentence_index=s, position=p, coefficient=c)
                 continue
             header = np.frombuffer(data, VALUE_HEADER, count=1)[0]
-            entries = np.frombuffer(data, _value_entry(int(header["token_bytes"])), offset=VALUE_HEADER.itemsize)
+            entries = np.frombuffer(
+                data, _value_entry(int(header["token_bytes"])), offset=VALUE_HEADER.itemsize
+            )
             probs = np.exp(entries["logit"].astype(np.float64) - float(header["log_z"])).tolist()
             for rank, ((t, logit), prob) in enumerate(zip(entries.tolist(), probs, strict=True)):
                 yield memory | dict(
