@@ -121,3 +121,102 @@ def test_0006_moves_the_wait_into_a_foreign_key_and_keeps_one_unfinished_job_per
             "after": 1, "examples": 5,
         }  # fmt: skip
     engine.dispose()
+
+
+def _old_run(connection) -> None:
+    """A model, corpus and run as revision 0011 stores them (ids 1)."""
+    import sqlalchemy as sa
+
+    now = datetime.now(timezone.utc)
+    models = sa.table("language_models", *map(sa.column, ("id", "slug", "source", "revision", "architecture")),
+                      *map(sa.column, ("family", "n_layers", "n_keys", "d_model", "vocab_size", "activation")),
+                      *map(sa.column, ("gated", "created_at")))  # fmt: skip
+    connection.execute(sa.insert(models).values(
+        id=1, slug="m", source="m", revision=None, architecture="A", family="llama", n_layers=2, n_keys=4,
+        d_model=8, vocab_size=50, activation="silu", gated=True, created_at=now,
+    ))  # fmt: skip
+    corpora = sa.table("corpora", *map(sa.column, ("id", "name", "source", "source_sha256", "fingerprint")),
+                       *map(sa.column, ("tokenizer", "max_tokens", "n_sentences", "n_tokens", "created_at")),
+                       sa.column("skipped", sa.JSON))  # fmt: skip
+    connection.execute(sa.insert(corpora).values(
+        id=1, name="c", source="c", source_sha256="0", fingerprint="f", tokenizer="t", max_tokens=8,
+        n_sentences=3, n_tokens=9, skipped={}, created_at=now,
+    ))  # fmt: skip
+    runs = sa.table("runs", *map(sa.column, ("id", "model_id", "corpus_id", "status", "top_k", "n_value_tokens")),
+                    *map(sa.column, ("n_sentences", "n_tokens", "dtype", "device", "package_version")),
+                    sa.column("provenance", sa.JSON), sa.column("histogram_edges", sa.JSON),
+                    sa.column("started_at"))  # fmt: skip
+    connection.execute(sa.insert(runs).values(
+        id=1, model_id=1, corpus_id=1, status="done", top_k=3, n_value_tokens=2, n_sentences=3, n_tokens=9,
+        dtype="float32", device="cpu", package_version="0", provenance={}, histogram_edges=[0.0, 1.0],
+        started_at=now,
+    ))  # fmt: skip
+
+
+def test_0012_packs_triggers_and_value_tokens_and_unpacks_them_again(empty_url):
+    import math
+
+    import numpy as np
+    import sqlalchemy as sa
+
+    from ffmem.store import queries
+
+    _migrate(empty_url, "0011")
+    triggers = [  # layer, key, sign, rank, sentence_index, position, coefficient (float32-exact)
+        (0, 0, 1, 0, 2, 5, 3.5), (0, 0, 1, 1, 0, 1, 2.25), (0, 0, 1, 2, 1, 0, 0.125),
+        (0, 0, -1, 0, 1, 2, -4.5), (0, 0, -1, 1, 2, 1, -0.5), (1, 3, 1, 0, 70_000, 300, 1.0),
+    ]  # fmt: skip
+    log_z = {"raw": 3.0, "norm": -1.5}
+    values = [  # layer, key, readout, direction, rank, token_id, logit; prob = exp(logit − log_z) in float32
+        (layer, key, readout, direction, rank, token, logit)
+        for layer, key in ((0, 0), (1, 3))
+        for readout in ("raw", "norm")
+        for direction, tokens, logits in ((1, (7, 3), (2.0, 1.0)), (-1, (49, 0), (-30.0, -29.5)))
+        for rank, (token, logit) in enumerate(zip(tokens, logits, strict=True))
+    ]
+    old_triggers = sa.table("triggers", *map(sa.column, ("run_id", "layer", "key", "sign", "rank")),
+                            *map(sa.column, ("sentence_index", "position", "coefficient")))  # fmt: skip
+    old_values = sa.table("value_tokens", *map(sa.column, ("run_id", "layer", "key", "readout", "direction")),
+                          *map(sa.column, ("rank", "token_id", "logit", "prob")))  # fmt: skip
+    names = ("layer", "key", "sign", "rank", "sentence_index", "position", "coefficient")
+    engine = make_engine(empty_url)
+    with engine.begin() as connection:
+        _old_run(connection)
+        connection.execute(
+            sa.insert(old_triggers), [dict(zip(names, t, strict=True), run_id=1) for t in triggers]
+        )
+        connection.execute(sa.insert(old_values), [
+            dict(run_id=1, layer=layer, key=key, readout=readout, direction=direction, rank=rank, token_id=token,
+                 logit=logit, prob=float(np.float32(math.exp(logit - log_z[readout]))))
+            for layer, key, readout, direction, rank, token, logit in values
+        ])  # fmt: skip
+    _migrate(empty_url, "head")
+    with make_sessionmaker(engine)() as session:
+        found = [
+            tuple(getattr(t, n) for n in names) for t in queries.iter_triggers(session=session, run_id=1)
+        ]
+        assert found == sorted(triggers, key=lambda t: (t[0], t[1], t[2], t[3]))
+        for layer, key, readout, direction, rank, token, logit in values:
+            stored = queries.get_value_tokens(
+                session=session, run_id=1, layer=layer, key=key, readout=readout, direction=direction
+            )[rank]
+            assert (stored.token_id, stored.logit) == (token, logit)
+            assert stored.prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)  # float32's error
+    _migrate(empty_url, "0011", down=True)
+    with engine.connect() as connection:
+        c = old_triggers.c
+        rows = connection.execute(sa.select(*(c[n] for n in names)).order_by(c.layer, c.key, c.sign, c.rank))
+        assert [tuple(row) for row in rows] == sorted(triggers, key=lambda t: (t[0], t[1], t[2], t[3]))
+        c = old_values.c
+        query = sa.select(c.layer, c.key, c.readout, c.direction, c.rank, c.token_id, c.logit, c.prob)
+        found = {tuple(row[:5]): row[5:] for row in connection.execute(query)}
+        assert len(found) == len(values)
+        for layer, key, readout, direction, rank, token, logit in values:
+            token_id, stored_logit, prob = found[layer, key, readout, direction, rank]
+            assert (token_id, stored_logit) == (token, logit)
+            assert prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)
+        indexes = {
+            i["name"] for name in ("triggers", "value_tokens") for i in inspect(connection).get_indexes(name)
+        }
+        assert indexes == {"ix_triggers_sentence", "ix_value_tokens_token"}
+    engine.dispose()
