@@ -128,9 +128,11 @@ def _old_run(connection) -> None:
     import sqlalchemy as sa
 
     now = datetime.now(timezone.utc)
-    models = sa.table("language_models", *map(sa.column, ("id", "slug", "source", "revision", "architecture")),
-                      *map(sa.column, ("family", "n_layers", "n_keys", "d_model", "vocab_size", "activation")),
-                      *map(sa.column, ("gated", "created_at")))  # fmt: skip
+    models = sa.table(
+        "language_models",
+        *map(sa.column, ("id", "slug", "source", "revision", "architecture", "family", "n_layers", "n_keys")),
+        *map(sa.column, ("d_model", "vocab_size", "activation", "gated", "created_at")),
+    )
     connection.execute(sa.insert(models).values(
         id=1, slug="m", source="m", revision=None, architecture="A", family="llama", n_layers=2, n_keys=4,
         d_model=8, vocab_size=50, activation="silu", gated=True, created_at=now,
@@ -142,10 +144,13 @@ def _old_run(connection) -> None:
         id=1, name="c", source="c", source_sha256="0", fingerprint="f", tokenizer="t", max_tokens=8,
         n_sentences=3, n_tokens=9, skipped={}, created_at=now,
     ))  # fmt: skip
-    runs = sa.table("runs", *map(sa.column, ("id", "model_id", "corpus_id", "status", "top_k", "n_value_tokens")),
-                    *map(sa.column, ("n_sentences", "n_tokens", "dtype", "device", "package_version")),
-                    sa.column("provenance", sa.JSON), sa.column("histogram_edges", sa.JSON),
-                    sa.column("started_at"))  # fmt: skip
+    runs = sa.table(
+        "runs",
+        *map(sa.column, ("id", "model_id", "corpus_id", "status", "top_k", "n_value_tokens", "n_sentences")),
+        *map(sa.column, ("n_tokens", "dtype", "device", "package_version", "started_at")),
+        sa.column("provenance", sa.JSON),
+        sa.column("histogram_edges", sa.JSON),
+    )
     connection.execute(sa.insert(runs).values(
         id=1, model_id=1, corpus_id=1, status="done", top_k=3, n_value_tokens=2, n_sentences=3, n_tokens=9,
         dtype="float32", device="cpu", package_version="0", provenance={}, histogram_edges=[0.0, 1.0],
@@ -186,8 +191,8 @@ def test_0012_packs_triggers_and_value_tokens_and_unpacks_them_again(empty_url):
             sa.insert(old_triggers), [dict(zip(names, t, strict=True), run_id=1) for t in triggers]
         )
         connection.execute(sa.insert(old_values), [
-            dict(run_id=1, layer=layer, key=key, readout=readout, direction=direction, rank=rank, token_id=token,
-                 logit=logit, prob=float(np.float32(math.exp(logit - log_z[readout]))))
+            dict(run_id=1, layer=layer, key=key, readout=readout, direction=direction, rank=rank,
+                 token_id=token, logit=logit, prob=float(np.float32(math.exp(logit - log_z[readout]))))
             for layer, key, readout, direction, rank, token, logit in values
         ])  # fmt: skip
     _migrate(empty_url, "head")
