@@ -366,19 +366,22 @@ class RunArray(Base):
 
 
 class KeyExamples(Base):
-    """What the key page shows of a key beyond its triggers (ffmem.store.key_examples): its band samples
-    (examples across the coefficient range: per histogram bin, up to MinedLayer's SAMPLES sentences
-    whose extreme falls in it, `samples` = [[bin, sentence_index, position, coefficient], …] by bin
-    then slot) and `shading`: the key's coefficient at every token, float16 bytes, of its top
-    `positive` and `negative` triggers (by rank) and then of each sample, one sentence after another
-    (each as long as the sentence; NaN where the run mines nothing)."""
+    """What the key page shows of a key beyond its triggers (ffmem.store.key_examples encodes both blobs):
+    its band samples (examples across the coefficient range: per histogram bin, up to MinedLayer's SAMPLES
+    sentences whose extreme falls in it), `bands` = key_examples.BAND records (bin, sentence index,
+    position, coefficient: 12 B) by bin then slot; and `shading`: the key's coefficient at every token of
+    its top `positive` and `negative` triggers (by rank) and then of each sample, one sentence after
+    another (each as long as the sentence), as int8 codes with a float32 step per sentence (its largest
+    |m| / 127: a value is stored to within half a step, the peak to float32's precision; code −128: NaN,
+    where the run mines nothing). Revision 0013 packed `bands` (JSON before) and the int8 codes (float16
+    before)."""
 
     __tablename__ = "key_examples"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    samples: Mapped[list[list[float]]] = mapped_column(JSON)
+    bands: Mapped[bytes] = mapped_column(LargeBinary)
     positive: Mapped[int] = mapped_column(SmallInteger)  # shaded positive triggers (ranks 0 … n−1)
     negative: Mapped[int] = mapped_column(SmallInteger)  # shaded negative triggers
     shading: Mapped[bytes] = mapped_column(LargeBinary)

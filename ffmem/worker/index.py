@@ -510,7 +510,7 @@ class Worker:
         """The second pass: each key's coefficient at every token of its first `shaded_triggers`
         triggers of each sign and of its band samples (engine.sentence_coefficients). Per layer, the
         arguments of key_examples.store_key_examples: {"positive", "negative", "samples"}, per key a
-        list of float16 arrays."""
+        list of float32 arrays."""
         t0 = time.perf_counter()
         counts, wanted = {}, {}
         for layer in range(state.n_layers):

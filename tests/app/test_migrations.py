@@ -158,13 +158,14 @@ def _old_run(connection) -> None:
     ))  # fmt: skip
 
 
-def test_0012_packs_triggers_and_value_tokens_and_unpacks_them_again(empty_url):
+def test_0012_0013_pack_lists_and_key_examples_and_unpack_them_again(empty_url):
     import math
 
     import numpy as np
     import sqlalchemy as sa
 
     from ffmem.store import queries
+    from ffmem.store.key_examples import BandSample, key_examples
 
     _migrate(empty_url, "0011")
     triggers = [  # layer, key, sign, rank, sentence_index, position, coefficient (float32-exact)
@@ -184,9 +185,37 @@ def test_0012_packs_triggers_and_value_tokens_and_unpacks_them_again(empty_url):
     old_values = sa.table("value_tokens", *map(sa.column, ("run_id", "layer", "key", "readout", "direction")),
                           *map(sa.column, ("rank", "token_id", "logit", "prob")))  # fmt: skip
     names = ("layer", "key", "sign", "rank", "sentence_index", "position", "coefficient")
+    # Key 0 of layer 0 shades its first 2 positive triggers (sentences 2, 0), its first negative one (1)
+    # and its 2 band samples (sentences 1, 0): 3 + 4 + 6 + 6 + 4 tokens, NaN where not mined.
+    lengths = {0: 4, 1: 6, 2: 3}
+    samples = [[0, 1, 3, -2.5], [5, 0, 2, 1.75]]
+    rng = np.random.default_rng(0)
+    shading = [rng.normal(0, 2, lengths[s]).astype(np.float16) for s in (2, 0, 1, 1, 0)]
+    for sentence in shading:
+        sentence[0] = np.nan
+    old_sentences = sa.table(
+        "sentences",
+        *map(sa.column, ("corpus_id", "index", "text", "first_position")),
+        *(sa.column(name, sa.JSON) for name in ("token_ids", "offsets")),
+    )
+    old_examples = sa.table(
+        "key_examples",
+        *map(sa.column, ("run_id", "layer", "key", "positive", "negative")),
+        sa.column("shading", sa.LargeBinary),
+        sa.column("samples", sa.JSON),
+    )
     engine = make_engine(empty_url)
     with engine.begin() as connection:
         _old_run(connection)
+        connection.execute(sa.insert(old_sentences), [
+            dict(corpus_id=1, index=i, text="x" * n, token_ids=[1] * n, offsets=[[0, 1]] * n,
+                 first_position=1)
+            for i, n in lengths.items()
+        ])  # fmt: skip
+        connection.execute(sa.insert(old_examples).values(
+            run_id=1, layer=0, key=0, positive=2, negative=1, samples=samples,
+            shading=np.concatenate(shading).tobytes(),
+        ))  # fmt: skip
         connection.execute(
             sa.insert(old_triggers), [dict(zip(names, t, strict=True), run_id=1) for t in triggers]
         )
@@ -207,6 +236,16 @@ def test_0012_packs_triggers_and_value_tokens_and_unpacks_them_again(empty_url):
             )[rank]
             assert (stored.token_id, stored.logit) == (token, logit)
             assert stored.prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)  # float32's error
+        found = key_examples(session=session, run_id=1, layer=0, key=0)
+        assert found.samples == [BandSample(*s) for s in samples] and (found.positive, found.negative) == (
+            2,
+            1,
+        )
+        steps = found.steps()
+        for decoded, old, step in zip(found.shading([3, 4, 6, 6, 4]), shading, steps, strict=True):
+            old = old.astype(np.float32)
+            assert step == np.float32(np.nanmax(np.abs(old)) / 127)
+            assert np.isnan(decoded[0]) and np.abs(decoded[1:] - old[1:]).max() <= step / 2 * (1 + 1e-6)
     _migrate(empty_url, "0011", down=True)
     with engine.connect() as connection:
         c = old_triggers.c
@@ -220,6 +259,14 @@ def test_0012_packs_triggers_and_value_tokens_and_unpacks_them_again(empty_url):
             token_id, stored_logit, prob = found[layer, key, readout, direction, rank]
             assert (token_id, stored_logit) == (token, logit)
             assert prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)
+        c = old_examples.c
+        (stored,) = connection.execute(sa.select(c.samples, c.shading)).all()
+        assert stored.samples == samples
+        old = np.concatenate(shading).astype(np.float32)
+        back = np.frombuffer(stored.shading, np.float16).astype(np.float32)
+        assert np.array_equal(np.isnan(back), np.isnan(old))
+        tolerance = np.repeat(steps, [3, 4, 6, 6, 4]) / 2 + np.abs(old) * 2.0**-11  # half a step, float16
+        assert (np.abs(back - old)[~np.isnan(old)] <= tolerance[~np.isnan(old)] * (1 + 1e-6)).all()
         indexes = {
             i["name"] for name in ("triggers", "value_tokens") for i in inspect(connection).get_indexes(name)
         }
