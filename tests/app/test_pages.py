@@ -234,7 +234,7 @@ def test_key_page_matches_the_stored_rows(client, db, slug, run, tiny):
             assert shading["peak"] == shading["prefix_end"] == row.position
             assert shading["tokens"][0]["coefficient"] is None  # position 0 is not mined
             at_trigger = shading["tokens"][row.position]["coefficient"]
-            assert at_trigger == pytest.approx(row.coefficient, rel=2e-3, abs=2e-3)  # float16
+            assert at_trigger == pytest.approx(row.coefficient, abs=half_step(shading) + NOISE)
             assert shading["scale"] == pytest.approx(
                 max(abs(body["triggers"][0]["coefficient"]), abs(body["negative_triggers"][0]["coefficient"]))
             )
@@ -296,6 +296,15 @@ def test_pinned_run(client, slug, run):
         "status": 404,
         "error": f"Model '{slug}' has no run {run.id + 99}. Its runs: {run.id}.",
     }
+
+
+NOISE = 1e-4  # the shading pass's float32 recomputation against the mining pass's, on the tiny model
+
+
+def half_step(shading: dict) -> float:
+    """Half the int8 step a sentence's shading is stored with (its largest |m| / 127, which it shows
+    exactly): the most a shown value differs from the coefficient (ffmem.store.key_examples)."""
+    return max(abs(t["coefficient"]) for t in shading["tokens"] if t["coefficient"] is not None) / 254
 
 
 def spaced_token(db, run) -> tuple[int, str]:
@@ -531,7 +540,7 @@ def test_key_page_shows_examples_across_the_range(client, db, slug, run):
         tokens = sample["shading"]["tokens"]
         assert "".join(t["text"] for t in tokens) == sentence.text
         assert tokens[sample["position"]]["coefficient"] == pytest.approx(
-            sample["coefficient"], rel=2e-3, abs=2e-3
+            sample["coefficient"], abs=half_step(sample["shading"]) + NOISE
         )
     signs = [s["sign"] for s in samples]
     assert signs == sorted(signs, reverse=True)
