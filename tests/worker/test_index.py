@@ -217,7 +217,7 @@ def test_key_examples_shade_every_token_and_sample_every_band(
                 assert math.isnan(values[0])  # position 0 is not mined (no BOS, the default)
                 assert step == pytest.approx(float(m[1:].abs().max()) / 127, rel=1e-4)  # its peak / 127
                 # int8 codes: within half a step, up to the recomputation's float32 noise
-                tolerance = step / 2 + 1e-4
+                tolerance = float(step) / 2 + 1e-4
                 assert values[1:] == pytest.approx(m[1:].numpy(), abs=tolerance)
                 assert float(values[row.position]) == pytest.approx(row.coefficient, abs=tolerance)
 
