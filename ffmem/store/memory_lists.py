@@ -146,9 +146,9 @@ class Lists:
     """Many memories' lists of one kind and sign, decoded at once: entry i belongs to memory
     (layer[i], key[i]) at `rank[i]`; `log_z` is per entry (value lists only)."""
 
-    layer: np.ndarray  # [entries] int32
+    layer: np.ndarray  # [entries] int16
     key: np.ndarray  # [entries] int32
-    rank: np.ndarray  # [entries] int32
+    rank: np.ndarray  # [entries] int16
     entries: np.ndarray  # [entries] records: TRIGGER, or value_entry's fields as int64 / float32
     log_z: np.ndarray | None  # [entries] float32, or None for triggers
 
@@ -173,7 +173,7 @@ def decode_many(kind: str, layers: Sequence[int], keys: Sequence[int], blobs: Se
             entries["logit"] = np.concatenate([e["logit"] for e, _ in parts])
         log_z = np.repeat(np.array([z for _, z in parts], np.float32), counts)  # [entries]
     starts = np.repeat(np.cumsum(counts) - counts, counts)  # [entries]
-    rank = (np.arange(int(counts.sum())) - starts).astype(np.int32)  # [entries]
-    layer = np.repeat(np.asarray(layers, np.int32), counts)  # [entries]
+    rank = (np.arange(int(counts.sum())) - starts).astype(np.int16)  # [entries]
+    layer = np.repeat(np.asarray(layers, np.int16), counts)  # [entries]
     key = np.repeat(np.asarray(keys, np.int32), counts)  # [entries]
     return Lists(layer, key, rank, entries, log_z)

@@ -501,7 +501,7 @@ def iter_value_tokens(*, session: Session, run_id: int) -> Iterator[ValueToken]:
 # by the database, the run and its start time (an id reused by a new run is another entry); a run not yet
 # done is read again each time.
 _RUN_LISTS: dict[tuple[str, int, datetime, str, int], Lists] = {}
-RUN_LISTS_KEPT = 8
+RUN_LISTS_KEPT = 4  # SmolLM2's positive triggers: ~45 MB decoded
 
 
 def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
