@@ -241,20 +241,15 @@ def delete_run(*, session: Session, run_id: int) -> None:
 def count_entries(*, session: Session, run_id: int, kind: str) -> int:
     """How many entries the run's lists of one kind hold: "triggers" (both signs), or a readout's value
     tokens ("raw" or "norm"; both directions)."""
-    data = MemoryList.data
-    width = func.substr(data, 1, 1)  # a value list's token width (memory_lists.VALUE_HEADER)
-    query = (
-        select(width, func.count(), func.sum(func.length(data)))
-        .where(MemoryList.run_id == run_id, MemoryList.kind == kind)
-        .group_by(width)
-    )
+    data, where = MemoryList.data, (MemoryList.run_id == run_id, MemoryList.kind == kind)
     if kind == TRIGGERS:
-        query = select(func.sum(func.length(data))).where(
-            MemoryList.run_id == run_id, MemoryList.kind == kind
-        )
-        return (session.scalar(query) or 0) // memory_lists.TRIGGER.itemsize
+        size = session.scalar(select(func.sum(func.length(data))).where(*where))
+        return (size or 0) // memory_lists.TRIGGER.itemsize
+    width = func.substr(data, 1, 1)  # a value list's token width (memory_lists.VALUE_HEADER)
     total = 0
-    for first, lists, size in session.execute(query):
+    for first, lists, size in session.execute(
+        select(width, func.count(), func.sum(func.length(data))).where(*where).group_by(width)
+    ):
         entry = memory_lists.value_entry(bytes(first)[0]).itemsize
         total += (size - lists * memory_lists.VALUE_HEADER.itemsize) // entry
     return total
