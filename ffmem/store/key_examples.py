@@ -7,6 +7,7 @@ shaded yet; a finished run stores both.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,8 +65,9 @@ def decode_bands(data: bytes) -> list[BandSample]:
 def encode_shading(sentences: Sequence[np.ndarray]) -> bytes:
     """Coefficients at every token of some sentences ([len] float each, NaN where not mined) as int8 codes
     with one float32 step per sentence: the steps [sentences] then the codes [tokens], sentence after
-    sentence. A sentence's step is its largest |m| / 127, so its peak is stored to float32's precision and
-    every value to within half a step (0.4 % of the peak); NaN is the code NOT_MINED."""
+    sentence, deflated (zlib: about 0.7 of the bytes). A sentence's step is its largest |m| / 127, so its
+    peak is stored to float32's precision and every value to within half a step (0.4 % of the peak); NaN
+    is the code NOT_MINED."""
     steps = np.zeros(len(sentences), np.float32)  # [sentences]
     codes = []
     for i, values in enumerate(sentences):
@@ -75,11 +77,12 @@ def encode_shading(sentences: Sequence[np.ndarray]) -> bytes:
         steps[i] = peak / STEPS
         scaled = np.rint(np.divide(values, steps[i], out=np.zeros_like(values), where=mined & (steps[i] > 0)))
         codes.append(np.where(mined, np.clip(scaled, -STEPS, STEPS), NOT_MINED).astype(np.int8))  # [len]
-    return steps.tobytes() + np.concatenate([*codes, np.zeros(0, np.int8)]).tobytes()
+    return zlib.compress(steps.tobytes() + np.concatenate([*codes, np.zeros(0, np.int8)]).tobytes())
 
 
 def decode_shading(data: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
     """The sentences' coefficients ([len] float32 each, NaN where not mined) from encode_shading's bytes."""
+    data = zlib.decompress(data)
     steps = np.frombuffer(data, np.float32, count=len(lengths))  # [sentences]
     codes = np.frombuffer(data, np.int8, offset=steps.nbytes)  # [tokens]
     if len(codes) != sum(lengths):
@@ -132,7 +135,8 @@ class StoredExamples:
 
     def steps(self) -> np.ndarray:
         """[sentences] float32: each shaded sentence's step; a stored value is within half of it."""
-        return np.frombuffer(self.data, np.float32, count=self.positive + self.negative + len(self.samples))
+        count = self.positive + self.negative + len(self.samples)
+        return np.frombuffer(zlib.decompress(self.data), np.float32, count=count)
 
 
 def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> StoredExamples | None:

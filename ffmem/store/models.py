@@ -373,8 +373,8 @@ class KeyExamples(Base):
     its top `positive` and `negative` triggers (by rank) and then of each sample, one sentence after
     another (each as long as the sentence), as int8 codes with a float32 step per sentence (its largest
     |m| / 127: a value is stored to within half a step, the peak to float32's precision; code −128: NaN,
-    where the run mines nothing). Revision 0013 packed `bands` (JSON before) and the int8 codes (float16
-    before)."""
+    where the run mines nothing), deflated with zlib. Revision 0013 packed `bands` (JSON before) and the
+    int8 codes (float16 before)."""
 
     __tablename__ = "key_examples"
 

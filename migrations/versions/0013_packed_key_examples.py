@@ -1,9 +1,10 @@
 """Packed key examples (issue 15's storage target): `key_examples.samples` (JSON [[bin, sentence, position,
 coefficient], …]) becomes `bands`, 12-byte records (bin int16, sentence index int32, position int16,
 coefficient float32); `shading` goes from float16 to int8 codes with a float32 step per sentence (its
-largest |m| / 127; code −128: NaN), the steps first (ffmem.store.key_examples; the encoding is copied here
-so this revision keeps working if it changes). Cutting the shading into sentences needs the lengths of the
-shaded sentences: the key's first `positive` and `negative` triggers (memory_lists) and its samples.
+largest |m| / 127; code −128: NaN), the steps first, deflated with zlib (ffmem.store.key_examples; the
+encoding is copied here so this revision keeps working if it changes). Cutting the shading into sentences
+needs the lengths of the shaded sentences: the key's first `positive` and `negative` triggers
+(memory_lists) and its samples.
 Downgrading restores the JSON and float16 (from the int8 codes: the precision lost stays lost).
 
 Revision ID: 0013
@@ -14,6 +15,7 @@ Create Date: 2026-11-25
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,10 +41,11 @@ def _encode(sentences: list[np.ndarray]) -> bytes:
         steps[i] = (float(np.abs(values[mined]).max()) if mined.any() else 0.0) / STEPS
         scaled = np.rint(np.divide(values, steps[i], out=np.zeros_like(values), where=mined & (steps[i] > 0)))
         codes.append(np.where(mined, np.clip(scaled, -STEPS, STEPS), NOT_MINED).astype(np.int8))
-    return steps.tobytes() + np.concatenate([*codes, np.zeros(0, np.int8)]).tobytes()
+    return zlib.compress(steps.tobytes() + np.concatenate([*codes, np.zeros(0, np.int8)]).tobytes())
 
 
 def _decode(data: bytes, lengths: list[int]) -> np.ndarray:
+    data = zlib.decompress(data)
     steps = np.frombuffer(data, np.float32, count=len(lengths))
     codes = np.frombuffer(data, np.int8, offset=steps.nbytes)
     values = codes.astype(np.float32) * np.repeat(steps, lengths)
