@@ -17,6 +17,7 @@ from ffmem.store.models import Neighbours, RunArray
 from ffmem.store.queries import _bulk_insert
 
 NEIGHBOUR_KINDS = ("key", "value")
+NEIGHBOUR = np.dtype([("layer", "<i2"), ("key", "<i4"), ("cosine", "<f4")])  # one stored neighbour: 10 B
 
 
 # ---- token search arrays --------------------------------------------------------------------------
@@ -117,21 +118,14 @@ def store_neighbours(
     for kind, (indices, cosines) in neighbours.items():
         if kind not in NEIGHBOUR_KINDS:
             raise ValueError(f"unknown neighbour kind {kind!r}; choose from {NEIGHBOUR_KINDS}")
-        layers, keys = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
+        packed = np.empty(np.shape(indices), NEIGHBOUR)  # [layers · keys, k]
+        packed["layer"], packed["key"] = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
+        packed["cosine"] = cosines
         rows = (
-            (
-                run_id,
-                memory // n_keys,
-                memory % n_keys,
-                kind,
-                [
-                    [int(lay), int(k), round(float(c), 6)]
-                    for lay, k, c in zip(layers[memory], keys[memory], cosines[memory], strict=True)
-                ],
-            )
-            for memory in range(indices.shape[0])
+            (run_id, memory // n_keys, memory % n_keys, kind, packed[memory].tobytes())
+            for memory in range(packed.shape[0])
         )
-        _bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "neighbours"), rows)
+        _bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "data"), rows)
         stored += indices.shape[0]
     return stored
 
@@ -140,8 +134,11 @@ def get_neighbours(*, session: Session, run_id: int, layer: int, key: int) -> di
     """kind ("key", "value") → [[layer, key, cosine], …] of one memory, the highest first; {} when the
     run has none (stored before migration 0008, or still mining)."""
     rows = session.execute(
-        select(Neighbours.kind, Neighbours.neighbours).where(
+        select(Neighbours.kind, Neighbours.data).where(
             Neighbours.run_id == run_id, Neighbours.layer == layer, Neighbours.key == key
         )
     ).all()
-    return {row.kind: row.neighbours for row in rows}
+    return {
+        kind: [[lay, k, round(c, 6)] for lay, k, c in np.frombuffer(data, NEIGHBOUR).tolist()]
+        for kind, data in rows
+    }

@@ -390,7 +390,9 @@ class KeyExamples(Base):
 class Neighbours(Base):
     """A memory's nearest memories across all layers by cosine, computed once per run (engine.neighbours):
     `kind` "key" compares keys (for gated FFs the gate and up rows together: the cosine of g·uᵀ, which is
-    cos(g)·cos(u)), "value" compares values. `neighbours`: [[layer, key, cosine], …], the highest first."""
+    cos(g)·cos(u)), "value" compares values. `data`: the neighbours as memory_search.NEIGHBOUR records
+    (layer int16, key int32, cosine float32: 10 B), the highest first (JSON [[layer, key, cosine], …]
+    before revision 0014)."""
 
     __tablename__ = "neighbours"
 
@@ -398,7 +400,7 @@ class Neighbours(Base):
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # key | value
-    neighbours: Mapped[list[list[float]]] = mapped_column(JSON)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class MemoryLinks(Base):
