@@ -406,8 +406,9 @@ class Neighbours(Base):
 class MemoryLinks(Base):
     """A memory's strongest links in its run's weight graph (ffmem.engine.weight_graph), computed once per
     run from the weights: `direction` "in" lists the earlier memories whose values write most into its key,
-    "out" the later keys that read its value most. `links`: [[layer, key, score], …], the largest |score|
-    first; score > 0: a positive coefficient of the writer raises the reader's coefficient."""
+    "out" the later keys that read its value most. `data`: composition.LINK records (layer int16, key
+    int32, score float32: 10 B), the largest |score| first (JSON [[layer, key, score], …] before revision
+    0015); score > 0: a positive coefficient of the writer raises the reader's coefficient."""
 
     __tablename__ = "memory_links"
 
@@ -415,7 +416,7 @@ class MemoryLinks(Base):
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
     direction: Mapped[str] = mapped_column(String(3), primary_key=True)  # in | out
-    links: Mapped[list[list[float]]] = mapped_column(JSON)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Explanation(Base):

@@ -158,13 +158,13 @@ def _old_run(connection) -> None:
     ))  # fmt: skip
 
 
-def test_0012_to_0014_pack_lists_key_examples_and_neighbours_and_unpack_them_again(empty_url):
+def test_0012_to_0015_pack_lists_examples_neighbours_and_links_and_unpack_them_again(empty_url):
     import math
 
     import numpy as np
     import sqlalchemy as sa
 
-    from ffmem.store import memory_search, queries
+    from ffmem.store import composition, memory_search, queries
     from ffmem.store.key_examples import BandSample, key_examples
 
     _migrate(empty_url, "0011")
@@ -207,9 +207,16 @@ def test_0012_to_0014_pack_lists_key_examples_and_neighbours_and_unpack_them_aga
     neighbours = {"key": [[1, 3, 0.812346], [0, 2, -0.25]], "value": [[0, 1, 0.5]]}
     old_neighbours = sa.table("neighbours", *map(sa.column, ("run_id", "layer", "key", "kind")),
                               sa.column("neighbours", sa.JSON))  # fmt: skip
+    links = {"in": [[1, 3, 0.12346], [0, 1, -2.5]], "out": [[1, 2, 3.1416e-05]]}
+    old_links = sa.table("memory_links", *map(sa.column, ("run_id", "layer", "key", "direction")),
+                         sa.column("links", sa.JSON))  # fmt: skip
     engine = make_engine(empty_url)
     with engine.begin() as connection:
         _old_run(connection)
+        connection.execute(sa.insert(old_links), [
+            dict(run_id=1, layer=0, key=0, direction=direction, links=listed)
+            for direction, listed in links.items()
+        ])  # fmt: skip
         connection.execute(sa.insert(old_neighbours), [
             dict(run_id=1, layer=0, key=0, kind=kind, neighbours=listed)
             for kind, listed in neighbours.items()
@@ -244,6 +251,8 @@ def test_0012_to_0014_pack_lists_key_examples_and_neighbours_and_unpack_them_aga
             assert (stored.token_id, stored.logit) == (token, logit)
             assert stored.prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)  # float32's error
         assert memory_search.get_neighbours(session=session, run_id=1, layer=0, key=0) == neighbours
+        found = composition.get_links(session=session, run_id=1, layer=0, key=0)
+        assert {d: [[f.layer, f.key, f.score] for f in listed] for d, listed in found.items()} == links
         found = key_examples(session=session, run_id=1, layer=0, key=0)
         assert found.samples == [BandSample(*s) for s in samples] and (found.positive, found.negative) == (
             2,
@@ -267,6 +276,8 @@ def test_0012_to_0014_pack_lists_key_examples_and_neighbours_and_unpack_them_aga
             token_id, stored_logit, prob = found[layer, key, readout, direction, rank]
             assert (token_id, stored_logit) == (token, logit)
             assert prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)
+        c = old_links.c
+        assert dict(connection.execute(sa.select(c.direction, c.links)).all()) == links
         c = old_neighbours.c
         assert dict(connection.execute(sa.select(c.kind, c.neighbours)).all()) == neighbours
         c = old_examples.c
