@@ -81,8 +81,10 @@ def main() -> None:
         "shaded_share_of_mined": round(len(shaded) / summary.sentences, 3),
         "band_samples_per_key": round(samples / keys, 1),
         "run_tables_bytes_per_key": round(run_total / keys),
-        "run_tables_bytes_per_key_by_table": {name: round(size / keys) for name, size in tables.items()},
-        "shading_int8_bytes_per_key": round((shading_bytes or 0) / keys),
+        "run_tables_bytes_per_key_by_table": {
+            name: round(size / keys) for name, size in tables.items() if round(size / keys)
+        },
+        "shading_bytes_per_key": round((shading_bytes or 0) / keys),
         "database_bytes_per_key": round(os.path.getsize(path) / keys),
         "target_bytes_per_key": 8192,
     }
