@@ -119,7 +119,9 @@ def probabilities(logits: np.ndarray, log_z: np.ndarray | float) -> np.ndarray:
 # ---- decoding to rows ----------------------------------------------------------------------------
 
 
-def triggers_of(data: bytes, *, run_id: int, layer: int, key: int, sign: int, limit: int | None = None):
+def triggers_of(
+    data: bytes, *, run_id: int, layer: int, key: int, sign: int, limit: int | None = None
+) -> list[Trigger]:
     """A blob's triggers as Trigger rows, strongest first (the first `limit` when given)."""
     entries = decode_triggers(data)[:limit]
     return [
