@@ -145,7 +145,7 @@ def index_database(loaded, folder: Path) -> tuple[str, str]:
                         direction=direction,
                         token_ids=ids,
                         logits=np.zeros(ids.shape, np.float32),
-                        probs=np.zeros(ids.shape, np.float32),
+                        log_z=np.zeros(ids.shape[0], np.float32),
                     )
         queries.finish_run(session=session, run_id=run.id, n_tokens=3)
         session.commit()

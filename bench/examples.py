@@ -3,8 +3,10 @@
 - the shading pass — after mining, one forward pass over the union of the sentences of every key's first
   `shaded_triggers` triggers per sign and its band samples (ffmem.engine.sentence_coefficients) — as a
   ratio of the mining pass, and how many sentences that union holds;
-- storage per key: the `key_examples` table (SQLite's dbstat) and the whole database, each divided by the
-  number of keys; the band samples per key.
+- storage per key (issue 15's target: ≤ 8 KB): `run_tables_bytes_per_key`, every table of the run with its
+  indexes (SQLite's dbstat pages: the tables with a run_id, so not the corpus's sentences or the model's
+  vocabulary, which runs share) divided by the number of keys, in all and per table; the whole database
+  file per key; the band samples per key.
 
 Builds `--sentences` of the default corpus into a fresh SQLite database (`--db`, kept for bench/web.py and
 bench/search.py: run them with FFMEM_DATABASE_URL set to it). Figures go into bench-results.json under
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 from sqlalchemy import func, select, text
+from sqlalchemy.engine import Connection
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -26,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
+from ffmem.store import key_examples, memory_lists  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.models import KeyExamples, Trigger  # noqa: E402
+from ffmem.store.models import Base, KeyExamples, MemoryList  # noqa: E402
 from ffmem.worker.index import IndexOptions, build_index  # noqa: E402
 
 
@@ -49,24 +53,23 @@ def main() -> None:
     keys = summary.layers * summary.keys
     with sessions() as session:
         run_id = summary.run_id
+        triggers = select(MemoryList.data).where(MemoryList.run_id == run_id, MemoryList.kind == "triggers")
         shaded = {
             int(i)
-            for i in session.scalars(
-                select(Trigger.sentence_index).where(
-                    Trigger.run_id == run_id, Trigger.rank < options.shaded_triggers
-                )
-            )
+            for (data,) in session.execute(triggers)
+            for i in memory_lists.decode_triggers(data)["sentence_index"][: options.shaded_triggers]
         }
         samples = 0
-        for (listed,) in session.execute(select(KeyExamples.samples).where(KeyExamples.run_id == run_id)):
-            shaded.update(int(s[1]) for s in listed)
-            samples += len(listed)
+        for (data,) in session.execute(select(KeyExamples.bands).where(KeyExamples.run_id == run_id)):
+            found = key_examples.decode_bands(data)
+            shaded.update(s.sentence_index for s in found)
+            samples += len(found)
         shading_bytes = session.scalar(
             select(func.sum(func.length(KeyExamples.shading))).where(KeyExamples.run_id == run_id)
         )
-        pages = dict(session.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")).all())
+        tables = run_table_bytes(session.connection())
     engine.dispose()
-    table = {name: round(size / keys) for name, size in sorted(pages.items(), key=lambda p: -p[1])[:12]}
+    run_total = sum(tables.values())
     figures = {
         "sentences": summary.sentences,
         "tokens": summary.tokens,
@@ -77,15 +80,30 @@ def main() -> None:
         "shaded_sentences": len(shaded),
         "shaded_share_of_mined": round(len(shaded) / summary.sentences, 3),
         "band_samples_per_key": round(samples / keys, 1),
-        "key_examples_bytes_per_key": round(pages.get("key_examples", 0) / keys),
-        "shading_float16_bytes_per_key": round((shading_bytes or 0) / keys),
+        "run_tables_bytes_per_key": round(run_total / keys),
+        "run_tables_bytes_per_key_by_table": {
+            name: round(size / keys) for name, size in tables.items() if round(size / keys)
+        },
+        "shading_bytes_per_key": round((shading_bytes or 0) / keys),
         "database_bytes_per_key": round(os.path.getsize(path) / keys),
-        "bytes_per_key_by_table": table,
         "target_bytes_per_key": 8192,
     }
     for name, value in figures.items():
         print(f"{name}: {value}")
     record("examples", figures)
+
+
+def run_table_bytes(connection: Connection) -> dict[str, int]:
+    """Bytes of the pages (SQLite's dbstat) of each table that holds a run's rows, with its indexes'
+    (the primary key's included), the largest first: the whole database must hold one run."""
+    run_tables = {table.name for table in Base.metadata.sorted_tables if "run_id" in table.c} | {"runs"}
+    owner = dict(connection.execute(text("SELECT name, tbl_name FROM sqlite_master")).all())
+    found: dict[str, int] = {}
+    for name, size in connection.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")):
+        table = owner.get(name, name)
+        if table in run_tables:
+            found[table] = found.get(table, 0) + size
+    return dict(sorted(found.items(), key=lambda item: -item[1]))
 
 
 if __name__ == "__main__":

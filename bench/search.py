@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
-from sqlalchemy import Text, cast, func, select, text
+from sqlalchemy import func, select, text
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -185,16 +185,14 @@ def storage(url: str, sessions, run_id: int, memories: int) -> dict:
             select(func.count()).select_from(Neighbours).where(Neighbours.run_id == run_id)
         )
         neighbour_bytes = session.scalar(
-            select(func.sum(func.length(cast(Neighbours.neighbours, Text)))).where(
-                Neighbours.run_id == run_id
-            )
+            select(func.sum(func.length(Neighbours.data))).where(Neighbours.run_id == run_id)
         )
         runs = session.scalar(text("SELECT count(*) FROM runs"))
         figures = {
             "search_arrays_bytes_per_key": round(arrays / memories),
             "search_arrays_mb": {name: round(size / 2**20, 1) for name, size in by_name.items()},
             "neighbour_rows": neighbour_rows,
-            "neighbours_json_bytes_per_key": round(neighbour_bytes / memories),
+            "neighbours_bytes_per_key": round(neighbour_bytes / memories),
         }
         if session.get_bind().dialect.name == "sqlite":
             pages = dict(session.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")).all())

@@ -97,7 +97,7 @@ def main() -> None:
                         direction=direction,
                         token_ids=rng.integers(0, 50_000, (n, v)),
                         logits=rng.standard_normal((n, v), dtype=np.float32),
-                        probs=rng.random((n, v), dtype=np.float32),
+                        log_z=rng.standard_normal(n, dtype=np.float32),
                     )
             session.commit()
             trigger_s += t1 - t0

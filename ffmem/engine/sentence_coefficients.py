@@ -3,7 +3,7 @@ key page shades its top triggers and band samples with.
 
 Mining keeps, per key, only each sentence's extreme and where it is; the pages want the whole sentence
 shaded. After mining, one forward pass over the union of the wanted sentences (length-bucketed like
-mining) reads, for each wanted pair of each layer, the key's coefficient at every position: float16,
+mining) reads, for each wanted pair of each layer, the key's coefficient at every position: float32,
 NaN where the run does not mine (a BOS; the first position when it is left out), so that the shading
 shows exactly the numbers the triggers were ranked by.
 """
@@ -31,13 +31,13 @@ def sentence_coefficients(
     report: Callable[[int, int], None] | None = None,
 ) -> dict[int, list[np.ndarray]]:
     """For each layer's wanted pairs ([n, 2]: key, sentence), the key's coefficient at every token of the
-    sentence ([len(sentence)] float16 each, NaN before the sentence's first mined position), in order.
+    sentence ([len(sentence)] float32 each, NaN before the sentence's first mined position), in order.
 
     `token_ids` and `first_positions` are the whole corpus's (indexed by sentence); `report(done, total)`
     is called after each batch with sentences done.
     """
     union = np.unique(np.concatenate([pairs[:, 1] for pairs in wanted.values()] or [np.zeros(0, np.int64)]))
-    found = {layer: [np.zeros(0, np.float16)] * len(pairs) for layer, pairs in wanted.items()}
+    found = {layer: [np.zeros(0, np.float32)] * len(pairs) for layer, pairs in wanted.items()}
     if not len(union):
         return found
     by_sentence = {layer: np.argsort(pairs[:, 1], kind="stable") for layer, pairs in wanted.items()}
@@ -64,7 +64,7 @@ def sentence_coefficients(
         keys = torch.from_numpy(pairs[chosen, 0]).to(coefficients.device)  # [p]
         rows_t = torch.from_numpy(rows).to(coefficients.device)  # [p]
         gathered = coefficients[rows_t, :, keys].float()  # [p, pos]
-        gathered = gathered.masked_fill(~current["mined"][rows_t], float("nan")).half().cpu().numpy()
+        gathered = gathered.masked_fill(~current["mined"][rows_t], float("nan")).float().cpu().numpy()
         for index, row, values in zip(chosen, rows, gathered, strict=True):
             found[layer][index] = values[: current["lengths"][row]]
 

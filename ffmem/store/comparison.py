@@ -11,8 +11,9 @@ import numpy as np
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from ffmem.store import jobs
-from ffmem.store.models import Comparison, Job, JobKind, KeyChange, KeyStats, LanguageModel, Run, Trigger
+from ffmem.store import jobs, memory_lists
+from ffmem.store.memory_lists import TRIGGERS
+from ffmem.store.models import Comparison, Job, JobKind, KeyChange, KeyStats, LanguageModel, MemoryList, Run
 from ffmem.store.queries import _bulk_insert
 
 BASES = ("sentences", "texts")  # the trigger overlap compares sentence indices (one corpus) or texts
@@ -113,10 +114,14 @@ def comparison_job(*, session: Session, run_a: int, run_b: int) -> Job | None:
 
 def top_triggers(*, session: Session, run_id: int, layer: int, top_t: int) -> list[tuple[int, int, int, int]]:
     """(key, sign, sentence index, position) of the layer's top `top_t` triggers per key and sign."""
-    query = select(Trigger.key, Trigger.sign, Trigger.sentence_index, Trigger.position).where(
-        Trigger.run_id == run_id, Trigger.layer == layer, Trigger.rank < top_t
+    query = select(MemoryList.key, MemoryList.sign, MemoryList.data).where(
+        MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS, MemoryList.layer == layer
     )
-    return [tuple(row) for row in session.execute(query)]
+    return [
+        (key, sign, int(s), int(p))
+        for key, sign, data in session.execute(query)
+        for s, p, _ in memory_lists.decode_triggers(data)[:top_t].tolist()
+    ]
 
 
 def key_statistics(*, session: Session, run_id: int, n_layers: int, n_keys: int) -> dict[str, np.ndarray]:

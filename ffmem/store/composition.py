@@ -15,6 +15,7 @@ from ffmem.store.models import Explanation, MemoryLinks
 from ffmem.store.queries import _bulk_insert, _same_shape, stored_text
 
 DIRECTIONS = ("in", "out")  # in: earlier memories writing into the key; out: later keys reading the value
+LINK = np.dtype([("layer", "<i2"), ("key", "<i4"), ("score", "<f4")])  # one stored link: 10 B
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,15 @@ def store_links(
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     layers, keys, scores = _same_shape(3, layers=layers, keys=keys, scores=scores)
+    packed = np.empty(layers.shape, LINK)  # [n_layers, d_ff, n]
+    packed["layer"], packed["key"], packed["score"] = layers, keys, scores
     rows = []
     for layer in range(layers.shape[0]):
         for key in range(layers.shape[1]):
-            kept = layers[layer, key] >= 0
+            kept = layers[layer, key] >= 0  # [n]
             if kept.any():
-                found = zip(
-                    layers[layer, key][kept], keys[layer, key][kept], scores[layer, key][kept], strict=True
-                )
-                rows.append((layer, key, [[int(a), int(b), float(f"{score:.5g}")] for a, b, score in found]))
-    columns = ("run_id", "layer", "key", "direction", "links")
+                rows.append((layer, key, packed[layer, key][kept].tobytes()))
+    columns = ("run_id", "layer", "key", "direction", "data")
     _bulk_insert(
         session,
         MemoryLinks.__table__,
@@ -71,15 +71,16 @@ def store_links(
 def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[Link]] | None:
     """A memory's links both ways ({"in": [...], "out": [...]}), or None when the run has no weight graph."""
     rows = session.execute(
-        select(MemoryLinks.direction, MemoryLinks.links).where(
+        select(MemoryLinks.direction, MemoryLinks.data).where(
             MemoryLinks.run_id == run_id, MemoryLinks.layer == layer, MemoryLinks.key == key
         )
     ).all()
     if not rows and not has_links(session=session, run_id=run_id):
         return None
     found = {direction: [] for direction in DIRECTIONS}
-    for direction, links in rows:
-        found[direction] = [Link(int(layer), int(other), float(score)) for layer, other, score in links]
+    for direction, data in rows:  # scores to 5 significant digits, as shown
+        links = np.frombuffer(data, LINK).tolist()
+        found[direction] = [Link(layer, other, float(f"{score:.5g}")) for layer, other, score in links]
     return found
 
 

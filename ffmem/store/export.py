@@ -22,7 +22,8 @@ from sqlalchemy import Integer, func, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.errors import FfmemError
-from ffmem.store.models import Analysis, KeyStats, Label, Run, Sentence, Token, Trigger, ValueToken
+from ffmem.store import queries
+from ffmem.store.models import Analysis, KeyStats, Label, Run, Sentence, Token
 
 FORMATS = ("jsonl", "parquet")
 CHUNK = 50_000
@@ -71,9 +72,7 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
             lambda row: {"index": row.index, "text": row.text},
         ),
         "triggers": (
-            select(Trigger)
-            .where(Trigger.run_id == run.id)
-            .order_by(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank),
+            queries.iter_triggers(session=session, run_id=run.id),
             lambda t: {
                 "layer": t.layer,
                 "key": t.key,
@@ -85,11 +84,7 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
             },
         ),
         "value_tokens": (
-            select(ValueToken)
-            .where(ValueToken.run_id == run.id)
-            .order_by(
-                ValueToken.layer, ValueToken.key, ValueToken.readout, ValueToken.direction, ValueToken.rank
-            ),
+            queries.iter_value_tokens(session=session, run_id=run.id),
             lambda v: {
                 "layer": v.layer,
                 "key": v.key,
@@ -134,7 +129,8 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
     }
     written = {}
     for name, (query, to_dict) in tables.items():
-        rows = (to_dict(row) for row in _stream(session, query))
+        found = query if isinstance(query, Iterator) else _stream(session, query)  # memory lists: decoded
+        rows = (to_dict(row) for row in found)
         written[name] = (_write_jsonl if fmt == "jsonl" else _write_parquet)(folder / f"{name}.{fmt}", rows)
     return written
 

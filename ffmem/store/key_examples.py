@@ -7,6 +7,7 @@ shaded yet; a finished run stores both.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,52 @@ def samples_of(mined: MinedLayer, key: int) -> list[BandSample]:
     ]
 
 
+# A band sample as stored: `bands` holds a key's samples as consecutive records (12 B each).
+BAND = np.dtype([("bin", "<i2"), ("sentence_index", "<i4"), ("position", "<i2"), ("coefficient", "<f4")])
+NOT_MINED = -128  # the int8 code of NaN (a position the run does not mine); the others are −127 … 127
+STEPS = 127  # codes on each side of 0: a sentence's step is its largest |m| / 127
+
+
+def encode_bands(samples: Sequence[BandSample]) -> bytes:
+    """Band samples as BAND records, in their order."""
+    return np.array([(s.bin, s.sentence_index, s.position, s.coefficient) for s in samples], BAND).tobytes()
+
+
+def decode_bands(data: bytes) -> list[BandSample]:
+    """The band samples a `bands` blob holds, in order."""
+    return [BandSample(int(b), int(s), int(p), float(c)) for b, s, p, c in np.frombuffer(data, BAND).tolist()]
+
+
+def encode_shading(sentences: Sequence[np.ndarray]) -> bytes:
+    """Coefficients at every token of some sentences ([len] float each, NaN where not mined) as int8 codes
+    with one float32 step per sentence: the steps [sentences] then the codes [tokens], sentence after
+    sentence, deflated (zlib: about 0.7 of the bytes). A sentence's step is its largest |m| / 127, so its
+    peak is stored to float32's precision and every value to within half a step (0.4 % of the peak); NaN
+    is the code NOT_MINED."""
+    steps = np.zeros(len(sentences), np.float32)  # [sentences]
+    codes = []
+    for i, values in enumerate(sentences):
+        values = np.asarray(values, np.float32)  # [len]
+        mined = ~np.isnan(values)  # [len]
+        peak = float(np.abs(values[mined]).max()) if mined.any() else 0.0
+        steps[i] = peak / STEPS
+        scaled = np.rint(np.divide(values, steps[i], out=np.zeros_like(values), where=mined & (steps[i] > 0)))
+        codes.append(np.where(mined, np.clip(scaled, -STEPS, STEPS), NOT_MINED).astype(np.int8))  # [len]
+    return zlib.compress(steps.tobytes() + np.concatenate([*codes, np.zeros(0, np.int8)]).tobytes())
+
+
+def decode_shading(data: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
+    """The sentences' coefficients ([len] float32 each, NaN where not mined) from encode_shading's bytes."""
+    data = zlib.decompress(data)
+    steps = np.frombuffer(data, np.float32, count=len(lengths))  # [sentences]
+    codes = np.frombuffer(data, np.int8, offset=steps.nbytes)  # [tokens]
+    if len(codes) != sum(lengths):
+        raise ValueError("the stored shading does not match these sentences")
+    values = codes.astype(np.float32) * np.repeat(steps, lengths)  # [tokens]
+    values[codes == NOT_MINED] = np.nan
+    return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
+
+
 def store_key_examples(
     *,
     session: Session,
@@ -56,19 +103,16 @@ def store_key_examples(
     samples: Sequence[Sequence[np.ndarray]],
 ) -> int:
     """Store one layer's rows: per key its band samples (from `mined`) and the shading of its first
-    len(positive[key]) positive and len(negative[key]) negative triggers and of each sample (float16
-    arrays, one per sentence, in samples_of's order). Returns the shading's bytes."""
+    len(positive[key]) positive and len(negative[key]) negative triggers and of each sample (arrays, one
+    per sentence, in samples_of's order; encode_shading packs them). Returns the shading's bytes."""
     rows, size = [], 0
     for key in range(mined.histogram.shape[0]):
         found = samples_of(mined, key)
         assert len(samples[key]) == len(found), "one shading per band sample"
-        shading = np.concatenate(
-            [*positive[key], *negative[key], *samples[key], np.zeros(0, np.float16)]
-        ).astype(np.float16)
-        size += shading.nbytes
-        listed = [[s.bin, s.sentence_index, s.position, s.coefficient] for s in found]
-        rows.append((key, listed, len(positive[key]), len(negative[key]), shading.tobytes()))
-    columns = ("run_id", "layer", "key", "samples", "positive", "negative", "shading")
+        shading = encode_shading([*positive[key], *negative[key], *samples[key]])
+        size += len(shading)
+        rows.append((key, encode_bands(found), len(positive[key]), len(negative[key]), shading))
+    columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading")
     _bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
     return size
 
@@ -85,13 +129,14 @@ class StoredExamples:
 
     def shading(self, lengths: Sequence[int]) -> list[np.ndarray]:
         """The stored arrays cut at these sentence lengths (positive triggers', negative's, samples')."""
-        values = np.frombuffer(self.data, dtype=np.float16)
-        ends = np.cumsum(lengths)
-        if len(lengths) != self.positive + self.negative + len(self.samples) or (
-            len(ends) and ends[-1] != len(values)
-        ):
+        if len(lengths) != self.positive + self.negative + len(self.samples):
             raise ValueError("the stored shading does not match these sentences")
-        return np.split(values, ends[:-1]) if len(lengths) else []
+        return decode_shading(self.data, lengths)
+
+    def steps(self) -> np.ndarray:
+        """[sentences] float32: each shaded sentence's step; a stored value is within half of it."""
+        count = self.positive + self.negative + len(self.samples)
+        return np.frombuffer(zlib.decompress(self.data), np.float32, count=count)
 
 
 def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> StoredExamples | None:
@@ -103,5 +148,6 @@ def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> Stor
     ).first()
     if row is None:
         return None
-    samples = [BandSample(int(b), int(s), int(p), float(c)) for b, s, p, c in row.samples]
-    return StoredExamples(samples=samples, positive=row.positive, negative=row.negative, data=row.shading)
+    return StoredExamples(
+        samples=decode_bands(row.bands), positive=row.positive, negative=row.negative, data=row.shading
+    )

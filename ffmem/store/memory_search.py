@@ -8,14 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from sqlalchemy import delete, exists, insert, select, tuple_
+from sqlalchemy import delete, exists, insert, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
-from ffmem.store.models import Neighbours, RunArray, ValueToken
+from ffmem.store import queries
+from ffmem.store.models import Neighbours, RunArray
 from ffmem.store.queries import _bulk_insert
 
 NEIGHBOUR_KINDS = ("key", "value")
+NEIGHBOUR = np.dtype([("layer", "<i2"), ("key", "<i4"), ("cosine", "<f4")])  # one stored neighbour: 10 B
 
 
 # ---- token search arrays --------------------------------------------------------------------------
@@ -83,15 +85,20 @@ def stored_ranks(
     (−1) value tokens of `memories` ((layer, key) pairs): the exact rank, counted from that end."""
     if not token_ids or not memories:
         return {}
-    query = select(
-        ValueToken.layer, ValueToken.key, ValueToken.token_id, ValueToken.direction, ValueToken.rank
-    ).where(
-        ValueToken.run_id == run_id,
-        ValueToken.readout == readout,
-        ValueToken.token_id.in_([int(t) for t in token_ids]),
-        tuple_(ValueToken.layer, ValueToken.key).in_([(int(lay), int(k)) for lay, k in set(memories)]),
+    wanted = {int(t) for t in token_ids}
+    listed = queries.memory_value_tokens(
+        session=session,
+        run_id=run_id,
+        readout=readout,
+        memories={(int(layer), int(key), d) for layer, key in memories for d in (1, -1)},
+        n=None,
     )
-    return {(r.layer, r.key, r.token_id, r.direction): r.rank for r in session.execute(query)}
+    return {
+        (layer, key, token_id, direction): rank
+        for (layer, key, direction), ids in listed.items()
+        for rank, token_id in enumerate(ids)
+        if token_id in wanted
+    }
 
 
 # ---- neighbours -----------------------------------------------------------------------------------
@@ -111,21 +118,14 @@ def store_neighbours(
     for kind, (indices, cosines) in neighbours.items():
         if kind not in NEIGHBOUR_KINDS:
             raise ValueError(f"unknown neighbour kind {kind!r}; choose from {NEIGHBOUR_KINDS}")
-        layers, keys = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
+        packed = np.empty(np.shape(indices), NEIGHBOUR)  # [layers · keys, k]
+        packed["layer"], packed["key"] = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
+        packed["cosine"] = cosines
         rows = (
-            (
-                run_id,
-                memory // n_keys,
-                memory % n_keys,
-                kind,
-                [
-                    [int(lay), int(k), round(float(c), 6)]
-                    for lay, k, c in zip(layers[memory], keys[memory], cosines[memory], strict=True)
-                ],
-            )
-            for memory in range(indices.shape[0])
+            (run_id, memory // n_keys, memory % n_keys, kind, packed[memory].tobytes())
+            for memory in range(packed.shape[0])
         )
-        _bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "neighbours"), rows)
+        _bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "data"), rows)
         stored += indices.shape[0]
     return stored
 
@@ -134,8 +134,11 @@ def get_neighbours(*, session: Session, run_id: int, layer: int, key: int) -> di
     """kind ("key", "value") → [[layer, key, cosine], …] of one memory, the highest first; {} when the
     run has none (stored before migration 0008, or still mining)."""
     rows = session.execute(
-        select(Neighbours.kind, Neighbours.neighbours).where(
+        select(Neighbours.kind, Neighbours.data).where(
             Neighbours.run_id == run_id, Neighbours.layer == layer, Neighbours.key == key
         )
     ).all()
-    return {row.kind: row.neighbours for row in rows}
+    return {
+        kind: [[lay, k, round(c, 6)] for lay, k, c in np.frombuffer(data, NEIGHBOUR).tolist()]
+        for kind, data in rows
+    }

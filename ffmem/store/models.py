@@ -186,47 +186,22 @@ class Run(Base):
     corpus: Mapped[Corpus] = relationship()
 
 
-class Trigger(Base):
-    """A trigger prefix: sentence `sentence_index` up to and including `position`.
+class MemoryList(Base):
+    """One ranked list of a memory, packed as bytes (ffmem.store.memory_lists encodes and decodes them):
+    `kind` "triggers", its top-T trigger prefixes of one `sign` (+1: by maximum coefficient, −1: by
+    minimum); `kind` "raw" or "norm", its value's top (`sign` +1) or bottom (−1) tokens under that readout
+    (raw: v·Eᵀ, the paper's; norm: lm_head(final_norm(v))), with the log-normaliser of the readout, so a
+    token's probability is exp(logit − log_z). Revision 0012 replaced the row-per-entry tables `triggers`
+    and `value_tokens` with it."""
 
-    sign +1: the key's top-T sentences by maximum coefficient; sign -1: by minimum (most negative).
-    """
-
-    __tablename__ = "triggers"
-    # Search walks one sentence's strongest triggers straight off this index (0002 added its tail).
-    __table_args__ = (
-        Index("ix_triggers_sentence", "run_id", "sentence_index", "sign", "coefficient", "position"),
-    )
+    __tablename__ = "memory_lists"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # triggers | raw | norm
+    sign: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # +1 | −1
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    sign: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    rank: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # 0 = strongest
-    sentence_index: Mapped[int] = mapped_column(Integer)
-    position: Mapped[int] = mapped_column(SmallInteger)
-    coefficient: Mapped[float] = mapped_column(Float)
-
-
-class ValueToken(Base):
-    """One of a value's top (`direction` +1) or bottom (-1) tokens under one readout.
-
-    readout "raw": v·Eᵀ (the paper's); "norm": lm_head(final_norm(v)), the model's own logit path.
-    `prob` is the softmax over the full vocabulary.
-    """
-
-    __tablename__ = "value_tokens"
-    __table_args__ = (Index("ix_value_tokens_token", "run_id", "readout", "token_id"),)
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    readout: Mapped[str] = mapped_column(String(8), primary_key=True)
-    direction: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    rank: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    token_id: Mapped[int] = mapped_column(Integer)
-    logit: Mapped[float] = mapped_column(Float)
-    prob: Mapped[float] = mapped_column(Float)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class KeyStats(Base):
@@ -391,19 +366,22 @@ class RunArray(Base):
 
 
 class KeyExamples(Base):
-    """What the key page shows of a key beyond its triggers (ffmem.store.key_examples): its band samples
-    (examples across the coefficient range: per histogram bin, up to MinedLayer's SAMPLES sentences
-    whose extreme falls in it, `samples` = [[bin, sentence_index, position, coefficient], …] by bin
-    then slot) and `shading`: the key's coefficient at every token, float16 bytes, of its top
-    `positive` and `negative` triggers (by rank) and then of each sample, one sentence after another
-    (each as long as the sentence; NaN where the run mines nothing)."""
+    """What the key page shows of a key beyond its triggers (ffmem.store.key_examples encodes both blobs):
+    its band samples (examples across the coefficient range: per histogram bin, up to MinedLayer's SAMPLES
+    sentences whose extreme falls in it), `bands` = key_examples.BAND records (bin, sentence index,
+    position, coefficient: 12 B) by bin then slot; and `shading`: the key's coefficient at every token of
+    its top `positive` and `negative` triggers (by rank) and then of each sample, one sentence after
+    another (each as long as the sentence), as int8 codes with a float32 step per sentence (its largest
+    |m| / 127: a value is stored to within half a step, the peak to float32's precision; code −128: NaN,
+    where the run mines nothing), deflated with zlib. Revision 0013 packed `bands` (JSON before) and the
+    int8 codes (float16 before)."""
 
     __tablename__ = "key_examples"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    samples: Mapped[list[list[float]]] = mapped_column(JSON)
+    bands: Mapped[bytes] = mapped_column(LargeBinary)
     positive: Mapped[int] = mapped_column(SmallInteger)  # shaded positive triggers (ranks 0 … n−1)
     negative: Mapped[int] = mapped_column(SmallInteger)  # shaded negative triggers
     shading: Mapped[bytes] = mapped_column(LargeBinary)
@@ -412,7 +390,9 @@ class KeyExamples(Base):
 class Neighbours(Base):
     """A memory's nearest memories across all layers by cosine, computed once per run (engine.neighbours):
     `kind` "key" compares keys (for gated FFs the gate and up rows together: the cosine of g·uᵀ, which is
-    cos(g)·cos(u)), "value" compares values. `neighbours`: [[layer, key, cosine], …], the highest first."""
+    cos(g)·cos(u)), "value" compares values. `data`: the neighbours as memory_search.NEIGHBOUR records
+    (layer int16, key int32, cosine float32: 10 B), the highest first (JSON [[layer, key, cosine], …]
+    before revision 0014)."""
 
     __tablename__ = "neighbours"
 
@@ -420,14 +400,15 @@ class Neighbours(Base):
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # key | value
-    neighbours: Mapped[list[list[float]]] = mapped_column(JSON)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class MemoryLinks(Base):
     """A memory's strongest links in its run's weight graph (ffmem.engine.weight_graph), computed once per
     run from the weights: `direction` "in" lists the earlier memories whose values write most into its key,
-    "out" the later keys that read its value most. `links`: [[layer, key, score], …], the largest |score|
-    first; score > 0: a positive coefficient of the writer raises the reader's coefficient."""
+    "out" the later keys that read its value most. `data`: composition.LINK records (layer int16, key
+    int32, score float32: 10 B), the largest |score| first (JSON [[layer, key, score], …] before revision
+    0015); score > 0: a positive coefficient of the writer raises the reader's coefficient."""
 
     __tablename__ = "memory_links"
 
@@ -435,7 +416,7 @@ class MemoryLinks(Base):
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
     direction: Mapped[str] = mapped_column(String(3), primary_key=True)  # in | out
-    links: Mapped[list[list[float]]] = mapped_column(JSON)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Explanation(Base):

@@ -1,8 +1,11 @@
 """Keyword-only reads and writes of the index database. No torch here: array inputs are numpy arrays.
 
-Bulk writes (triggers, value tokens, key stats, sentences, vocabulary) go through `_bulk_insert`:
+Bulk writes (memory lists, key stats, sentences, vocabulary) go through `_bulk_insert`:
 COPY on Postgres, a driver-level executemany per chunk on SQLite (about twice as fast as Core's
 dict rows), always inside the session's transaction.
+A memory's triggers and value tokens are stored as packed lists (ffmem.store.memory_lists, the
+`memory_lists` table); the reads here decode them into `Trigger` and `ValueToken` rows. Reads across a
+whole finished run (free-text search, token search) decode all its lists of one kind once per process.
 Postgres text cannot hold NUL characters, so every stored text has "\\x00" replaced by "␀" (U+2400),
 on every backend alike; the replacement keeps lengths, so character offsets stay valid.
 """
@@ -20,6 +23,8 @@ import numpy as np
 from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, or_, select, union_all
 from sqlalchemy.orm import Session
 
+from ffmem.store import memory_lists
+from ffmem.store.memory_lists import TRIGGERS, Lists, Trigger, ValueToken
 from ffmem.store.models import (
     Corpus,
     Job,
@@ -27,11 +32,10 @@ from ffmem.store.models import (
     KeyStats,
     Label,
     LanguageModel,
+    MemoryList,
     Run,
     Sentence,
     Token,
-    Trigger,
-    ValueToken,
 )
 
 CHUNK_ROWS = 50_000  # rows per executemany
@@ -227,16 +231,28 @@ def fail_run(*, session: Session, run_id: int, error: BaseException) -> Run:
 
 def delete_run(*, session: Session, run_id: int) -> None:
     """Delete a run and the jobs that built, analyze or wait to analyze it; the database cascades to
-    its triggers, value tokens, key stats, shards and analyses (labels belong to the model and stay)."""
+    its memory lists, key stats, shards and analyses (labels belong to the model and stay)."""
     builders = select(Job.id).where(Job.run_id == run_id, Job.kind == JobKind.index)
     waiting = Job.after_job_id.in_(builders)  # analyses waiting for this run (the cascade would take them)
     session.execute(delete(Job).where((Job.run_id == run_id) | waiting))
     session.execute(delete(Run).where(Run.id == run_id))
 
 
-def count_rows(*, session: Session, table: type, run_id: int) -> int:
-    """How many rows of `table` (Trigger, ValueToken, KeyStats) the run has."""
-    return session.scalar(select(func.count()).select_from(table).where(table.run_id == run_id))
+def count_entries(*, session: Session, run_id: int, kind: str) -> int:
+    """How many entries the run's lists of one kind hold: "triggers" (both signs), or a readout's value
+    tokens ("raw" or "norm"; both directions)."""
+    data, where = MemoryList.data, (MemoryList.run_id == run_id, MemoryList.kind == kind)
+    if kind == TRIGGERS:
+        size = session.scalar(select(func.sum(func.length(data))).where(*where))
+        return (size or 0) // memory_lists.TRIGGER.itemsize
+    width = func.substr(data, 1, 1)  # a value list's token width (memory_lists.VALUE_HEADER)
+    total = 0
+    for first, lists, size in session.execute(
+        select(width, func.count(), func.sum(func.length(data))).where(*where).group_by(width)
+    ):
+        entry = memory_lists.value_entry(bytes(first)[0]).itemsize
+        total += (size - lists * memory_lists.VALUE_HEADER.itemsize) // entry
+    return total
 
 
 def get_run(*, session: Session, run_id: int) -> Run | None:
@@ -272,28 +288,16 @@ def store_triggers(
     sentence_index: np.ndarray,
     position: np.ndarray,
 ) -> int:
-    """Store one layer's top-T triggers of one sign ([n_keys, T] arrays, rank = column); returns rows stored.
-
-    Entries with sentence_index -1 (fewer sentences than T) are skipped.
-    """
+    """Store one layer's top-T triggers of one sign ([n_keys, T] arrays, rank = column), one packed list
+    per key; returns the triggers stored. Entries with sentence_index -1 (fewer sentences than T) are
+    skipped; a key with none stores no list."""
     sentence_index, position, coefficients = _same_shape(
         2, sentence_index=sentence_index, position=position, coefficients=coefficients
     )
-    keys, ranks = np.indices(sentence_index.shape).reshape(2, -1)
-    kept = sentence_index.reshape(-1) >= 0
-    rows = zip(
-        repeat(run_id),
-        repeat(int(layer)),
-        keys[kept].tolist(),
-        repeat(int(sign)),
-        ranks[kept].tolist(),
-        sentence_index.reshape(-1)[kept].tolist(),
-        position.reshape(-1)[kept].tolist(),
-        coefficients.reshape(-1)[kept].tolist(),
-    )
-    columns = ("run_id", "layer", "key", "sign", "rank", "sentence_index", "position", "coefficient")
-    _bulk_insert(session, Trigger.__table__, columns, rows)
-    return int(kept.sum())
+    blobs = memory_lists.encode_triggers(sentence_index, position, coefficients)
+    rows = ((run_id, TRIGGERS, int(sign), int(layer), key, blob) for key, blob in enumerate(blobs) if blob)
+    _bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    return int((sentence_index >= 0).sum())
 
 
 def store_value_tokens(
@@ -305,25 +309,24 @@ def store_value_tokens(
     direction: int,
     token_ids: np.ndarray,
     logits: np.ndarray,
-    probs: np.ndarray,
+    log_z: np.ndarray,
 ) -> int:
-    """Store one layer's top (+1) or bottom (-1) value tokens under one readout ([n_keys, n] arrays)."""
-    token_ids, logits, probs = _same_shape(2, token_ids=token_ids, logits=logits, probs=probs)
-    keys, ranks = np.indices(token_ids.shape).reshape(2, -1)
-    rows = zip(
-        repeat(run_id),
-        repeat(int(layer)),
-        keys.tolist(),
-        repeat(readout),
-        repeat(int(direction)),
-        ranks.tolist(),
-        token_ids.reshape(-1).tolist(),
-        logits.reshape(-1).tolist(),
-        probs.reshape(-1).tolist(),
-    )
-    columns = ("run_id", "layer", "key", "readout", "direction", "rank", "token_id", "logit", "prob")
-    _bulk_insert(session, ValueToken.__table__, columns, rows)
+    """Store one layer's top (+1) or bottom (-1) value tokens under one readout (token ids and logits
+    [n_keys, n], and log_z [n_keys], each value's log-sum-exp over the full readout), one packed list
+    per key; returns the tokens stored."""
+    if readout not in memory_lists.READOUTS:
+        raise ValueError(f"unknown readout {readout!r}; choose from {memory_lists.READOUTS}")
+    token_ids, logits = _same_shape(2, token_ids=token_ids, logits=logits)
+    log_z = np.asarray(log_z).reshape(-1)  # [n_keys]
+    if log_z.shape[0] != token_ids.shape[0]:
+        raise ValueError(f"log_z has {log_z.shape[0]} values for {token_ids.shape[0]} keys")
+    blobs = memory_lists.encode_value_tokens(token_ids, logits, log_z)
+    rows = ((run_id, readout, int(direction), int(layer), key, blob) for key, blob in enumerate(blobs))
+    _bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
     return token_ids.size
+
+
+LIST_COLUMNS = ("run_id", "kind", "sign", "layer", "key", "data")
 
 
 def store_key_stats(
@@ -396,58 +399,128 @@ def store_key_stats(
     _bulk_insert(session, KeyStats.__table__, columns, rows)
 
 
+def _list(session: Session, run_id: int, kind: str, sign: int, layer: int, key: int) -> bytes | None:
+    """One memory's packed list, if stored."""
+    return session.scalar(
+        select(MemoryList.data).where(
+            MemoryList.run_id == run_id,
+            MemoryList.kind == kind,
+            MemoryList.sign == sign,
+            MemoryList.layer == layer,
+            MemoryList.key == key,
+        )
+    )
+
+
+def _layer_lists(session: Session, run_id: int, kind: str, sign: int, layer: int, keys=None) -> Lists:
+    """The lists of one kind and sign of a layer's keys (all, or `keys`), decoded, by key then rank."""
+    query = select(MemoryList.key, MemoryList.data).where(
+        MemoryList.run_id == run_id,
+        MemoryList.kind == kind,
+        MemoryList.sign == sign,
+        MemoryList.layer == layer,
+    )
+    if keys is not None:
+        query = query.where(MemoryList.key.in_([int(k) for k in keys]))
+    rows = session.execute(query.order_by(MemoryList.key)).all()
+    return memory_lists.decode_many(kind, [layer] * len(rows), [r.key for r in rows], [r.data for r in rows])
+
+
 def get_triggers(
     *, session: Session, run_id: int, layer: int, key: int, sign: int, limit: int | None = None
 ) -> list[Trigger]:
     """A key's triggers of one sign, strongest first (the first `limit` when given)."""
-    query = select(Trigger).where(
-        Trigger.run_id == run_id, Trigger.layer == layer, Trigger.key == key, Trigger.sign == sign
-    )
-    return list(session.scalars(query.order_by(Trigger.rank).limit(limit)))
+    data = _list(session, run_id, TRIGGERS, sign, layer, key)
+    if data is None:
+        return []
+    return memory_lists.triggers_of(data, run_id=run_id, layer=layer, key=key, sign=sign, limit=limit)
 
 
 def count_triggers(*, session: Session, run_id: int, layer: int, key: int, sign: int) -> int:
     """How many triggers of one sign a key has."""
-    where = (Trigger.run_id == run_id, Trigger.layer == layer, Trigger.key == key, Trigger.sign == sign)
-    return session.scalar(select(func.count()).select_from(Trigger).where(*where))
+    data = _list(session, run_id, TRIGGERS, sign, layer, key)
+    return 0 if data is None else len(data) // memory_lists.TRIGGER.itemsize
 
 
 def get_value_tokens(
     *, session: Session, run_id: int, layer: int, key: int, readout: str, direction: int
 ) -> list[ValueToken]:
     """A value's top (+1) or bottom (−1) tokens under one readout, rank order."""
-    query = select(ValueToken).where(
-        ValueToken.run_id == run_id,
-        ValueToken.layer == layer,
-        ValueToken.key == key,
-        ValueToken.readout == readout,
-        ValueToken.direction == direction,
-    )
-    return list(session.scalars(query.order_by(ValueToken.rank)))
+    data = _list(session, run_id, readout, direction, layer, key)
+    if data is None:
+        return []
+    where = dict(run_id=run_id, layer=layer, key=key, readout=readout, direction=direction)
+    return memory_lists.value_tokens_of(data, **where)
 
 
 def layer_value_tokens(
     *, session: Session, run_id: int, layer: int, readout: str, direction: int, n: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, probabilities), each [keys, n]: every value's stored top or bottom tokens of a layer
-    (the first `n` of each, or all)."""
+    """(token ids int64, probabilities float64), each [keys, n]: every value's stored top or bottom tokens
+    of a layer (the first `n` of each, or all)."""
+    found = _layer_lists(session, run_id, readout, direction, layer)
+    keys = len(np.unique(found.key))
+    if not keys:
+        return np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float64)
+    ids = found.entries["token_id"].astype(np.int64).reshape(keys, -1)  # [keys, n]
+    probs = memory_lists.probabilities(found.entries["logit"], found.log_z).reshape(keys, -1)  # [keys, n]
+    return ids[:, :n], probs[:, :n]
+
+
+def iter_triggers(*, session: Session, run_id: int) -> Iterator[Trigger]:
+    """Every trigger of the run, by layer, key, sign (−1 first) and rank; streamed."""
     query = (
-        select(ValueToken.key, ValueToken.token_id, ValueToken.prob)
-        .where(
-            ValueToken.run_id == run_id,
-            ValueToken.layer == layer,
-            ValueToken.readout == readout,
-            ValueToken.direction == direction,
-        )
-        .order_by(ValueToken.key, ValueToken.rank)
+        select(MemoryList.layer, MemoryList.key, MemoryList.sign, MemoryList.data)
+        .where(MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS)
+        .order_by(MemoryList.layer, MemoryList.key, MemoryList.sign)
     )
-    if n is not None:
-        query = query.where(ValueToken.rank < n)
-    rows = session.execute(query).all()
-    keys = len({row.key for row in rows})
-    ids = np.array([row.token_id for row in rows], dtype=np.int64).reshape(keys, -1)
-    probs = np.array([row.prob for row in rows], dtype=np.float64).reshape(keys, -1)
-    return ids, probs
+    for layer, key, sign, data in session.execute(query.execution_options(yield_per=1000)):
+        yield from memory_lists.triggers_of(data, run_id=run_id, layer=layer, key=key, sign=sign)
+
+
+def iter_value_tokens(*, session: Session, run_id: int) -> Iterator[ValueToken]:
+    """Every value token of the run, by layer, key, readout ("norm" first), direction (−1 first) and
+    rank; streamed."""
+    query = (
+        select(MemoryList.layer, MemoryList.key, MemoryList.kind, MemoryList.sign, MemoryList.data)
+        .where(MemoryList.run_id == run_id, MemoryList.kind.in_(memory_lists.READOUTS))
+        .order_by(MemoryList.layer, MemoryList.key, MemoryList.kind, MemoryList.sign)
+    )
+    for layer, key, readout, sign, data in session.execute(query.execution_options(yield_per=1000)):
+        where = dict(run_id=run_id, layer=layer, key=key, readout=readout, direction=sign)
+        yield from memory_lists.value_tokens_of(data, **where)
+
+
+# A finished run's lists never change, so reads across all of its memories (free-text search over its
+# triggers, token search over its values) decode the lists of one kind and sign once per process. Keyed
+# by the database, the run and its start time (an id reused by a new run is another entry); a run not yet
+# done is read again each time.
+_RUN_LISTS: dict[tuple[str, int, datetime, str, int], Lists] = {}
+RUN_LISTS_KEPT = 4  # SmolLM2's positive triggers: ~45 MB decoded
+
+
+def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
+    """Every list of one kind and sign of a run, decoded; triggers sorted by sentence index (stable)."""
+    run = session.get(Run, run_id)
+    if run is None:
+        return memory_lists.decode_many(kind, [], [], [])
+    cache_key = (session.get_bind().url.render_as_string(), run_id, run.started_at, kind, sign)
+    found = _RUN_LISTS.get(cache_key)
+    if found is None:
+        query = select(MemoryList.layer, MemoryList.key, MemoryList.data).where(
+            MemoryList.run_id == run_id, MemoryList.kind == kind, MemoryList.sign == sign
+        )
+        rows = session.execute(query.order_by(MemoryList.layer, MemoryList.key)).all()
+        found = memory_lists.decode_many(
+            kind, [r.layer for r in rows], [r.key for r in rows], [r.data for r in rows]
+        )
+        if kind == TRIGGERS:
+            found = found.take(np.argsort(found.entries["sentence_index"], kind="stable"))
+        if run.status == "done":
+            while len(_RUN_LISTS) >= RUN_LISTS_KEPT:
+                _RUN_LISTS.pop(next(iter(_RUN_LISTS)), None)
+            _RUN_LISTS[cache_key] = found
+    return found
 
 
 def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
@@ -582,9 +655,10 @@ def layer_keys(
         raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(KEY_SORTS)}")
     where = [KeyStats.run_id == run_id, KeyStats.layer == layer]
     if token_ids is not None:
-        where.append(
-            KeyStats.key.in_(promoting_keys(run_id=run_id, layer=layer, token_ids=token_ids, readout=readout))
+        keys = promoting_keys(
+            session=session, run_id=run_id, layer=layer, token_ids=token_ids, readout=readout
         )
+        where.append(KeyStats.key.in_(keys))
     total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
     column = getattr(KeyStats, sort)
     ordering = [column.is_(None), column.desc() if descending else column.asc(), KeyStats.key.asc()]
@@ -592,84 +666,70 @@ def layer_keys(
     return total, list(session.scalars(query))
 
 
-def promoting_keys(*, run_id: int, layer: int, token_ids: Sequence[int], readout: str = "raw"):
-    """A query for the keys of a layer whose value has one of `token_ids` among its top tokens."""
-    return (
-        select(ValueToken.key)
-        .where(
-            ValueToken.run_id == run_id,
-            ValueToken.layer == layer,
-            ValueToken.readout == readout,
-            ValueToken.direction == 1,
-            ValueToken.token_id.in_(list(token_ids)),
-        )
-        .distinct()
-    )
+def promoting_keys(
+    *, session: Session, run_id: int, layer: int, token_ids: Sequence[int], readout: str = "raw"
+) -> list[int]:
+    """The keys of a layer whose value has one of `token_ids` among its top tokens, ascending."""
+    found = _layer_lists(session, run_id, readout, 1, layer)
+    hits = np.isin(found.entries["token_id"], np.asarray(list(token_ids), np.int64))  # [entries]
+    return np.unique(found.key[hits]).tolist()
 
 
 def top_triggers(*, session: Session, run_id: int, layer: int, keys: Sequence[int]) -> dict[int, Trigger]:
     """Each key's strongest positive trigger."""
-    query = select(Trigger).where(
-        Trigger.run_id == run_id,
-        Trigger.layer == layer,
-        Trigger.key.in_(list(keys)),
-        Trigger.sign == 1,
-        Trigger.rank == 0,
-    )
-    return {trigger.key: trigger for trigger in session.scalars(query)}
+    found = _layer_lists(session, run_id, TRIGGERS, 1, layer, keys)
+    first = found.take(np.flatnonzero(found.rank == 0))
+    return {
+        key: Trigger(run_id, layer, key, 1, 0, s, p, c)
+        for key, (s, p, c) in zip(first.key.tolist(), first.entries.tolist(), strict=True)
+    }
 
 
 def top_value_tokens(
     *, session: Session, run_id: int, layer: int, keys: Sequence[int], readout: str, n: int
 ) -> dict[int, list[ValueToken]]:
     """Each key's first `n` top value tokens under one readout, rank order."""
-    query = (
-        select(ValueToken)
-        .where(
-            ValueToken.run_id == run_id,
-            ValueToken.layer == layer,
-            ValueToken.key.in_(list(keys)),
-            ValueToken.readout == readout,
-            ValueToken.direction == 1,
-            ValueToken.rank < n,
-        )
-        .order_by(ValueToken.key, ValueToken.rank)
+    query = select(MemoryList.key, MemoryList.data).where(
+        MemoryList.run_id == run_id,
+        MemoryList.kind == readout,
+        MemoryList.sign == 1,
+        MemoryList.layer == layer,
+        MemoryList.key.in_([int(k) for k in keys]),
     )
-    found: dict[int, list[ValueToken]] = {}
-    for token in session.scalars(query):
-        found.setdefault(token.key, []).append(token)
-    return found
+    where = dict(run_id=run_id, layer=layer, readout=readout, direction=1, limit=n)
+    return {
+        key: memory_lists.value_tokens_of(data, key=key, **where)
+        for key, data in session.execute(query.order_by(MemoryList.key))
+    }
 
 
 def memory_value_tokens(
-    *, session: Session, run_id: int, readout: str, memories: Iterable[tuple[int, int, int]], n: int
+    *, session: Session, run_id: int, readout: str, memories: Iterable[tuple[int, int, int]], n: int | None
 ) -> dict[tuple[int, int, int], list[int]]:
-    """(layer, key, direction) → the first `n` token ids of that value's top (+1) or bottom (−1) list."""
+    """(layer, key, direction) → the first `n` token ids (all when None) of that value's top (+1) or
+    bottom (−1) list."""
     wanted = set(memories)
     if not wanted:
         return {}
     keys_by_layer: dict[int, set[int]] = {}
     for layer, key, _ in wanted:
         keys_by_layer.setdefault(layer, set()).add(key)
-    # One SELECT per layer, UNION ALL-ed: each walks the primary key (run, layer, key, …); SQLite plans
-    # an OR or a row-value IN over all layers as a scan of the run.
+    # One SELECT per layer, UNION ALL-ed: each walks the primary key (run, kind, sign, layer, key).
     per_layer = [
-        select(
-            ValueToken.layer, ValueToken.key, ValueToken.direction, ValueToken.rank, ValueToken.token_id
-        ).where(
-            ValueToken.run_id == run_id,
-            ValueToken.layer == layer,
-            ValueToken.key.in_(sorted(keys)),
-            ValueToken.readout == readout,
-            ValueToken.rank < n,
+        select(MemoryList.layer, MemoryList.key, MemoryList.sign, MemoryList.data).where(
+            MemoryList.run_id == run_id,
+            MemoryList.kind == readout,
+            MemoryList.sign.in_([1, -1]),
+            MemoryList.layer == layer,
+            MemoryList.key.in_(sorted(keys)),
         )
         for layer, keys in sorted(keys_by_layer.items())
     ]
     found: dict[tuple[int, int, int], list[int]] = {}
-    ordered = union_all(*per_layer).order_by("layer", "key", "direction", "rank")
-    for layer, key, direction, _, token_id in session.execute(ordered):
+    for layer, key, direction, data in session.execute(union_all(*per_layer)):
         if (layer, key, direction) in wanted:
-            found.setdefault((layer, key, direction), []).append(token_id)
+            entries, _ = memory_lists.decode_value_tokens(data)
+            found[layer, key, direction] = entries["token_id"][:n].tolist()
     return found
 
 
@@ -686,21 +746,30 @@ def value_matches(
     """Values, across all layers, with one of `token_ids` among their top (+1) or bottom (−1) tokens.
 
     Strongest first: by probability (`by="prob"`) or logit (`"logit"`), descending for the top
-    tokens and ascending for the bottom ones.
+    tokens and ascending for the bottom ones; ties by layer and key.
     """
-    column = ValueToken.prob if by == "prob" else ValueToken.logit
-    query = (
-        select(ValueToken)
-        .where(
-            ValueToken.run_id == run_id,
-            ValueToken.readout == readout,
-            ValueToken.token_id.in_(list(token_ids)),
-            ValueToken.direction == direction,
-        )
-        .order_by(column.desc() if direction == 1 else column.asc(), ValueToken.layer, ValueToken.key)
-        .limit(limit)
+    lists = run_lists(session=session, run_id=run_id, kind=readout, sign=direction)
+    found = lists.take(
+        np.flatnonzero(np.isin(lists.entries["token_id"], np.asarray(list(token_ids), np.int64)))
     )
-    return list(session.scalars(query))
+    logits = found.entries["logit"].astype(np.float64)  # [found]
+    score = logits - found.log_z if by == "prob" else logits  # log prob: the same order as prob
+    order = np.lexsort((found.key, found.layer, -score if direction == 1 else score))[:limit]
+    probs = memory_lists.probabilities(logits, found.log_z)  # [found]
+    return [
+        ValueToken(
+            run_id,
+            int(found.layer[i]),
+            int(found.key[i]),
+            readout,
+            direction,
+            int(found.rank[i]),
+            int(found.entries["token_id"][i]),
+            float(found.entries["logit"][i]),
+            float(probs[i]),
+        )
+        for i in order.tolist()
+    ]
 
 
 def sentences_containing(*, session: Session, corpus_id: int, text: str, limit: int) -> list[Sentence]:
@@ -717,30 +786,30 @@ def sentences_containing(*, session: Session, corpus_id: int, text: str, limit: 
     return list(session.scalars(query))
 
 
-def triggers_from(*, session: Session, run_id: int, first_positions: dict[int, int], limit: int) -> list[Row]:
+def triggers_from(
+    *, session: Session, run_id: int, first_positions: dict[int, int], limit: int
+) -> list[Trigger]:
     """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`,
-    as rows (layer, key, rank, sentence_index, position, coefficient).
+    the strongest first (ties by layer and key), at most `limit`.
 
-    `first_positions` maps a sentence index to the first position whose prefix qualifies. One
-    indexed query per sentence (an OR over sentences would scan every trigger of the run); once
-    `limit` are found, the next sentences are asked only for triggers at least as strong as the
-    weakest of them.
+    `first_positions` maps a sentence index to the first position whose prefix qualifies. The run's
+    positive triggers are decoded once per process and sorted by sentence (run_lists), so each sentence's
+    triggers are a slice found by binary search.
     """
-    columns = (Trigger.layer, Trigger.key, Trigger.rank, Trigger.sentence_index, Trigger.position)
-    found: list[Row] = []
-    for sentence, position in first_positions.items():
-        query = select(*columns, Trigger.coefficient).where(
-            Trigger.run_id == run_id,
-            Trigger.sentence_index == sentence,
-            Trigger.sign == 1,
-            Trigger.position >= position,
-        )
-        if len(found) >= limit:
-            query = query.where(Trigger.coefficient >= found[-1].coefficient)
-        found += session.execute(query.order_by(Trigger.coefficient.desc()).limit(limit)).all()
-        found.sort(key=lambda t: (-t.coefficient, t.layer, t.key))
-        del found[limit:]
-    return found
+    lists = run_lists(session=session, run_id=run_id, kind=TRIGGERS, sign=1)
+    sentence = lists.entries["sentence_index"]  # [entries], ascending
+    picked = []
+    for index, position in first_positions.items():
+        start, stop = np.searchsorted(sentence, [index, index + 1])
+        span = np.arange(start, stop)  # [triggers of this sentence]
+        picked.append(span[lists.entries["position"][span] >= position])
+    found = lists.take(np.concatenate(picked) if picked else np.zeros(0, np.int64))
+    coefficient = found.entries["coefficient"]  # [found]
+    order = np.lexsort((found.key, found.layer, -coefficient.astype(np.float64)))[:limit]
+    return [
+        Trigger(run_id, int(found.layer[i]), int(found.key[i]), 1, int(found.rank[i]), s, p, c)
+        for i, (s, p, c) in zip(order.tolist(), found.entries[order].tolist(), strict=True)
+    ]
 
 
 def add_label(

@@ -3,7 +3,7 @@
 `results_for(session, run)` gives `StoredResults` (the tables a finished run wrote) or `MiningResults`
 (its mined layers so far — the snapshot of its merged shards and the running shards' checkpoints —
 merged with numpy; no torch). Both answer the same questions with the same row types (unsaved
-`Trigger` and `KeyStats` rows while mining), so no page branches on the run's state. Values are
+`Trigger` rows and unsaved `KeyStats` rows while mining), so no page branches on the run's state. Values are
 projected when a run is prepared, so they are final already; triggers and statistics are provisional
 until the run is stored.
 """
@@ -20,7 +20,8 @@ from sqlalchemy.orm import Session
 from ffmem.engine.mined_layer import MinedLayer
 from ffmem.store import jobs, key_examples, queries
 from ffmem.store.key_examples import BandSample
-from ffmem.store.models import KeyStats, Run, Trigger
+from ffmem.store.memory_lists import Trigger
+from ffmem.store.models import KeyStats, Run
 
 
 @dataclass(frozen=True)
@@ -191,10 +192,10 @@ class MiningResults:
             raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(queries.KEY_SORTS)}")
         keys = np.arange(n_keys)
         if token_ids is not None:
-            promoting = self.session.scalars(
-                queries.promoting_keys(run_id=self.run.id, layer=layer, token_ids=token_ids)
+            promoting = queries.promoting_keys(
+                session=self.session, run_id=self.run.id, layer=layer, token_ids=token_ids
             )
-            keys = np.array(sorted(promoting), dtype=np.int64)
+            keys = np.array(promoting, dtype=np.int64)
         value = columns[sort][keys]  # NULLs (NaN) last, then by value, then by key
         missing = np.isnan(value)
         primary = np.where(missing, 0.0, -value if descending else value)

@@ -14,8 +14,8 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.store import jobs, key_examples, memory_search, queries
+from ffmem.store.memory_lists import Trigger as TriggerRow
 from ffmem.store.models import Job, JobKind, Label, LanguageModel, Run, Sentence
-from ffmem.store.models import Trigger as TriggerRow
 from ffmem.store.results import has_results, results_for
 from ffmem.web import patterns, token_search, urls
 from ffmem.web.composition_view import explanation_hits, key_composition

@@ -50,7 +50,8 @@ from ffmem.engine.hooks import capture
 from ffmem.engine.loading import LoadedModel
 from ffmem.engine.weight_graph import TOP, weight_graph
 from ffmem.store import composition, queries
-from ffmem.store.models import Analysis, KeyStats, Run, Token, Trigger
+from ffmem.store.memory_lists import TRIGGERS, decode_triggers
+from ffmem.store.models import Analysis, KeyStats, MemoryList, Run, Token
 from ffmem.worker.held_out import held_out
 
 HEURISTIC = "heuristic"
@@ -264,13 +265,17 @@ def _layer_prefixes(
 ) -> list[list[list[int]]]:
     """Each key's top positive trigger prefixes (token ids), the strongest first."""
     rows = session.execute(
-        select(Trigger.key, Trigger.sentence_index, Trigger.position)
-        .where(Trigger.run_id == run_id, Trigger.layer == layer, Trigger.sign == 1)
-        .order_by(Trigger.key, Trigger.rank)
+        select(MemoryList.key, MemoryList.data).where(
+            MemoryList.run_id == run_id,
+            MemoryList.kind == TRIGGERS,
+            MemoryList.sign == 1,
+            MemoryList.layer == layer,
+        )
     ).all()
     prefixes: list[list[list[int]]] = [[] for _ in range(n_keys)]
-    for key, sentence, position in rows:
-        prefixes[key].append(sentences[sentence][: position + 1])
+    for key, data in rows:
+        for sentence, position, _ in decode_triggers(data).tolist():  # strongest first
+            prefixes[key].append(sentences[sentence][: position + 1])
     return prefixes
 
 

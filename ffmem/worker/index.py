@@ -36,7 +36,8 @@ from ffmem.engine.projection import project_layer, search_arrays, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
 from ffmem.store import jobs, key_examples, memory_search, queries
 from ffmem.store.jobs import Enqueued, JobKind, JobStatus, ShardStatus, StageProgress
-from ffmem.store.models import Job, KeyExamples, KeyStats, Run, Shard, Trigger, ValueToken
+from ffmem.store.memory_lists import READOUTS, TRIGGERS
+from ffmem.store.models import Job, KeyExamples, KeyStats, MemoryList, Run, Shard
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
 from ffmem.worker.comparison import compare_runs
 from ffmem.worker.composition import compose
@@ -466,7 +467,9 @@ class Worker:
             layers = jobs.load_snapshot(session=session, run_id=run_id)
             state = _state(layers, loaded.device)
             corpus_id = session.get(Run, run_id).corpus_id
-            for table in (Trigger, KeyStats, KeyExamples):  # a finisher that died may have stored some
+            triggers = (MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS)
+            session.execute(delete(MemoryList).where(*triggers))  # a finisher that died may have stored some
+            for table in (KeyStats, KeyExamples):
                 session.execute(delete(table).where(table.run_id == run_id))
             session.commit()
         token_ids, first_positions, following = self.corpus(corpus_id)
@@ -507,7 +510,7 @@ class Worker:
         """The second pass: each key's coefficient at every token of its first `shaded_triggers`
         triggers of each sign and of its band samples (engine.sentence_coefficients). Per layer, the
         arguments of key_examples.store_key_examples: {"positive", "negative", "samples"}, per key a
-        list of float16 arrays."""
+        list of float32 arrays."""
         t0 = time.perf_counter()
         counts, wanted = {}, {}
         for layer in range(state.n_layers):
@@ -588,7 +591,7 @@ class Worker:
                     direction=p.direction,
                     token_ids=p.token_ids.numpy(),
                     logits=p.logits.numpy(),
-                    probs=p.probs.numpy(),
+                    log_z=p.log_z.numpy(),
                 )
             if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
                 raise LostLease(f"job {job.id} was taken over while projecting")
@@ -681,7 +684,7 @@ class Worker:
             job = session.get(Job, job_id)
             run = session.get(Run, job.run_id)
             model = run.model
-            count = queries.count_rows
+            count = queries.count_entries
             return IndexSummary(
                 run_id=run.id,
                 model=model.slug,
@@ -690,8 +693,8 @@ class Worker:
                 tokens=run.n_tokens,
                 layers=model.n_layers,
                 keys=model.n_keys,
-                triggers=count(session=session, table=Trigger, run_id=run.id),
-                value_tokens=count(session=session, table=ValueToken, run_id=run.id),
+                triggers=count(session=session, run_id=run.id, kind=TRIGGERS),
+                value_tokens=sum(count(session=session, run_id=run.id, kind=r) for r in READOUTS),
                 padding_efficiency=self.padding[0] / self.padding[1] if self.padding[1] else 1.0,
                 resumed_shards=self.resumed_shards,
                 mining_seconds=self.timings["mining"],

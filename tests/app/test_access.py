@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from ffmem.config import Settings
-from ffmem.store.models import Job, Label, Run, Trigger
+from ffmem.store.models import Job, Label, MemoryList, Run
 from ffmem.web.main import create_app
 
 TOKEN = "s3cret-token"
@@ -150,14 +150,14 @@ def test_every_write_route_is_guarded(serve, db, slug):
     posts = [path for path, item in client.get("/openapi.json").json()["paths"].items() if "post" in item]
     values = {"model": slug, "layer": "1", "key": "4", "job_id": "1", "run": "1", "label_id": "1"}
     db.expire_all()
-    counts = [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, Trigger)]
+    counts = [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, MemoryList)]
     guarded = [path for path in posts if path not in ("/login", "/login.json", "/logout", "/logout.json")]
     assert len(guarded) >= 10  # start job, retry, labels, analysis, delete run: each with its .json twin
     for path in guarded:
         answer = client.post(path.format(**values), data={"run": "1", "examples": "5"})
         assert answer.status_code == 401, path
     db.expire_all()
-    assert [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, Trigger)] == counts
+    assert [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, MemoryList)] == counts
 
 
 def test_an_empty_token_is_no_token(monkeypatch):

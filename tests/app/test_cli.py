@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from ffmem.cli import cli
 from ffmem.config import get_settings
+from ffmem.store import queries
 from ffmem.store.db import make_engine, make_sessionmaker
-from ffmem.store.models import Job, Run, Trigger
+from ffmem.store.models import Job, Run
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def test_index_command_stores_a_run_and_prints_a_summary(tmp_path, tiny_model_di
             3,
             {"invalid_json": 1},
         )
-        assert session.scalar(select(func.count()).select_from(Trigger)) == 3 * 48 * 2 * 2
+        assert queries.count_entries(session=session, run_id=1, kind="triggers") == 3 * 48 * 2 * 2
 
 
 @pytest.mark.parametrize(

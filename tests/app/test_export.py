@@ -9,7 +9,8 @@ from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from ffmem.cli import cli
-from ffmem.store.models import KeyStats, Label, Run, Trigger, ValueToken
+from ffmem.store import queries
+from ffmem.store.models import KeyStats, Label, Run
 
 
 def _jsonl(path) -> list[dict]:
@@ -57,22 +58,33 @@ def test_export_writes_every_table(explorer_db, db, tmp_path, fmt):
                 return pq.read_table(path).to_pylist()
 
         triggers = read(out / f"triggers.{fmt}")
-        assert len(triggers) == db.scalar(
-            select(func.count()).select_from(Trigger).where(Trigger.run_id == run.id)
-        )
-        first = db.get(
-            Trigger,
-            (run.id, triggers[0]["layer"], triggers[0]["key"], triggers[0]["sign"], triggers[0]["rank"]),
-        )
+        assert len(triggers) == queries.count_entries(session=db, run_id=run.id, kind="triggers")
+        first = queries.get_triggers(
+            session=db,
+            run_id=run.id,
+            layer=triggers[0]["layer"],
+            key=triggers[0]["key"],
+            sign=triggers[0]["sign"],
+        )[triggers[0]["rank"]]
         assert (triggers[0]["sentence_index"], triggers[0]["position"]) == (
             first.sentence_index,
             first.position,
         )
         assert triggers[0]["coefficient"] == pytest.approx(first.coefficient)
         values = read(out / f"value_tokens.{fmt}")
-        assert len(values) == db.scalar(
-            select(func.count()).select_from(ValueToken).where(ValueToken.run_id == run.id)
+        assert len(values) == sum(
+            queries.count_entries(session=db, run_id=run.id, kind=r) for r in ("raw", "norm")
         )
+        assert [(v["layer"], v["key"], v["readout"], v["direction"], v["rank"]) for v in values] == sorted(
+            (v["layer"], v["key"], v["readout"], v["direction"], v["rank"]) for v in values
+        )
+        listed = queries.get_value_tokens(
+            session=db, run_id=run.id, layer=0, key=0, readout="norm", direction=-1
+        )
+        assert [(v["token_id"], v["logit"]) for v in values[: len(listed)]] == [
+            (v.token_id, v.logit) for v in listed
+        ]
+        assert values[0]["prob"] == pytest.approx(listed[0].prob)
         assert {"layer", "key", "readout", "direction", "rank", "token_id", "token", "logit", "prob"} == set(
             values[0]
         )

@@ -21,7 +21,8 @@ from ffmem.engine.edited_forward import intervene
 from ffmem.engine.interventions import Intervention
 from ffmem.engine.trace import trace
 from ffmem.engine.trace_answer import ForwardFigures, LayerAnswer, LayerFigures, MemoryAnswer, TraceAnswer
-from ffmem.store.models import Run, Sentence, Token, Trigger, ValueToken
+from ffmem.store import queries
+from ffmem.store.models import Run, Sentence, Token
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.live_server import Live, LiveError, create_live_app
@@ -106,12 +107,9 @@ def test_trace_json_equals_the_engine_named_with_the_index(client, db, slug, tin
             assert set(memory) == MEMORY_FIELDS and memory["unedited_coefficient"] is None
             assert (memory["key"], memory["coefficient"]) == (m.key, pytest.approx(m.coefficient))
             direction = 1 if m.coefficient >= 0 else -1  # m < 0: the value's bottom tokens
-            stored = db.scalars(
-                select(ValueToken.token_id)
-                .where(ValueToken.run_id == run_id, ValueToken.layer == m.layer, ValueToken.key == m.key)
-                .where(ValueToken.readout == "norm", ValueToken.direction == direction, ValueToken.rank < 5)
-                .order_by(ValueToken.rank)
-            ).all()
+            where = dict(session=db, run_id=run_id, layer=m.layer, key=m.key)
+            listed = queries.get_value_tokens(**where, readout="norm", direction=direction)
+            stored = [v.token_id for v in listed[:5]]
             assert [t["token_id"] for t in memory["tokens"]] == stored
             assert memory["agrees"] == (want.top_y in stored)
             assert memory["url"] == f"/m/{slug}/layers/{m.layer}/keys/{m.key}"
@@ -393,18 +391,9 @@ def test_the_worker_refuses_while_the_model_loads(client, slug, live, tiny_model
 def test_switching_a_memory_off_on_its_top_triggers(client, db, slug, tiny):
     body = client.get(f"/m/{slug}/layers/1/keys/4/ablation.json", params={"triggers": 3}).json()
     run_id = body["run"]
-    triggers = db.scalars(
-        select(Trigger)
-        .where(Trigger.run_id == run_id, Trigger.layer == 1, Trigger.key == 4, Trigger.sign == 1)
-        .order_by(Trigger.rank)
-        .limit(3)
-    ).all()
-    top = db.scalars(
-        select(ValueToken.token_id).where(
-            ValueToken.run_id == run_id, ValueToken.layer == 1, ValueToken.key == 4,
-            ValueToken.readout == "raw", ValueToken.direction == 1, ValueToken.rank == 0,
-        )
-    ).one()  # fmt: skip
+    where = dict(session=db, run_id=run_id, layer=1, key=4)
+    triggers = queries.get_triggers(**where, sign=1, limit=3)
+    top = queries.get_value_tokens(**where, readout="raw", direction=1)[0].token_id
     assert body["value_token"]["token_id"] == top and len(body["rows"]) == len(triggers)
     corpus = db.get(Run, run_id).corpus_id
     for row, trigger in zip(body["rows"], triggers, strict=True):
@@ -549,16 +538,9 @@ def test_attribution_json_twin(client, db, slug, tiny, readout):
             assert (memory["key"], memory["contribution"]) == (m.key, pytest.approx(m.contribution, abs=1e-5))
             assert memory["url"] == f"/m/{slug}/layers/{m.layer}/keys/{m.key}"
             direction = 1 if m.coefficient >= 0 else -1
-            top = db.scalar(
-                select(ValueToken.token_id).where(
-                    ValueToken.run_id == run_id,
-                    ValueToken.layer == m.layer,
-                    ValueToken.key == m.key,
-                    ValueToken.readout == readout,
-                    ValueToken.direction == direction,
-                    ValueToken.rank == 0,
-                )
-            )
+            top = queries.get_value_tokens(
+                session=db, run_id=run_id, layer=m.layer, key=m.key, readout=readout, direction=direction
+            )[0].token_id
             assert memory["top_token"] == {"token_id": top, "token": names[top]}
             veto = row["memories_sum"] < 0 and (
                 top == expected.target or (m.contribution > 0 and m.contribution >= 0.25 * largest)

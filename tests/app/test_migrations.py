@@ -121,3 +121,175 @@ def test_0006_moves_the_wait_into_a_foreign_key_and_keeps_one_unfinished_job_per
             "after": 1, "examples": 5,
         }  # fmt: skip
     engine.dispose()
+
+
+def _old_run(connection) -> None:
+    """A model, corpus and run as revision 0011 stores them (ids 1)."""
+    import sqlalchemy as sa
+
+    now = datetime.now(timezone.utc)
+    models = sa.table(
+        "language_models",
+        *map(sa.column, ("id", "slug", "source", "revision", "architecture", "family", "n_layers", "n_keys")),
+        *map(sa.column, ("d_model", "vocab_size", "activation", "gated", "created_at")),
+    )
+    connection.execute(sa.insert(models).values(
+        id=1, slug="m", source="m", revision=None, architecture="A", family="llama", n_layers=2, n_keys=4,
+        d_model=8, vocab_size=50, activation="silu", gated=True, created_at=now,
+    ))  # fmt: skip
+    corpora = sa.table("corpora", *map(sa.column, ("id", "name", "source", "source_sha256", "fingerprint")),
+                       *map(sa.column, ("tokenizer", "max_tokens", "n_sentences", "n_tokens", "created_at")),
+                       sa.column("skipped", sa.JSON))  # fmt: skip
+    connection.execute(sa.insert(corpora).values(
+        id=1, name="c", source="c", source_sha256="0", fingerprint="f", tokenizer="t", max_tokens=8,
+        n_sentences=3, n_tokens=9, skipped={}, created_at=now,
+    ))  # fmt: skip
+    runs = sa.table(
+        "runs",
+        *map(sa.column, ("id", "model_id", "corpus_id", "status", "top_k", "n_value_tokens", "n_sentences")),
+        *map(sa.column, ("n_tokens", "dtype", "device", "package_version", "started_at")),
+        sa.column("provenance", sa.JSON),
+        sa.column("histogram_edges", sa.JSON),
+    )
+    connection.execute(sa.insert(runs).values(
+        id=1, model_id=1, corpus_id=1, status="done", top_k=3, n_value_tokens=2, n_sentences=3, n_tokens=9,
+        dtype="float32", device="cpu", package_version="0", provenance={}, histogram_edges=[0.0, 1.0],
+        started_at=now,
+    ))  # fmt: skip
+
+
+def test_0012_to_0015_pack_lists_examples_neighbours_and_links_and_unpack_them_again(empty_url):
+    import math
+
+    import numpy as np
+    import sqlalchemy as sa
+
+    from ffmem.store import composition, memory_search, queries
+    from ffmem.store.key_examples import BandSample, key_examples
+
+    _migrate(empty_url, "0011")
+    triggers = [  # layer, key, sign, rank, sentence_index, position, coefficient (float32-exact)
+        (0, 0, 1, 0, 2, 5, 3.5), (0, 0, 1, 1, 0, 1, 2.25), (0, 0, 1, 2, 1, 0, 0.125),
+        (0, 0, -1, 0, 1, 2, -4.5), (0, 0, -1, 1, 2, 1, -0.5), (1, 3, 1, 0, 70_000, 300, 1.0),
+    ]  # fmt: skip
+    log_z = {"raw": 3.0, "norm": -1.5}
+    values = [  # layer, key, readout, direction, rank, token_id, logit; prob = exp(logit − log_z) in float32
+        (layer, key, readout, direction, rank, token, logit)
+        for layer, key in ((0, 0), (1, 3))
+        for readout in ("raw", "norm")
+        for direction, tokens, logits in ((1, (7, 3), (2.0, 1.0)), (-1, (49, 0), (-30.0, -29.5)))
+        for rank, (token, logit) in enumerate(zip(tokens, logits, strict=True))
+    ]
+    old_triggers = sa.table("triggers", *map(sa.column, ("run_id", "layer", "key", "sign", "rank")),
+                            *map(sa.column, ("sentence_index", "position", "coefficient")))  # fmt: skip
+    old_values = sa.table("value_tokens", *map(sa.column, ("run_id", "layer", "key", "readout", "direction")),
+                          *map(sa.column, ("rank", "token_id", "logit", "prob")))  # fmt: skip
+    names = ("layer", "key", "sign", "rank", "sentence_index", "position", "coefficient")
+    # Key 0 of layer 0 shades its first 2 positive triggers (sentences 2, 0), its first negative one (1)
+    # and its 2 band samples (sentences 1, 0): 3 + 4 + 6 + 6 + 4 tokens, NaN where not mined.
+    lengths = {0: 4, 1: 6, 2: 3}
+    samples = [[0, 1, 3, -2.5], [5, 0, 2, 1.75]]
+    rng = np.random.default_rng(0)
+    shading = [rng.normal(0, 2, lengths[s]).astype(np.float16) for s in (2, 0, 1, 1, 0)]
+    for sentence in shading:
+        sentence[0] = np.nan
+    old_sentences = sa.table(
+        "sentences",
+        *map(sa.column, ("corpus_id", "index", "text", "first_position")),
+        *(sa.column(name, sa.JSON) for name in ("token_ids", "offsets")),
+    )
+    old_examples = sa.table(
+        "key_examples",
+        *map(sa.column, ("run_id", "layer", "key", "positive", "negative")),
+        sa.column("shading", sa.LargeBinary),
+        sa.column("samples", sa.JSON),
+    )
+    neighbours = {"key": [[1, 3, 0.812346], [0, 2, -0.25]], "value": [[0, 1, 0.5]]}
+    old_neighbours = sa.table("neighbours", *map(sa.column, ("run_id", "layer", "key", "kind")),
+                              sa.column("neighbours", sa.JSON))  # fmt: skip
+    links = {"in": [[1, 3, 0.12346], [0, 1, -2.5]], "out": [[1, 2, 3.1416e-05]]}
+    old_links = sa.table("memory_links", *map(sa.column, ("run_id", "layer", "key", "direction")),
+                         sa.column("links", sa.JSON))  # fmt: skip
+    engine = make_engine(empty_url)
+    with engine.begin() as connection:
+        _old_run(connection)
+        connection.execute(sa.insert(old_links), [
+            dict(run_id=1, layer=0, key=0, direction=direction, links=listed)
+            for direction, listed in links.items()
+        ])  # fmt: skip
+        connection.execute(sa.insert(old_neighbours), [
+            dict(run_id=1, layer=0, key=0, kind=kind, neighbours=listed)
+            for kind, listed in neighbours.items()
+        ])  # fmt: skip
+        connection.execute(sa.insert(old_sentences), [
+            dict(corpus_id=1, index=i, text="x" * n, token_ids=[1] * n, offsets=[[0, 1]] * n,
+                 first_position=1)
+            for i, n in lengths.items()
+        ])  # fmt: skip
+        connection.execute(sa.insert(old_examples).values(
+            run_id=1, layer=0, key=0, positive=2, negative=1, samples=samples,
+            shading=np.concatenate(shading).tobytes(),
+        ))  # fmt: skip
+        connection.execute(
+            sa.insert(old_triggers), [dict(zip(names, t, strict=True), run_id=1) for t in triggers]
+        )
+        connection.execute(sa.insert(old_values), [
+            dict(run_id=1, layer=layer, key=key, readout=readout, direction=direction, rank=rank,
+                 token_id=token, logit=logit, prob=float(np.float32(math.exp(logit - log_z[readout]))))
+            for layer, key, readout, direction, rank, token, logit in values
+        ])  # fmt: skip
+    _migrate(empty_url, "head")
+    with make_sessionmaker(engine)() as session:
+        found = [
+            tuple(getattr(t, n) for n in names) for t in queries.iter_triggers(session=session, run_id=1)
+        ]
+        assert found == sorted(triggers, key=lambda t: (t[0], t[1], t[2], t[3]))
+        for layer, key, readout, direction, rank, token, logit in values:
+            stored = queries.get_value_tokens(
+                session=session, run_id=1, layer=layer, key=key, readout=readout, direction=direction
+            )[rank]
+            assert (stored.token_id, stored.logit) == (token, logit)
+            assert stored.prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)  # float32's error
+        assert memory_search.get_neighbours(session=session, run_id=1, layer=0, key=0) == neighbours
+        found = composition.get_links(session=session, run_id=1, layer=0, key=0)
+        assert {d: [[f.layer, f.key, f.score] for f in listed] for d, listed in found.items()} == links
+        found = key_examples(session=session, run_id=1, layer=0, key=0)
+        assert found.samples == [BandSample(*s) for s in samples] and (found.positive, found.negative) == (
+            2,
+            1,
+        )
+        steps = found.steps()
+        for decoded, old, step in zip(found.shading([3, 4, 6, 6, 4]), shading, steps, strict=True):
+            old = old.astype(np.float32)
+            assert step == np.float32(np.nanmax(np.abs(old)) / 127)
+            assert np.isnan(decoded[0]) and np.abs(decoded[1:] - old[1:]).max() <= step / 2 * (1 + 1e-6)
+    _migrate(empty_url, "0011", down=True)
+    with engine.connect() as connection:
+        c = old_triggers.c
+        rows = connection.execute(sa.select(*(c[n] for n in names)).order_by(c.layer, c.key, c.sign, c.rank))
+        assert [tuple(row) for row in rows] == sorted(triggers, key=lambda t: (t[0], t[1], t[2], t[3]))
+        c = old_values.c
+        query = sa.select(c.layer, c.key, c.readout, c.direction, c.rank, c.token_id, c.logit, c.prob)
+        found = {tuple(row[:5]): row[5:] for row in connection.execute(query)}
+        assert len(found) == len(values)
+        for layer, key, readout, direction, rank, token, logit in values:
+            token_id, stored_logit, prob = found[layer, key, readout, direction, rank]
+            assert (token_id, stored_logit) == (token, logit)
+            assert prob == pytest.approx(math.exp(logit - log_z[readout]), rel=1e-6)
+        c = old_links.c
+        assert dict(connection.execute(sa.select(c.direction, c.links)).all()) == links
+        c = old_neighbours.c
+        assert dict(connection.execute(sa.select(c.kind, c.neighbours)).all()) == neighbours
+        c = old_examples.c
+        (stored,) = connection.execute(sa.select(c.samples, c.shading)).all()
+        assert stored.samples == samples
+        old = np.concatenate(shading).astype(np.float32)
+        back = np.frombuffer(stored.shading, np.float16).astype(np.float32)
+        assert np.array_equal(np.isnan(back), np.isnan(old))
+        tolerance = np.repeat(steps, [3, 4, 6, 6, 4]) / 2 + np.abs(old) * 2.0**-11  # half a step, float16
+        assert (np.abs(back - old)[~np.isnan(old)] <= tolerance[~np.isnan(old)] * (1 + 1e-6)).all()
+        indexes = {
+            i["name"] for name in ("triggers", "value_tokens") for i in inspect(connection).get_indexes(name)
+        }
+        assert indexes == {"ix_triggers_sentence", "ix_value_tokens_token"}
+    engine.dispose()

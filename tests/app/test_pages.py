@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from ffmem.config import Settings
 from ffmem.store import queries
-from ffmem.store.models import KeyStats, Run, Sentence, Token, Trigger, ValueToken
+from ffmem.store.models import KeyStats, Run, Sentence, Token
 from ffmem.web.display import visible
 from ffmem.web.main import create_app
 
@@ -162,7 +162,7 @@ def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
         "value_norm",
         "label",
     }
-    top = db.get(Trigger, (run.id, 1, row["key"], 1, 0))
+    top = queries.get_triggers(session=db, run_id=run.id, layer=1, key=row["key"], sign=1)[0]
     assert row["top_trigger"]["coefficient"] == pytest.approx(top.coefficient)
     assert row["top_trigger"]["sentence_index"] == top.sentence_index
     assert [t["rank"] for t in row["value_top"]] == [0, 1, 2, 3, 4]
@@ -171,17 +171,11 @@ def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
     token_id = row["value_top"][0]["token_id"]
     text = db.get(Token, (run.model_id, token_id)).text
     filtered = json_of(client, f"/m/{slug}/layers/1.json?per_page=500&token={text}")
-    holders = db.scalars(
-        select(ValueToken.key)
-        .where(
-            ValueToken.run_id == run.id,
-            ValueToken.layer == 1,
-            ValueToken.readout == "raw",
-            ValueToken.direction == 1,
-            ValueToken.token_id.in_(filtered["token_ids"]),
-        )
-        .distinct()
-    ).all()
+    holders = {
+        v.key
+        for v in queries.iter_value_tokens(session=db, run_id=run.id)
+        if (v.layer, v.readout, v.direction) == (1, "raw", 1) and v.token_id in filtered["token_ids"]
+    }
     assert token_id in filtered["token_ids"]
     assert [k["key"] for k in filtered["keys"]] == sorted(holders) and filtered["total"] == len(holders)
 
@@ -240,7 +234,7 @@ def test_key_page_matches_the_stored_rows(client, db, slug, run, tiny):
             assert shading["peak"] == shading["prefix_end"] == row.position
             assert shading["tokens"][0]["coefficient"] is None  # position 0 is not mined
             at_trigger = shading["tokens"][row.position]["coefficient"]
-            assert at_trigger == pytest.approx(row.coefficient, rel=2e-3, abs=2e-3)  # float16
+            assert at_trigger == pytest.approx(row.coefficient, abs=half_step(shading) + NOISE)
             assert shading["scale"] == pytest.approx(
                 max(abs(body["triggers"][0]["coefficient"]), abs(body["negative_triggers"][0]["coefficient"]))
             )
@@ -304,12 +298,21 @@ def test_pinned_run(client, slug, run):
     }
 
 
+NOISE = 1e-4  # the shading pass's float32 recomputation against the mining pass's, on the tiny model
+
+
+def half_step(shading: dict) -> float:
+    """Half the int8 step a sentence's shading is stored with (its largest |m| / 127, which it shows
+    exactly): the most a shown value differs from the coefficient (ffmem.store.key_examples)."""
+    return max(abs(t["coefficient"]) for t in shading["tokens"] if t["coefficient"] is not None) / 254
+
+
 def spaced_token(db, run) -> tuple[int, str]:
     """A token with a leading space that some value promotes, and whose text without it is no token."""
     texts = dict(db.execute(select(Token.token_id, Token.text).where(Token.model_id == run.model_id)).all())
-    promoted = db.scalars(
-        select(ValueToken.token_id).where(ValueToken.run_id == run.id, ValueToken.readout == "raw")
-    ).all()
+    promoted = [
+        v.token_id for v in queries.iter_value_tokens(session=db, run_id=run.id) if v.readout == "raw"
+    ]
     known = set(texts.values())
     for token_id in promoted:
         text = texts[token_id]
@@ -413,11 +416,11 @@ def test_corpus_markup_renders_as_text(client, db, slug, run):
         select(Sentence.index).where(Sentence.corpus_id == run.corpus_id, Sentence.text.in_(HOSTILE))
     )
     indices = set(hostile)
-    triggers = db.scalars(
-        select(Trigger).where(
-            Trigger.run_id == run.id, Trigger.sentence_index.in_(indices), Trigger.position > 8
-        )
-    ).all()
+    triggers = [
+        t
+        for t in queries.iter_triggers(session=db, run_id=run.id)
+        if t.sentence_index in indices and t.position > 8
+    ]
     assert triggers, "some key is triggered inside the markup"
     pages = {(t.layer, t.key) for t in triggers[:5]}
     for layer, key in pages:
@@ -537,7 +540,7 @@ def test_key_page_shows_examples_across_the_range(client, db, slug, run):
         tokens = sample["shading"]["tokens"]
         assert "".join(t["text"] for t in tokens) == sentence.text
         assert tokens[sample["position"]]["coefficient"] == pytest.approx(
-            sample["coefficient"], rel=2e-3, abs=2e-3
+            sample["coefficient"], abs=half_step(sample["shading"]) + NOISE
         )
     signs = [s["sign"] for s in samples]
     assert signs == sorted(signs, reverse=True)

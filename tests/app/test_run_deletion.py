@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 
 from ffmem.config import Settings
 from ffmem.store import jobs
-from ffmem.store.models import Job, Run, Trigger
+from ffmem.store.models import Job, Run
 from ffmem.web.main import create_app
 
 
@@ -18,7 +18,7 @@ def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tm
     from tiny_models import TRAINING_TEXT
 
     from ffmem.store.db import make_engine, make_sessionmaker
-    from ffmem.store.models import KeyStats, LanguageModel, ValueToken
+    from ffmem.store.models import KeyExamples, KeyStats, LanguageModel, MemoryList
     from ffmem.worker.index import IndexOptions, build_index
 
     corpus = tmp_path / "corpus.txt"
@@ -51,7 +51,7 @@ def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tm
         answer = client.post(f"/m/{slug}/runs/{run_id}/delete.json")
         assert answer.status_code == 200
         assert [m["runs"] for m in answer.json()["models"]] == [[]] and answer.json()["jobs"] == []
-        for table in (Run, Trigger, KeyStats, ValueToken, Job):
+        for table in (Run, MemoryList, KeyStats, KeyExamples, Job):
             assert session.scalar(select(func.count()).select_from(table)) == 0, table.__name__
         again = client.post(f"/m/{slug}/runs/{run_id}/delete.json")
         assert (again.status_code, again.json()["error"]) == (404, f"Model {slug!r} has no run {run_id}.")

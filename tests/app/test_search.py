@@ -15,7 +15,8 @@ from sqlalchemy import delete, func, select
 
 from ffmem.config import Settings
 from ffmem.engine.projection import value_logits
-from ffmem.store.models import Neighbours, Run, RunArray, Sentence, Token, Trigger, ValueToken
+from ffmem.store import queries
+from ffmem.store.models import Neighbours, Run, RunArray, Sentence, Token
 from ffmem.web import pages
 from ffmem.web.main import create_app
 from ffmem.web.routes.search import MAX_LENGTH
@@ -85,16 +86,15 @@ def test_token_search_ranks_every_memory_as_brute_force(client, db, run, slug, d
             if m["rank"] is None:  # not among the stored top / bottom n: beyond them
                 assert true_rank >= run.n_value_tokens - 1
             else:
-                stored = db.scalars(
-                    select(ValueToken.rank).where(
-                        ValueToken.run_id == run.id,
-                        ValueToken.layer == m["layer"],
-                        ValueToken.key == m["key"],
-                        ValueToken.readout == readout,
-                        ValueToken.direction == direction,
-                        ValueToken.token_id == token_id,
-                    )
-                ).one()
+                listed = queries.get_value_tokens(
+                    session=db,
+                    run_id=run.id,
+                    layer=m["layer"],
+                    key=m["key"],
+                    readout=readout,
+                    direction=direction,
+                )
+                (stored,) = [v.rank for v in listed if v.token_id == token_id]
                 assert m["rank"] == stored and abs(m["rank"] - true_rank) <= 1
 
 
@@ -117,14 +117,11 @@ def test_a_run_without_arrays_searches_its_stored_tokens(db, run, slug):
         db.rollback()
     assert found.token_coverage == "stored" and found.memories == 0
     for direction, shown in ((1, found.promote), (-1, found.suppress)):
-        rows = db.scalars(
-            select(ValueToken).where(
-                ValueToken.run_id == run.id,
-                ValueToken.readout == "raw",
-                ValueToken.direction == direction,
-                ValueToken.token_id == token_id,
-            )
-        ).all()
+        rows = [
+            v
+            for v in queries.iter_value_tokens(session=db, run_id=run.id)
+            if (v.readout, v.direction, v.token_id) == ("raw", direction, token_id)
+        ]
         expected = sorted(rows, key=lambda v: (-direction * v.prob, v.layer, v.key))
         assert [(m.layer, m.key, m.rank) for m in shown] == [(v.layer, v.key, v.rank) for v in expected]
 
@@ -137,7 +134,8 @@ def test_text_search_shows_each_sentence_once_with_the_matches_marked(client, db
     expected: dict[str, set] = {}  # every positive trigger whose prefix reaches past the text, by sentence
     copies: dict[str, list[int]] = {}
     sentences = {s.index: s for s in db.scalars(select(Sentence).where(Sentence.corpus_id == run.corpus_id))}
-    for t in db.scalars(select(Trigger).where(Trigger.run_id == run.id, Trigger.sign == 1)):
+    positive = [t for t in queries.iter_triggers(session=db, run_id=run.id) if t.sign == 1]
+    for t in positive:
         sentence = sentences[t.sentence_index]
         if "capital of" in sentence.text[: sentence.offsets[t.position][1]].lower():
             expected.setdefault(sentence.text, set()).add((t.layer, t.key, t.position))
@@ -159,7 +157,7 @@ def test_text_search_shows_each_sentence_once_with_the_matches_marked(client, db
     assert strongest == sorted(strongest, reverse=True), "the sentence of the strongest trigger first"
     reaching = sorted(  # every trigger whose prefix reaches past the text, the strongest first
         (-t.coefficient, t.layer, t.key, t.position)
-        for t in db.scalars(select(Trigger).where(Trigger.run_id == run.id, Trigger.sign == 1))
+        for t in positive
         if "capital of"
         in sentences[t.sentence_index].text[: sentences[t.sentence_index].offsets[t.position][1]].lower()
     )

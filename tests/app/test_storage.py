@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 
 import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from ffmem.store import queries
-from ffmem.store.models import KeyStats, LanguageModel, Run, Sentence, Token, Trigger, ValueToken
+from ffmem.store import memory_lists, queries
+from ffmem.store.models import KeyStats, LanguageModel, MemoryList, Run, Sentence, Token
 
 MODEL = dict(
     slug="tiny",
@@ -143,7 +144,8 @@ def test_triggers_round_trip_and_skip_missing(session, run):
     )
     reread(session)
     assert stored == 3
-    assert session.scalar(select(func.count()).select_from(Trigger)) == 3
+    assert queries.count_entries(session=session, run_id=run.id, kind="triggers") == 3
+    assert session.scalar(select(func.count()).select_from(MemoryList)) == 2  # key 2 has none: no list
 
     def triggers(key: int) -> list[tuple]:
         rows = queries.get_triggers(session=session, run_id=run.id, layer=1, key=key, sign=-1)
@@ -159,7 +161,7 @@ def test_triggers_round_trip_and_skip_missing(session, run):
 def test_value_tokens_round_trip(session, run):
     token_ids = np.array([[4, 1], [0, 2], [3, 3]], dtype=np.int64)
     logits = np.array([[9.5, 8.25], [1.0, -2.0], [0.5, 0.5]], dtype=np.float32)
-    probs = np.array([[0.5, 0.25], [0.125, 0.0625], [1e-8, 1e-9]], dtype=np.float32)
+    log_z = np.array([10.25, 3.0, 20.0], dtype=np.float32)
     for readout, direction in (("raw", 1), ("norm", -1)):
         queries.store_value_tokens(
             session=session,
@@ -169,10 +171,11 @@ def test_value_tokens_round_trip(session, run):
             direction=direction,
             token_ids=token_ids,
             logits=logits,
-            probs=probs,
+            log_z=log_z,
         )
     reread(session)
-    assert session.scalar(select(func.count()).select_from(ValueToken)) == 12
+    assert queries.count_entries(session=session, run_id=run.id, kind="raw") == 6
+    assert queries.count_entries(session=session, run_id=run.id, kind="norm") == 6
 
     def values(key: int, readout: str, direction: int) -> list[tuple]:
         rows = queries.get_value_tokens(
@@ -180,10 +183,40 @@ def test_value_tokens_round_trip(session, run):
         )
         return [(v.rank, v.token_id, v.logit, v.prob) for v in rows]
 
-    tiny, tinier = float(np.float32(1e-8)), float(np.float32(1e-9))
-    assert values(2, "norm", -1) == [(0, 3, 0.5, tiny), (1, 3, 0.5, tinier)]
-    assert values(0, "raw", 1) == [(0, 4, 9.5, 0.5), (1, 1, 8.25, 0.25)]
+    # prob = exp(logit − log_z), the softmax over the full readout
+    close = pytest.approx
+    assert values(2, "norm", -1) == [(0, 3, 0.5, close(math.exp(-19.5))), (1, 3, 0.5, close(math.exp(-19.5)))]
+    assert values(0, "raw", 1) == [(0, 4, 9.5, close(math.exp(-0.75))), (1, 1, 8.25, close(math.exp(-2.0)))]
     assert values(2, "raw", -1) == []
+    assert all(type(v) is float for v in values(0, "raw", 1)[0][2:])
+
+
+def test_packed_lists_round_trip():
+    sentence_index = np.array([[7, 70_000, -1], [-1, -1, -1]])  # [keys, T]
+    position = np.array([[0, 511, 0], [0, 0, 0]])
+    coefficient = np.array([[2.5, -1.25, 0.0], [0.0, 0.0, 0.0]], dtype=np.float32)
+    first, second = memory_lists.encode_triggers(sentence_index, position, coefficient)
+    assert len(first) == 2 * memory_lists.TRIGGER.itemsize == 20 and second == b""
+    decoded = memory_lists.decode_triggers(first)
+    assert decoded.tolist() == [(7, 0, 2.5), (70_000, 511, -1.25)]
+    for widest, width in ((65_535, 2), (65_536, 4)):
+        token_ids = np.array([[widest, 3], [0, 1]])  # [keys, n]
+        logits = np.array([[1.5, -2.0], [0.25, 0.125]], dtype=np.float32)
+        blobs = memory_lists.encode_value_tokens(token_ids, logits, np.array([4.0, 5.0]))
+        assert [len(b) for b in blobs] == [memory_lists.VALUE_HEADER.itemsize + 2 * (width + 4)] * 2
+        entries, log_z = memory_lists.decode_value_tokens(blobs[0])
+        assert (entries["token_id"].tolist(), entries["logit"].tolist(), log_z) == (
+            [widest, 3],
+            [1.5, -2.0],
+            4.0,
+        )
+        many = memory_lists.decode_many("raw", [3, 3], [0, 1], blobs)
+        assert (many.layer.tolist(), many.key.tolist(), many.rank.tolist()) == (
+            [3] * 4,
+            [0, 0, 1, 1],
+            [0, 1] * 2,
+        )
+        assert many.entries["token_id"].tolist() == [widest, 3, 0, 1] and many.log_z.tolist() == [4, 4, 5, 5]
 
 
 def test_key_stats_round_trip_with_null_extremes(session, run):
@@ -248,7 +281,7 @@ def _fill(session, run) -> None:
         direction=1,
         token_ids=ints,
         logits=ones,
-        probs=ones,
+        log_z=np.ones(3),
     )
     queries.store_key_stats(
         session=session,
@@ -268,14 +301,17 @@ def _fill(session, run) -> None:
 
 
 def _counts(session) -> tuple[int, int, int, int]:
-    tables = (Run, Trigger, ValueToken, KeyStats)
-    return tuple(session.scalar(select(func.count()).select_from(table)) for table in tables)
+    runs, lists, stats = (
+        session.scalar(select(func.count()).select_from(t)) for t in (Run, MemoryList, KeyStats)
+    )
+    value_lists = session.scalar(select(func.count()).select_from(MemoryList).where(MemoryList.kind == "raw"))
+    return runs, lists - value_lists, value_lists, stats
 
 
 def test_deleting_a_run_cascades(session, run):
     _fill(session, run)
     reread(session)
-    assert _counts(session) == (1, 6, 6, 3)
+    assert _counts(session) == (1, 3, 3, 3)  # one list per key
     queries.delete_run(session=session, run_id=run.id)
     reread(session)
     assert _counts(session) == (0, 0, 0, 0)

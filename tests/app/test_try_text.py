@@ -13,12 +13,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from markupsafe import escape
-from sqlalchemy import select
 
 from ffmem.config import Settings
 from ffmem.engine.hooks import capture
 from ffmem.engine.trace_answer import CoefficientsAnswer
-from ffmem.store.models import Run, Trigger
+from ffmem.store import queries
+from ffmem.store.models import Run
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.live_server import Live, create_live_app
@@ -139,10 +139,8 @@ def key_url(slug: str, fmt: str = "") -> str:
 
 
 def stored(db, run_id: int, sign: int) -> list[float]:
-    query = select(Trigger.coefficient).where(
-        Trigger.run_id == run_id, Trigger.layer == LAYER, Trigger.key == KEY, Trigger.sign == sign
-    )
-    return list(db.scalars(query))
+    found = queries.get_triggers(session=db, run_id=run_id, layer=LAYER, key=KEY, sign=sign)
+    return [t.coefficient for t in found]
 
 
 def test_the_json_twin_answers_under_try_text_equal_to_the_engine_capture(client, db, slug, tiny):

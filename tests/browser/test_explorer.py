@@ -11,8 +11,9 @@ from browser_fixtures import serving
 from sqlalchemy import select
 
 from ffmem.config import Settings
+from ffmem.store import queries
 from ffmem.store.db import make_engine, make_sessionmaker
-from ffmem.store.models import LanguageModel, Token, ValueToken
+from ffmem.store.models import LanguageModel, Run, Token
 from ffmem.web.main import create_app
 
 
@@ -31,11 +32,11 @@ def facts(explorer_db):
     engine = make_engine(explorer_db)
     with make_sessionmaker(engine)() as session:
         model = session.scalars(select(LanguageModel)).one()
-        token_id = session.scalars(
-            select(ValueToken.token_id).where(
-                ValueToken.readout == "raw", ValueToken.direction == 1, ValueToken.rank == 0
-            )
-        ).first()
+        run_id = session.scalars(select(Run.id)).first()
+        top = queries.get_value_tokens(
+            session=session, run_id=run_id, layer=0, key=0, readout="raw", direction=1
+        )
+        token_id = top[0].token_id
         text = session.get(Token, (model.id, token_id)).text
     engine.dispose()
     return {"slug": model.slug, "token": text}

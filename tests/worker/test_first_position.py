@@ -17,7 +17,7 @@ from ffmem.config import Settings
 from ffmem.engine.hooks import capture
 from ffmem.store import jobs, queries
 from ffmem.store.db import make_engine, make_sessionmaker
-from ffmem.store.models import KeyStats, Run, Sentence, Trigger
+from ffmem.store.models import KeyStats, Run, Sentence
 from ffmem.web.main import create_app
 from ffmem.worker.index import IndexOptions, build_index
 
@@ -124,9 +124,10 @@ def test_by_default_position_0_is_in_no_trigger_and_no_statistic(db_url, tiny, t
         assert run.provenance["mined_positions"].startswith("from 1: the tokenizer puts no BOS first")
         per_sentence = recomputed(tiny, session, run)
         assert per_sentence[0][LAYER][0, KEY] > SPIKE / 2  # the sink is planted
-        assert session.scalar(select(Trigger.position).order_by(Trigger.position).limit(1)) == 1
+        every = list(queries.iter_triggers(session=session, run_id=run.id))
+        assert min(t.position for t in every) == 1
         one_token = SENTENCES.index("Paris")
-        assert session.scalars(select(Trigger).where(Trigger.sentence_index == one_token)).first() is None
+        assert not [t for t in every if t.sentence_index == one_token]
         assert_stored_equals_brute_force(session, run, per_sentence, start=1)
         spiked = queries.get_key_stats(session=session, run_id=run.id, layer=LAYER, key=KEY)
         assert spiked.max_coefficient < SPIKE / 2  # the model page's max column never sees the sink

@@ -16,7 +16,7 @@ from ffmem.engine.hooks import capture
 from ffmem.engine.projection import value_logits
 from ffmem.store import queries
 from ffmem.store.db import make_engine, make_sessionmaker
-from ffmem.store.models import Job, KeyStats, MinedLayerRow, Run, Sentence, Shard, Trigger, ValueToken
+from ffmem.store.models import Job, KeyStats, MemoryList, MinedLayerRow, Run, Sentence, Shard
 from ffmem.worker.index import IndexOptions, build_index
 
 SENTENCES = [*TRAINING_TEXT, "Café culture <script>alert(1)</script> spread across Europe."]
@@ -57,8 +57,10 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
         assert run.finished_at - run.started_at >= timedelta(seconds=summary.mining_seconds)
         assert run.provenance["corpus"] == "corpus.txt" and run.top_k == 4
         assert run.n_tokens == summary.tokens
-        assert session.scalar(select(func.count()).select_from(Trigger)) == summary.triggers == 3 * 48 * 2 * 4
-        assert session.scalar(select(func.count()).select_from(ValueToken)) == 3 * 48 * 2 * 2 * 5
+        count = queries.count_entries
+        assert count(session=session, run_id=run.id, kind="triggers") == summary.triggers == 3 * 48 * 2 * 4
+        assert summary.value_tokens == 3 * 48 * 2 * 2 * 5
+        assert session.scalar(select(func.count()).select_from(MemoryList)) == 3 * 48 * (2 + 2 * 2)
         assert session.scalar(select(func.count()).select_from(KeyStats)) == 3 * 48
         for layer, key in [(0, 0), (1, 17), (2, 47)]:
             for sign in (1, -1):
@@ -106,6 +108,9 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
                 )
                 assert [t.token_id for t in top] == logits.topk(5).indices.tolist()
                 assert top[0].prob == pytest.approx(float(probs.max()), rel=1e-4)
+                # prob = exp(logit − log_z) with the stored log-normaliser: the softmax, to float32's error
+                for t in top:
+                    assert t.prob == pytest.approx(float(probs[t.token_id]), rel=1e-5)
                 bottom = queries.get_value_tokens(
                     session=session, run_id=run.id, layer=layer, key=key, readout=readout, direction=-1
                 )
@@ -114,32 +119,20 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
 
 def stored_rows(session, run_id: int) -> tuple[list, list, list]:
     """Everything a run stored, in a comparable order."""
-    triggers = session.execute(
-        select(
-            Trigger.layer,
-            Trigger.key,
-            Trigger.sign,
-            Trigger.rank,
-            Trigger.sentence_index,
-            Trigger.position,
-            Trigger.coefficient,
-        )
-        .where(Trigger.run_id == run_id)
-        .order_by(Trigger.layer, Trigger.key, Trigger.sign, Trigger.rank)
-    ).all()
+    triggers = [
+        (t.layer, t.key, t.sign, t.rank, t.sentence_index, t.position, t.coefficient)
+        for t in queries.iter_triggers(session=session, run_id=run_id)
+    ]
     stats = session.execute(
         select(KeyStats.layer, KeyStats.key, KeyStats.histogram, KeyStats.positive_share, KeyStats.mean)
         .where(KeyStats.run_id == run_id)
         .order_by(KeyStats.layer, KeyStats.key)
     ).all()
-    values = session.execute(
-        select(
-            ValueToken.layer, ValueToken.key, ValueToken.readout, ValueToken.direction, ValueToken.token_id
-        )
-        .where(ValueToken.run_id == run_id)
-        .order_by(ValueToken.layer, ValueToken.key, ValueToken.readout, ValueToken.direction, ValueToken.rank)
-    ).all()
-    return [tuple(r) for r in triggers], [tuple(r) for r in stats], [tuple(r) for r in values]
+    values = [
+        (v.layer, v.key, v.readout, v.direction, v.token_id)
+        for v in queries.iter_value_tokens(session=session, run_id=run_id)
+    ]
+    return triggers, [tuple(r) for r in stats], values
 
 
 def test_a_crashed_index_resumes_from_its_checkpoint(
@@ -219,11 +212,14 @@ def test_key_examples_shade_every_token_and_sample_every_band(
             assert (found.positive, found.negative) == (2, 2) and found.samples
             shown = [*triggers[1][:2], *triggers[-1][:2], *found.samples]
             arrays = found.shading([len(ids[row.sentence_index]) for row in shown])
-            for row, values in zip(shown, arrays, strict=True):
+            for row, values, step in zip(shown, arrays, found.steps(), strict=True):
                 m = _coefficients_by_hand(tiny, ids[row.sentence_index], layer)[:, key]  # [pos]
                 assert math.isnan(values[0])  # position 0 is not mined (no BOS, the default)
-                assert values[1:] == pytest.approx(m[1:].numpy(), rel=3e-3, abs=3e-3)
-                assert float(values[row.position]) == pytest.approx(row.coefficient, rel=3e-3, abs=3e-3)
+                assert step == pytest.approx(float(m[1:].abs().max()) / 127, rel=1e-4)  # its peak / 127
+                # int8 codes: within half a step, up to the recomputation's float32 noise
+                tolerance = float(step) / 2 + 1e-4
+                assert values[1:] == pytest.approx(m[1:].numpy(), abs=tolerance)
+                assert float(values[row.position]) == pytest.approx(row.coefficient, abs=tolerance)
 
 
 def _coefficients_by_hand(tiny, ids: list[int], layer: int) -> torch.Tensor:
@@ -255,7 +251,7 @@ def test_held_out_sentences_are_never_mined_and_are_what_the_analyses_read(
         assert (
             run.provenance["held_out_every"] == 3 and "7 sentences, not mined" in run.provenance["held_out"]
         )
-        mined = set(session.scalars(select(Trigger.sentence_index).where(Trigger.run_id == run.id)))
+        mined = {t.sentence_index for t in queries.iter_triggers(session=session, run_id=run.id)}
         assert mined and not {i for i in mined if i % 3 == 2}
         read = held_out(session, run, 5, tiny)
         stored = queries.get_sentences(session=session, corpus_id=run.corpus_id, indices=[2, 5, 8, 11, 14])
