@@ -151,7 +151,7 @@ class MiningState:
             _priority(batch.sentence_index, layer, self.n_keys) << 32 | batch.sentence_index
         )  # [keys, batch]
         for sign, best in ((1, high), (-1, low.neg_())):  # best: s·(the sentence's extreme), [batch, keys]
-            self._enter_top(layer, sign, c, best, sentence, batch.mined)
+            self._enter_top(layer, sign, c, best, sentence, batch)
             self._sample(layer, sign, c, best, batch, sentence, sample_key)
 
     def _histogram(self, c: torch.Tensor, unmined: int) -> torch.Tensor:
@@ -170,7 +170,7 @@ class MiningState:
         return counts
 
     def _enter_top(
-        self, layer: int, sign: int, c: torch.Tensor, best: torch.Tensor, sentence: torch.Tensor, mined
+        self, layer: int, sign: int, c: torch.Tensor, best: torch.Tensor, sentence: torch.Tensor, batch: Batch
     ) -> None:
         """Merge a batch's sentences into the top-T of sign `sign`: `best` [batch, keys] is s·m's maximum
         per sentence, `sentence` [batch] the sentences (−1: none mined). Only keys with a sentence above
@@ -195,7 +195,7 @@ class MiningState:
         entry, slot = (index >= self.top_k).nonzero(as_tuple=True)  # [new] each: entered the top-T
         if len(entry):
             row = index[entry, slot] - self.top_k  # [new]
-            position[entry, slot] = _extreme_position(c, row, key[entry], mined, sign)
+            position[entry, slot] = _extreme_position(c, row, key[entry], batch, sign)
         top.order[layer, key] = kept
         top.position[layer, key] = position
 
@@ -247,7 +247,7 @@ class MiningState:
         if len(cell):
             ordered, rows = index.sort()  # [batch] each: the batch's sentences are in length order
             row = rows[torch.searchsorted(ordered, order[cell, new] & 0xFFFFFFFF)]  # [new]
-            where = _extreme_position(c, row, key[cell], batch.mined, sign)  # [new]
+            where = _extreme_position(c, row, key[cell], batch, sign)  # [new]
             position[cell, new] = where.to(torch.int16)
             coefficient[cell, new] = signed[row, key[cell]]
         self.sample_order[layer, key, band] = order
@@ -359,13 +359,22 @@ def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:
     return torch.bincount(index, minlength=length)
 
 
-def _extreme_position(c: torch.Tensor, row: torch.Tensor, key: torch.Tensor, mined: torch.Tensor, sign: int):
-    """The first mined position of s·c's maximum in each (row, key) pair: [pairs] int64."""
-    per_position = c[row, :, key]  # [pairs, pos]
-    unmined = ~mined[row]  # [pairs, pos]
-    if sign == 1:
-        return per_position.masked_fill_(unmined, float("-inf")).argmax(dim=1)
-    return per_position.masked_fill_(unmined, float("inf")).argmin(dim=1)
+def _extreme_position(c: torch.Tensor, row: torch.Tensor, key: torch.Tensor, batch: Batch, sign: int):
+    """The first mined position of s·c's maximum in each (row, key) pair: [pairs] int64.
+
+    Read off each pair's positions, or, where the pairs are many (a new run: most sentences enter the
+    top-T), off one argmax over the whole batch; both give the first maximum. Overwrites c's unmined
+    positions (to ∓inf) in the second case.
+    """
+    if len(row) * 8 < c.shape[0] * c.shape[2]:
+        per_position = c[row, :, key]  # [pairs, pos]
+        unmined = ~batch.mined[row]  # [pairs, pos]
+        if sign == 1:
+            return per_position.masked_fill_(unmined, float("-inf")).argmax(dim=1)
+        return per_position.masked_fill_(unmined, float("inf")).argmin(dim=1)
+    c[batch.unmined] = float("-inf") if sign == 1 else float("inf")
+    where = c.argmax(dim=1) if sign == 1 else c.argmin(dim=1)  # [batch, keys]
+    return where[row, key]
 
 
 def mine_batches(
