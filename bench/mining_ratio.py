@@ -4,7 +4,8 @@
 
 Per round: the bare backbone forward, mining with `ffmem/engine/mining.py` as of git revision `--against`,
 and mining with the working tree's, in alternating order on the same batches; prints each round and the
-medians (wall and process CPU time). On a shared machine only such interleaved ratios mean anything.
+medians (wall and process CPU time), after one uncounted bare forward. On a shared machine only such
+interleaved ratios mean anything.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main() -> None:
         return run
 
     runs = {"bare": bare, "then": miner(then), "now": miner(mining)}
+    bare()  # warm-up, not counted: the first forward after loading is much slower
     wall = {name: [] for name in runs}
     cpu = {name: [] for name in runs}
     for round_ in range(args.repeats):
