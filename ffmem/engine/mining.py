@@ -119,6 +119,7 @@ class MiningState:
         shifted = torch.arange(CODES) ^ (CODES // 2)  # [CODES]: each shifted code's (sign, exponent) code
         self._code_bins = histogram_bins(_code_values())[shifted].long().to(device)  # [CODES]: its bin
         self._workspace: dict[str, torch.Tensor] = {}
+        self._tables: dict[int, torch.Tensor] = {}  # per sign, a batch's argmax (see _extreme_position)
         self.sentences = 0
 
     # -- update ---------------------------------------------------------------------------------
@@ -127,8 +128,8 @@ class MiningState:
 
         `coefficients` is overwritten at padded and unmined positions (the forward pass is over).
         Passes over the whole [batch, pos, keys] tensor: the maximum, the minimum, the sum, the codes and
-        their count (the one costly pass: random access, one thread). The top-T
-        and band samples then work on [keys, batch] and only where a sentence beats what is kept.
+        their count (the one costly pass: random access, one thread). The top-T and band samples then
+        work on [keys, batch], and merge only where a sentence beats what is kept.
         """
         c = coefficients.float()  # [batch, pos, keys] (no copy when already float32)
         rows, positions = batch.unmined  # of padded and unmined positions; few after bucketing
@@ -142,7 +143,7 @@ class MiningState:
         high.masked_fill_(~has_mined[:, None], float("-inf"))
         low.masked_fill_(~has_mined[:, None], float("inf"))
         sentence = batch.sentence_index.masked_fill(~has_mined, -1)  # [batch]
-        self._tables: dict[int, torch.Tensor] = {}  # per sign, see _extreme_position
+        self._tables.clear()  # a new batch or layer
         # Statistics with unmined positions set to +0.0: they add nothing to the sum, and their
         # histogram bin (ZERO_BIN) is corrected by their number.
         c[rows, positions] = 0.0
