@@ -58,6 +58,12 @@ class Batch:
         """(rows, positions) of the positions not mined: padding, and a BOS where there is one."""
         return (~self.mined).nonzero(as_tuple=True)  # [unmined] each
 
+    @functools.cached_property
+    def anchor(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a mined position of each row: its first, 0 where none; whether the row has one), [batch] each."""
+        has_mined = self.mined.any(dim=1)  # [batch]
+        return self.mined.to(torch.uint8).argmax(dim=1), has_mined
+
     @property
     def real_tokens(self) -> int:
         return int(self.attention_mask.sum())

@@ -39,6 +39,9 @@ from ffmem.engine.mined_layer import (
 
 LOWEST_EXPONENT = 118  # float32 biased exponent of 2^-9
 CODES = 512  # a float32's sign and biased exponent bits, as the number (bits >> 23) & 511
+# A key's counters in the one bincount of all keys: one more than CODES, so that keys do not lie 4 KiB
+# apart (keys next to each other in memory would then share cache sets: twice as slow on a CPU).
+CODE_STRIDE = CODES + 1
 
 
 def _code_values() -> torch.Tensor:
@@ -83,7 +86,7 @@ class TopK:
     """Running top-T of s·m per key, best first, as packed order keys (see _order_key)."""
 
     order: torch.Tensor  # [layers, keys, T] int64: s·coefficient and sentence in one sortable number
-    position: torch.Tensor  # [layers, keys, T] int64; while merging, −(row + 1) marks a new entry
+    position: torch.Tensor  # [layers, keys, T] int64: where in the sentence s·m is highest
 
 
 class MiningState:
@@ -109,9 +112,14 @@ class MiningState:
         self.sample_coefficient = torch.zeros(shape, dtype=torch.float32, device=device)
         self.total = torch.zeros((n_layers, n_keys), dtype=torch.float64, device=device)
         self.positions = 0  # mined positions (the denominator of every share)
-        self._key_offsets = torch.arange(n_keys, dtype=torch.int32, device=device) * CODES  # [keys]
-        self._code_bins = histogram_bins(_code_values()).long().to(device)  # [CODES]: each code's bin
+        # A key's codes in the bincount (see _histogram): (bits >> 23) + CODES / 2 + key · CODE_STRIDE.
+        offsets = torch.arange(n_keys, dtype=torch.int32, device=device) * CODE_STRIDE + CODES // 2  # [keys]
+        self._key_offsets = offsets
+        # (bits >> 23) + 256 is 256 + exponent for a positive float, the exponent for a negative one.
+        shifted = torch.arange(CODES) ^ (CODES // 2)  # [CODES]: each shifted code's (sign, exponent) code
+        self._code_bins = histogram_bins(_code_values())[shifted].long().to(device)  # [CODES]: its bin
         self._workspace: dict[str, torch.Tensor] = {}
+        self._tables: dict[int, torch.Tensor] = {}  # per sign, a batch's argmax (see _extreme_position)
         self.sentences = 0
 
     # -- update ---------------------------------------------------------------------------------
@@ -119,43 +127,79 @@ class MiningState:
         """Fold one layer's coefficients for one batch into the state.
 
         `coefficients` is overwritten at padded and unmined positions (the forward pass is over).
+        Passes over the whole [batch, pos, keys] tensor: the maximum, the minimum, the sum, the codes and
+        their count (the one costly pass: random access, one thread). The top-T and band samples then
+        work on [keys, batch], and merge only where a sentence beats what is kept.
         """
         c = coefficients.float()  # [batch, pos, keys] (no copy when already float32)
-        unmined = batch.unmined  # (rows, positions) of padded and unmined positions; few after bucketing
-        # Statistics first, with unmined positions set to +0.0: they add nothing to the sum, and
-        # their histogram bin (ZERO_BIN) is corrected by their number.
-        c[unmined] = 0.0
+        rows, positions = batch.unmined  # of padded and unmined positions; few after bucketing
+        anchor, has_mined = batch.anchor  # [batch] each
+        # The sentence extremes without a fill per sign: unmined positions first hold a mined coefficient
+        # of their row, which changes neither its maximum nor its minimum.
+        c[rows, positions] = c[rows, anchor[rows]]  # [unmined, keys]
+        high, low = c.amax(dim=1), c.amin(dim=1)  # [batch, keys] each (torch.aminmax: 10× slower)
+        # A sentence with no mined position has best ±inf; its sentence −1 then gives it the empty
+        # slot's order key, so it never ranks above an empty slot.
+        high.masked_fill_(~has_mined[:, None], float("-inf"))
+        low.masked_fill_(~has_mined[:, None], float("inf"))
+        sentence = batch.sentence_index.masked_fill(~has_mined, -1)  # [batch]
+        self._tables.clear()  # a new batch or layer
+        # Statistics with unmined positions set to +0.0: they add nothing to the sum, and their
+        # histogram bin (ZERO_BIN) is corrected by their number.
+        c[rows, positions] = 0.0
         self.total[layer] += c.sum(dim=(0, 1)).double()
-        n_bins = self.histogram.shape[-1]
-        # Count each float's sign and exponent (a code, 0 … 511) per key with one bincount, then fold
-        # the 512 codes into the histogram's bins: two cheap passes over the coefficients, not ten.
+        self.histogram[layer] += self._histogram(c, len(rows))
+        sample_key = (
+            _priority(batch.sentence_index, layer, self.n_keys) << 32 | batch.sentence_index
+        )  # [keys, batch]
+        for sign, best in ((1, high), (-1, low.neg_())):  # best: s·(the sentence's extreme), [batch, keys]
+            self._enter_top(layer, sign, c, best, sentence, batch)
+            self._sample(layer, sign, c, best, batch, sentence, sample_key)
+
+    def _histogram(self, c: torch.Tensor, unmined: int) -> torch.Tensor:
+        """[keys, bins] counts of one batch's coefficients (`unmined` of them are padding set to +0.0).
+
+        Each float's sign and exponent (a code) is counted per key with one bincount, then the codes
+        are folded into the histogram's bins: two cheap passes over the coefficients, not ten.
+        """
         codes = _scratch(self._workspace, "codes", c.shape, torch.int32, c.device)  # [batch, pos, keys]
-        torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes).bitwise_and_(CODES - 1)
-        codes = codes.view(-1, self.n_keys).add_(self._key_offsets)  # one bincount for every key at once
-        by_code = torch.bincount(codes.view(-1), minlength=self.n_keys * CODES).view(self.n_keys, CODES)
-        counts = torch.zeros((self.n_keys, n_bins), dtype=torch.long, device=c.device)
-        counts.index_add_(1, self._code_bins, by_code)  # [keys, bins]
-        counts[:, ZERO_BIN] -= len(unmined[0])
-        self.histogram[layer] += counts
-        rows = torch.arange(len(batch.sentence_index), device=c.device)  # [batch]
-        # A sentence with no mined position (one token, not mined) has best ±inf: give it the empty
-        # slot's order key (sentence −1), so it never ranks above an empty slot.
-        sentence = batch.sentence_index.masked_fill(~batch.mined.any(dim=1), -1)  # [batch]
-        for sign in SIGNS:
-            # The sentence maximum of s·m; argmax only for the few (sentence, key) pairs that enter
-            # the top-T, which keeps the full-width reduction a cheap amax.
-            c[unmined] = float("-inf") if sign == 1 else float("inf")
-            best = c.amax(dim=1) if sign == 1 else -c.amin(dim=1)  # [batch, keys]
-            order = _order_key(best.T, sentence[None, :].expand(self.n_keys, -1))  # [keys, batch]
-            top = self.top[sign]
-            _merge_into(top, layer, order, -(rows + 1)[None, :].expand(self.n_keys, -1), self.top_k)
-            key, slot = (top.position[layer] < 0).nonzero(as_tuple=True)  # [new] each: entered the top-T
-            if len(key):
-                row = -top.position[layer, key, slot] - 1  # [new]
-                per_position = c[row, :, key]  # [new, pos]
-                where = per_position.argmax(dim=1) if sign == 1 else per_position.argmin(dim=1)
-                top.position[layer, key, slot] = where
-            self._sample(layer, sign, c, best, batch.sentence_index, sentence)
+        torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes)  # −256 … 255
+        codes = codes.view(-1, self.n_keys).add_(self._key_offsets)  # [batch·pos, keys]: 0 … keys·CODE_STRIDE
+        by_code = _bincount(codes.view(-1), self.n_keys * CODE_STRIDE).view(self.n_keys, CODE_STRIDE)
+        counts = torch.zeros((self.n_keys, N_BINS), dtype=torch.long, device=c.device)
+        counts.index_add_(1, self._code_bins, by_code[:, :CODES])  # [keys, bins]
+        counts[:, ZERO_BIN] -= unmined
+        return counts
+
+    def _enter_top(
+        self, layer: int, sign: int, c: torch.Tensor, best: torch.Tensor, sentence: torch.Tensor, batch: Batch
+    ) -> None:
+        """Merge a batch's sentences into the top-T of sign `sign`: `best` [batch, keys] is s·m's maximum
+        per sentence, `sentence` [batch] the sentences (−1: none mined). Only keys with a sentence above
+        their T-th kept one are merged: the others keep their top-T as it is (order keys are unique but
+        for the empty slot's, whose position is 0 wherever it is)."""
+        top = self.top[sign]
+        last = top.order[layer, :, -1]  # [keys]: the T-th kept
+        # First on the values alone (a NaN passes, as its order key is above every other): keys where
+        # no sentence reaches the T-th value stay as they are, and in steady state that is most keys.
+        reach = ~(best.T < _unpack(last)[0][:, None])  # [keys, batch]
+        key = reach.any(dim=1).nonzero().squeeze(1)  # [candidates]
+        if not len(key):
+            return
+        order = _order_key(best[:, key].T, sentence[None, :].expand(len(key), -1))  # [candidates, batch]
+        changed = (order > last[key, None]).any(dim=1)  # [candidates]
+        key, order = key[changed], order[changed]  # [changed], [changed, batch]
+        if not len(key):
+            return
+        merged = torch.cat([top.order[layer, key], order], dim=1)  # [changed, T + batch]
+        kept, index = merged.topk(self.top_k, dim=1)  # [changed, T] each, best first
+        position = top.position[layer, key].gather(1, index.clamp(max=self.top_k - 1))  # [changed, T]
+        entry, slot = (index >= self.top_k).nonzero(as_tuple=True)  # [new] each: entered the top-T
+        if len(entry):
+            row = index[entry, slot] - self.top_k  # [new]
+            position[entry, slot] = _extreme_position(c, row, key[entry], batch, sign, self._tables)
+        top.order[layer, key] = kept
+        top.position[layer, key] = position
 
     def _sample(
         self,
@@ -163,42 +207,54 @@ class MiningState:
         sign: int,
         c: torch.Tensor,
         best: torch.Tensor,
-        index: torch.Tensor,
+        batch: Batch,
         sentence: torch.Tensor,
+        sample_key: torch.Tensor,
     ) -> None:
         """Fold a batch's sentence extremes into the band samples (MinedLayer.sample_order).
 
-        `best`: [batch, keys] s·(the sentence's extreme); `index`: [batch] the sentences; `sentence`: the
-        same with −1 for a sentence with no mined position. The batch's lowest order keys per key and bin
-        are found with SAMPLES rounds of a scatter-min, then merged with the kept ones.
+        `best`: [batch, keys] s·(the sentence's extreme); `sentence`: the batch's sentences with −1 for
+        one with no mined position; `sample_key`: [keys, batch] each sentence's order key. Only sentences
+        below the highest kept key of their bin can enter; of those, the batch's lowest per key and bin are
+        found with SAMPLES rounds of a scatter-min, then merged with the kept ones of the bins they reach.
         """
         n_bins = N_BINS
+        index = batch.sentence_index  # [batch]
         signed = best * sign  # [batch, keys]: the extreme itself
         useful = (best > 0) & torch.isfinite(best) & (sentence >= 0)[:, None]  # [batch, keys]
         bins = histogram_bins(signed).long().masked_fill_(~useful, n_bins).T  # [keys, batch]; n_bins: none
-        order = (_priority(index, layer, self.n_keys) << 32) | index[None, :]  # [keys, batch]
-        order = order.masked_fill(~useful.T, EMPTY_SAMPLE)  # [keys, batch]
+        kept = self.sample_order[layer]  # [keys, bins, S]
+        none = torch.full((self.n_keys, 1), EMPTY_SAMPLE, dtype=torch.long, device=c.device)
+        highest = torch.cat([kept[..., -1], none], dim=1)  # [keys, bins + 1]: what an entry must be below
+        enters = useful.T & (sample_key < highest.gather(1, bins))  # [keys, batch]
+        if not enters.any():
+            return
+        order = sample_key.masked_fill(~enters, EMPTY_SAMPLE)  # [keys, batch]
         found = []
         for _ in range(SAMPLES):
             lowest = torch.full((self.n_keys, n_bins + 1), EMPTY_SAMPLE, dtype=torch.long, device=c.device)
             lowest.scatter_reduce_(1, bins, order, "amin")  # [keys, bins + 1]
             found.append(lowest[:, :n_bins])
             order = order.masked_fill(order == lowest.gather(1, bins), EMPTY_SAMPLE)  # [keys, batch]
-        merged = torch.cat([self.sample_order[layer], torch.stack(found, dim=-1)], dim=-1)  # [keys, bins, 2S]
-        kept, slot = merged.sort(dim=-1)  # [keys, bins, 2S] each
-        kept, slot = kept[..., :SAMPLES], slot[..., :SAMPLES]  # [keys, bins, S]
-        position = self.sample_position[layer].gather(-1, slot.clamp(max=SAMPLES - 1))  # [keys, bins, S]
-        coefficient = self.sample_coefficient[layer].gather(-1, slot.clamp(max=SAMPLES - 1))
-        key, band, new = ((slot >= SAMPLES) & (kept != EMPTY_SAMPLE)).nonzero(as_tuple=True)  # [new] each
-        if len(key):
+        found = torch.stack(found, dim=-1)  # [keys, bins, S]
+        key, band = (found[..., 0] != EMPTY_SAMPLE).nonzero(as_tuple=True)  # [cells] each: bins reached
+        merged = torch.cat([kept[key, band], found[key, band]], dim=-1)  # [cells, 2S]
+        order, slot = merged.sort(dim=-1)  # [cells, 2S] each
+        order, slot = order[:, :SAMPLES], slot[:, :SAMPLES]  # [cells, S]
+        position = self.sample_position[layer, key, band].gather(
+            -1, slot.clamp(max=SAMPLES - 1)
+        )  # [cells, S]
+        coefficient = self.sample_coefficient[layer, key, band].gather(-1, slot.clamp(max=SAMPLES - 1))
+        cell, new = ((slot >= SAMPLES) & (order != EMPTY_SAMPLE)).nonzero(as_tuple=True)  # [new] each
+        if len(cell):
             ordered, rows = index.sort()  # [batch] each: the batch's sentences are in length order
-            row = rows[torch.searchsorted(ordered, kept[key, band, new] & 0xFFFFFFFF)]  # [new]
-            per_position = c[row, :, key]  # [new, pos]
-            where = per_position.argmax(dim=1) if sign == 1 else per_position.argmin(dim=1)  # [new]
-            position[key, band, new] = where.to(torch.int16)
-            coefficient[key, band, new] = signed[row, key]
-        self.sample_order[layer], self.sample_position[layer] = kept, position
-        self.sample_coefficient[layer] = coefficient
+            row = rows[torch.searchsorted(ordered, order[cell, new] & 0xFFFFFFFF)]  # [new]
+            where = _extreme_position(c, row, key[cell], batch, sign, self._tables)  # [new]
+            position[cell, new] = where.to(torch.int16)
+            coefficient[cell, new] = signed[row, key[cell]]
+        self.sample_order[layer, key, band] = order
+        self.sample_position[layer, key, band] = position
+        self.sample_coefficient[layer, key, band] = coefficient
 
     def count(self, batch: Batch) -> None:
         """Count a batch's positions and sentences once (after its layers were folded in)."""
@@ -298,12 +354,33 @@ def _priority(sentence: torch.Tensor, layer: int, n_keys: int) -> torch.Tensor:
     return x >> 1
 
 
-def _merge_into(state: TopK, layer: int, order: torch.Tensor, position: torch.Tensor, top_k: int) -> None:
-    """Keep the top-T of one layer's state ∪ candidates (order keys and positions, [keys, n])."""
-    merged = torch.cat([state.order[layer], order], dim=1)  # [keys, T + n]
-    kept, index = merged.topk(top_k, dim=1)  # [keys, T] each, best first
-    state.order[layer] = kept
-    state.position[layer] = torch.cat([state.position[layer], position], dim=1).gather(1, index)
+def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:
+    """torch.bincount; on a CPU numpy's, about three times as fast (torch 2.x) for the same counts."""
+    if index.device.type == "cpu":
+        return torch.from_numpy(np.bincount(index.numpy(), minlength=length))
+    return torch.bincount(index, minlength=length)
+
+
+def _extreme_position(
+    c: torch.Tensor, row: torch.Tensor, key: torch.Tensor, batch: Batch, sign: int, tables: dict
+) -> torch.Tensor:
+    """The first mined position of s·c's maximum in each (row, key) pair: [pairs] int64.
+
+    Read off each pair's positions, or, where the pairs are many (a new run: most sentences enter the
+    top-T), off one argmax over the whole batch; both give the first maximum. Overwrites c's unmined
+    positions (to ∓inf) in the second case; `tables` keeps that argmax per sign for the batch and layer.
+    """
+    if len(row) * 8 < c.shape[0] * c.shape[2]:
+        per_position = c[row, :, key]  # [pairs, pos]
+        unmined = ~batch.mined[row]  # [pairs, pos]
+        if sign == 1:
+            return per_position.masked_fill_(unmined, float("-inf")).argmax(dim=1)
+        return per_position.masked_fill_(unmined, float("inf")).argmin(dim=1)
+    if sign not in tables:
+        c[batch.unmined] = float("-inf") if sign == 1 else float("inf")
+        by_key = c.transpose(1, 2).contiguous()  # [batch, keys, pos]: argmax(dim=1) is 2× slower
+        tables[sign] = by_key.argmax(dim=2) if sign == 1 else by_key.argmin(dim=2)  # [batch, keys]
+    return tables[sign][row, key]
 
 
 def mine_batches(

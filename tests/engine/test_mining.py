@@ -275,3 +275,84 @@ def test_length_bucketing_pads_little_and_respects_the_budget():
     assert real / computed >= 0.9, f"padding efficiency {real / computed:.3f}"
     assert all(b.real_tokens >= 0.9 * b.computed_tokens for b in batches)  # also per batch, small shards too
     assert sorted(int(i) for b in batches for i in b.sentence_index) == list(range(2048))
+
+
+def synthetic_corpus(n_sentences: int, n_layers: int, n_keys: int, seed: int):
+    """Random coefficients with many ties, per sentence and layer [positions, keys], first positions
+    included (some unmined: a huge value there must never count), and a few sentences with nothing mined."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 100.0, 2048.0])  # few values: ties everywhere
+    lengths = torch.randint(1, 13, (n_sentences,), generator=generator).tolist()
+    first = [int(i % 5 == 0 or length == 1 and i % 3 == 0) for i, length in enumerate(lengths)]
+    full = []
+    for length in lengths:
+        pick = torch.randint(0, len(values), (n_layers, length, n_keys), generator=generator)
+        sign = torch.randint(0, 2, (n_layers, length, n_keys), generator=generator) * 2 - 1
+        full.append(values[pick] * sign + 0.0)  # [layers, pos, keys]; + 0.0: no −0.0
+    for coefficients, start in zip(full, first, strict=True):
+        coefficients[:, :start] = 5000.0  # an unmined first position: above every mined coefficient
+    return full, first
+
+
+def mine_synthetic(full, first, n_keys: int, batch_tokens: int) -> MiningState:
+    """Feed the synthetic coefficients to MiningState.update batch by batch, padding set to garbage."""
+    n_layers = full[0].shape[0]
+    state = MiningState(n_layers, n_keys, TOP_K)
+    ids = [[1] * c.shape[1] for c in full]
+    batches = length_bucketed_batches(
+        ids, first, indices=range(len(ids)), batch_tokens=batch_tokens, pad_id=0
+    )
+    for batch in batches:
+        rows, width = batch.input_ids.shape
+        for layer in range(n_layers):
+            coefficients = torch.full((rows, width, n_keys), -7777.0)  # [batch, pos, keys]: padding
+            for row, sentence in enumerate(batch.sentence_index.tolist()):
+                length = full[sentence].shape[1]
+                coefficients[row, :length] = full[sentence][layer]
+            state.update(layer, coefficients, batch)
+        state.count(batch)
+    return state
+
+
+@pytest.mark.parametrize("batch_tokens", [24, 200, 5000])
+def test_update_equals_a_simple_reference_on_random_coefficients_with_ties(batch_tokens):
+    """Many batches of tied coefficients: the top-T (most keys skip the merge once it is full), the band
+    samples, the histogram and the sum equal brute force, and the states of any batch size are equal."""
+    n_layers, n_keys = 2, 6
+    full, first = synthetic_corpus(300, n_layers, n_keys, seed=3)
+    state = mine_synthetic(full, first, n_keys, batch_tokens)
+    per_sentence = [
+        {layer: coefficients[layer, start:] for layer in range(n_layers)}
+        for coefficients, start in zip(full, first, strict=True)
+    ]
+    assert_matches_brute_force(state, per_sentence, first)
+    one_batch = mine_synthetic(full, first, n_keys, 10**6)
+    for layer in range(n_layers):
+        got, want = state.layer(layer), one_batch.layer(layer)
+        for name in ("histogram", "total", "sample_order", "sample_position", "sample_coefficient"):
+            assert (getattr(got, name) == getattr(want, name)).all(), name
+        for sign in (1, -1):
+            for name in ("coefficient", "sentence", "position"):
+                assert (getattr(got, name)[sign] == getattr(want, name)[sign]).all(), (name, sign)
+
+
+def test_the_histogram_counts_every_mined_coefficient_in_its_bin():
+    """Signed zeros, subnormals, infinities and both ends of the range: update counts each coefficient in
+    the bin histogram_bins gives it (−0.0 in bin 20, a positive subnormal with +0.0 in bin 21)."""
+    values = torch.tensor(
+        [-float("inf"), -5000.0, -1024.0, -1.0, -1e-4, -1e-40, -0.0, 0.0, 1e-40, 2.0**-9, 0.75, 1024.0, 1e6]
+    )
+    values = torch.cat([values, float("inf") * torch.ones(1)])
+    n_keys = 3
+    coefficients = torch.stack([values.roll(k) for k in range(n_keys)], dim=-1)[None]  # [1, pos, keys]
+    mined = torch.ones(1, len(values), dtype=torch.bool)
+    mined[0, 0] = False  # not counted
+    batch = length_bucketed_batches([[1] * len(values)], [1], indices=[0], batch_tokens=100, pad_id=0)
+    batch = next(iter(batch))
+    assert torch.equal(batch.mined, mined)
+    state = MiningState(1, n_keys, TOP_K)
+    state.update(0, coefficients.clone(), batch)
+    want = torch.stack(
+        [torch.bincount(histogram_bins(coefficients[0, 1:, k]).long(), minlength=43) for k in range(n_keys)]
+    )
+    assert torch.equal(state.histogram[0], want)

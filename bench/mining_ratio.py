@@ -1,0 +1,108 @@
+"""Mining over the bare backbone forward, interleaved in one process, against an older bookkeeping.
+
+    python bench/mining_ratio.py --sentences 300 --repeats 3 --against eac0e74
+
+Per round: the bare backbone forward, mining with `ffmem/engine/mining.py` as of git revision `--against`,
+and mining with the working tree's, in alternating order on the same batches; prints each round and the
+medians (wall and process CPU time), after one uncounted bare forward. On a shared machine only such
+interleaved ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import batches_for  # noqa: E402
+from ffmem.config import get_settings  # noqa: E402
+from ffmem.engine import mining  # noqa: E402
+from ffmem.engine.loading import load_model  # noqa: E402
+
+
+def mining_at(revision: str):
+    """ffmem.engine.mining as of `revision`, imported as its own module."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:ffmem/engine/mining.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "mining_then.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("mining_then", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sentences", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--against", default="eac0e74", help="git revision of the older mining.py")
+    args = parser.parse_args()
+    settings = get_settings()
+    loaded = load_model(
+        settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir
+    )
+    batches = batches_for(loaded, args.sentences, settings)
+    tokens = sum(b.real_tokens for b in batches)
+    print(
+        f"{args.sentences} sentences, {len(batches)} batches, {tokens} tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
+    then = mining_at(args.against)
+
+    def bare() -> None:
+        with torch.inference_mode():
+            for b in batches:
+                loaded.model.base_model(
+                    input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False
+                )
+
+    def miner(module):
+        def run() -> None:
+            state = module.MiningState(loaded.n_layers, loaded.n_keys, settings.top_k, device=loaded.device)
+            module.mine_batches(loaded, batches, state)
+
+        return run
+
+    runs = {"bare": bare, "then": miner(then), "now": miner(mining)}
+    bare()  # warm-up, not counted: the first forward after loading is much slower
+    wall = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
+    for round_ in range(args.repeats):
+        for name in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            runs[name]()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+        last = {name: times[-1] for name, times in wall.items()}
+        print(
+            f"round {round_}: "
+            + ", ".join(f"{name} {t:.2f} s" for name, t in last.items())
+            + f"; over bare: then {last['bare'] / last['then']:.3f}, now {last['bare'] / last['now']:.3f}"
+        )
+    for label, times in (("wall", wall), ("cpu", cpu)):
+        m = {name: statistics.median(t) for name, t in times.items()}
+        print(
+            f"median {label}: bare {m['bare']:.2f} s, then {m['then']:.2f} s, now {m['now']:.2f} s; "
+            f"mining over the bare backbone forward: then {m['bare'] / m['then']:.3f}, "
+            f"now {m['bare'] / m['now']:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
