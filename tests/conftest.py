@@ -75,5 +75,5 @@ def session(db_url):
 
 
 from browser_fixtures import browser, dialogs, page, watched  # noqa: E402,F401  (Playwright on Debian's Chromium)
-from explorer_index import db, explorer_db, slug  # noqa: E402,F401  (a tiny index for the explorer)
+from explorer_index import client, db, explorer_db, run, slug  # noqa: E402,F401  (a tiny index, its explorer)
 from tiny_models import tiny, tiny_model_dir  # noqa: E402,F401  (tiny random model fixtures)

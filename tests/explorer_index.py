@@ -5,11 +5,14 @@ markup, built once per backend (SQLite, Postgres) and per test module.
 from __future__ import annotations
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
+from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.models import LanguageModel
+from ffmem.store.models import LanguageModel, Run
+from ffmem.web.main import create_app
 from ffmem.worker.index import IndexOptions, build_index
 
 HOSTILE = [
@@ -65,6 +68,21 @@ def db(explorer_db):
 def slug(db) -> str:
     """The tiny model's URL name."""
     return db.scalars(select(LanguageModel.slug)).one()
+
+
+@pytest.fixture(scope="module")
+def run(db) -> Run:
+    """The tiny index's one run."""
+    return db.scalars(select(Run)).one()
+
+
+@pytest.fixture(scope="module")
+def client(explorer_db):
+    """The explorer over the tiny index, no live worker (modules that need one define their own)."""
+    app = create_app(Settings(database_url=explorer_db))
+    with TestClient(app) as client:
+        yield client
+    app.state.engine.dispose()
 
 
 def four_shard_options(tiny_model_dir, tmp_path) -> IndexOptions:

@@ -8,28 +8,11 @@ import json
 import re
 from html import unescape
 
-import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from ffmem.config import Settings
 from ffmem.store import composition
-from ffmem.store.models import Explanation, Run
+from ffmem.store.models import Explanation
 from ffmem.web import urls
-from ffmem.web.main import create_app
-
-
-@pytest.fixture(scope="module")
-def client(explorer_db):
-    app = create_app(Settings(database_url=explorer_db))
-    with TestClient(app) as client:
-        yield client
-    app.state.engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def run(db) -> Run:
-    return db.scalars(select(Run)).one()
 
 
 def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):

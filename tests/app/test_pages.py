@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from ffmem.config import Settings
 from ffmem.store import queries
-from ffmem.store.models import KeyStats, Run, Sentence, Token
+from ffmem.store.models import KeyStats, Sentence, Token
 from ffmem.web.display import visible
 from ffmem.web.main import create_app
 
@@ -34,19 +34,6 @@ TRIGGER_FIELDS = {
     "value_rank",
 }
 TOKEN_FIELDS = {"rank", "token", "token_id", "logit", "prob"}
-
-
-@pytest.fixture(scope="module")
-def client(explorer_db):
-    app = create_app(Settings(database_url=explorer_db))
-    with TestClient(app) as client:
-        yield client
-    app.state.engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def run(db) -> Run:
-    return db.scalars(select(Run)).one()
 
 
 def json_of(client, url: str, status: int = 200) -> dict:

@@ -10,30 +10,14 @@ import numpy as np
 import pytest
 import torch
 from explorer_index import HOSTILE
-from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
-from ffmem.config import Settings
 from ffmem.engine.projection import value_logits
 from ffmem.store import queries
-from ffmem.store.models import Neighbours, Run, RunArray, Sentence, Token
+from ffmem.store.models import Neighbours, RunArray, Sentence, Token
 from ffmem.web import pages
-from ffmem.web.main import create_app
 from ffmem.web.routes.search import MAX_LENGTH
 from ffmem.web.token_search import ArrayCache
-
-
-@pytest.fixture(scope="module")
-def client(explorer_db):
-    app = create_app(Settings(database_url=explorer_db))
-    with TestClient(app) as client:
-        yield client
-    app.state.engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def run(db) -> Run:
-    return db.scalars(select(Run)).one()
 
 
 @pytest.fixture(scope="module")
