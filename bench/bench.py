@@ -33,9 +33,12 @@ from ffmem.engine.projection import project_layer  # noqa: E402
 
 
 def batches_for(loaded, n_sentences: int, settings):
-    tokenized = tokenize(
-        read_corpus("wiki-vital", n_sentences).sentences, loaded.tokenizer, settings.max_sentence_tokens
-    )
+    return batches_of(loaded, read_corpus("wiki-vital", n_sentences).sentences, settings)
+
+
+def batches_of(loaded, sentences: list[str], settings):
+    """The index's batches of these sentences (its shards and token budget)."""
+    tokenized = tokenize(sentences, loaded.tokenizer, settings.max_sentence_tokens)
     ids = [s.token_ids for s in tokenized]
     first = [s.first_position for s in tokenized]
     batches = []

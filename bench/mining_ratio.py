@@ -28,9 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import batches_for  # noqa: E402
+from bench import batches_of  # noqa: E402
 from ffmem.config import get_settings  # noqa: E402
 from ffmem.engine import mining  # noqa: E402
+from ffmem.engine.corpus import read_corpus  # noqa: E402
 from ffmem.engine.loading import load_model  # noqa: E402
 
 
@@ -62,9 +63,11 @@ def main() -> None:
     loaded = load_model(
         settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir
     )
-    every = batches_for(loaded, args.primed + args.sentences, settings)
-    primer = [b for b in every if int(b.sentence_index.max()) < args.primed]
-    batches = [b for b in every if int(b.sentence_index.max()) >= args.primed]
+    sentences = read_corpus("wiki-vital", args.primed + args.sentences).sentences
+    primer = batches_of(loaded, sentences[: args.primed], settings)
+    batches = batches_of(loaded, sentences[args.primed :], settings)
+    for b in batches:
+        b.sentence_index += args.primed  # [batch]: the corpus's own indices
     tokens = sum(b.real_tokens for b in batches)
     print(
         f"{len(batches)} batches, {tokens} tokens after {len(primer)} batches of {args.primed} primed "
