@@ -11,11 +11,11 @@ import numpy as np
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
+from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.models import Explanation, MemoryLinks
 from ffmem.store.queries import _bulk_insert, _same_shape, stored_text
 
 DIRECTIONS = ("in", "out")  # in: earlier memories writing into the key; out: later keys reading the value
-LINK = np.dtype([("layer", "<i2"), ("key", "<i4"), ("score", "<f4")])  # one stored link: 10 B
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def store_links(
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     layers, keys, scores = _same_shape(3, layers=layers, keys=keys, scores=scores)
-    packed = np.empty(layers.shape, LINK)  # [n_layers, d_ff, n]
+    packed = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
     packed["layer"], packed["key"], packed["score"] = layers, keys, scores
     rows = []
     for layer in range(layers.shape[0]):
@@ -79,7 +79,7 @@ def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[st
         return None
     found = {direction: [] for direction in DIRECTIONS}
     for direction, data in rows:  # scores to 5 significant digits, as shown
-        links = np.frombuffer(data, LINK).tolist()
+        links = np.frombuffer(data, SCORED_MEMORY).tolist()
         found[direction] = [Link(layer, other, float(f"{score:.5g}")) for layer, other, score in links]
     return found
 

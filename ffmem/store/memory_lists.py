@@ -25,6 +25,8 @@ KINDS = (TRIGGERS, *READOUTS)
 
 TRIGGER = np.dtype([("sentence_index", "<i4"), ("position", "<i2"), ("coefficient", "<f4")])  # 10 B
 VALUE_HEADER = np.dtype([("token_bytes", "u1"), ("log_z", "<f4")])  # 5 B
+# Another memory and its score (a neighbour's cosine, a weight-graph link's score): 10 B.
+SCORED_MEMORY = np.dtype([("layer", "<i2"), ("key", "<i4"), ("score", "<f4")])
 
 
 def value_entry(token_bytes: int) -> np.dtype:

@@ -13,11 +13,11 @@ from sqlalchemy.orm import Session
 
 from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
 from ffmem.store import queries
+from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.models import Neighbours, RunArray
 from ffmem.store.queries import _bulk_insert
 
 NEIGHBOUR_KINDS = ("key", "value")
-NEIGHBOUR = np.dtype([("layer", "<i2"), ("key", "<i4"), ("cosine", "<f4")])  # one stored neighbour: 10 B
 
 
 # ---- token search arrays --------------------------------------------------------------------------
@@ -118,9 +118,9 @@ def store_neighbours(
     for kind, (indices, cosines) in neighbours.items():
         if kind not in NEIGHBOUR_KINDS:
             raise ValueError(f"unknown neighbour kind {kind!r}; choose from {NEIGHBOUR_KINDS}")
-        packed = np.empty(np.shape(indices), NEIGHBOUR)  # [layers · keys, k]
+        packed = np.empty(np.shape(indices), SCORED_MEMORY)  # [layers · keys, k]
         packed["layer"], packed["key"] = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
-        packed["cosine"] = cosines
+        packed["score"] = cosines
         rows = (
             (run_id, memory // n_keys, memory % n_keys, kind, packed[memory].tobytes())
             for memory in range(packed.shape[0])
@@ -139,6 +139,6 @@ def get_neighbours(*, session: Session, run_id: int, layer: int, key: int) -> di
         )
     ).all()
     return {
-        kind: [[lay, k, round(c, 6)] for lay, k, c in np.frombuffer(data, NEIGHBOUR).tolist()]
+        kind: [[lay, k, round(c, 6)] for lay, k, c in np.frombuffer(data, SCORED_MEMORY).tolist()]
         for kind, data in rows
     }

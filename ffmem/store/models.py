@@ -390,8 +390,8 @@ class KeyExamples(Base):
 class Neighbours(Base):
     """A memory's nearest memories across all layers by cosine, computed once per run (engine.neighbours):
     `kind` "key" compares keys (for gated FFs the gate and up rows together: the cosine of g·uᵀ, which is
-    cos(g)·cos(u)), "value" compares values. `data`: the neighbours as memory_search.NEIGHBOUR records
-    (layer int16, key int32, cosine float32: 10 B), the highest first (JSON [[layer, key, cosine], …]
+    cos(g)·cos(u)), "value" compares values. `data`: the neighbours as memory_lists.SCORED_MEMORY records
+    (layer int16, key int32, score = cosine float32: 10 B), the highest first (JSON [[layer, key, cosine], …]
     before revision 0014)."""
 
     __tablename__ = "neighbours"
@@ -406,9 +406,9 @@ class Neighbours(Base):
 class MemoryLinks(Base):
     """A memory's strongest links in its run's weight graph (ffmem.engine.weight_graph), computed once per
     run from the weights: `direction` "in" lists the earlier memories whose values write most into its key,
-    "out" the later keys that read its value most. `data`: composition.LINK records (layer int16, key
-    int32, score float32: 10 B), the largest |score| first (JSON [[layer, key, score], …] before revision
-    0015); score > 0: a positive coefficient of the writer raises the reader's coefficient."""
+    "out" the later keys that read its value most. `data`: memory_lists.SCORED_MEMORY records (layer
+    int16, key int32, score float32: 10 B), the largest |score| first (JSON [[layer, key, score], …]
+    before revision 0015); score > 0: a positive coefficient of the writer raises the reader's coefficient."""
 
     __tablename__ = "memory_links"
 

@@ -504,7 +504,7 @@ def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
     run = session.get(Run, run_id)
     if run is None:
         return memory_lists.decode_many(kind, [], [], [])
-    cache_key = (session.get_bind().url.render_as_string(), run_id, run.started_at, kind, sign)
+    cache_key = (_database(session), run_id, run.started_at, kind, sign)
     found = _RUN_LISTS.get(cache_key)
     if found is None:
         query = select(MemoryList.layer, MemoryList.key, MemoryList.data).where(
@@ -516,11 +516,22 @@ def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
         )
         if kind == TRIGGERS:
             found = found.take(np.argsort(found.entries["sentence_index"], kind="stable"))
-        if run.status == "done":
-            while len(_RUN_LISTS) >= RUN_LISTS_KEPT:
-                _RUN_LISTS.pop(next(iter(_RUN_LISTS)), None)
-            _RUN_LISTS[cache_key] = found
+        _remember(_RUN_LISTS, RUN_LISTS_KEPT, cache_key, found, final=run.status == "done")
     return found
+
+
+def _database(session: Session) -> str:
+    """The session's database URL: the first part of a per-process cache's keys."""
+    return session.get_bind().url.render_as_string()
+
+
+def _remember(cache: dict, kept: int, key, value, *, final: bool) -> None:
+    """Keep `value` under `key` in a per-process cache when it can no longer change (`final`); past
+    `kept` entries the oldest goes."""
+    if final:
+        while len(cache) >= kept:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
 
 
 def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
@@ -579,15 +590,12 @@ def vocabulary(*, session: Session, model_id: int) -> dict[int, str]:
     model = session.get(LanguageModel, model_id)
     if model is None:
         return {}
-    cache_key = (session.get_bind().url.render_as_string(), model_id, model.created_at)
+    cache_key = (_database(session), model_id, model.created_at)
     found = _VOCABULARIES.get(cache_key)
     if found is None:
         query = select(Token.token_id, Token.text).where(Token.model_id == model_id)
         found = dict(session.execute(query).all())
-        if len(found) == model.vocab_size:
-            while len(_VOCABULARIES) >= VOCABULARIES_KEPT:
-                _VOCABULARIES.pop(next(iter(_VOCABULARIES)), None)
-            _VOCABULARIES[cache_key] = found
+        _remember(_VOCABULARIES, VOCABULARIES_KEPT, cache_key, found, final=len(found) == model.vocab_size)
     return found
 
 
