@@ -37,7 +37,7 @@ from ffmem.worker.index import IndexOptions, build_index  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sentences", type=int, default=2000)
+    parser.add_argument("--sentences", type=int, default=2000, help="0: the whole corpus (the default index)")
     parser.add_argument("--db", default=str(ROOT / "data" / "bench-examples.db"))
     args = parser.parse_args()
     path = Path(args.db)
@@ -48,7 +48,7 @@ def main() -> None:
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
     settings = get_settings()
-    options = IndexOptions.from_settings(settings, sentences=args.sentences)
+    options = IndexOptions.from_settings(settings, sentences=args.sentences or None)
     summary = build_index(options, sessions)
     keys = summary.layers * summary.keys
     with sessions() as session:

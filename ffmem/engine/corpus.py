@@ -112,6 +112,8 @@ def _paragraphs(source: str, path: Path, skipped: Counter, max_line_chars: int) 
 
 def tokenize(sentences: list[str], tokenizer, max_tokens: int = 128) -> list[TokenizedSentence]:
     """Token ids and character offsets per sentence, truncated to `max_tokens`."""
+    if not sentences:
+        return []  # a tokenizer given no text fails (transformers 5)
     encoded = tokenizer(
         sentences,
         truncation=True,

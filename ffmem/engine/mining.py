@@ -20,10 +20,12 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
 from ffmem.engine import mined_layer as mined
+from ffmem.engine import mining_cpu
 from ffmem.engine.corpus import Batch, length_bucketed_batches, mined_sentences, shard_members
 from ffmem.engine.hooks import capture
 from ffmem.engine.loading import LoadedModel
@@ -118,6 +120,7 @@ class MiningState:
         # (bits >> 23) + 256 is 256 + exponent for a positive float, the exponent for a negative one.
         shifted = torch.arange(CODES) ^ (CODES // 2)  # [CODES]: each shifted code's (sign, exponent) code
         self._code_bins = histogram_bins(_code_values())[shifted].long().to(device)  # [CODES]: its bin
+        self._code_bins_by_code = histogram_bins(_code_values()).numpy()  # [CODES] int32: each code's bin
         self._workspace: dict[str, torch.Tensor] = {}
         self._tables: dict[int, torch.Tensor] = {}  # per sign, a batch's argmax (see _extreme_position)
         self.sentences = 0
@@ -126,12 +129,37 @@ class MiningState:
     def update(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
         """Fold one layer's coefficients for one batch into the state.
 
-        `coefficients` is overwritten at padded and unmined positions (the forward pass is over).
-        Passes over the whole [batch, pos, keys] tensor: the maximum, the minimum, the sum, the codes and
-        their count (the one costly pass: random access, one thread). The top-T and band samples then
-        work on [keys, batch], and merge only where a sentence beats what is kept.
+        On a CPU, one compiled pass (ffmem.engine.mining_cpu); elsewhere the vectorised torch fold
+        (`fold_tensors`), which gives the same state. `coefficients` may be overwritten.
         """
-        c = coefficients.float()  # [batch, pos, keys] (no copy when already float32)
+        c = coefficients.float().contiguous()  # [batch, pos, keys] (no copy when already float32)
+        if c.device.type != "cpu":
+            self.fold_tensors(layer, c, batch)
+            return
+        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(threads)
+        arrays = (
+            self.histogram, self.total, self.top[1].order, self.top[1].position, self.top[-1].order,
+            self.top[-1].position, self.sample_order, self.sample_position, self.sample_coefficient,
+        )  # fmt: skip
+        mining_cpu.fold(
+            c.numpy(),
+            batch.mined.numpy(),
+            batch.sentence_index.numpy(),
+            layer * self.n_keys,
+            self._code_bins_by_code,
+            *(array[layer].numpy() for array in arrays),
+            threads,
+        )
+
+    def fold_tensors(self, layer: int, c: torch.Tensor, batch: Batch) -> None:
+        """`update` in torch operations on any device; `c` [batch, pos, keys] float32 is overwritten at
+        padded and unmined positions.
+
+        Passes over the whole [batch, pos, keys] tensor: the maximum, the minimum, the sum, the codes and
+        their count. The top-T and band samples then work on [keys, batch], and merge only where a
+        sentence beats what is kept.
+        """
         rows, positions = batch.unmined  # of padded and unmined positions; few after bucketing
         anchor, has_mined = batch.anchor  # [batch] each
         # The sentence extremes without a fill per sign: unmined positions first hold a mined coefficient
@@ -147,7 +175,7 @@ class MiningState:
         # Statistics with unmined positions set to +0.0: they add nothing to the sum, and their
         # histogram bin (ZERO_BIN) is corrected by their number.
         c[rows, positions] = 0.0
-        self.total[layer] += c.sum(dim=(0, 1)).double()
+        self.total[layer] += c.sum(dim=(0, 1), dtype=torch.float64)
         self.histogram[layer] += self._histogram(c, len(rows))
         sample_key = (
             _priority(batch.sentence_index, layer, self.n_keys) << 32 | batch.sentence_index

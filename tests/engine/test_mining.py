@@ -294,8 +294,13 @@ def synthetic_corpus(n_sentences: int, n_layers: int, n_keys: int, seed: int):
     return full, first
 
 
-def mine_synthetic(full, first, n_keys: int, batch_tokens: int) -> MiningState:
-    """Feed the synthetic coefficients to MiningState.update batch by batch, padding set to garbage."""
+# The two folds of a batch into the state: the compiled one a CPU runs (`update`), the torch one of
+# other devices (`fold_tensors`, run here on the CPU). Both must give the brute-force state.
+FOLDS = ("update", "fold_tensors")
+
+
+def mine_synthetic(full, first, n_keys: int, batch_tokens: int, fold: str = "update") -> MiningState:
+    """Feed the synthetic coefficients to the state's `fold` batch by batch, padding set to garbage."""
     n_layers = full[0].shape[0]
     state = MiningState(n_layers, n_keys, TOP_K)
     ids = [[1] * c.shape[1] for c in full]
@@ -309,18 +314,19 @@ def mine_synthetic(full, first, n_keys: int, batch_tokens: int) -> MiningState:
             for row, sentence in enumerate(batch.sentence_index.tolist()):
                 length = full[sentence].shape[1]
                 coefficients[row, :length] = full[sentence][layer]
-            state.update(layer, coefficients, batch)
+            getattr(state, fold)(layer, coefficients, batch)
         state.count(batch)
     return state
 
 
+@pytest.mark.parametrize("fold", FOLDS)
 @pytest.mark.parametrize("batch_tokens", [24, 200, 5000])
-def test_update_equals_a_simple_reference_on_random_coefficients_with_ties(batch_tokens):
+def test_update_equals_a_simple_reference_on_random_coefficients_with_ties(batch_tokens, fold):
     """Many batches of tied coefficients: the top-T (most keys skip the merge once it is full), the band
     samples, the histogram and the sum equal brute force, and the states of any batch size are equal."""
     n_layers, n_keys = 2, 6
     full, first = synthetic_corpus(300, n_layers, n_keys, seed=3)
-    state = mine_synthetic(full, first, n_keys, batch_tokens)
+    state = mine_synthetic(full, first, n_keys, batch_tokens, fold)
     per_sentence = [
         {layer: coefficients[layer, start:] for layer in range(n_layers)}
         for coefficients, start in zip(full, first, strict=True)
@@ -336,7 +342,47 @@ def test_update_equals_a_simple_reference_on_random_coefficients_with_ties(batch
                 assert (getattr(got, name)[sign] == getattr(want, name)[sign]).all(), (name, sign)
 
 
-def test_the_histogram_counts_every_mined_coefficient_in_its_bin():
+def test_the_compiled_and_the_torch_fold_give_the_same_state():
+    """Real-sized layers (300 keys, so that every thread has a block) of continuous coefficients with the
+    NaN-free extremes of SwiGLU: both folds keep the same top-T, positions, samples and histogram."""
+    n_layers, n_keys = 3, 300
+    generator = torch.Generator().manual_seed(5)
+    scale = torch.rand(n_keys, generator=generator)  # [keys]
+    full = [
+        torch.randn(n_layers, int(length), n_keys, generator=generator) * scale
+        for length in torch.randint(1, 40, (500,), generator=generator)
+    ]
+    first = [i % 2 for i in range(len(full))]
+    compiled, tensors = (mine_synthetic(full, first, n_keys, 600, fold) for fold in FOLDS)
+    assert_same_state(compiled, tensors)
+    assert torch.equal(compiled.sample_coefficient, tensors.sample_coefficient)
+    for sign in (1, -1):
+        assert torch.equal(compiled.top[sign].order, tensors.top[sign].order)
+
+
+def test_a_nan_coefficient_is_its_sentences_extreme_in_both_folds():
+    """As torch's amax and argmax have it: a sentence with a NaN has NaN as its maximum and minimum, at the
+    NaN's first position; it ranks first in the maxima's top-T (a NaN's order key is above every other),
+    negated it ranks below every entry of the minima's, and it is no band sample."""
+    n_layers, n_keys = 1, 4
+    generator = torch.Generator().manual_seed(2)
+    full = [torch.randn(n_layers, 6, n_keys, generator=generator) for _ in range(12)]
+    full[3][0, 2, 1] = full[3][0, 4, 1] = float("nan")
+    first = [0] * len(full)
+    compiled, tensors = (mine_synthetic(full, first, n_keys, 30, fold) for fold in FOLDS)
+    coefficient, sentence, position = compiled.triggers(0, 1)
+    assert sentence[1, 0] == 3 and position[1, 0] == 2 and coefficient[1, 0].isnan()
+    assert 3 not in compiled.triggers(0, -1)[1][1]
+    for sign in (1, -1):
+        assert torch.equal(compiled.top[sign].order, tensors.top[sign].order)
+        assert torch.equal(compiled.top[sign].position, tensors.top[sign].position)
+    assert torch.equal(compiled.histogram, tensors.histogram)
+    assert torch.equal(compiled.sample_order, tensors.sample_order)
+    assert not (compiled.sample_order[0, 1] & 0xFFFFFFFF).eq(3).any()
+
+
+@pytest.mark.parametrize("fold", FOLDS)
+def test_the_histogram_counts_every_mined_coefficient_in_its_bin(fold):
     """Signed zeros, subnormals, infinities and both ends of the range: update counts each coefficient in
     the bin histogram_bins gives it (−0.0 in bin 20, a positive subnormal with +0.0 in bin 21)."""
     values = torch.tensor(
@@ -351,7 +397,7 @@ def test_the_histogram_counts_every_mined_coefficient_in_its_bin():
     batch = next(iter(batch))
     assert torch.equal(batch.mined, mined)
     state = MiningState(1, n_keys, TOP_K)
-    state.update(0, coefficients.clone(), batch)
+    getattr(state, fold)(0, coefficients.clone(), batch)
     want = torch.stack(
         [torch.bincount(histogram_bins(coefficients[0, 1:, k]).long(), minlength=43) for k in range(n_keys)]
     )
