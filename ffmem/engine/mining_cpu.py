@@ -140,32 +140,21 @@ def fold(
                     _enter_top(low_order, low_position, key, entry, _first_position(c, mined, row, key, lo))
                 # A positive maximum is a sample of its (positive) bin, a negative minimum of its bin.
                 sample = (_priority(s, first_memory + key) << 32) | s
-                if hi > 0 and hi != np.inf:
-                    band = code_bin[(hi_bits >> 23) & 511]
-                    if sample < sample_order[key, band, -1]:
-                        _enter_sample(
-                            sample_order,
-                            sample_position,
-                            sample_coefficient,
-                            key,
-                            band,
-                            sample,
-                            _first_position(c, mined, row, key, hi),
-                            hi,
-                        )
-                if lo < 0 and lo != -np.inf:
-                    band = code_bin[(lo_bits >> 23) & 511]
-                    if sample < sample_order[key, band, -1]:
-                        _enter_sample(
-                            sample_order,
-                            sample_position,
-                            sample_coefficient,
-                            key,
-                            band,
-                            sample,
-                            _first_position(c, mined, row, key, lo),
-                            lo,
-                        )
+                for value, value_bits, sign in ((hi, hi_bits, 1.0), (lo, lo_bits, -1.0)):
+                    if value * sign > 0 and value * sign != np.inf:
+                        band = code_bin[(value_bits >> 23) & 511]
+                        if sample < sample_order[key, band, -1]:
+                            where = _first_position(c, mined, row, key, value)
+                            _enter_sample(
+                                sample_order,
+                                sample_position,
+                                sample_coefficient,
+                                key,
+                                band,
+                                sample,
+                                where,
+                                value,
+                            )
         for k in range(width):
             total[first + k] += sums[k]
             for b in range(n_bins):
