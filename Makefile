@@ -26,6 +26,8 @@ test: install
 
 bench: install
 	$(PY) bench/bench.py
+	$(PY) bench/mining_ratio.py --sentences 1000 --repeats 3
+	$(PY) bench/mining_ratio.py --primed 2000 --sentences 500 --repeats 3
 	$(PY) bench/web.py
 	$(PY) bench/examples.py
 	$(PY) bench/search.py

@@ -1,7 +1,7 @@
 """Mining over the bare backbone forward, interleaved in one process, against an older bookkeeping.
 
-    python bench/mining_ratio.py --sentences 300 --repeats 3 --against eac0e74
-    python bench/mining_ratio.py --primed 3000 --sentences 1000 --repeats 2
+    python bench/mining_ratio.py --sentences 1000 --repeats 3
+    python bench/mining_ratio.py --primed 2000 --sentences 500 --repeats 3
 
 Per round: the bare backbone forward, mining with `ffmem/engine/mining.py` as of git revision `--against`,
 and mining with the working tree's, in alternating order on the same batches; prints each round and the
@@ -9,6 +9,9 @@ medians (wall and process CPU time), after one uncounted bare forward. On a shar
 interleaved ratios mean anything. With `--primed N`, each mining run starts from the state of the
 corpus's first N sentences (mined once per bookkeeping, not timed) and mines the next `--sentences`:
 the steady state that most of a whole-corpus run is, where few sentences still enter a key's top-T.
+`--against` defaults to 2e3824d, the last torch bookkeeping on a CPU (today's runs the compiled fold,
+ffmem.engine.mining_cpu). Figures go into bench-results.json under "mining_filling" (no --primed) or
+"mining_steady".
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from results import record  # noqa: E402
 
 from bench import batches_of  # noqa: E402
 from ffmem.config import get_settings  # noqa: E402
@@ -56,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sentences", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--against", default="eac0e74", help="git revision of the older mining.py")
+    parser.add_argument("--against", default="2e3824d", help="git revision of the older mining.py")
     parser.add_argument("--primed", type=int, default=0, help="sentences mined before, not timed")
     args = parser.parse_args()
     settings = get_settings()
@@ -107,6 +112,7 @@ def main() -> None:
             + ", ".join(f"{name} {t:.2f} s" for name, t in last.items())
             + f"; over bare: then {last['bare'] / last['then']:.3f}, now {last['bare'] / last['now']:.3f}"
         )
+    figures = {"against": args.against, "primed": args.primed, "batches": len(batches), "tokens": tokens}
     for label, times in (("wall", wall), ("cpu", cpu)):
         m = {name: statistics.median(t) for name, t in times.items()}
         print(
@@ -114,6 +120,9 @@ def main() -> None:
             f"mining over the bare backbone forward: then {m['bare'] / m['then']:.3f}, "
             f"now {m['bare'] / m['now']:.3f}"
         )
+        figures[label] = {name: round(seconds, 2) for name, seconds in m.items()}
+        figures[f"{label}_ratio"] = {name: round(m["bare"] / m[name], 3) for name in ("then", "now")}
+    record("mining_steady" if args.primed else "mining_filling", figures)
 
 
 if __name__ == "__main__":
