@@ -95,6 +95,9 @@ def upgrade(url: str, retry: Retry | None = None) -> None:
         engine.dispose()
 
 
+SQLITE_PAGE_SIZE = 16384
+
+
 def _sqlite_engine(url: URL) -> Engine:
     database = url.database or ""
     if database and database != ":memory:" and not database.startswith("file:"):
@@ -111,6 +114,9 @@ def _sqlite_engine(url: URL) -> Engine:
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, _record) -> None:
         cursor = dbapi_connection.cursor()
+        # 16 KiB pages for a new database (an existing one keeps its own): a key's examples row (~2.3 KB
+        # on the whole default corpus) left most of a 4 KiB page empty, 9.7 KB a key in all; 8.0 KB so.
+        cursor.execute(f"PRAGMA page_size={SQLITE_PAGE_SIZE}")
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA synchronous=NORMAL")

@@ -293,3 +293,24 @@ def test_0012_to_0015_pack_lists_examples_neighbours_and_links_and_unpack_them_a
         }
         assert indexes == {"ix_triggers_sentence", "ix_value_tokens_token"}
     engine.dispose()
+
+
+def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp_path):
+    """Large pages pack a key's examples row (~2.3 KB) with others: storage per key ≤ 8 KB on the whole
+    default corpus (docs/benchmarks.md). A database made before keeps its 4 KiB pages, still in WAL mode."""
+    import sqlite3
+
+    from sqlalchemy import text
+
+    from ffmem.store.db import SQLITE_PAGE_SIZE
+
+    new, old = tmp_path / "new.db", tmp_path / "old.db"
+    sqlite3.connect(old).execute("CREATE TABLE t (x)").connection.close()  # 4 KiB pages
+    assert SQLITE_PAGE_SIZE == 16384
+    for path, pages in ((new, 16384), (old, 4096)):
+        upgrade(f"sqlite:///{path}")
+        engine = make_engine(f"sqlite:///{path}")
+        with engine.connect() as connection:
+            assert connection.execute(text("PRAGMA page_size")).scalar() == pages
+            assert connection.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        engine.dispose()
