@@ -20,6 +20,7 @@ from ffmem.config import Settings
 from ffmem.engine.errors import FfmemError
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+SQLITE_PAGE_SIZE = 16384  # a new SQLite database's page size (see _sqlite_engine)
 # A server that answers with one of these is coming or going: worth another try. Any other answer
 # (a refused login, a missing database) fails at once.
 TRANSIENT = (
@@ -93,9 +94,6 @@ def upgrade(url: str, retry: Retry | None = None) -> None:
         raise _unreachable(engine.url, error) from None
     finally:
         engine.dispose()
-
-
-SQLITE_PAGE_SIZE = 16384
 
 
 def _sqlite_engine(url: URL) -> Engine:

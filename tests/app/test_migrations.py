@@ -3,6 +3,7 @@ is a no-op."""
 
 from __future__ import annotations
 
+import sqlite3
 from datetime import datetime, timezone
 
 import pytest
@@ -10,9 +11,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, select
+from sqlalchemy import inspect, select, text
 
-from ffmem.store.db import MIGRATIONS, make_engine, make_sessionmaker, upgrade
+from ffmem.store.db import MIGRATIONS, SQLITE_PAGE_SIZE, make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Base, Job, JobKind, JobStatus
 
 
@@ -298,16 +299,9 @@ def test_0012_to_0015_pack_lists_examples_neighbours_and_links_and_unpack_them_a
 def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp_path):
     """Large pages pack a key's examples row (~2.3 KB) with others: storage per key ≤ 8 KB on the whole
     default corpus (docs/benchmarks.md). A database made before keeps its 4 KiB pages, still in WAL mode."""
-    import sqlite3
-
-    from sqlalchemy import text
-
-    from ffmem.store.db import SQLITE_PAGE_SIZE
-
     new, old = tmp_path / "new.db", tmp_path / "old.db"
     sqlite3.connect(old).execute("CREATE TABLE t (x)").connection.close()  # 4 KiB pages
-    assert SQLITE_PAGE_SIZE == 16384
-    for path, pages in ((new, 16384), (old, 4096)):
+    for path, pages in ((new, SQLITE_PAGE_SIZE), (old, 4096)):
         upgrade(f"sqlite:///{path}")
         engine = make_engine(f"sqlite:///{path}")
         with engine.connect() as connection:
