@@ -82,11 +82,21 @@ def encode_shading(sentences: Sequence[np.ndarray]) -> bytes:
 
 def decode_shading(data: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
     """The sentences' coefficients ([len] float32 each, NaN where not mined) from encode_shading's bytes."""
-    data = zlib.decompress(data)
-    steps = np.frombuffer(data, np.float32, count=len(lengths))  # [sentences]
-    codes = np.frombuffer(data, np.int8, offset=steps.nbytes)  # [tokens]
+    steps, codes = _unpack(data, len(lengths))
     if len(codes) != sum(lengths):
         raise ValueError("the stored shading does not match these sentences")
+    return _values(steps, codes, lengths)
+
+
+def _unpack(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """encode_shading's bytes of `count` sentences as (steps [count] float32, codes [tokens] int8)."""
+    data = zlib.decompress(data)
+    steps = np.frombuffer(data, np.float32, count=count)  # [count]
+    return steps, np.frombuffer(data, np.int8, offset=steps.nbytes)  # [tokens]
+
+
+def _values(steps: np.ndarray, codes: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
+    """Codes [sum(lengths)] times their sentence's step ([len(lengths)]), cut into sentences."""
     values = codes.astype(np.float32) * np.repeat(steps, lengths)  # [tokens]
     values[codes == NOT_MINED] = np.nan
     return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
@@ -133,10 +143,28 @@ class StoredExamples:
             raise ValueError("the stored shading does not match these sentences")
         return decode_shading(self.data, lengths)
 
+    def trigger_shading(self, lengths: Sequence[int]) -> list[np.ndarray]:
+        """The shaded triggers' arrays (the first `positive` + `negative` stored), cut at these lengths."""
+        return self._part(lengths, triggers=True)
+
+    def sample_shading(self, lengths: Sequence[int]) -> list[np.ndarray]:
+        """The band samples' arrays (the last ones stored), cut at these lengths."""
+        return self._part(lengths, triggers=False)
+
+    def _part(self, lengths: Sequence[int], *, triggers: bool) -> list[np.ndarray]:
+        """The triggers' or the samples' arrays alone: a page decodes no more than it shows."""
+        shaded = self.positive + self.negative
+        steps, codes = _unpack(self.data, shaded + len(self.samples))
+        tokens = sum(lengths)
+        if len(lengths) != (shaded if triggers else len(self.samples)) or tokens > len(codes):
+            raise ValueError("the stored shading does not match these sentences")
+        if triggers:
+            return _values(steps[:shaded], codes[:tokens], lengths)
+        return _values(steps[shaded:], codes[len(codes) - tokens :], lengths)
+
     def steps(self) -> np.ndarray:
         """[sentences] float32: each shaded sentence's step; a stored value is within half of it."""
-        count = self.positive + self.negative + len(self.samples)
-        return np.frombuffer(zlib.decompress(self.data), np.float32, count=count)
+        return _unpack(self.data, self.positive + self.negative + len(self.samples))[0]
 
 
 def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> StoredExamples | None:

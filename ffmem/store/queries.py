@@ -436,12 +436,6 @@ def get_triggers(
     return memory_lists.triggers_of(data, run_id=run_id, layer=layer, key=key, sign=sign, limit=limit)
 
 
-def count_triggers(*, session: Session, run_id: int, layer: int, key: int, sign: int) -> int:
-    """How many triggers of one sign a key has."""
-    data = _list(session, run_id, TRIGGERS, sign, layer, key)
-    return 0 if data is None else len(data) // memory_lists.TRIGGER.itemsize
-
-
 def get_value_tokens(
     *, session: Session, run_id: int, layer: int, key: int, readout: str, direction: int
 ) -> list[ValueToken]:
@@ -451,6 +445,27 @@ def get_value_tokens(
         return []
     where = dict(run_id=run_id, layer=layer, key=key, readout=readout, direction=direction)
     return memory_lists.value_tokens_of(data, **where)
+
+
+def value_readouts(*, session: Session, run_id: int, layer: int, key: int) -> dict[tuple[str, int], list]:
+    """A value's top (+1) and bottom (−1) tokens under each readout, rank order, in one read: (readout,
+    direction) → ValueTokens (empty when not stored)."""
+    query = select(MemoryList.kind, MemoryList.sign, MemoryList.data).where(
+        MemoryList.run_id == run_id,
+        MemoryList.kind.in_(memory_lists.READOUTS),
+        MemoryList.sign.in_((1, -1)),
+        MemoryList.layer == layer,
+        MemoryList.key == key,
+    )
+    found = {(kind, sign): data for kind, sign, data in session.execute(query)}
+    where = dict(run_id=run_id, layer=layer, key=key)
+    return {
+        (kind, sign): memory_lists.value_tokens_of(data, **where, readout=kind, direction=sign)
+        if (data := found.get((kind, sign)))
+        else []
+        for kind in memory_lists.READOUTS
+        for sign in (1, -1)
+    }
 
 
 def layer_value_tokens(

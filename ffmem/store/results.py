@@ -49,9 +49,6 @@ class RunResults(Protocol):
     def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
         """A key's triggers of one sign (+1, −1), strongest first."""
 
-    def count_triggers(self, layer: int, key: int, sign: int) -> int:
-        """How many triggers of one sign the key has."""
-
     def layer_keys(
         self,
         layer: int,
@@ -92,10 +89,6 @@ class StoredResults:
         return queries.get_triggers(
             session=self.session, run_id=self.run.id, layer=layer, key=key, sign=sign, limit=limit
         )
-
-    def count_triggers(self, layer: int, key: int, sign: int) -> int:
-        where = dict(session=self.session, run_id=self.run.id, layer=layer, key=key)
-        return queries.count_triggers(**where, sign=sign)
 
     def layer_keys(self, layer, *, sort, descending, offset, limit, token_ids):
         where = dict(session=self.session, run_id=self.run.id, layer=layer)
@@ -165,9 +158,6 @@ class MiningResults:
             if sentence[rank] >= 0
         ]
         return rows[:limit] if limit is not None else rows
-
-    def count_triggers(self, layer: int, key: int, sign: int) -> int:
-        return len(self.triggers(layer, key, sign))
 
     def layer_keys(self, layer, *, sort, descending, offset, limit, token_ids):
         mined = self.mined(layer)

@@ -383,6 +383,7 @@ class Links(BaseModel):
     random: str
     permalink: str
     layer: str
+    samples: str  # its examples across the range (the page loads them when scrolled to)
 
 
 class TokenRef(BaseModel):
@@ -459,7 +460,6 @@ class KeyContext(BaseModel):
     triggers: list[Trigger]
     negative_triggers: list[Trigger]
     more_triggers: int  # how many more positive triggers the run holds beyond those shown
-    samples: list[BandSample] = []  # examples across the range, strongest band first, positive then negative
     value: dict[str, ValueReadout]  # readout ("raw", "norm") → top and bottom tokens
     stats: KeyStatsView | None
     histogram: Histogram | None
@@ -474,6 +474,19 @@ class KeyContext(BaseModel):
     explanation: ExplanationView | None = None  # its automatic description (None: none for this run)
     weight_graph: WeightGraphView | None = None  # who feeds it, whom it feeds (None: not computed)
     try_text: TryText | None = None  # "try your own text": the box, and the answer for `?text=`
+
+
+class SamplesContext(BaseModel):
+    """A key's examples across the range (the key page loads them as a section)."""
+
+    page: str = "samples"
+    title: str
+    model: str
+    layer: int
+    key: int
+    run: RunInfo
+    samples: list[BandSample]  # strongest band first, positive then negative
+    provisional: float | None = None  # while the run mines: the share of the corpus these results cover
 
 
 class LayerContext(BaseModel):

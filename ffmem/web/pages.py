@@ -42,6 +42,7 @@ from ffmem.web.contexts import (
     Neighbour,
     Progress,
     RunInfo,
+    SamplesContext,
     SearchContext,
     SentenceKey,
     SentenceMatch,
@@ -182,6 +183,11 @@ def _sample_view(sample: key_examples.BandSample, sentence: Sentence, labels: li
         position=sample.position,
         sentence=sentence.text,
     )
+
+
+def _shading_scale(positive: list[TriggerRow], negative: list[TriggerRow]) -> float:
+    """The |m| that shades fully on a key's pages: that of its strongest trigger of either sign."""
+    return max((abs(t.coefficient) for t in positive[:1] + negative[:1]), default=0.0)
 
 
 def _shading(sentence: Sentence, values, position: int, texts: dict[int, str], scale: float) -> ShadedText:
@@ -380,25 +386,18 @@ def key_page(
     where = dict(session=session, run_id=run.id, layer=layer, key=key)
     results = results_for(session, run)
     stored = key_examples.key_examples(**where) if run.status == "done" else None
-    samples = stored.samples if stored else results.band_samples(layer, key)
     shaded = (stored.positive, stored.negative) if stored else (0, 0)
-    positive = results.triggers(layer, key, 1, max(limit, shaded[0]))
+    every_positive = results.triggers(layer, key, 1)
+    positive = every_positive[: max(limit, shaded[0])]
     negative = results.triggers(layer, key, -1, max(limit, shaded[1]))
-    more = results.count_triggers(layer, key, 1) - min(len(positive), limit)
-    value_rows = {
-        (readout, direction): queries.get_value_tokens(**where, readout=readout, direction=direction)
-        for readout in READOUTS
-        for direction in (1, -1)
-    }
+    more = len(every_positive) - min(len(positive), limit)
+    value_rows = queries.value_readouts(**where)
     sentences = queries.get_sentences(
-        session=session,
-        corpus_id=run.corpus_id,
-        indices=[t.sentence_index for t in positive + negative] + [s.sentence_index for s in samples],
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in positive + negative]
     )
     wanted = _trigger_token_ids(positive + negative, sentences)
-    if stored:
-        shown = [*positive[: shaded[0]], *negative[: shaded[1]], *samples]
-        wanted.update(i for row in shown for i in sentences[row.sentence_index].token_ids)
+    shown = [*positive[: shaded[0]], *negative[: shaded[1]]]
+    wanted.update(i for row in shown for i in sentences[row.sentence_index].token_ids)
     wanted.update(v.token_id for rows in value_rows.values() for v in rows)
     endings = [sentences[t.sentence_index].token_ids[: t.position + 1] for t in positive]
     history = queries.label_history(session=session, model_id=model.id, layer=layer, key=key)
@@ -408,12 +407,10 @@ def key_page(
     bottom_ids = [v.token_id for v in value_rows["raw", -1]]
     triggers = [trigger_view(t, sentences[t.sentence_index], texts, top_ids) for t in positive]
     negative_triggers = [trigger_view(t, sentences[t.sentence_index], texts, bottom_ids) for t in negative]
-    scale = max((abs(t.coefficient) for t in triggers[:1] + negative_triggers[:1]), default=0.0)
-    labels = bin_labels(run.histogram_edges)
-    sample_views = [_sample_view(s, sentences[s.sentence_index], labels) for s in samples]
     if stored:
-        views = [*triggers[: shaded[0]], *negative_triggers[: shaded[1]], *sample_views]
-        arrays = stored.shading([len(sentences[v.sentence_index].token_ids) for v in views])
+        views = [*triggers[: shaded[0]], *negative_triggers[: shaded[1]]]
+        arrays = stored.trigger_shading([len(sentences[v.sentence_index].token_ids) for v in views])
+        scale = _shading_scale(positive, negative)
         for view, values in zip(views, arrays, strict=True):
             view.shading = _shading(sentences[view.sentence_index], values, view.position, texts, scale)
     triggers, negative_triggers = triggers[:limit], negative_triggers[:limit]
@@ -447,7 +444,6 @@ def key_page(
         triggers=triggers,
         negative_triggers=negative_triggers,
         more_triggers=more,
-        samples=sorted(sample_views, key=lambda v: (-v.sign, -abs(v.coefficient), v.sentence_index)),
         value=value,
         stats=stats,
         histogram=histogram,
@@ -470,7 +466,41 @@ def key_page(
             random=urls.key_url(slug, *random_key),
             permalink=urls.key_url(slug, layer, key, **pinned),
             layer=urls.layer_url(slug, layer),
+            samples=urls.samples_url(slug, layer, key, **pinned),
         ),
+    )
+
+
+def samples_page(session: Session, slug: str, layer: int, key: int, *, run_id: int | None) -> SamplesContext:
+    """A key's examples across the range: its band samples, each sentence shaded (once the run is stored)
+    on the key page's scale."""
+    model = model_or_404(session, slug)
+    check_key(model, layer, key)
+    run = run_or_404(session, model, run_id)
+    results = results_for(session, run)
+    stored = key_examples.key_examples(session=session, run_id=run.id, layer=layer, key=key)
+    stored = stored if run.status == "done" else None
+    samples = stored.samples if stored else results.band_samples(layer, key)
+    sentences = queries.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[s.sentence_index for s in samples]
+    )
+    labels = bin_labels(run.histogram_edges)
+    views = [_sample_view(s, sentences[s.sentence_index], labels) for s in samples]
+    if stored:
+        wanted = {i for s in samples for i in sentences[s.sentence_index].token_ids}
+        texts = queries.token_texts(session=session, model_id=model.id, token_ids=wanted)
+        scale = _shading_scale(results.triggers(layer, key, 1, 1), results.triggers(layer, key, -1, 1))
+        arrays = stored.sample_shading([len(sentences[s.sentence_index].token_ids) for s in samples])
+        for view, values in zip(views, arrays, strict=True):
+            view.shading = _shading(sentences[view.sentence_index], values, view.position, texts, scale)
+    return SamplesContext(
+        title=f"{model.slug}: layer {layer}, key {key}, examples across the range",
+        model=model.slug,
+        layer=layer,
+        key=key,
+        run=run_info(run),
+        samples=sorted(views, key=lambda v: (-v.sign, -abs(v.coefficient), v.sentence_index)),
+        provisional=results.coverage(layer),
     )
 
 

@@ -48,7 +48,9 @@ def render(
 
     `field_errors`: why a form field's value was refused, shown next to it (`#FIELD-error`)."""
     if wants_json(request):
-        return JSONResponse(ctx.model_dump(mode="json"), status_code=status_code, headers=headers)
+        # pydantic's own serialiser: the standard library's took twice as long on a key page.
+        body = ctx.model_dump_json()
+        return Response(body, status_code=status_code, headers=headers, media_type="application/json")
     name = template
     if fragment and request.headers.get("HX-Request") and request.headers.get("HX-Target") == fragment:
         name = f"_{fragment}.html"

@@ -83,6 +83,10 @@ def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **que
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/ablation", fmt, **query)
 
 
+def samples_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/samples", fmt, **query)
+
+
 def label_url(model: str, layer: int, key: int, fmt: str | None = None) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/labels", fmt)
 

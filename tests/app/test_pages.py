@@ -501,7 +501,17 @@ def test_key_page_shows_examples_across_the_range(client, db, slug, run):
     from ffmem.store.key_examples import key_examples
 
     layer, key = 1, 3
-    body = json_of(client, f"/m/{slug}/layers/{layer}/keys/{key}.json")
+    key_page = json_of(client, f"/m/{slug}/layers/{layer}/keys/{key}.json")
+    assert "samples" not in key_page  # the key page loads them as a section, from their own page
+    assert key_page["links"]["samples"] == f"/m/{slug}/layers/{layer}/keys/{key}/samples?run={run.id}"
+    body = json_of(client, key_page["links"]["samples"].replace("/samples?", "/samples.json?"))
+    assert {k: body[k] for k in ("page", "model", "layer", "key")} == {
+        "page": "samples",
+        "model": slug,
+        "layer": layer,
+        "key": key,
+    }
+    assert body["run"]["id"] == run.id and body["provisional"] is None
     stored = key_examples(session=db, run_id=run.id, layer=layer, key=key)
     samples = body["samples"]
     assert samples and len(samples) == len(stored.samples)
@@ -535,5 +545,14 @@ def test_key_page_shows_examples_across_the_range(client, db, slug, run):
         strengths = [abs(s["coefficient"]) for s in samples if s["sign"] == sign]
         assert strengths == sorted(strengths, reverse=True)
     page = html_of(client, f"/m/{slug}/layers/{layer}/keys/{key}")
-    assert 'id="samples"' in page and "Examples across the range" in page
-    assert "<script>alert(1)" not in page and "<img src=x" not in page
+    loads = f'hx-get="{key_page["links"]["samples"]}"'.replace("&", "&amp;")
+    assert f'<section id="samples" class="samples" {loads}' in page and "Examples across the range" in page
+    path = f"/m/{slug}/layers/{layer}/keys/{key}/samples"
+    whole = html_of(client, path)
+    section = client.get(path, headers={"HX-Request": "true", "HX-Target": "samples"})  # htmx's request
+    assert section.status_code == 200 and "<html" not in section.text
+    assert section.text.count('<section id="samples"') == 1 and "<title>" in whole
+    for shown in (whole, section.text):
+        assert shown.count('<span class="shaded">') == len(samples)
+    for shown in (page, whole, section.text):
+        assert "<script>alert(1)" not in shown and "<img src=x" not in shown

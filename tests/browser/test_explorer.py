@@ -60,7 +60,9 @@ def test_layer_page_then_key_page(page, server, facts):
     assert colour not in ("rgba(0, 0, 0, 0)", "transparent"), colour  # the strongest token is coloured
     assert peak.evaluate("e => getComputedStyle(e).outlineStyle") != "none"
     assert peak.get_attribute("title").startswith("m = ")
-    samples = page.locator("#samples table.samples tbody tr")  # examples across the range, shaded too
+    page.locator("#samples").scroll_into_view_if_needed()  # examples across the range: loaded when seen
+    page.wait_for_selector("#samples table.samples")
+    samples = page.locator("#samples table.samples tbody tr")  # shaded too
     assert samples.count() >= 1 and page.locator("#samples .shaded").count() == samples.count()
     page.wait_for_selector("#value-chart-raw .main-svg")  # plotly drew the value chart
     assert page.locator("#value-chart-raw .bars path").count() >= 8

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from ffmem.store import queries
 from ffmem.web import pages, try_text, urls
 from ffmem.web.access import admin_name, remember_author
-from ffmem.web.contexts import KeyContext, LabelAnswer, LabelDeleted
+from ffmem.web.contexts import KeyContext, LabelAnswer, LabelDeleted, SamplesContext
 from ffmem.web.errors import AppError
 from ffmem.web.ratelimit import LiveTextBudget
 from ffmem.web.rendering import render, render_error, wants_fragment, wants_json
@@ -59,6 +59,13 @@ def key(
         ctx = _tried(ctx, try_text.form(text, max_tokens, notice=notice, field=error.field))
         return render(request, "key.html", ctx, fragment, status_code=error.status, headers=error.headers)
     return render(request, "key.html", _tried(ctx, tried), fragment=fragment)
+
+
+@page(router, "/m/{model}/layers/{layer}/keys/{key}/samples", "key_samples", SamplesContext)
+def samples(request: Request, session: SessionDep, model: str, layer: int, key: int, run: RunQuery = None):
+    """One memory's examples across its coefficient range: a few sentences from each band of its histogram."""
+    ctx = pages.samples_page(session, model, layer, key, run_id=run)
+    return render(request, "samples.html", ctx, fragment="samples")
 
 
 def _tried(ctx: KeyContext, tried) -> KeyContext:
