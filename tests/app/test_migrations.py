@@ -308,3 +308,27 @@ def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp
             assert connection.execute(text("PRAGMA page_size")).scalar() == pages
             assert connection.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         engine.dispose()
+
+
+def test_json_columns_read_back_what_was_stored_nan_too(tmp_path):
+    """JSON columns are read with orjson, and with the standard library where only it can: the NaN that
+    json.dumps writes."""
+    from ffmem.store.models import Corpus
+
+    url = f"sqlite:///{tmp_path / 'json.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    sessions = make_sessionmaker(engine)
+    fields = dict(source="t", source_sha256="0", tokenizer="t", max_tokens=1, n_sentences=0, n_tokens=0)
+    fields["created_at"] = datetime.now(timezone.utc)
+    with sessions() as session:
+        plain = Corpus(name="plain", fingerprint="1", skipped={"empty": 2, "é": [1, 2.5]}, **fields)
+        odd = Corpus(name="odd", fingerprint="2", skipped={"nan": float("nan")}, **fields)
+        session.add_all([plain, odd])
+        session.commit()
+        ids = plain.id, odd.id
+    with sessions() as session:
+        found = [session.get(Corpus, id).skipped for id in ids]
+    assert found[0] == {"empty": 2, "é": [1, 2.5]}
+    assert list(found[1]) == ["nan"] and found[1]["nan"] != found[1]["nan"]  # NaN
+    engine.dispose()

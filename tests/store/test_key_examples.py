@@ -1,0 +1,57 @@
+"""A key's stored shading: int8 codes with a step per sentence, read whole or in the parts its pages show."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ffmem.store.key_examples import BandSample, StoredExamples, decode_shading, encode_shading
+
+LENGTHS = [5, 1, 7, 3, 4, 2]  # 2 positive triggers, 1 negative, 3 band samples
+
+
+@pytest.fixture
+def arrays() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    found = [rng.normal(size=n).astype(np.float32) for n in LENGTHS]
+    found[2][3] = np.nan  # a position the run does not mine
+    found[4][:] = 0.0  # a sentence with nothing to shade
+    return found
+
+
+def stored(arrays) -> StoredExamples:
+    samples = [BandSample(bin=b, sentence_index=b, position=0, coefficient=1.0) for b in range(3)]
+    return StoredExamples(samples=samples, positive=2, negative=1, data=encode_shading(arrays))
+
+
+def test_each_value_is_within_half_a_step_of_its_sentence_peak(arrays):
+    decoded = decode_shading(encode_shading(arrays), LENGTHS)
+    for original, found in zip(arrays, decoded, strict=True):
+        assert np.array_equal(np.isnan(found), np.isnan(original))
+        peak = np.nanmax(np.abs(original))
+        assert np.nanmax(np.abs(found - original)) <= peak / 127 / 2 + 1e-7
+        assert np.nanmax(np.abs(found)) == pytest.approx(peak, rel=1e-6)
+
+
+def test_the_triggers_and_the_samples_alone_equal_their_part_of_the_whole(arrays):
+    examples = stored(arrays)
+    whole = examples.shading(LENGTHS)
+    parts = examples.trigger_shading(LENGTHS[:3]) + examples.sample_shading(LENGTHS[3:])
+    assert len(parts) == len(whole)
+    for part, found in zip(parts, whole, strict=True):
+        np.testing.assert_array_equal(part, found)
+    assert examples.steps().shape == (6,)
+
+
+@pytest.mark.parametrize(
+    "read, lengths",
+    [("trigger_shading", LENGTHS[:2]), ("sample_shading", LENGTHS[3:5]), ("shading", LENGTHS[:5])],
+)
+def test_a_wrong_count_of_sentences_is_refused(arrays, read, lengths):
+    with pytest.raises(ValueError, match="does not match these sentences"):
+        getattr(stored(arrays), read)(lengths)
+
+
+def test_more_tokens_than_stored_are_refused(arrays):
+    with pytest.raises(ValueError, match="does not match these sentences"):
+        stored(arrays).sample_shading([100, 1, 1])
