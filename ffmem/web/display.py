@@ -15,6 +15,8 @@ def visible(text: str | None) -> str:
         return "—"
     if text == "":
         return "∅"
+    if text.isprintable():  # no control, format, separator (but the ASCII space), private or unassigned
+        return text.replace(" ", SHOWN[" "])
     return "".join(
         SHOWN.get(char) or (f"⟨U+{ord(char):04X}⟩" if unicodedata.category(char) in INVISIBLE else char)
         for char in text

@@ -3,6 +3,7 @@ sentences. Torch-free; `shaded_html` renders the result (templates call it as `s
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 
 from markupsafe import Markup, escape
@@ -56,27 +57,24 @@ def shaded_html(text: ShadedText, id: str | None = None) -> Markup:
 
     Python rather than a Jinja macro: a key page shades ~1,500 tokens, and a macro's per-token work
     cost more than the rest of the page."""
-    peak, end, last = text.peak, text.prefix_end, len(text.texts) - 1
+    peak, end, last, scale = text.peak, text.prefix_end, len(text.texts) - 1, text.scale
     parts = [f'<span class="shaded" id="{escape(id)}">' if id else '<span class="shaded">']
     for i, (token, m) in enumerate(zip(text.texts, text.coefficients, strict=True)):
-        strength = intensity(m, text.scale)
-        classes = "stok"
-        if strength > 0:
-            classes += " m-pos" if m > 0 else " m-neg"
-        if i == peak:
-            classes += " peak"
-        if i == end:
-            classes += " prefix-end"
-        if end is not None and i > end:
-            classes += " past"
+        strength = intensity(m, scale)
+        classes = ("stok m-pos" if m > 0 else "stok m-neg") if strength > 0 else "stok"
         value = "no coefficient" if m is None else f"m = {m:+.4g}"
-        the_peak = ", the peak" if i == peak else ""
-        title = value + the_peak + (", the end of the trigger prefix" if i == end else "")
+        if i == peak:
+            classes, value = classes + " peak", value + ", the peak"
+        title = value
+        if i == end:
+            classes, title = classes + " prefix-end", value + ", the end of the trigger prefix"
+        elif end is not None and i > end:
+            classes += " past"
         data = "" if m is None else f' data-m="{m}"'
         style = f' style="--m: {strength:.3f}"' if strength > 0 else ""
         parts.append(
-            f'<span class="{classes}" data-index="{i}"{data}{style} title="{title}">{escape(token)}'
-            f'<span class="sr-only"> ({value}{the_peak})</span></span>'
+            f'<span class="{classes}" data-index="{i}"{data}{style} title="{title}">{html.escape(token)}'
+            f'<span class="sr-only"> ({value})</span></span>'
         )
         if i == end and i != last:
             parts.append('<span class="sr-only"> (end of the trigger prefix) </span>')
