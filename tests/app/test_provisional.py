@@ -13,6 +13,7 @@ from ffmem.engine.corpus import mined_from
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.store import jobs
 from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.key_examples import samples_of
 from ffmem.store.models import LanguageModel
 from ffmem.web.main import create_app
 from ffmem.worker.index import Worker
@@ -52,6 +53,15 @@ def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_pat
         assert key["histogram"]["counts"] == alone.histogram[1, 5].tolist()
         assert key["value"]["raw"]["top"], "values are projected before mining starts"
         assert "provisional — 25% of the corpus" in client.get(f"/m/{slug}/layers/1/keys/5").text
+        # Its examples across the range: those shard 0 sampled, unshaded until the run is stored.
+        examples = client.get(f"/m/{slug}/layers/1/keys/5/samples.json").json()
+        expected = samples_of(alone.layer(1), 5)
+        assert examples["provisional"] == pytest.approx(0.25) and len(examples["samples"]) == len(expected)
+        assert sorted((s["bin"], s["sentence_index"], s["position"]) for s in examples["samples"]) == sorted(
+            (s.bin, s.sentence_index, s.position) for s in expected
+        )
+        assert all(s["shading"] is None for s in examples["samples"])
+        assert "provisional — 25%" in client.get(f"/m/{slug}/layers/1/keys/5/samples").text
 
         layer = client.get(f"/m/{slug}/layers/1.json?sort=max_coefficient&order=desc&per_page=5").json()
         best = alone.triggers(1, 1)[0][:, 0]  # [keys]
@@ -68,4 +78,6 @@ def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_pat
         assert final["provisional"] is None and final["run"]["status"] == "done"
         assert max(t["sentence_index"] for t in final["triggers"]) >= 0
         assert "provisional" not in client.get(f"/m/{slug}/layers/1/keys/5").text.split("<main>")[1]
+        examples = client.get(f"/m/{slug}/layers/1/keys/5/samples.json").json()
+        assert examples["provisional"] is None and all(s["shading"] for s in examples["samples"])
     app.state.engine.dispose()
