@@ -478,8 +478,8 @@ def samples_page(session: Session, slug: str, layer: int, key: int, *, run_id: i
     check_key(model, layer, key)
     run = run_or_404(session, model, run_id)
     results = results_for(session, run)
-    stored = key_examples.key_examples(session=session, run_id=run.id, layer=layer, key=key)
-    stored = stored if run.status == "done" else None
+    where = dict(session=session, run_id=run.id, layer=layer, key=key)
+    stored = key_examples.key_examples(**where) if run.status == "done" else None
     samples = stored.samples if stored else results.band_samples(layer, key)
     sentences = queries.get_sentences(
         session=session, corpus_id=run.corpus_id, indices=[s.sentence_index for s in samples]
