@@ -59,10 +59,18 @@ def shaded_html(text: ShadedText, id: str | None = None) -> Markup:
     cost more than the rest of the page."""
     peak, end, last, scale = text.peak, text.prefix_end, len(text.texts) - 1, text.scale
     parts = [f'<span class="shaded" id="{escape(id)}">' if id else '<span class="shaded">']
+    # What a value shows, formatted once a text: stored shading repeats values (int8 codes × a step).
+    shown: dict[float | None, tuple[str, str, str]] = {}
     for i, (token, m) in enumerate(zip(text.texts, text.coefficients, strict=True)):
-        strength = intensity(m, scale)
-        classes = ("stok m-pos" if m > 0 else "stok m-neg") if strength > 0 else "stok"
-        value = "no coefficient" if m is None else f"m = {m:+.4g}"
+        if m not in shown:
+            strength = intensity(m, scale)
+            shown[m] = (
+                ("stok m-pos" if m > 0 else "stok m-neg") if strength > 0 else "stok",
+                "no coefficient" if m is None else f"m = {m:+.4g}",
+                ("" if m is None else f' data-m="{m}"')
+                + (f' style="--m: {strength:.3f}"' if strength > 0 else ""),
+            )
+        classes, value, attributes = shown[m]
         if i == peak:
             classes, value = classes + " peak", value + ", the peak"
         title = value
@@ -70,10 +78,8 @@ def shaded_html(text: ShadedText, id: str | None = None) -> Markup:
             classes, title = classes + " prefix-end", value + ", the end of the trigger prefix"
         elif end is not None and i > end:
             classes += " past"
-        data = "" if m is None else f' data-m="{m}"'
-        style = f' style="--m: {strength:.3f}"' if strength > 0 else ""
         parts.append(
-            f'<span class="{classes}" data-index="{i}"{data}{style} title="{title}">{html.escape(token)}'
+            f'<span class="{classes}" data-index="{i}"{attributes} title="{title}">{html.escape(token)}'
             f'<span class="sr-only"> ({value})</span></span>'
         )
         if i == end and i != last:
