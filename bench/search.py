@@ -5,7 +5,7 @@
   and the label and explanation searches of q); the first search of a run, which reads its value
   matrix from the database; in this process, the token part of the page (web/token_search) and the
   arithmetic alone (engine/vocab_search) p50;
-- the key page with its neighbours section: server time p50 / p95 over random keys;
+- the key page's related section (neighbours, weight graph): server time p50 / p95 over random keys;
 - the neighbours of every memory on the real default model (ffmem.engine.neighbours, as the worker runs
   them) over the mining pass of the default index (measured on the run when it is the default one, and
   estimated from the mining speed measured back to back with the neighbours);
@@ -120,10 +120,11 @@ def web_figures(url: str, sessions, run_id: int, slug: str, model_id: int, layer
             picks = [(rng.randrange(layers), rng.randrange(keys)) for _ in range(KEYS)]
             key_ms, twin_ms = [], []
             for layer, key in picks:
-                page = client.get(f"/m/{slug}/layers/{layer}/keys/{key}", params={"run": run_id})
-                assert 'id="neighbours-key"' in page.text, "the key page shows its neighbours"
+                related = f"/m/{slug}/layers/{layer}/keys/{key}/related"
+                page = client.get(related, params={"run": run_id})
+                assert 'id="neighbours-key"' in page.text, "the related section shows its neighbours"
                 key_ms.append(server_ms(page))
-                twin_ms.append(server_ms(client.get(f"/m/{slug}/layers/{layer}/keys/{key}.json")))
+                twin_ms.append(server_ms(client.get(f"{related}.json", params={"run": run_id})))
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -1,8 +1,8 @@
 """Explorer speed on the default index (a benchmark, not a test): `make bench` runs it after bench.py.
 
 - Server time (the Server-Timing header: routing, queries, rendering) and wall time per request for
-  the key page, its examples across the range (the section it loads when scrolled to) and the layer
-  page, over random keys / layers, sequentially: p50 and p95.
+  the key page, the sections it loads when scrolled to (examples across the range; related memories)
+  and the layer page, over random keys / layers, sequentially: p50 and p95.
 - 32 concurrent clients for 20 s over a mix of pages: requests, errors (non-200 or failed), p50/p95.
 
 The explorer runs as `ffmem serve` in its own process, as in production. Builds the default index
@@ -153,12 +153,14 @@ def main() -> None:
                 "key_page_json": sequential(client, [f"{p}.json" for p in key_paths]),
                 # the section the key page loads when scrolled to (its page: the fragment and more)
                 "key_samples": sequential(client, [f"{p}/samples" for p in key_paths]),
+                "key_related": sequential(client, [f"{p}/related" for p in key_paths]),
                 "layer_page": sequential(client, layer_paths),
                 "layer_page_sorted": sequential(client, sorted_paths),
                 "search": sequential(client, search_paths * 4),
                 "target": {"key_page_p50_ms": 20},
             }
-        mix = key_paths + [f"{p}/samples" for p in key_paths[::3]] + layer_paths + sorted_paths + search_paths
+        sections = [f"{p}/{section}" for p in key_paths[::3] for section in ("samples", "related")]
+        mix = key_paths + sections + layer_paths + sorted_paths + search_paths
         results["concurrent"] = asyncio.run(concurrent(base, mix))
     finally:
         process.terminate()

@@ -48,15 +48,17 @@ class ExplanationHit(ExplanationView):
     url: str
 
 
-def key_composition(
-    session: Session, slug: str, run: Run, layer: int, key: int
-) -> tuple[WeightGraphView | None, ExplanationView | None]:
-    """The key page's weight graph and explanation (None where the run has none)."""
-    links = composition.get_links(session=session, run_id=run.id, layer=layer, key=key)
+def key_explanation(session: Session, run: Run, layer: int, key: int) -> ExplanationView | None:
+    """The key page's automatic explanation (None where the run has none)."""
     found = composition.get_explanation(session=session, run_id=run.id, layer=layer, key=key)
-    explanation = None if found is None else explanation_view(found)
+    return None if found is None else explanation_view(found)
+
+
+def weight_graph_view(session: Session, slug: str, run: Run, layer: int, key: int) -> WeightGraphView | None:
+    """Who feeds the memory and whom it feeds, each with its explanation (None where the run has none)."""
+    links = composition.get_links(session=session, run_id=run.id, layer=layer, key=key)
     if links is None:
-        return None, explanation
+        return None
     others = {(link.layer, link.key) for direction in links.values() for link in direction}
     texts = explanation_texts(session, run.id, others)
 
@@ -69,8 +71,7 @@ def key_composition(
             explanation=texts.get((link.layer, link.key)),
         )
 
-    graph = WeightGraphView(inbound=[view(x) for x in links["in"]], outbound=[view(x) for x in links["out"]])
-    return graph, explanation
+    return WeightGraphView(inbound=[view(x) for x in links["in"]], outbound=[view(x) for x in links["out"]])
 
 
 def explanation_texts(session: Session, run_id: int, memories: set[tuple[int, int]]) -> dict:

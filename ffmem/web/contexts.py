@@ -384,6 +384,7 @@ class Links(BaseModel):
     permalink: str
     layer: str
     samples: str  # its examples across the range (the page loads them when scrolled to)
+    related: str  # its neighbours and weight graph (the page loads them when scrolled to)
 
 
 class TokenRef(BaseModel):
@@ -470,9 +471,7 @@ class KeyContext(BaseModel):
     label: LabelView | None = None  # the memory's label (its newest)
     label_history: list[LabelView] = []  # its earlier labels, the newest first
     label_url: str = ""  # where the label form posts
-    neighbours: MemoryNeighbours | None = None  # None: not computed for this run (yet)
     explanation: ExplanationView | None = None  # its automatic description (None: none for this run)
-    weight_graph: WeightGraphView | None = None  # who feeds it, whom it feeds (None: not computed)
     try_text: TryText | None = None  # "try your own text": the box, and the answer for `?text=`
 
 
@@ -487,6 +486,21 @@ class SamplesContext(BaseModel):
     run: RunInfo
     samples: list[BandSample]  # strongest band first, positive then negative
     provisional: float | None = None  # while the run mines: the share of the corpus these results cover
+
+
+class RelatedContext(BaseModel):
+    """The memories related to one: nearest by direction, and feeding or fed by it in the weight graph (the
+    key page loads them as a section)."""
+
+    page: str = "related"
+    title: str
+    model: str
+    layer: int
+    key: int
+    n_layers: int
+    run: RunInfo
+    neighbours: MemoryNeighbours | None = None  # None: not computed for this run (yet)
+    weight_graph: WeightGraphView | None = None  # who feeds it, whom it feeds (None: not computed)
 
 
 class LayerContext(BaseModel):

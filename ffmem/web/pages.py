@@ -18,7 +18,7 @@ from ffmem.store.memory_lists import Trigger as TriggerRow
 from ffmem.store.models import Job, JobKind, Label, LanguageModel, Run, Sentence
 from ffmem.store.results import has_results, results_for
 from ffmem.web import patterns, token_search, urls
-from ffmem.web.composition_view import explanation_hits, key_composition
+from ffmem.web.composition_view import explanation_hits, key_explanation, weight_graph_view
 from ffmem.web.contexts import (
     Agreement,
     BandSample,
@@ -41,6 +41,7 @@ from ffmem.web.contexts import (
     ModelInfo,
     Neighbour,
     Progress,
+    RelatedContext,
     RunInfo,
     SamplesContext,
     SearchContext,
@@ -452,8 +453,7 @@ def key_page(
         label=label_view(history[0]) if history else None,
         label_history=[label_view(label) for label in history[1:]],
         label_url=urls.label_url(slug, layer, key),
-        neighbours=memory_neighbours(session, model, run, layer, key),
-        **composition_fields(session, slug, run, layer, key),
+        explanation=key_explanation(session, run, layer, key),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -467,7 +467,25 @@ def key_page(
             permalink=urls.key_url(slug, layer, key, **pinned),
             layer=urls.layer_url(slug, layer),
             samples=urls.samples_url(slug, layer, key, **pinned),
+            related=urls.related_url(slug, layer, key, **pinned),
         ),
+    )
+
+
+def related_page(session: Session, slug: str, layer: int, key: int, *, run_id: int | None) -> RelatedContext:
+    """The memories related to one: its neighbours by key and value direction, and its weight graph."""
+    model = model_or_404(session, slug)
+    check_key(model, layer, key)
+    run = run_or_404(session, model, run_id)
+    return RelatedContext(
+        title=f"{model.slug}: layer {layer}, key {key}, related memories",
+        model=model.slug,
+        layer=layer,
+        key=key,
+        n_layers=model.n_layers,
+        run=run_info(run),
+        neighbours=memory_neighbours(session, model, run, layer, key),
+        weight_graph=weight_graph_view(session, slug, run, layer, key),
     )
 
 
@@ -683,12 +701,6 @@ def marked_parts(sentence: str, text: str) -> list[TextPart]:
     if end < len(sentence):
         parts.append(TextPart(text=sentence[end:], marked=False))
     return parts
-
-
-def composition_fields(session: Session, slug: str, run: Run, layer: int, key: int) -> dict:
-    """The key page's weight graph and automatic explanation (ffmem.web.composition_view)."""
-    weight_graph, explanation = key_composition(session, slug, run, layer, key)
-    return {"weight_graph": weight_graph, "explanation": explanation}
 
 
 def memory_neighbours(

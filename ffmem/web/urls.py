@@ -87,6 +87,10 @@ def samples_url(model: str, layer: int, key: int, fmt: str | None = None, **quer
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/samples", fmt, **query)
 
 
+def related_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
+    return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/related", fmt, **query)
+
+
 def label_url(model: str, layer: int, key: int, fmt: str | None = None) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/labels", fmt)
 

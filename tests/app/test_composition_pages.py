@@ -16,7 +16,11 @@ from ffmem.web import urls
 
 
 def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
-    body = client.get(f"/m/{slug}/layers/1/keys/5.json").json()
+    key_page = client.get(f"/m/{slug}/layers/1/keys/5.json").json()
+    assert "weight_graph" not in key_page  # the key page loads it as a section, from its own page
+    assert key_page["links"]["related"] == f"/m/{slug}/layers/1/keys/5/related?run={run.id}"
+    body = client.get(f"/m/{slug}/layers/1/keys/5/related.json").json()
+    assert body["page"] == "related" and (body["layer"], body["key"], body["run"]["id"]) == (1, 5, run.id)
     stored = composition.get_links(session=db, run_id=run.id, layer=1, key=5)
     graph = body["weight_graph"]
     for direction, shown in (("in", graph["inbound"]), ("out", graph["outbound"])):
@@ -30,8 +34,14 @@ def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
     scores = [abs(m["score"]) for m in graph["inbound"]]
     assert scores == sorted(scores, reverse=True)
 
-    page = client.get(f"/m/{slug}/layers/1/keys/5").text
-    assert 'id="weight-graph-in"' in page and 'id="weight-graph-out"' in page
+    loads = f'<div id="related" hx-get="{key_page["links"]["related"]}"'.replace("&", "&amp;")
+    assert loads in client.get(f"/m/{slug}/layers/1/keys/5").text
+    section = client.get(
+        f"/m/{slug}/layers/1/keys/5/related", headers={"HX-Request": "1", "HX-Target": "related"}
+    )
+    assert "<html" not in section.text and section.text.count('<div id="related">') == 1
+    page = client.get(f"/m/{slug}/layers/1/keys/5/related").text
+    assert "<title>" in page and 'id="weight-graph-in"' in page and 'id="weight-graph-out"' in page
     figure = json.loads(unescape(re.search(r'id="weight-graph-chart" data-figure="([^"]*)"', page).group(1)))
     nodes = next(trace for trace in figure["data"] if trace.get("customdata"))
     assert [point[0] for point in nodes["customdata"]] == [
@@ -43,9 +53,9 @@ def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
 
 
 def test_layer_zero_reads_no_earlier_memory(client, slug):
-    body = client.get(f"/m/{slug}/layers/0/keys/0.json").json()
+    body = client.get(f"/m/{slug}/layers/0/keys/0/related.json").json()
     assert body["weight_graph"]["inbound"] == [] and len(body["weight_graph"]["outbound"]) == 10
-    assert "layer 0 reads no earlier memory" in client.get(f"/m/{slug}/layers/0/keys/0").text
+    assert "layer 0 reads no earlier memory" in client.get(f"/m/{slug}/layers/0/keys/0/related").text
 
 
 def test_the_explanation_shows_beside_the_label(client, db, run, slug):

@@ -197,7 +197,7 @@ def _brute_force_neighbours(tiny, kind: str, k: int = 10) -> tuple[np.ndarray, n
 
 def test_key_page_shows_the_nearest_memories_as_brute_force(client, db, run, slug, tiny):
     layer, key = 1, 9
-    body = _get(client, f"/m/{slug}/layers/{layer}/keys/{key}.json")
+    body = _get(client, f"/m/{slug}/layers/{layer}/keys/{key}/related.json")
     neighbours = body["neighbours"]
     assert neighbours["gated"] is True
     memory = layer * tiny.n_keys + key
@@ -206,7 +206,7 @@ def test_key_page_shows_the_nearest_memories_as_brute_force(client, db, run, slu
         assert [(n["layer"], n["key"]) for n in shown] == [divmod(int(i), tiny.n_keys) for i in order[memory]]
         assert [n["cosine"] for n in shown] == pytest.approx(cosine[memory].tolist(), abs=1e-5)
         assert all(n["url"] == f"/m/{slug}/layers/{n['layer']}/keys/{n['key']}?run={run.id}" for n in shown)
-    page = client.get(f"/m/{slug}/layers/{layer}/keys/{key}").text
+    page = client.get(f"/m/{slug}/layers/{layer}/keys/{key}/related").text
     assert 'id="neighbours-key"' in page and 'id="neighbours-value"' in page
     first = neighbours["by_value"][0]
     assert f'href="/m/{slug}/layers/{first["layer"]}/keys/{first["key"]}?run={run.id}"' in page

@@ -121,6 +121,7 @@ def test_weight_graph_and_explanation_on_the_key_page(watched, server, facts):
     memories they name; the automatic explanation shown and found by the search."""
     page, slug = watched, facts["slug"]
     page.goto(f"{server}/m/{slug}/layers/1/keys/3")
+    page.locator("#related").scroll_into_view_if_needed()  # loaded when seen
     page.wait_for_selector("#weight-graph-chart .main-svg")  # plotly drew the graph
     inbound = page.locator("#weight-graph-in tbody a.result")
     outbound = page.locator("#weight-graph-out tbody a.result")

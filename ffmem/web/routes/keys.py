@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from ffmem.store import queries
 from ffmem.web import pages, try_text, urls
 from ffmem.web.access import admin_name, remember_author
-from ffmem.web.contexts import KeyContext, LabelAnswer, LabelDeleted, SamplesContext
+from ffmem.web.contexts import KeyContext, LabelAnswer, LabelDeleted, RelatedContext, SamplesContext
 from ffmem.web.errors import AppError
 from ffmem.web.ratelimit import LiveTextBudget
 from ffmem.web.rendering import render, render_error, wants_fragment, wants_json
@@ -66,6 +66,13 @@ def samples(request: Request, session: SessionDep, model: str, layer: int, key: 
     """One memory's examples across its coefficient range: a few sentences from each band of its histogram."""
     ctx = pages.samples_page(session, model, layer, key, run_id=run)
     return render(request, "samples.html", ctx, fragment="samples")
+
+
+@page(router, "/m/{model}/layers/{layer}/keys/{key}/related", "key_related", RelatedContext)
+def related(request: Request, session: SessionDep, model: str, layer: int, key: int, run: RunQuery = None):
+    """The memories related to one: nearest by key and value direction, and who feeds it and whom it feeds."""
+    ctx = pages.related_page(session, model, layer, key, run_id=run)
+    return render(request, "related.html", ctx, fragment="related")
 
 
 def _tried(ctx: KeyContext, tried) -> KeyContext:
