@@ -151,7 +151,7 @@ def main() -> None:
                 "database": url.split(":", 1)[0],
                 "key_page": sequential(client, key_paths),
                 "key_page_json": sequential(client, [f"{p}.json" for p in key_paths]),
-                # the section the key page loads when scrolled to (its page: the fragment and more)
+                # the sections the key page loads when scrolled to (their pages: the fragment and more)
                 "key_samples": sequential(client, [f"{p}/samples" for p in key_paths]),
                 "key_related": sequential(client, [f"{p}/related" for p in key_paths]),
                 "layer_page": sequential(client, layer_paths),

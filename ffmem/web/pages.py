@@ -14,6 +14,7 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.store import jobs, key_examples, memory_search, queries
+from ffmem.store.memory_lists import READOUTS
 from ffmem.store.memory_lists import Trigger as TriggerRow
 from ffmem.store.models import Job, JobKind, Label, LanguageModel, Run, Sentence
 from ffmem.store.results import has_results, results_for
@@ -58,7 +59,6 @@ from ffmem.web.contexts import (
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shade, token_pieces
 
-READOUTS = ("raw", "norm")
 KEY_JUMP = re.compile(
     r"^\s*(?:L\s*)?(\d+)\s*(?:/|\s+|,)\s*(?:K\s*)?(\d+)\s*$|^\s*L\s*(\d+)\s*K\s*(\d+)\s*$", re.I
 )
@@ -119,6 +119,15 @@ def check_key(model: LanguageModel, layer: int, key: int) -> None:
         raise AppError(
             404, "Key not found", f"Layer {layer} has keys 0–{model.n_keys - 1}; there is no key {key}."
         )
+
+
+def key_run_or_404(
+    session: Session, slug: str, layer: int, key: int, run_id: int | None
+) -> tuple[LanguageModel, Run]:
+    """A key's model and run (the pinned one or the newest, as run_or_404), each checked to exist."""
+    model = model_or_404(session, slug)
+    check_key(model, layer, key)
+    return model, run_or_404(session, model, run_id)
 
 
 def run_info(run: Run) -> RunInfo:
@@ -381,9 +390,7 @@ def layer_page(
 def key_page(
     session: Session, slug: str, layer: int, key: int, *, run_id: int | None, limit: int
 ) -> KeyContext:
-    model = model_or_404(session, slug)
-    check_key(model, layer, key)
-    run = run_or_404(session, model, run_id)
+    model, run = key_run_or_404(session, slug, layer, key, run_id)
     where = dict(session=session, run_id=run.id, layer=layer, key=key)
     results = results_for(session, run)
     stored = key_examples.key_examples(**where) if run.status == "done" else None
@@ -474,9 +481,7 @@ def key_page(
 
 def related_page(session: Session, slug: str, layer: int, key: int, *, run_id: int | None) -> RelatedContext:
     """The memories related to one: its neighbours by key and value direction, and its weight graph."""
-    model = model_or_404(session, slug)
-    check_key(model, layer, key)
-    run = run_or_404(session, model, run_id)
+    model, run = key_run_or_404(session, slug, layer, key, run_id)
     return RelatedContext(
         title=f"{model.slug}: layer {layer}, key {key}, related memories",
         model=model.slug,
@@ -492,9 +497,7 @@ def related_page(session: Session, slug: str, layer: int, key: int, *, run_id: i
 def samples_page(session: Session, slug: str, layer: int, key: int, *, run_id: int | None) -> SamplesContext:
     """A key's examples across the range: its band samples, each sentence shaded (once the run is stored)
     on the key page's scale."""
-    model = model_or_404(session, slug)
-    check_key(model, layer, key)
-    run = run_or_404(session, model, run_id)
+    model, run = key_run_or_404(session, slug, layer, key, run_id)
     results = results_for(session, run)
     where = dict(session=session, run_id=run.id, layer=layer, key=key)
     stored = key_examples.key_examples(**where) if run.status == "done" else None

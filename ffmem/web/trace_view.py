@@ -351,9 +351,7 @@ def ablation_page(
 ) -> AblationContext:
     """Switch one memory off on its own top trigger prefixes: how the probabilities of its value's top
     token and of each prefix's true next token change."""
-    model = pages.model_or_404(session, slug)
-    pages.check_key(model, layer, key)
-    run = pages.run_or_404(session, model, run_id)
+    model, run = pages.key_run_or_404(session, slug, layer, key, run_id)
     where = dict(session=session, run_id=run.id, layer=layer, key=key)
     triggers = pages.positive_triggers(session, run, layer, key, limit)
     if not triggers:
