@@ -145,6 +145,21 @@ def value_tokens_of(
     ]
 
 
+def value_readouts(
+    lists: dict[tuple[str, int], bytes], *, run_id: int, layer: int, key: int
+) -> dict[tuple[str, int], list[ValueToken]]:
+    """A value's top (+1) and bottom (−1) tokens under each readout, rank order, from its lists
+    (ffmem.store.queries.key_lists): (readout, direction) → ValueTokens (empty when not stored)."""
+    where = dict(run_id=run_id, layer=layer, key=key)
+    return {
+        (kind, sign): value_tokens_of(data, **where, readout=kind, direction=sign)
+        if (data := lists.get((kind, sign)))
+        else []
+        for kind in READOUTS
+        for sign in (1, -1)
+    }
+
+
 @dataclass(frozen=True)
 class Lists:
     """Many memories' lists of one kind and sign, decoded at once: entry i belongs to memory

@@ -21,7 +21,7 @@ from itertools import islice, repeat
 
 import numpy as np
 from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, or_, select, union_all
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, joinedload
 
 from ffmem.store import memory_lists
 from ffmem.store.memory_lists import TRIGGERS, Lists, Trigger, ValueToken
@@ -256,8 +256,8 @@ def count_entries(*, session: Session, run_id: int, kind: str) -> int:
 
 
 def get_run(*, session: Session, run_id: int) -> Run | None:
-    """The run with this id, if any."""
-    return session.get(Run, run_id)
+    """The run with this id, if any (its corpus loaded with it: pages show its name)."""
+    return session.get(Run, run_id, options=[joinedload(Run.corpus)])
 
 
 def find_finished_run(*, session: Session, model_slug: str, n_sentences: int | None = None) -> Run | None:
@@ -447,25 +447,18 @@ def get_value_tokens(
     return memory_lists.value_tokens_of(data, **where)
 
 
-def value_readouts(*, session: Session, run_id: int, layer: int, key: int) -> dict[tuple[str, int], list]:
-    """A value's top (+1) and bottom (−1) tokens under each readout, rank order, in one read: (readout,
-    direction) → ValueTokens (empty when not stored)."""
+def key_lists(
+    *, session: Session, run_id: int, layer: int, key: int, kinds: Sequence[str] = memory_lists.KINDS
+) -> dict[tuple[str, int], bytes]:
+    """One memory's packed lists of these kinds, both signs, in one read: (kind, sign) → data."""
     query = select(MemoryList.kind, MemoryList.sign, MemoryList.data).where(
         MemoryList.run_id == run_id,
-        MemoryList.kind.in_(memory_lists.READOUTS),
-        MemoryList.sign.in_((1, -1)),
+        MemoryList.kind.in_(kinds),
+        MemoryList.sign.in_((1, -1)),  # named, so that the primary key's layer and key columns are used
         MemoryList.layer == layer,
         MemoryList.key == key,
     )
-    found = {(kind, sign): data for kind, sign, data in session.execute(query)}
-    where = dict(run_id=run_id, layer=layer, key=key)
-    return {
-        (kind, sign): memory_lists.value_tokens_of(data, **where, readout=kind, direction=sign)
-        if (data := found.get((kind, sign)))
-        else []
-        for kind in memory_lists.READOUTS
-        for sign in (1, -1)
-    }
+    return {(kind, sign): data for kind, sign, data in session.execute(query)}
 
 
 def layer_value_tokens(
@@ -581,8 +574,9 @@ def get_model(*, session: Session, slug: str) -> LanguageModel | None:
 
 
 def latest_finished_run(*, session: Session, model_id: int) -> Run | None:
-    """The model's newest finished run, if any."""
+    """The model's newest finished run, if any (its corpus loaded with it: pages show its name)."""
     query = select(Run).where(Run.model_id == model_id, Run.status == "done").order_by(Run.id.desc())
+    query = query.options(joinedload(Run.corpus))
     return session.scalars(query.limit(1)).first()
 
 

@@ -18,9 +18,9 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mined_layer import MinedLayer
-from ffmem.store import jobs, key_examples, queries
+from ffmem.store import jobs, key_examples, memory_lists, queries
 from ffmem.store.key_examples import BandSample
-from ffmem.store.memory_lists import Trigger
+from ffmem.store.memory_lists import TRIGGERS, Trigger, ValueToken
 from ffmem.store.models import KeyStats, Run
 
 
@@ -48,6 +48,9 @@ class RunResults(Protocol):
 
     def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
         """A key's triggers of one sign (+1, −1), strongest first."""
+
+    def value_readouts(self, layer: int, key: int) -> dict[tuple[str, int], list[ValueToken]]:
+        """Its value's top (+1) and bottom (−1) tokens per readout: (readout, direction) → rank order."""
 
     def layer_keys(
         self,
@@ -77,18 +80,29 @@ def results_for(session: Session, run: Run) -> RunResults:
 
 
 class StoredResults:
-    """A finished run's results, read from its tables."""
+    """A finished run's results, read from its tables; a key's lists (triggers, value tokens) in one read."""
 
     def __init__(self, session: Session, run: Run) -> None:
         self.session, self.run = session, run
+        self._lists: dict[tuple[int, int], dict[tuple[str, int], bytes]] = {}
+
+    def _key_lists(self, layer: int, key: int) -> dict[tuple[str, int], bytes]:
+        if (layer, key) not in self._lists:
+            where = dict(session=self.session, run_id=self.run.id, layer=layer, key=key)
+            self._lists[layer, key] = queries.key_lists(**where)
+        return self._lists[layer, key]
 
     def coverage(self, layer: int | None = None) -> float | None:
         return None
 
     def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
-        return queries.get_triggers(
-            session=self.session, run_id=self.run.id, layer=layer, key=key, sign=sign, limit=limit
-        )
+        data = self._key_lists(layer, key).get((TRIGGERS, sign))
+        where = dict(run_id=self.run.id, layer=layer, key=key, sign=sign, limit=limit)
+        return memory_lists.triggers_of(data, **where) if data else []
+
+    def value_readouts(self, layer: int, key: int) -> dict[tuple[str, int], list[ValueToken]]:
+        lists = self._key_lists(layer, key)
+        return memory_lists.value_readouts(lists, run_id=self.run.id, layer=layer, key=key)
 
     def layer_keys(self, layer, *, sort, descending, offset, limit, token_ids):
         where = dict(session=self.session, run_id=self.run.id, layer=layer)
@@ -137,6 +151,11 @@ class MiningResults:
 
     def _share(self, mined: MinedLayer | None) -> float:
         return 0.0 if mined is None or not self.run.n_sentences else mined.sentences / self.run.n_sentences
+
+    def value_readouts(self, layer: int, key: int) -> dict[tuple[str, int], list[ValueToken]]:
+        where = dict(run_id=self.run.id, layer=layer, key=key)
+        lists = queries.key_lists(session=self.session, **where, kinds=memory_lists.READOUTS)
+        return memory_lists.value_readouts(lists, **where)
 
     def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
         mined = self.mined(layer)

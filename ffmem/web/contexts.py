@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, Field, computed_field
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from ffmem.store.models import JobKind, JobStatus
 from ffmem.store.results import LayerFigures
@@ -299,8 +300,9 @@ class Trigger(BaseModel):
     )
 
 
-class ShadedToken(BaseModel):
-    """One token of a shaded text: its text as the tokenizer decodes it and this key's coefficient there."""
+class ShadedToken(TypedDict):
+    """One token of a shaded text: its text as the tokenizer decodes it and this key's coefficient there (a
+    dict, not a model: a key page's JSON holds ~1,500 of them)."""
 
     text: str
     coefficient: float | None  # None: not computed at this token (shown unshaded)
@@ -337,7 +339,7 @@ class ShadedText(BaseModel):
     @property
     def tokens(self) -> list[ShadedToken]:
         return [
-            ShadedToken.model_construct(text=text, coefficient=coefficient)
+            ShadedToken(text=text, coefficient=coefficient)
             for text, coefficient in zip(self.texts, self.coefficients, strict=True)
         ]
 

@@ -399,18 +399,13 @@ def key_page(
     positive = every_positive[: max(limit, shaded[0])]
     negative = results.triggers(layer, key, -1, max(limit, shaded[1]))
     more = len(every_positive) - min(len(positive), limit)
-    value_rows = queries.value_readouts(**where)
+    value_rows = results.value_readouts(layer, key)
     sentences = queries.get_sentences(
         session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in positive + negative]
     )
-    wanted = _trigger_token_ids(positive + negative, sentences)
-    shown = [*positive[: shaded[0]], *negative[: shaded[1]]]
-    wanted.update(i for row in shown for i in sentences[row.sentence_index].token_ids)
-    wanted.update(v.token_id for rows in value_rows.values() for v in rows)
     endings = [sentences[t.sentence_index].token_ids[: t.position + 1] for t in positive]
     history = queries.label_history(session=session, model_id=model.id, layer=layer, key=key)
-    wanted.update(patterns.ending_token_ids(endings))
-    texts = queries.token_texts(session=session, model_id=model.id, token_ids=wanted)
+    texts = queries.vocabulary(session=session, model_id=model.id)  # the whole (cached): ~1,500 lookups
     top_ids = [v.token_id for v in value_rows["raw", 1]]
     bottom_ids = [v.token_id for v in value_rows["raw", -1]]
     triggers = [trigger_view(t, sentences[t.sentence_index], texts, top_ids) for t in positive]

@@ -30,8 +30,3 @@ def pattern_hints(endings: Sequence[Sequence[int]], texts: dict[int, str]) -> Pa
         final_ngram=None if ngram is None else [TokenRef(token_id=t, token=texts.get(t, "")) for t in ngram],
         final_ngram_share=ngram_count / len(endings),
     )
-
-
-def ending_token_ids(endings: Sequence[Sequence[int]]) -> set[int]:
-    """Every token id the hints may name (for one vocabulary lookup)."""
-    return {t for ids in endings for t in list(ids)[-LONGEST:]}

@@ -14,18 +14,20 @@ from pydantic import BaseModel
 from ffmem.store.models import JobKind, JobStatus
 from ffmem.web import charts, urls
 from ffmem.web.access import admin_name, can_write, label_author, login_offered
-from ffmem.web.display import duration, number, percent, tail_words, visible
+from ffmem.web.display import coefficient_bar, duration, number, percent, tail_words, tok, visible
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shaded_html
 from ffmem.web.worker_client import text_max_length
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
+templates.env.auto_reload = False  # templates change with the package only: no file check per render
 templates.env.filters.update(visible=visible, number=number, percent=percent, tail_words=tail_words)
 templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
 templates.env.globals.update(label_author=label_author, duration=duration, shaded=shaded_html)
+templates.env.globals.update(tok=tok, coefficient_bar=coefficient_bar)  # HTML pieces (ffmem.web.display)
 templates.env.globals.update(text_max_length=text_max_length)  # what the live boxes may send
 templates.env.globals.update(JobKind=JobKind, JobStatus=JobStatus)  # templates compare with these
 

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from ffmem.config import Settings
 from ffmem.store import queries
 from ffmem.store.models import KeyStats, Sentence, Token
-from ffmem.web.display import visible
+from ffmem.web.display import coefficient_bar, tok, visible
 from ffmem.web.main import create_app
 
 TRIGGER_FIELDS = {
@@ -460,6 +460,17 @@ def test_tokens_are_visible_in_pages(client, slug):
     page = html_of(client, f"/m/{slug}/layers/0/keys/0")
     for t in body["value"]["raw"]["top"]:
         assert f'title="token id {t["token_id"]}">{_escaped(visible(t["token"]))}</code>' in page
+
+
+def test_token_and_coefficient_bar_html():
+    """The templates' `tok` and `coefficient_bar` (Python, not macros): escaped, made visible, exact markup."""
+    assert str(tok(' <b>&"x\'', 7)) == '<code class="tok" title="token id 7">␣&lt;b&gt;&amp;&#34;x&#39;</code>'
+    assert str(tok("\n")) == '<code class="tok">↵</code>' and str(tok(None)) == '<code class="tok">—</code>'
+    assert str(coefficient_bar(-0.5, 2.0)) == (
+        '<span class="bar neg"><span style="width: 25.0%"></span></span>\n<span class="num">-0.5</span>'
+    )
+    assert 'class="bar pos"><span style="width: 0.0%">' in coefficient_bar(1.23456, 0)  # no scale: no bar
+    assert '<span class="num">1.235</span>' in coefficient_bar(1.23456, 0)
 
 
 def _escaped(text: str) -> str:

@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from ffmem.store import memory_lists, queries
 from ffmem.store.models import KeyStats, LanguageModel, MemoryList, Run, Sentence, Token
+from ffmem.store.results import MiningResults, StoredResults
 
 MODEL = dict(
     slug="tiny",
@@ -189,6 +190,54 @@ def test_value_tokens_round_trip(session, run):
     assert values(0, "raw", 1) == [(0, 4, 9.5, close(math.exp(-0.75))), (1, 1, 8.25, close(math.exp(-2.0)))]
     assert values(2, "raw", -1) == []
     assert all(type(v) is float for v in values(0, "raw", 1)[0][2:])
+
+
+def test_a_keys_lists_in_one_read_equal_the_lists_read_one_by_one(session, run):
+    """What the key page reads in one statement (queries.key_lists; StoredResults' triggers and value
+    readouts) equals each list read alone, and a list not stored is empty."""
+    where = dict(session=session, run_id=run.id, layer=1)
+    queries.store_triggers(
+        **where,
+        sign=1,
+        coefficients=np.array([[2.5, 1.25], [0.5, 0.25], [3.0, 1.0]], dtype=np.float32),
+        sentence_index=np.array([[1, 0], [0, -1], [1, 0]]),
+        position=np.array([[2, 1], [1, 0], [0, 1]]),
+    )
+    queries.store_triggers(
+        **where,
+        sign=-1,
+        coefficients=np.array([[-1.0, -0.5], [-2.0, -1.5], [-3.0, -0.5]], dtype=np.float32),
+        sentence_index=np.array([[0, 1], [1, 0], [0, -1]]),
+        position=np.array([[1, 2], [0, 1], [2, 0]]),
+    )
+    token_ids = np.array([[4, 1], [0, 2], [3, 3]])
+    for readout, direction in (("raw", 1), ("raw", -1), ("norm", 1)):  # no norm bottom tokens stored
+        queries.store_value_tokens(
+            **where,
+            readout=readout,
+            direction=direction,
+            token_ids=token_ids[:, ::direction],
+            logits=np.array([[9.5, 8.25], [1.0, -2.0], [0.5, 0.5]], dtype=np.float32) * direction,
+            log_z=np.array([10.25, 3.0, 20.0], dtype=np.float32),
+        )
+    reread(session)
+    key = 1
+    lists = queries.key_lists(**where, key=key)
+    assert set(lists) == {("triggers", 1), ("triggers", -1), ("raw", 1), ("raw", -1), ("norm", 1)}
+    readouts = memory_lists.value_readouts(lists, run_id=run.id, layer=1, key=key)
+    for readout in memory_lists.READOUTS:
+        for direction in (1, -1):
+            alone = queries.get_value_tokens(**where, key=key, readout=readout, direction=direction)
+            assert readouts[readout, direction] == alone
+    assert readouts["norm", -1] == [] and len(readouts["raw", -1]) == 2
+    stored = StoredResults(session, run)
+    assert stored.value_readouts(1, key) == readouts
+    assert MiningResults(session, run).value_readouts(1, key) == readouts  # a run still mining: the same
+    for sign in (1, -1):
+        alone = queries.get_triggers(**where, key=key, sign=sign)
+        assert stored.triggers(1, key, sign) == alone and len(alone) >= 1
+        assert stored.triggers(1, key, sign, 1) == alone[:1]
+    assert stored.triggers(0, key, 1) == [] and stored.value_readouts(0, key)["raw", 1] == []
 
 
 def test_packed_lists_round_trip():

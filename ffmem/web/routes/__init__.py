@@ -7,7 +7,7 @@ answer with, in its one shape (`ErrorBody` on `.json` paths, an HTML error page 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -18,8 +18,10 @@ from sqlalchemy.orm import Session
 from ffmem.web.access import require_write
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    """A read session on the app's database, closed after the response."""
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    """A read session on the app's database, closed after the response. Async, so that FastAPI runs it on
+    the event loop, not twice in the thread pool: opening a session does no I/O (the route's first query,
+    in its thread, takes a connection); closing it hands the connection back."""
     with request.app.state.sessions() as session:
         yield session
 
