@@ -463,8 +463,9 @@ def test_tokens_are_visible_in_pages(client, slug):
 
 
 def test_token_and_coefficient_bar_html():
-    """The templates' `tok` and `coefficient_bar` (Python, not macros): escaped, made visible, exact markup."""
-    assert str(tok(' <b>&"x\'', 7)) == '<code class="tok" title="token id 7">␣&lt;b&gt;&amp;&#34;x&#39;</code>'
+    """The templates' `tok` and `coefficient_bar` (Python, not macros): escaped, made visible, exact HTML."""
+    escaped = "␣&lt;b&gt;&amp;&#34;x&#39;"
+    assert str(tok(" <b>&\"x'", 7)) == f'<code class="tok" title="token id 7">{escaped}</code>'
     assert str(tok("\n")) == '<code class="tok">↵</code>' and str(tok(None)) == '<code class="tok">—</code>'
     assert str(coefficient_bar(-0.5, 2.0)) == (
         '<span class="bar neg"><span style="width: 25.0%"></span></span>\n<span class="num">-0.5</span>'
