@@ -105,37 +105,7 @@ from ffmem.engine.hooks import capture  # noqa: E402
 from ffmem.engine.loading import LoadedModel, load_model  # noqa: E402
 from ffmem.engine.mined_layer import EMPTY_SAMPLE, SIGNS  # noqa: E402
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
-
-try:
-    from tests.tiny_models import tiny_tokenizer  # needs pytest, which the device machine may lack
-except ImportError:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    TRAINING_TEXT = [
-        "The capital of France is Paris.",
-        "Paris is a city on the Seine, famous for its museums.",
-        "Water boils at one hundred degrees Celsius at sea level.",
-        "The quick brown fox jumps over the lazy dog.",
-        "In 1969, astronauts landed on the Moon for the first time.",
-        "Mozart wrote more than six hundred works of music.",
-    ]
-
-    def tiny_tokenizer() -> PreTrainedTokenizerFast:
-        """tests/tiny_models.tiny_tokenizer: a byte-level BPE trained on a few sentences."""
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )
-        tokenizer.train_from_iterator(TRAINING_TEXT * 5, trainer=trainer)
-        return PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-        )
-
+from tests.tiny_models import tiny_tokenizer  # noqa: E402  (pytest: on the device machine too)
 
 START = time.monotonic()
 
