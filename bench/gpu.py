@@ -1,14 +1,13 @@
 """The mining fold on a GPU: parity with the CPU, then its speed over the bare forward at real size.
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
-    PYTHONPATH=/tmp/site:. python3 bench/gpu.py --out /tmp/gpu.json
+    PYTHONPATH=.gpu/wheels/pysbd-0.3.4-py3-none-any.whl:. python3 bench/gpu.py --out /tmp/gpu.json
 
 On a CPU `MiningState.update` runs the compiled fold (ffmem.engine.mining_cpu); on any other device the
 torch fold (`MiningState.fold_tensors`), which this script checks and times on a CUDA device. Needs
 torch, transformers, numpy and numba, no network and no ffmem.config (pydantic): the model is a
 random-weight one, the corpus the bundled one, both read from the assets folder `--assets` (default
 .gpu/ in the repository root: SmolLM2-135M's config.json and tokenizer files, summaries_en-us.json and
-a pysbd wheel, for ffmem's own sentence splitter; without pysbd a simple split stands in, and says so).
+a pysbd wheel, ffmem's sentence splitter, imported straight from the wheel on PYTHONPATH).
 The assets folder is git-ignored and under 10 MB: copy it along with the working tree.
 
 1. Parity, float32 (TF32 off): tiny random models (a SwiGLU Llama and a GELU GPT-2, saved as Hugging Face
@@ -35,7 +34,6 @@ import argparse
 import json
 import platform
 import random
-import re
 import shutil
 import signal
 import statistics
@@ -43,7 +41,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 from unittest import mock
 
@@ -70,34 +67,6 @@ MISMATCH_SHARE = 0.005  # FAIL above this share of differing top-T slots, band s
 COEFFICIENT_REL = 1e-4  # FAIL above this |Δ coefficient| / the largest |coefficient|
 WARM_BATCHES = 16  # batches of the mining warm-up (the bare warm-up runs them all)
 
-
-def _import_pysbd() -> bool:
-    """Whether the real pysbd imports (ffmem.engine.corpus needs one), from the path or from a folder
-    `site` in the assets (the wheel installed there); else a simple splitter stands in."""
-    early = argparse.ArgumentParser(add_help=False)
-    early.add_argument("--assets", type=Path, default=ROOT / ".gpu")
-    site = early.parse_known_args()[0].assets / "site"
-    if site.is_dir():
-        sys.path.append(str(site))
-    try:
-        import pysbd  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("pysbd")
-
-        class Segmenter:
-            def __init__(self, language: str = "en", clean: bool = False):
-                pass
-
-            def segment(self, text: str) -> list[str]:
-                return re.split(r"(?<=[.!?])\s+", text)
-
-        stub.Segmenter = Segmenter
-        sys.modules["pysbd"] = stub
-        return False
-    return True
-
-
-PYSBD = _import_pysbd()
 
 from ffmem.engine import corpus  # noqa: E402
 from ffmem.engine.corpus import Batch, tokenize  # noqa: E402
@@ -487,7 +456,6 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "numba": numba.__version__,
-        "pysbd": PYSBD,
         "args": {key: str(value) for key, value in vars(args).items()},
         "parity": {},
         "speed": [],
@@ -503,8 +471,6 @@ def main() -> None:
         f"{transformers.__version__}, numba {numba.__version__}, TF32 matmul "
         f"{torch.backends.cuda.matmul.allow_tf32}, {torch.get_num_threads()} CPU threads"
     )
-    if not PYSBD:
-        log("WARNING: pysbd is missing: a simple splitter stands in (the sentences differ from ffmem's)")
 
     def checked(name: str, run) -> None:
         """Run one model's parity, print its verdict and keep its figures (or its traceback)."""
