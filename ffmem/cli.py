@@ -239,6 +239,36 @@ def worker(
     _fail_cleanly(run)
 
 
+class _LocalWorker:
+    """`ffmem serve`'s own worker process, started again (after `pause` seconds) whenever it exits:
+    whatever happens to it, the explorer's live view comes back without a restart."""
+
+    def __init__(self, command: list[str], pause: float = 5.0) -> None:
+        import subprocess
+        import threading
+
+        self.command, self.pause, self.stopping = command, pause, threading.Event()
+        self.process = subprocess.Popen(command)
+        threading.Thread(target=self._watch, name="local worker", daemon=True).start()
+
+    def _watch(self) -> None:
+        import subprocess
+
+        while not self.stopping.is_set():
+            code = self.process.wait()
+            if self.stopping.wait(self.pause):
+                return
+            typer.secho(
+                f"the local worker exited ({code}); starting it again", fg=typer.colors.YELLOW, err=True
+            )
+            self.process = subprocess.Popen(self.command)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
 def _serve_live(settings, device: str, preload: str, host: str, port: int):
     """Start the live worker's HTTP server on a thread; None (with a warning) if it cannot listen."""
     import threading
@@ -309,13 +339,12 @@ def serve(
     app = _fail_cleanly(lambda: create_app(configured))
     worker_process = None
     if worker_url is None:
-        import subprocess
         import sys
 
         address = urlsplit(live_url)
         command = [sys.executable, "-c", "from ffmem.cli import main; main()", "worker", "--db", url]
         command += ["--host", address.hostname or "127.0.0.1", "--port", str(address.port or 8001)]
-        worker_process = subprocess.Popen(command)
+        worker_process = _LocalWorker(command)
     signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down: stop the worker too
     typer.echo(f"serving {url} on http://{host}:{port}; live worker {live_url}")
     if configured.read_only:
@@ -337,8 +366,7 @@ def serve(
         )
     finally:
         if worker_process is not None:
-            worker_process.terminate()  # its leases are released; the next start resumes its work
-            worker_process.wait(timeout=30)
+            worker_process.stop()  # its leases are released; the next start resumes its work
 
 
 @cli.command()

@@ -10,6 +10,7 @@ that much, and the shards merge exactly into the single-worker result.
 
 from __future__ import annotations
 
+import logging
 import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -42,6 +43,8 @@ from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
 from ffmem.worker.comparison import compare_runs
 from ffmem.worker.composition import compose
 from ffmem.worker.leases import Heartbeat, Presence
+
+log = logging.getLogger(__name__)
 
 
 def _setting(name: str):
@@ -209,7 +212,16 @@ class Worker:
                         raise FfmemError(
                             f"{job.kind} job {job_id} failed: {job.error['type']}: {job.error['message']}"
                         )
-            if not self.step(job_id):
+            try:
+                stepped = self.step(job_id)
+            except Exception as error:
+                if job_id is not None:
+                    raise
+                # Not a job's failure (those fail their job in `_guarded`): the queue itself, e.g. a
+                # database that does not answer. A worker for all jobs waits and tries again.
+                log.error("the worker's step failed: %s: %s; trying again", type(error).__name__, error)
+                stepped = False
+            if not stepped:
                 if once and job_id is None and not self._jobs_in_progress():
                     return
                 time.sleep(poll_seconds)
@@ -224,6 +236,7 @@ class Worker:
 
     def step(self, job_id: int | None = None) -> bool:
         """One unit of work: mine an open shard, or prepare / finish a job. False when there is none."""
+        reraise = job_id is not None  # a worker for all jobs outlives any one job's failure
         with self.sessions() as session:
             for job in jobs.open_jobs(session=session):
                 if job_id is not None and job.id != job_id:
@@ -238,7 +251,9 @@ class Worker:
                 session.commit()  # a shard given up on has failed its job
                 if shard is not None:
                     held = self._shard_lease(shard)
-                    self._guarded(job.id, lambda job=job, shard=shard: self.mine_shard(job, shard), held)
+                    self._guarded(
+                        job.id, lambda job=job, shard=shard: self.mine_shard(job, shard), held, reraise
+                    )
                     return True
             job = jobs.claim_job(
                 session=session,
@@ -251,13 +266,13 @@ class Worker:
             if job is None:
                 return False
         if job.kind == JobKind.analysis:
-            self._guarded(job.id, lambda: self.analyze(job), self._job_lease(job.id))
+            self._guarded(job.id, lambda: self.analyze(job), self._job_lease(job.id), reraise)
             return True
         if job.kind == JobKind.comparison:
-            self._guarded(job.id, lambda: self.compare(job), self._job_lease(job.id))
+            self._guarded(job.id, lambda: self.compare(job), self._job_lease(job.id), reraise)
             return True
         if job.run_id is None:
-            self._guarded(job.id, lambda: self.prepare(job), self._job_lease(job.id))
+            self._guarded(job.id, lambda: self.prepare(job), self._job_lease(job.id), reraise)
             return True
         with self.sessions() as session:
             shards = jobs.shard_counts(session=session, run_id=job.run_id)
@@ -265,13 +280,14 @@ class Worker:
                 jobs.release_job(session=session, job_id=job.id)
                 session.commit()
                 return True
-        self._guarded(job.id, lambda: self.finish(job), self._job_lease(job.id))
+        self._guarded(job.id, lambda: self.finish(job), self._job_lease(job.id), reraise)
         return True
 
-    def _guarded(self, job_id: int, action, heartbeat: Heartbeat) -> None:
+    def _guarded(self, job_id: int, action, heartbeat: Heartbeat, reraise: bool) -> None:
         """Run `action` while `heartbeat` renews its lease; an error fails the job (stored with its
-        traceback). A lost lease is no error: the work is someone else's now. Interrupts leave
-        everything to be resumed."""
+        traceback), never the worker: it is logged and the worker goes on to the next job, unless
+        `reraise` (a caller waiting on this one job, as `ffmem index` does, gets the error itself). A
+        lost lease is no error: the work is someone else's now. Interrupts leave everything to be resumed."""
         try:
             with heartbeat:
                 action()
@@ -281,7 +297,11 @@ class Worker:
             with self.sessions() as session:
                 jobs.fail_job(session=session, job_id=job_id, error=error)
                 session.commit()
-            raise
+            if reraise:
+                raise
+            log.error(
+                "job %s failed (its page: /jobs/%s): %s: %s", job_id, job_id, type(error).__name__, error
+            )
 
     def _job_lease(self, job_id: int) -> Heartbeat:
         """A heartbeat that renews this worker's lease on job `job_id` every third of the lease."""
