@@ -35,6 +35,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from ffmem.engine.token_display import visible
+
 FINAL_SHARE, MAX_FINAL = 0.1, 3
 NGRAM_SHARE, LONGEST = 0.2, 4
 CONTEXT_SHARE, CONTEXT_LIFT, MAX_CONTEXT = 0.3, 3.0, 3
@@ -136,8 +138,9 @@ def find_pattern(
 
 
 def quoted(text: str) -> str:
-    """A token as the description names it: in quotes, a newline shown as ↵."""
-    return "“" + text.replace("\n", "↵").replace("\r", "") + "”"
+    """A token as the description names it: in quotes, made visible as on every page (↵, ⇥, ⟨U+200B⟩,
+    ∅; ffmem.engine.token_display) but for its spaces, which the quotes show."""
+    return "“" + visible(text, spaces=False) + "”"
 
 
 def describe(
@@ -150,7 +153,7 @@ def describe(
 ) -> Description:
     """A memory's description from its top trigger prefixes (strongest first), its value's top tokens
     (strongest first), its shallowness (or None) and the corpus's `document_frequency`; `texts` names
-    every token id."""
+    every token id (as the pages do: a byte-level token as its bytes, ⟨0x80⟩)."""
     pattern, shares = find_pattern(prefixes, frequency, words)
     parts = []
     if pattern.final:

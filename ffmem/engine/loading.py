@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -39,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 
 from ffmem.engine.adapters import Adapter, adapter_for
 from ffmem.engine.errors import FfmemError
+from ffmem.engine.model_names import slugify
 from ffmem.engine.packaged import package_file
 
 EMBEDDED = {
@@ -138,13 +138,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in choices:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(choices)}")
     return choices[dtype]
-
-
-def slugify(source: str) -> str:
-    name = Path(source).stem if source.endswith(".gguf") else source.rstrip("/")
-    if os.path.isdir(source):
-        name = Path(source).resolve().name
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
 
 
 def sha256_file(path: Path) -> str:

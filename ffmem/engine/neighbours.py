@@ -14,17 +14,36 @@ Values: cos(v_i, v_j). The top `k` by the highest cosine, the memory itself left
 
 All pairs of 46,080 memories are compared exactly in blocks: each block pair once (the matrix is
 symmetric), its block rows' running top-k merged as it goes; [block, block] at a time in memory.
+
+**The random-pair baseline** says what "near" means: in d dimensions two unrelated directions still have
+a cosine of order 1/√d, and a memory's nearest of 46,080 is the largest of many such. Per layer and
+kind, a fixed seeded sample of `BASELINE_PAIRS` pairs — a memory of the layer and any other memory of any
+layer, as the neighbours are searched — gives the mean and the 99th percentile of |similarity| (the same
+similarity as the neighbours'); a neighbour below that percentile is no nearer than a random pair. The
+pairs are compared `chunk` at a time: [chunk, d] rows in memory whatever the layer's size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from ffmem.engine.loading import LoadedModel
 
 NEIGHBOURS = 10  # per memory and kind
+BASELINE_PAIRS = 20_000  # random pairs per layer and kind for the baseline (200 above its p99)
+BASELINE_SEED = 0
+BASELINE_QUANTILE = 0.99
+
+
+class Baseline(NamedTuple):
+    """What random pairs reach in one layer (module docstring): |similarity| of `pairs` random pairs."""
+
+    pairs: int
+    mean: float  # mean |similarity|
+    p99: float  # 99th percentile of |similarity| (linear interpolation, as numpy's default)
 
 
 def key_factors(loaded: LoadedModel) -> list[torch.Tensor]:
@@ -61,6 +80,54 @@ def memory_neighbours(
             )
             for kind, factors in (("key", key_factors), ("value", value_factors))
         }
+
+
+def memory_baselines(
+    loaded: LoadedModel, pairs: int = BASELINE_PAIRS, seed: int = BASELINE_SEED, chunk: int = 8192
+) -> dict[str, list[Baseline]]:
+    """kind ("key", "value") → each layer's random-pair Baseline, of the similarity the neighbours use."""
+    with torch.inference_mode():
+        return {
+            kind: random_pair_baseline(factors(loaded), loaded.n_layers, loaded.n_keys, pairs, seed, chunk)
+            for kind, factors in (("key", key_factors), ("value", value_factors))
+        }
+
+
+def baseline_pairs(
+    n_layers: int, n_keys: int, layer: int, pairs: int = BASELINE_PAIRS, seed: int = BASELINE_SEED
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed sample of one layer: (i, j) [pairs] int64 each, layer-major memory indices, i a memory of
+    `layer`, j any memory of any layer but i; the same for the same arguments on every machine."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    i = layer * n_keys + torch.randint(n_keys, (pairs,), generator=generator)  # [pairs]
+    j = torch.randint(n_layers * n_keys - 1, (pairs,), generator=generator)  # [pairs]
+    return i, j + (j >= i).long()  # skipping i itself, j uniform over the others
+
+
+def random_pair_baseline(
+    factors: Sequence[torch.Tensor],
+    n_layers: int,
+    n_keys: int,
+    pairs: int = BASELINE_PAIRS,
+    seed: int = BASELINE_SEED,
+    chunk: int = 8192,
+) -> list[Baseline]:
+    """Per layer, |similarity(i, j)| = |Π_f cos(f[i], f[j])| over `baseline_pairs` (factors as `nearest`
+    takes them: [layers · keys, d_f] each, layer-major): its mean and 99th percentile."""
+    found = []
+    for layer in range(n_layers):
+        i, j = baseline_pairs(n_layers, n_keys, layer, pairs, seed)
+        similarity = torch.ones(pairs, device=factors[0].device)  # [pairs]
+        for start in range(0, pairs, chunk):
+            rows, columns = i[start : start + chunk], j[start : start + chunk]  # [c]
+            part = similarity[start : start + chunk]  # [c], a view
+            for f in factors:
+                a = torch.nn.functional.normalize(f[rows.to(f.device)].float(), dim=1)  # [c, d_f]
+                b = torch.nn.functional.normalize(f[columns.to(f.device)].float(), dim=1)  # [c, d_f]
+                part *= (a * b).sum(dim=1)  # [c]
+        size = similarity.abs().double()  # [pairs]
+        found.append(Baseline(pairs, float(size.mean()), float(torch.quantile(size, BASELINE_QUANTILE))))
+    return found
 
 
 def nearest(

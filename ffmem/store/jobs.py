@@ -379,6 +379,13 @@ def building(*, session: Session, model_id: int) -> Job | None:
     return session.scalars(query).first()
 
 
+def preparing(*, session: Session) -> list[Job]:
+    """The queued or running index jobs that have not stored their run yet (their model may not be
+    stored either), oldest first."""
+    query = select(Job).where(Job.kind == JobKind.index, Job.status.in_(ACTIVE), Job.run_id.is_(None))
+    return list(session.scalars(query.order_by(Job.id)))
+
+
 def builders(run_id: int):
     """SELECT the ids of the index jobs of run `run_id` (for IN)."""
     return select(Job.id).where(Job.kind == JobKind.index, Job.run_id == run_id)

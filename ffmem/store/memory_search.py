@@ -1,6 +1,7 @@
 """Keyword-only reads and writes for the two ways of finding memories that are not in `queries`:
 full-vocabulary token search (a run's arrays, ffmem.engine.vocab_search) and each memory's nearest
-memories by key and value direction (ffmem.engine.neighbours). No torch.
+memories by key and value direction with the random-pair baseline that says what near is
+(ffmem.engine.neighbours). No torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from sqlalchemy.orm import Session
 from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
 from ffmem.store import queries
 from ffmem.store.memory_lists import SCORED_MEMORY
-from ffmem.store.models import Neighbours, RunArray
+from ffmem.store.models import NeighbourBaseline, Neighbours, RunArray
 from ffmem.store.queries import _bulk_insert
 
 NEIGHBOUR_KINDS = ("key", "value")
@@ -110,10 +111,23 @@ def store_neighbours(
     run_id: int,
     n_keys: int,
     neighbours: dict[str, tuple[np.ndarray, np.ndarray]],
+    baselines: dict[str, Sequence[tuple[int, float, float]]] | None = None,
 ) -> int:
     """Store each memory's nearest memories, replacing any the run had: `neighbours[kind]` is (indices,
-    cosines), each [layers · keys, k], indices layer-major (layer · n_keys + key). Returns rows stored."""
+    cosines), each [layers · keys, k], indices layer-major (layer · n_keys + key); `baselines[kind]`, per
+    layer (pairs, mean, p99) of random pairs' |cosine| (ffmem.engine.neighbours.Baseline). Returns rows
+    stored."""
     session.execute(delete(Neighbours).where(Neighbours.run_id == run_id))
+    session.execute(delete(NeighbourBaseline).where(NeighbourBaseline.run_id == run_id))
+    for kind, layers in (baselines or {}).items():
+        if kind not in NEIGHBOUR_KINDS:
+            raise ValueError(f"unknown neighbour kind {kind!r}; choose from {NEIGHBOUR_KINDS}")
+        rows = [
+            dict(run_id=run_id, layer=layer, kind=kind, pairs=int(pairs), mean=float(mean), p99=float(p99))
+            for layer, (pairs, mean, p99) in enumerate(layers)
+        ]
+        if rows:
+            session.execute(insert(NeighbourBaseline), rows)
     stored = 0
     for kind, (indices, cosines) in neighbours.items():
         if kind not in NEIGHBOUR_KINDS:
@@ -128,6 +142,14 @@ def store_neighbours(
         _bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "data"), rows)
         stored += indices.shape[0]
     return stored
+
+
+def get_neighbour_baselines(*, session: Session, run_id: int, layer: int) -> dict[str, NeighbourBaseline]:
+    """kind ("key", "value") → the layer's random-pair baseline; {} for a run stored before them."""
+    query = select(NeighbourBaseline).where(
+        NeighbourBaseline.run_id == run_id, NeighbourBaseline.layer == layer
+    )
+    return {row.kind: row for row in session.scalars(query)}
 
 
 def get_neighbours(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[list[float]]]:

@@ -403,6 +403,21 @@ class Neighbours(Base):
     data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+class NeighbourBaseline(Base):
+    """What a random pair of memories reaches, per run, layer and kind (engine.neighbours.memory_baselines):
+    over `pairs` fixed seeded pairs of a memory of the layer and any other memory, the mean and the 99th
+    percentile of |similarity| (the neighbours' own). Runs stored before revision 0016 have none."""
+
+    __tablename__ = "neighbour_baselines"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # key | value
+    pairs: Mapped[int] = mapped_column(Integer)
+    mean: Mapped[float] = mapped_column(Float)
+    p99: Mapped[float] = mapped_column(Float)
+
+
 class MemoryLinks(Base):
     """A memory's strongest links in its run's weight graph (ffmem.engine.weight_graph), computed once per
     run from the weights: `direction` "in" lists the earlier memories whose values write most into its key,

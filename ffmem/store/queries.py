@@ -23,6 +23,7 @@ import numpy as np
 from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, or_, select, union_all
 from sqlalchemy.orm import Session, joinedload
 
+from ffmem.engine.token_display import byte_form
 from ffmem.store import memory_lists
 from ffmem.store.memory_lists import TRIGGERS, Lists, Trigger, ValueToken
 from ffmem.store.models import (
@@ -595,15 +596,16 @@ VOCABULARIES_KEPT = 4
 
 
 def vocabulary(*, session: Session, model_id: int) -> dict[int, str]:
-    """Every stored token text of a model by token id, read once per process."""
+    """Every stored token text of a model by token id, read once per process; a byte-level token that
+    is no whole character as its bytes, ⟨0x80⟩ (ffmem.engine.token_display.byte_form), not "�"."""
     model = session.get(LanguageModel, model_id)
     if model is None:
         return {}
     cache_key = (_database(session), model_id, model.created_at)
     found = _VOCABULARIES.get(cache_key)
     if found is None:
-        query = select(Token.token_id, Token.text).where(Token.model_id == model_id)
-        found = dict(session.execute(query).all())
+        query = select(Token.token_id, Token.text, Token.piece).where(Token.model_id == model_id)
+        found = {token_id: byte_form(text, piece) for token_id, text, piece in session.execute(query)}
         _remember(_VOCABULARIES, VOCABULARIES_KEPT, cache_key, found, final=len(found) == model.vocab_size)
     return found
 
@@ -883,6 +885,24 @@ def search_labels(*, session: Session, model_id: int, text: str, limit: int) -> 
     ]
     query = select(Label).where(Label.id.in_(_newest_labels(model_id)), or_(*matches))
     return list(session.scalars(query.order_by(Label.layer, Label.key).limit(limit)))
+
+
+LABEL_SORTS = ("key", "label", "date")
+
+
+def model_labels(*, session: Session, model_id: int, sort: str = "key") -> list[Label]:
+    """Every labelled memory's current label (its newest) of a model, sorted by memory ("key": layer, then
+    key), by the label's text ("label": case-folded, then by memory) or by date ("date": the newest first).
+    The text is sorted here, not by the database, whose collation differs between SQLite and Postgres."""
+    if sort not in LABEL_SORTS:
+        raise ValueError(f"unknown label sort {sort!r}; choose from {LABEL_SORTS}")
+    query = select(Label).where(Label.model_id == model_id, Label.id.in_(_newest_labels(model_id)))
+    labels = list(session.scalars(query.order_by(Label.layer, Label.key)))
+    if sort == "label":
+        labels.sort(key=lambda label: (label.pattern.casefold(), label.pattern))  # stable: then by memory
+    elif sort == "date":
+        labels.sort(key=lambda label: (label.created_at, label.id), reverse=True)
+    return labels
 
 
 def _bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:

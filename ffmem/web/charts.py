@@ -347,14 +347,23 @@ def analysis_chart(figure: AnalysisFigure) -> dict:
     }
 
 
+NODE_LABEL_PX = 7  # the most a character of a node label ("L29 K1073", 11 px) takes, in pixels
+
+
 def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) -> dict:
     """The memory (centre) between the earlier memories whose values write into its key (left) and the
     later keys that read its value (right), each at its layer, the strongest highest; an edge's width is
     its |score|, its colour the sign (blue: a positive coefficient of the writer raises the reader's).
-    A click on a node opens that memory (`layout.meta.links`: static/charts.js)."""
+    A click on a node opens that memory (`layout.meta.links`: static/charts.js).
+
+    Labels never overlap or leave the chart, whatever its width: each link has its own row (one writer and
+    one reader a row), a writer's label sits left of it and a reader's right of it, away from the centre;
+    labels may run past the axis into the side margins, which are as wide as the longest label there. The
+    centre has no label (the page names it; its hover does) and the page heads the chart (a title wraps
+    there, not in plotly)."""
     strongest = max([abs(link.score) for link in graph.inbound + graph.outbound] or [1.0]) or 1.0
     edges, nodes = [], []
-    for links in (graph.inbound, graph.outbound):
+    for links, side in ((graph.inbound, "middle left"), (graph.outbound, "middle right")):
         for rank, link in enumerate(links):
             y = (len(links) - 1) / 2 - rank
             color = POSITIVE if link.score > 0 else NEGATIVE
@@ -369,36 +378,39 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
                     "hoverinfo": "skip",
                 }
             )
-            nodes.append((link, y, color))
+            nodes.append((link, y, color, side))
     node_trace = {
         "type": "scatter",
         "mode": "markers+text",
-        "x": [link.layer for link, _, _ in nodes],
-        "y": [y for _, y, _ in nodes],
-        "text": [f"L{link.layer} K{link.key}" for link, _, _ in nodes],
-        "textposition": "top center",
-        "marker": {"size": 11, "color": [color for _, _, color in nodes]},
-        "customdata": [
-            [link.url, f"{link.score:+.3g}", label(link.explanation or "")] for link, _, _ in nodes
-        ],
+        "x": [link.layer for link, *_ in nodes],
+        "y": [y for _, y, *_ in nodes],
+        "text": [f"L{link.layer} K{link.key}" for link, *_ in nodes],
+        "textposition": [side for *_, side in nodes],
+        "textfont": {"size": 11, "shadow": "auto"},  # a halo in the background colour over the edges
+        "cliponaxis": False,  # a label may run into the margin beside the axis
+        "marker": {"size": 11, "color": [color for _, _, color, _ in nodes]},
+        "customdata": [[link.url, f"{link.score:+.3g}", label(link.explanation or "")] for link, *_ in nodes],
         "hovertemplate": "%{text} · score %{customdata[1]}<br>%{customdata[2]}<extra></extra>",
     }
     centre = {
         "type": "scatter",
-        "mode": "markers+text",
+        "mode": "markers",
         "x": [layer],
         "y": [0],
-        "text": [f"L{layer} K{key}"],
-        "textposition": "bottom center",
         "marker": {"size": 16, "color": NEUTRAL, "symbol": "diamond"},
-        "hovertemplate": "this memory<extra></extra>",
+        "hovertemplate": f"this memory: L{layer} K{key}<extra></extra>",
     }
+
+    def margin(links: list) -> int:  # the widest label on that side, and the marker's half beside it
+        return 20 + NODE_LABEL_PX * max([len(f"L{link.layer} K{link.key}") for link in links] or [0])
+
     return {
         "data": [*edges, node_trace, centre],
         "layout": BASE_LAYOUT
         | {
-            "title": {"text": "weight graph: who writes into this key ← · → who reads this value"},
+            "title": {"text": ""},
             "height": 380,
+            "margin": {"l": margin(graph.inbound), "r": margin(graph.outbound), "t": 16, "b": 48},
             "xaxis": {"title": {"text": "layer"}, "range": [-0.5, n_layers - 0.5]},
             "yaxis": {"visible": False},
             "meta": {"links": True},

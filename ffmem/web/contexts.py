@@ -43,6 +43,10 @@ class RunInfo(BaseModel):
     finished_at: Moment | None
     provenance: dict
     error: dict | None
+    job: int | None = Field(None, description="While the run is built: the index job building it.")
+    mined: float | None = Field(
+        None, description="While the run is built: the share of its corpus mined so far (all shards)."
+    )
 
 
 class ModelInfo(BaseModel):
@@ -411,6 +415,15 @@ class Neighbour(BaseModel):
     key: int
     cosine: float
     url: str
+    chance: bool | None = None  # cosine below the random-pair p99 of the layer (None: no baseline stored)
+
+
+class NeighbourBaseline(BaseModel):
+    """What random pairs reach: a memory of this layer and any other memory (ffmem.engine.neighbours)."""
+
+    pairs: int  # random pairs sampled (fixed, seeded)
+    mean: float  # their mean |cosine|
+    p99: float  # the 99th percentile of their |cosine|: a neighbour below it is no nearer than chance
 
 
 class MemoryNeighbours(BaseModel):
@@ -419,6 +432,8 @@ class MemoryNeighbours(BaseModel):
     gated: bool  # key cosine = cos(gate) · cos(up) (the cosine of g·uᵀ); else the cosine of the keys
     by_key: list[Neighbour]
     by_value: list[Neighbour]
+    key_baseline: NeighbourBaseline | None = None  # None: a run stored before baselines
+    value_baseline: NeighbourBaseline | None = None
 
 
 class CoefficientAt(BaseModel):
@@ -588,6 +603,7 @@ class SearchContext(BaseModel):
     labels: list[LabelHit] = []  # memories whose label matches q
     explanations: list[ExplanationHit] = []  # memories whose automatic explanation contains q
     max_length: int = 200  # the longest q the server accepts
+    key_url: str | None = None  # the key page `q` names (`L12 K345`), opened when the form is sent
 
 
 KeyRow.model_rebuild()
@@ -673,7 +689,9 @@ class AttributionView(BaseModel):
 
     target: TokenRef
     typed: str | None  # the target as the URL asked for it (None: the prediction)
-    note: str | None  # e.g. a typed text that is several tokens: which one is attributed
+    note: str | None  # a typed text: which token is attributed (its text made visible, its id)
+    other: TokenRef | None = None  # the typed text's other spelling (± a leading space), a token too
+    other_url: str | None = None  # the same trace with that token as the target
     readout: str
     logit: float  # the target's logit after the position under the readout
     scale: float | None  # norm: the final norm's scale at the actual final residual, folded in
@@ -740,6 +758,7 @@ class TraceContext(BaseModel):
     notice_field: str | None = None  # the form field the notice is about: shown next to it
     target: str | None = None  # the attribution's target as the URL asks (`target=`; None: the prediction)
     attribution: AttributionView | None = None  # who pushes the target token, here
+    link: str | None = None  # this trace's URL, its share link; None: too long for a URL (sent by POST)
 
 
 class AblationRow(BaseModel):

@@ -4,27 +4,9 @@ tokens and a macro call costs ten times a function's)."""
 
 from __future__ import annotations
 
-import unicodedata
-
 from markupsafe import Markup, escape
 
-SHOWN = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5", "\r": "\u240d"}  # ␣ ↵ ⇥ ␍
-INVISIBLE = ("Cc", "Cf", "Zs", "Zl", "Zp", "Co", "Cn")  # control, format, spaces, private, unassigned
-
-
-def visible(text: str | None) -> str:
-    """A token as a person can see it: spaces ␣, newlines ↵, tabs ⇥, other invisible characters as
-    ⟨U+XXXX⟩, the empty string ∅, no token at all —."""
-    if text is None:
-        return "—"
-    if text == "":
-        return "∅"
-    if text.isprintable():  # no control, format, separator (but the ASCII space), private or unassigned
-        return text.replace(" ", SHOWN[" "])
-    return "".join(
-        SHOWN.get(char) or (f"⟨U+{ord(char):04X}⟩" if unicodedata.category(char) in INVISIBLE else char)
-        for char in text
-    )
+from ffmem.engine.token_display import visible as visible  # shared with the explanations' wording
 
 
 def number(value: float | int | None, digits: int = 3) -> str:
@@ -54,6 +36,15 @@ def coefficient_bar(value: float, scale: float) -> Markup:
 
 def percent(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def signed(value: float, digits: int = 4) -> str:
+    """A change with its sign, `digits` decimals; one too small for them in two significant digits
+    (never "-0.0000"), and 0 as 0."""
+    if value == 0:
+        return "0"
+    shown = f"{value:+.{digits}f}"
+    return shown if float(shown) != 0 else f"{value:+.1e}"
 
 
 def tail_words(text: str, limit: int) -> str:

@@ -21,7 +21,8 @@ log = logging.getLogger("ffmem")
 class AppError(Exception):
     """An error a person can act on: an HTTP status, a short title, and a message that says what to do.
 
-    `field`: the form field that caused it (a page shows the message next to that field, the page kept)."""
+    `field`: the form field that caused it (a page shows the message next to that field, the page kept).
+    `link`: (url, text) of the page to go to next; the error page links it, JSON gives it as `link`."""
 
     def __init__(
         self,
@@ -31,11 +32,13 @@ class AppError(Exception):
         headers: dict[str, str] | None = None,
         *,
         field: str | None = None,
+        link: tuple[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.title, self.message = status, title, message
         self.headers = headers or {}  # e.g. Retry-After on a 503
         self.field = field
+        self.link = link  # (url, text): where to go next, e.g. the page of the job building what was asked
 
 
 def sentence(text: str) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ffmem.config import Settings, get_settings
 from ffmem.store.db import Retry, make_engine, make_sessionmaker
 from ffmem.web import errors, routes, security
+from ffmem.web.rendering import templates
 from ffmem.web.routes import access, compare, corpora, jobs, keys, layers, models, search, trace
 from ffmem.web.worker_client import LiveWorker
 
@@ -53,6 +54,26 @@ class ServerTiming:
         await self.app(scope, receive, timed)
 
 
+class HeadAsGet:
+    """HEAD answered as GET without its body (the routes are GET routes; HTTP wants HEAD wherever GET
+    is, and link checkers and monitors use it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 def create_app(settings: Settings | None = None, live: LiveWorker | None = None) -> FastAPI:
     """The explorer over `settings.database_url`; live traces go to `live` (default: settings.worker_url)."""
     settings = settings or get_settings()
@@ -60,6 +81,8 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
         title="ffmem",
         description="Explore the key-value memories inside transformer feed-forward layers.",
         version="0.1.0",
+        docs_url=None,  # FastAPI's docs load Swagger UI from a CDN, with an inline script: /docs below
+        redoc_url=None,
     )
     engine = make_engine(settings.database_url, Retry.from_settings(settings))
     app.state.settings = settings
@@ -76,8 +99,14 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
         """Browsers ask for it on a first visit (pages link static/favicon.svg)."""
         return FileResponse(STATIC / "favicon.ico", headers={"Cache-Control": "public, max-age=86400"})
 
+    @app.get("/docs", include_in_schema=False)
+    def docs(request: Request) -> HTMLResponse:
+        """Every route, from /openapi.json, in the vendored Swagger UI (static/vendor, static/docs.js)."""
+        return templates.TemplateResponse(request, "docs.html", {"openapi_url": app.openapi_url})
+
     errors.install(app)
 
     app.add_middleware(ServerTiming)
+    app.add_middleware(HeadAsGet)
     security.install(app, settings)
     return app

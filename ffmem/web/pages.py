@@ -11,12 +11,13 @@ import random
 import re
 
 import numpy as np
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
+from ffmem.engine.model_names import slugify
 from ffmem.store import jobs, key_examples, memory_search, queries
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.memory_lists import Trigger as TriggerRow
-from ffmem.store.models import Job, JobKind, Label, LanguageModel, Run, Sentence
+from ffmem.store.models import Job, JobKind, JobStatus, Label, LanguageModel, Run, Sentence
 from ffmem.store.results import has_results, results_for
 from ffmem.web import patterns, token_search, urls
 from ffmem.web.composition_view import explanation_hits, key_explanation, weight_graph_view
@@ -41,6 +42,7 @@ from ffmem.web.contexts import (
     ModelEntry,
     ModelInfo,
     Neighbour,
+    NeighbourBaseline,
     Progress,
     RelatedContext,
     RunInfo,
@@ -56,6 +58,7 @@ from ffmem.web.contexts import (
     Trigger,
     ValueReadout,
 )
+from ffmem.web.display import percent, visible
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shade, token_pieces
 
@@ -68,13 +71,34 @@ VISIBLE_SPACE = "\u2423"  # ␣
 # ---- shared lookups -----------------------------------------------------------------------------
 
 
+BUILDING_RETRY = 10  # seconds a client waits before asking again for a model whose index is being built
+
+
 def model_or_404(session: Session, slug: str) -> LanguageModel:
     model = queries.get_model(session=session, slug=slug)
     if model is None:
+        for job in jobs.preparing(session=session):
+            if slugify(str(job.options.get("model", ""))) == slug:
+                raise being_built(job, f"Job {job.id} is preparing the index of {slug!r}")
         known = [m.slug for m in queries.list_models(session=session)]
         listed = ", ".join(known) if known else "none yet (build one with `ffmem index`)"
         raise AppError(404, "Unknown model", f"There is no model {slug!r}. Known models: {listed}.")
     return model
+
+
+def being_built(job: Job, what: str) -> AppError:
+    """A 503 for a page whose index job `job` has not stored what it shows yet: what it is doing, how far
+    it is, and a link to its page."""
+    if job.status == JobStatus.queued:
+        doing = "queued, waiting for a worker"
+    elif job.run is None:
+        doing = "loading the model, reading the corpus and projecting the values"
+    else:
+        mined = jobs.progress(session=object_session(job), run=job.run).fraction
+        doing = f"{percent(mined)} of the corpus mined; pages show its results from the first checkpoint"
+    message = f"{what} ({doing}). Its progress: {urls.job_url(job.id)}"
+    headers = {"Retry-After": str(BUILDING_RETRY)}
+    return AppError(503, "Index being built", message, headers, link=(urls.job_url(job.id), f"job {job.id}"))
 
 
 def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Run:
@@ -86,12 +110,11 @@ def run_or_404(session: Session, model: LanguageModel, run_id: int | None) -> Ru
             building = jobs.building(session=session, model_id=model.id)
             if building is not None and has_results(session, building.run):
                 return building.run
-            where = (
-                f" Job {building.id} is building one: see {urls.job_url(building.id)}." if building else ""
-            )
-            raise AppError(
-                404, "No finished index", f"Model {model.slug!r} has no finished index run yet.{where}"
-            )
+            if building is not None:
+                raise being_built(
+                    building, f"Job {building.id} is building the first index of {model.slug!r}"
+                )
+            raise AppError(404, "No finished index", f"Model {model.slug!r} has no finished index run yet.")
         return run
     run = queries.get_run(session=session, run_id=run_id)
     if run is None or run.model_id != model.id:
@@ -131,7 +154,13 @@ def key_run_or_404(
 
 
 def run_info(run: Run) -> RunInfo:
+    building = None
+    if run.status == "running":  # the job building it, and how far it has mined (beyond its checkpoints)
+        session = object_session(run)
+        building = session.scalars(jobs.builders(run.id).order_by(Job.id.desc()).limit(1)).first()
     return RunInfo(
+        job=building,
+        mined=jobs.progress(session=object_session(run), run=run).fraction if building else None,
         id=run.id,
         status=run.status,
         corpus=run.corpus.name,
@@ -335,6 +364,15 @@ def layer_page(
     window = dict(sort=sort, descending=order == "desc", offset=(page - 1) * per_page, limit=per_page)
     results = results_for(session, run)
     total, stats, tops = results.layer_keys(layer, token_ids=token_ids, **window)
+    pages = max(1, -(-total // per_page))
+    if page > pages:
+        query = dict(run=run_id, sort=sort, order=order, token=token, per_page=per_page, page=pages)
+        last = urls.layer_url(model.slug, layer, **query)
+        message = (
+            f"There are {pages:,} pages of {per_page} keys here ({total:,} keys); "
+            f"page {page:,} is past the last."
+        )
+        raise AppError(404, "No such page", message, link=(last, f"the last page, {pages:,}"))
     keys = [s.key for s in stats]
     values = queries.top_value_tokens(
         session=session, run_id=run.id, layer=layer, keys=keys, readout="raw", n=5
@@ -381,7 +419,7 @@ def layer_page(
         page_number=page,
         per_page=per_page,
         total=total,
-        pages=max(1, -(-total // per_page)),
+        pages=pages,
         keys=rows,
         provisional=results.coverage(layer),
     )
@@ -531,14 +569,15 @@ def search_page(
     limit: int,
     arrays: token_search.ArrayCache,
     max_length: int,
+    jump: bool = True,
 ) -> SearchContext | str:
-    """The search results, or the URL of a key when `q` names one (`L12 K345`, `12/345`)."""
+    """The search results, or the URL of a key when `q` names one (`L12 K345`, `12/345`) and `jump` (else
+    the results with that URL: as-you-type searches jump only when the form is sent)."""
     model = model_or_404(session, slug)
-    jump = KEY_JUMP.match(q)
-    if jump:
-        layer, key = (int(g) for g in jump.groups() if g is not None)
-        check_key(model, layer, key)
-        return urls.key_url(slug, layer, key, run=run_id)
+    named = named_key(model, q)
+    key_url = urls.key_url(slug, *named, run=run_id) if named else None
+    if key_url and jump:
+        return key_url
     run = run_or_404(session, model, run_id)
     token_ids = token_candidates(session, model, q) if q else []
     promote: list[TokenMatch] = []
@@ -624,14 +663,35 @@ def search_page(
         labels=labels,
         explanations=explanation_hits(session, slug, run, q, limit),
         max_length=max_length,
+        key_url=key_url,
     )
+
+
+def named_key(model: LanguageModel, q: str) -> tuple[int, int] | None:
+    """The (layer, key) that `q` names (`L12 K345`, `12/345`), or None; a key the model lacks is a 404
+    about `q` (shown next to the search box)."""
+    jump = KEY_JUMP.match(q)
+    if not jump:
+        return None
+    layer, key = (int(g) for g in jump.groups() if g is not None)
+    try:
+        check_key(model, layer, key)
+    except AppError as error:
+        error.field = "q"
+        raise
+    return layer, key
 
 
 def token_candidates(session: Session, model: LanguageModel, text: str) -> list[int]:
     """Vocabulary ids a typed token means: the text as typed, and with a leading space when it has none.
 
-    A leading ␣ (how the explorer shows a space) is read as a space.
+    A leading ␣ (how the explorer shows a space) is read as a space; a text with ⟨…⟩ in it (a byte that is
+    no character, ⟨0x80⟩, or an invisible one, ⟨U+200B⟩) is matched as the pages show tokens.
     """
+    if "⟨" in text:
+        forms = {text} if text.startswith(VISIBLE_SPACE) else {text, VISIBLE_SPACE + text}
+        vocabulary = queries.vocabulary(session=session, model_id=model.id)
+        return sorted(token_id for token_id, token in vocabulary.items() if visible(token) in forms)
     if text.startswith(VISIBLE_SPACE):
         text = " " + text[1:]
     forms = {text} if text.startswith(" ") or not text.strip() else {text, " " + text}
@@ -704,23 +764,34 @@ def marked_parts(sentence: str, text: str) -> list[TextPart]:
 def memory_neighbours(
     session: Session, model: LanguageModel, run: Run, layer: int, key: int
 ) -> MemoryNeighbours | None:
-    """The memory's nearest memories by key and by value direction, or None when the run has none."""
+    """The memory's nearest memories by key and by value direction, each marked when below the random-pair
+    baseline of its layer (none stored: nothing marked), or None when the run has none."""
     found = memory_search.get_neighbours(session=session, run_id=run.id, layer=layer, key=key)
     if not found:
         return None
+    stored = memory_search.get_neighbour_baselines(session=session, run_id=run.id, layer=layer)
+    baselines = {kind: NeighbourBaseline(pairs=b.pairs, mean=b.mean, p99=b.p99) for kind, b in stored.items()}
 
     def view(kind: str) -> list[Neighbour]:
+        baseline = baselines.get(kind)
         return [
             Neighbour(
                 layer=int(n_layer),
                 key=int(n_key),
                 cosine=cosine,
                 url=urls.key_url(model.slug, int(n_layer), int(n_key), run=run.id),
+                chance=None if baseline is None else cosine < baseline.p99,
             )
             for n_layer, n_key, cosine in found.get(kind, [])
         ]
 
-    return MemoryNeighbours(gated=model.gated, by_key=view("key"), by_value=view("value"))
+    return MemoryNeighbours(
+        gated=model.gated,
+        by_key=view("key"),
+        by_value=view("value"),
+        key_baseline=baselines.get("key"),
+        value_baseline=baselines.get("value"),
+    )
 
 
 def bin_labels(edges: list[float]) -> list[str]:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from ffmem.store.models import JobKind, JobStatus
 from ffmem.web import charts, urls
 from ffmem.web.access import admin_name, can_write, label_author, login_offered
-from ffmem.web.display import coefficient_bar, duration, number, percent, tail_words, tok, visible
+from ffmem.web.display import coefficient_bar, duration, number, percent, signed, tail_words, tok, visible
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shaded_html
 from ffmem.web.worker_client import text_max_length
@@ -27,7 +27,7 @@ templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
 templates.env.globals.update(label_author=label_author, duration=duration, shaded=shaded_html)
-templates.env.globals.update(tok=tok, coefficient_bar=coefficient_bar)  # HTML pieces (ffmem.web.display)
+templates.env.globals.update(tok=tok, coefficient_bar=coefficient_bar, signed=signed)  # ffmem.web.display
 templates.env.globals.update(text_max_length=text_max_length)  # what the live boxes may send
 templates.env.globals.update(JobKind=JobKind, JobStatus=JobStatus)  # templates compare with these
 
@@ -73,14 +73,18 @@ def wants_fragment(request: Request) -> bool:
 
 
 def render_error(request: Request, error: AppError) -> Response:
-    """The one error shape. To an htmx request, the message alone: the page keeps everything else and
-    shows it next to the field that caused it (`X-Error-Field`, static/app.js), else where the answer
-    was going; the URL is not pushed."""
+    """The one error shape. To an htmx request, the message alone (`X-Error-Message`): the page keeps
+    everything else, the element the answer was going to included, and shows it next to the field that
+    caused it (`X-Error-Field`, static/app.js), else just before that element; the URL is not pushed."""
     if wants_json(request):
         body = {"ok": False, "error": error.message, "status": error.status}
+        if error.link:
+            body["link"] = error.link[0]
         return JSONResponse(body, status_code=error.status, headers=error.headers)
     if wants_fragment(request):
-        headers = error.headers | {"HX-Push-Url": "false"}
+        # innerHTML: never in place of the element the answer was going to (htmx then loses its target)
+        message = {"HX-Push-Url": "false", "HX-Reswap": "innerHTML", "X-Error-Message": "true"}
+        headers = error.headers | message
         if error.field:
             headers["X-Error-Field"] = error.field
         return templates.TemplateResponse(

@@ -1,19 +1,22 @@
 """Security headers and request size limits, as ASGI middleware around the whole app.
 
 - **Headers** (the `secure` package's ASGI middleware): a Content-Security-Policy that runs only our
-  own scripts (htmx and plotly are vendored under /static/vendor; templates hold no inline script,
-  event handler or `javascript:` URL), nosniff, a referrer policy, X-Frame-Options for old browsers and
-  Cross-Origin-Opener-Policy — on every response: pages, JSON twins, static files, redirects and
-  error pages, 500s included (`install` wraps the whole middleware stack: Starlette sends the 500 page
-  from its outermost ServerErrorMiddleware, outside any middleware added with `add_middleware`).
+  own scripts (htmx, plotly and the API docs' Swagger UI are vendored under /static/vendor; templates
+  hold no inline script, event handler or `javascript:` URL), nosniff, a referrer policy, X-Frame-Options
+  for old browsers and Cross-Origin-Opener-Policy — on every response: pages, JSON twins, static files,
+  redirects and error pages, 500s included (`install` wraps the whole middleware stack: Starlette sends the
+  500 page from its outermost ServerErrorMiddleware, outside any middleware added with `add_middleware`).
 - **Limits** (`RequestLimits`): a query string over `settings.max_query_bytes` is a 414, a request body
-  over `settings.max_body_bytes` (a corpus upload: `settings.max_upload_bytes`) a 413, both in the app's
+  over `settings.max_body_bytes` (a corpus upload: `settings.max_upload_bytes`; a live page's form, a
+  prompt or text too long for a URL: `live_body_bytes`) a 413, both in the app's
   error shape and before the routes run, so
   nothing of a refused request is stored. Bodies without a Content-Length (chunked) are read chunk by
   chunk and refused as soon as they pass the limit: at most the limit is ever held in memory.
 """
 
 from __future__ import annotations
+
+import re
 
 from fastapi import FastAPI, Request
 from secure import (
@@ -29,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ffmem.config import Settings
 from ffmem.web.errors import AppError, error_response
+from ffmem.web.worker_client import text_max_length
 
 # htmx 2.0.11's indicator <style>; a new htmx may change it (the browser test then reports the violation)
 HTMX_INDICATOR_STYLE = "'sha256-faU7yAF8NxuMTNEwVmBz+VcYeIoBQ2EMHW3WaVxCvnk='"
@@ -69,6 +73,13 @@ HEADERS = Secure(
 
 UPLOAD_PATHS = ("/corpora", "/corpora.json")  # corpus uploads: their own, larger body limit
 MULTIPART_SLACK = 64 * 1024  # the form's other fields and the multipart boundaries around the file
+LIVE_PATHS = re.compile(r"/m/[^/]+/(trace|layers/\d+/keys/\d+)(\.json)?")  # POSTed live views (a form)
+
+
+def live_body_bytes(settings: Settings) -> int:
+    """The largest form a live page may POST: the longest text its box sends, every character as
+    percent-encoded UTF-8 (at most 12 bytes), and a query string's worth for its other fields."""
+    return 12 * text_max_length(settings.max_prompt_tokens) + settings.max_query_bytes
 
 
 def upload_too_large(limit: int) -> AppError:
@@ -87,6 +98,7 @@ def install(app: FastAPI, settings: Settings) -> None:
         max_body=settings.max_body_bytes,
         max_query=settings.max_query_bytes,
         max_upload=settings.max_upload_bytes,
+        max_live=live_body_bytes(settings),
     )
     build = app.build_middleware_stack
     app.build_middleware_stack = lambda: SecureASGIMiddleware(build(), secure=HEADERS)
@@ -95,9 +107,18 @@ def install(app: FastAPI, settings: Settings) -> None:
 class RequestLimits:
     """Refuse an over-long query string (414) or request body (413) before the app sees the request."""
 
-    def __init__(self, app: ASGIApp, *, max_body: int, max_query: int, max_upload: int | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body: int,
+        max_query: int,
+        max_upload: int | None = None,
+        max_live: int | None = None,
+    ) -> None:
         self.app, self.max_body, self.max_query = app, max_body, max_query
         self.max_upload = max_upload if max_upload is not None else max_body
+        self.max_live = max(max_live or 0, max_body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,12 +127,15 @@ class RequestLimits:
         if len(scope.get("query_string", b"")) > self.max_query:
             message = (
                 f"The query string is longer than {self.max_query:,} bytes, the most this server "
-                "accepts; shorten the prompt or the edits."
+                "accepts; shorten it, or send a long prompt or text as a form (POST)."
             )
             await self._refuse(scope, receive, send, AppError(414, "Query too long", message))
             return
-        upload = scope.get("method") == "POST" and scope.get("path") in UPLOAD_PATHS
+        posted, path = scope.get("method") == "POST", scope.get("path", "")
+        upload = posted and path in UPLOAD_PATHS
         limit = self.max_upload + MULTIPART_SLACK if upload else self.max_body
+        if posted and LIVE_PATHS.fullmatch(path):
+            limit = self.max_live
         body = await self._read_body(scope, receive, limit)
         if body is None:
             if upload:

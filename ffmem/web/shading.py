@@ -52,8 +52,9 @@ def intensity(coefficient: float | None, scale: float) -> float:
 
 def shaded_html(text: ShadedText, id: str | None = None) -> Markup:
     """A shaded text as HTML: each token a span, blue for m > 0 and orange for m < 0, as strong as |m| /
-    text.scale; its m on hover (title) and, for screen readers, after it; the peak token outlined; the
-    tokens past the trigger prefix (after text.prefix_end) dimmed behind a boundary. Token texts escaped.
+    text.scale; its m on hover (title) and, for screen readers, after it; the peak token outlined (its
+    leading space outside the outline); the tokens past the trigger prefix (after text.prefix_end) dimmed
+    behind a boundary. Token texts escaped.
 
     Python rather than a Jinja macro: a key page shades ~1,500 tokens, and a macro's per-token work
     cost more than the rest of the page."""
@@ -73,6 +74,12 @@ def shaded_html(text: ShadedText, id: str | None = None) -> Markup:
         classes, value, attributes = shown[m]
         if i == peak:
             classes, value = classes + " peak", value + ", the peak"
+            # Its leading space before its outline: a line may wrap after the space, which would leave an
+            # empty box at the line's end (issue 26).
+            lead = token[: len(token) - len(token.lstrip())]
+            if lead != token:
+                parts.append(html.escape(lead))
+                token = token[len(lead) :]
         title = value
         if i == end:
             classes, title = classes + " prefix-end", value + ", the end of the trigger prefix"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from ffmem.engine.attribution_terms import TARGET_CHARS, is_veto
+from ffmem.engine.attribution_terms import TARGET_CHARS, is_veto, target_id
 from ffmem.engine.cases import CASES
 from ffmem.engine.interventions import (
     Intervention,
@@ -41,6 +41,7 @@ from ffmem.web.contexts import (
     TraceMemory,
     UneditedTrace,
 )
+from ffmem.web.display import visible
 from ffmem.web.errors import AppError, sentence
 from ffmem.web.worker_client import LiveWorker, text_max_length
 
@@ -169,6 +170,8 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
     wanted |= {t for ids in value_tokens.values() for t in ids}
     wanted |= {unedited.prediction} if unedited else set()
     wanted |= {attribution.target, *attribution.typed_tokens} if attribution else set()
+    other = _other_spelling(session, q.model, attribution) if attribution else None
+    wanted |= {other} if other is not None else set()
     texts = queries.token_texts(session=session, model_id=q.model.id, token_ids=wanted)
 
     def ref(token_id: int) -> TokenRef:  # built, not validated: hundreds per page, from our own data
@@ -268,7 +271,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         )
         if unedited
         else None,
-        attribution=_attribution_view(q, attribution, value_tokens, ref) if attribution else None,
+        attribution=_attribution_view(q, attribution, value_tokens, ref, other) if attribution else None,
     )
 
 
@@ -278,9 +281,49 @@ def _attributed(attribution: AttributionAnswer) -> list[ContributionAnswer]:
     return listed + attribution.promoters + attribution.suppressors
 
 
-def _attribution_view(q: TraceQuery, answer: AttributionAnswer, value_tokens: dict, ref) -> AttributionView:
+def _other_spelling(session: Session, model: LanguageModel, answer: AttributionAnswer) -> int | None:
+    """The token that is a typed target's other spelling — ` Paris` for `Paris`, `Paris` for ` Paris` —
+    when the vocabulary has it as one token and it is not the token attributed; None otherwise."""
+    typed = answer.typed
+    if typed is None or target_id(typed) is not None:
+        return None
+    spelling = typed[1:] if typed.startswith(" ") else " " + typed
+    if not spelling:
+        return None
+    found = queries.find_tokens(session=session, model_id=model.id, texts=[spelling])
+    return next((t for t in found if t != answer.target), None)
+
+
+def _target_note(answer: AttributionAnswer, other: int | None, ref) -> str | None:
+    """Which token a typed target is (its text as the pages show tokens, its id), or the first of the
+    tokens it is; and its other spelling where that is a token too."""
+    if answer.typed is None or target_id(answer.typed) is not None:
+        return None
+
+    def named(token_id: int) -> str:
+        return f"{visible(ref(token_id).token)} #{token_id}"
+
+    typed = f"“{visible(answer.typed)}”"
+    if len(answer.typed_tokens) > 1:
+        pieces = " + ".join(named(t) for t in answer.typed_tokens)
+        note = (
+            f"The target {typed} is {len(answer.typed_tokens)} tokens ({pieces}): "
+            f"the first, {named(answer.target)}, is attributed."
+        )
+    else:
+        note = f"The target {typed} is the token {named(answer.target)}."
+    if other is not None:
+        space = "with" if ref(other).token.startswith(" ") else "without"
+        note += f" {space.capitalize()} a leading space it is another token, {named(other)}."
+    return note
+
+
+def _attribution_view(
+    q: TraceQuery, answer: AttributionAnswer, value_tokens: dict, ref, other: int | None
+) -> AttributionView:
     """The attribution named with the index: each memory's own top token (the first of its signed value
-    tokens) and the veto marks (ffmem.engine.attribution_terms.is_veto)."""
+    tokens), the veto marks (ffmem.engine.attribution_terms.is_veto), which token a typed target is and
+    its `other` spelling."""
     sums = {layer.layer: layer.memories_sum for layer in answer.layers}
     largest = {
         layer.layer: max((abs(c.contribution) for c in layer.memories), default=0.0)
@@ -313,17 +356,12 @@ def _attribution_view(q: TraceQuery, answer: AttributionAnswer, value_tokens: di
         )
         for layer in answer.layers
     ]
-    note = None
-    if answer.typed is not None and len(answer.typed_tokens) > 1:
-        pieces = " + ".join(repr(ref(t).token) for t in answer.typed_tokens)
-        note = (
-            f"{answer.typed!r} is {len(answer.typed_tokens)} tokens ({pieces}): "
-            f"the first, {ref(answer.target).token!r}, is attributed."
-        )
     return AttributionView(
         target=ref(answer.target),
         typed=answer.typed,
-        note=note,
+        note=_target_note(answer, other, ref),
+        other=None if other is None else ref(other),
+        other_url=None if other is None else q.url(target=f"#{other}"),
         readout=answer.readout,
         logit=answer.logit,
         scale=answer.scale,

@@ -95,6 +95,12 @@ def label_url(model: str, layer: int, key: int, fmt: str | None = None) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/labels", fmt)
 
 
+def model_labels_url(model: str, fmt: str | None = None, **query) -> str:
+    """Every current label of a model; `fmt="json"` its JSON twin, `fmt="csv"` the same as CSV."""
+    path = f"/m/{quote(model, safe='')}/labels"
+    return _url(f"{path}.csv", None, **query) if fmt == "csv" else _url(path, fmt, **query)
+
+
 def delete_label_url(model: str, layer: int, key: int, label_id: int, fmt: str | None = None) -> str:
     return _url(f"{label_url(model, layer, key)}/{int(label_id)}/delete", fmt)
 

@@ -170,6 +170,8 @@ def store_explanations(
         texts = [
             vocabulary.get(i, "") for i in range(max(len(loaded.tokenizer), max(vocabulary, default=0) + 1))
         ]
+        shown = queries.vocabulary(session=session, model_id=run.model_id)  # byte tokens as ⟨0x80⟩
+        names = [shown.get(i, text) for i, text in enumerate(texts)]
         stats = session.execute(
             select(KeyStats.layer, KeyStats.key, KeyStats.max_coefficient, KeyStats.shallowness).where(
                 KeyStats.run_id == run_id
@@ -193,7 +195,7 @@ def store_explanations(
             for key in range(n_keys):
                 values = value_ids[key].tolist() if key < len(value_ids) else []
                 shallow = shallowness.get((layer, key))
-                heuristic = describe(prefixes[key], values, shallow, frequency, words, texts)
+                heuristic = describe(prefixes[key], values, shallow, frequency, words, names)
                 row.append(Evidence(layer, key, prefixes[key], values, shallow, heuristic))
             evidence.append(row)
     timings["describe_seconds"] = time.perf_counter() - start

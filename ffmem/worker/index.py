@@ -32,7 +32,7 @@ from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel, shared_model
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
-from ffmem.engine.neighbours import memory_neighbours
+from ffmem.engine.neighbours import memory_baselines, memory_neighbours
 from ffmem.engine.projection import project_layer, search_arrays, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
 from ffmem.store import jobs, key_examples, memory_search, queries
@@ -587,7 +587,11 @@ class Worker:
         bar.close()
         neighbours = {kind: (index.numpy(), cosine.numpy()) for kind, (index, cosine) in found.items()}
         memory_search.store_neighbours(
-            session=session, run_id=run_id, n_keys=loaded.n_keys, neighbours=neighbours
+            session=session,
+            run_id=run_id,
+            n_keys=loaded.n_keys,
+            neighbours=neighbours,
+            baselines=memory_baselines(loaded),  # what random pairs reach, per layer
         )
         self.timings["neighbours"] = self.timings.get("neighbours", 0.0) + time.perf_counter() - t0
 

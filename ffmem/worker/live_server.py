@@ -170,11 +170,12 @@ class Live:
     def _checked(self, token_ids: list[int], text: str) -> None:
         """Refuse an empty prompt or one past max_prompt_tokens (400)."""
         if not text.strip() or not token_ids:
-            raise LiveError(400, "the prompt is empty: type some text")
+            raise LiveError(400, "the prompt is empty: type some text", field="text")
         if len(token_ids) > self.max_tokens:
             raise LiveError(
                 400,
                 f"the prompt has {len(token_ids)} tokens; the limit is {self.max_tokens} (max_prompt_tokens)",
+                field="text",
             )
 
     def trace(self, loaded: LoadedModel, request: TraceRequest) -> TraceAnswer:

@@ -21,6 +21,8 @@ from ffmem.web.main import create_app
 
 TOKEN = "s3cret-token"
 LABEL = {"pattern": "ends with a city", "tag": "semantic"}
+# POSTs that read: a live view's prompt or a key page's text sent as a form (too long for a URL)
+LIVE_READS = ("/m/{model}/trace", "/m/{model}/layers/{layer}/keys/{key}")
 
 
 @pytest.fixture
@@ -151,13 +153,36 @@ def test_every_write_route_is_guarded(serve, db, slug):
     values = {"model": slug, "layer": "1", "key": "4", "job_id": "1", "run": "1", "label_id": "1"}
     db.expire_all()
     counts = [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, MemoryList)]
-    guarded = [path for path in posts if path not in ("/login", "/login.json", "/logout", "/logout.json")]
+    reads = [path for path in posts if path.removesuffix(".json") in LIVE_READS]
+    assert len(reads) == 4  # each with its .json twin
+    guarded = [
+        path for path in posts if path not in ("/login", "/login.json", "/logout", "/logout.json", *reads)
+    ]
     assert len(guarded) >= 10  # start job, retry, labels, analysis, delete run: each with its .json twin
     for path in guarded:
         answer = client.post(path.format(**values), data={"run": "1", "examples": "5"})
         assert answer.status_code == 401, path
     db.expire_all()
     assert [db.scalar(select(func.count()).select_from(t)) for t in (Label, Job, Run, MemoryList)] == counts
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"read_only": True}, {"host": "0.0.0.0", "admin_token": TOKEN}, {"host": "0.0.0.0"}],
+    ids=["read-only", "token-not-sent", "public-without-token"],
+)
+def test_a_posted_prompt_is_a_read_answered_as_its_url_is(serve, db, slug, settings):
+    """A prompt or text too long for a URL goes as a POST form: a read, answered exactly as the same GET
+    (no live worker here: both reach the worker client and get its 503), where writes stay refused."""
+    client = serve(worker_url="http://127.0.0.1:9", worker_timeout=2, **settings)
+    form = {"text": "The capital of France is"}
+    for path in (f"/m/{slug}/trace.json", f"/m/{slug}/layers/1/keys/4.json"):
+        posted, got = client.post(path, data=form), client.get(path, params=form)
+        assert posted.status_code == got.status_code == 503, path
+        assert posted.json() == got.json()
+        assert posted.json()["error"].startswith("No live worker answers at http://127.0.0.1:9")
+    assert client.post(f"/m/{slug}/layers/1/keys/4/labels.json", data=LABEL).status_code in (401, 403)
+    assert labels(db) == 0
 
 
 def test_an_empty_token_is_no_token(monkeypatch):

@@ -22,6 +22,7 @@ import pytest
 from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 from markupsafe import escape
+from pydantic import BaseModel
 from sqlalchemy import MetaData, func, select
 
 from ffmem.config import Settings
@@ -119,6 +120,15 @@ def valid(db, slug) -> dict[str, str]:
         "examples": "10",
         "keys": "5",
         "triggers": "3",
+        # a live view or a key page's text sent as a form (POST)
+        "text": "The capital of France is",
+        "position": "0",
+        "intervene": "L1K4",
+        "readout": "norm",
+        "memories": "5",
+        "generate": "0",
+        "target": "#7",
+        "heatmap": "active",
         # logging in
         "token": "not-the-token",
         "name": "tester",
@@ -194,17 +204,29 @@ def snapshot(app) -> dict[str, tuple[int, str]]:
     return found
 
 
-def _fields(route, where: str) -> list[str]:
+def _typed_fields(route, where: str) -> dict[str, object]:
+    """The route's query parameters or form fields, each with its type; a parameter model (the live
+    view's TraceForm) stands for its fields."""
     if not isinstance(route, APIRoute):
-        return []
+        return {}
     params = {"query": route.dependant.query_params, "form": route.dependant.body_params}[where]
-    return [param.alias for param in params]
+    found = {}
+    for param in params:
+        kind = param.field_info.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            found |= {field.alias or name: field.annotation for name, field in kind.model_fields.items()}
+        else:
+            found[param.alias] = kind
+    return found
+
+
+def _fields(route, where: str) -> list[str]:
+    return list(_typed_fields(route, where))
 
 
 def _free_text(route, name: str) -> bool:
     """Whether form field `name` takes any text (so a payload in it is a valid request)."""
-    field = next(param for param in route.dependant.body_params if param.alias == name)
-    return field.field_info.annotation is str
+    return _typed_fields(route, "form")[name] in (str, str | None)
 
 
 def cases(method: str, path: str, route, valid: dict) -> list[tuple[str, str, str, str]]:

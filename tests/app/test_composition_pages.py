@@ -12,7 +12,8 @@ from sqlalchemy import select
 
 from ffmem.store import composition
 from ffmem.store.models import Explanation
-from ffmem.web import urls
+from ffmem.web import charts, urls
+from ffmem.web.composition_view import LinkView, WeightGraphView
 
 
 def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
@@ -50,6 +51,36 @@ def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
     assert figure["layout"]["meta"] == {"links": True}
     for m in graph["inbound"][:3]:
         assert f'href="{m["url"]}"' in page
+
+
+def test_the_weight_graph_keeps_its_labels_apart_and_inside():
+    """Issue 26: labels cut at the chart's edges ("L29 K28" for L29 K287) and on top of each other. Each link
+    has its own row; a writer's label sits left of it, a reader's right, into margins as wide as the
+    longest label there; the page heads the chart (a plotly title does not wrap on a phone)."""
+
+    def links(layers: list[int], key: int) -> list[LinkView]:
+        return [
+            LinkView(layer=at, key=key, score=0.1, url=f"/m/x/layers/{at}/keys/{key}", explanation=None)
+            for at in layers
+        ]
+
+    graph = WeightGraphView(inbound=links([0, 14, 14], 1073), outbound=links([29, 16, 29, 29], 287))
+    figure = charts.weight_graph(graph, 15, 287, 30)
+    nodes = next(trace for trace in figure["data"] if trace.get("text"))
+    assert nodes["text"][:4] == ["L0 K1073", "L14 K1073", "L14 K1073", "L29 K287"]  # in full
+    assert nodes["textposition"] == ["middle left"] * 3 + ["middle right"] * 4  # away from the centre
+    assert nodes["cliponaxis"] is False  # into the margin beside the axis
+    for side in (nodes["y"][:3], nodes["y"][3:]):
+        assert len(set(side)) == len(side)  # one writer and one reader a row
+    layout = figure["layout"]
+    assert layout["margin"]["l"] >= charts.NODE_LABEL_PX * len("L14 K1073") + nodes["marker"]["size"] / 2
+    assert layout["margin"]["r"] >= charts.NODE_LABEL_PX * len("L29 K287") + nodes["marker"]["size"] / 2
+    assert layout["xaxis"]["range"] == [-0.5, 29.5] and layout["title"]["text"] == ""
+    centre = figure["data"][-1]
+    assert "text" not in centre and "L15 K287" in centre["hovertemplate"]  # the page names it
+    assert not any(trace.get("text") for trace in figure["data"][:-2])  # edges carry no labels
+    first = charts.weight_graph(WeightGraphView(inbound=[], outbound=links([1], 5)), 0, 3, 30)["layout"]
+    assert first["margin"]["l"] < first["margin"]["r"]  # no writers: no room kept for their labels
 
 
 def test_layer_zero_reads_no_earlier_memory(client, slug):

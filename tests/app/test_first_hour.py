@@ -16,7 +16,7 @@ from ffmem.config import Settings
 from ffmem.store.models import Job, Label
 from ffmem.web import charts
 from ffmem.web.contexts import AnalysisFigure, LayerSummary
-from ffmem.web.display import tail_words
+from ffmem.web.display import signed, tail_words
 from ffmem.web.main import create_app
 
 TOKEN = "s3cret-token"
@@ -107,6 +107,35 @@ def test_a_job_page_gives_its_times(serve, db):
     assert "queued" in times and "started" in times and "ended" in times and "took" in times
     assert f'<time datetime="{job.created_at.isoformat()[:19]}' in times
     assert "top-T" in page and "top k" not in page  # one name for it
+    first = job.options["first_position"]
+    said = "mined" if first else "left out: mining starts at each sentence&#39;s second token"
+    assert f"<dt>each sentence&#39;s first token</dt><dd>{said}</dd>" in page
+    assert "False" not in page and "True" not in page
+
+
+def test_head_is_answered_as_get_without_a_body(serve, db):
+    client = serve()
+    job = db.scalars(select(Job).order_by(Job.id)).first()
+    for path in ("/", f"/jobs/{job.id}", "/.json"):
+        head, get = client.head(path), client.get(path)
+        assert (head.status_code, head.content) == (200, b"")
+        assert head.headers["content-type"] == get.headers["content-type"]
+    assert client.head("/no/such/page").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (0.0, "0"),
+        (-0.0, "0"),
+        (0.01234, "+0.0123"),
+        (-0.5, "-0.5000"),
+        (-3.2e-6, "-3.2e-06"),
+        (4e-5, "+4.0e-05"),
+    ],
+)
+def test_a_change_too_small_for_its_decimals_keeps_its_digits(value, shown):
+    assert signed(value) == shown
 
 
 def test_a_job_page_explains_a_second_attempt(serve, db):

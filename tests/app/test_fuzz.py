@@ -159,6 +159,11 @@ ERROR_BODY = {
             "type": "string",
         },
         "status": {"description": "The HTTP status of the answer.", "title": "Status", "type": "integer"},
+        "link": {
+            "description": "Where to go next, given when there is a page for it (a job's, say).",
+            "title": "Link",
+            "type": "string",
+        },
     },
     "required": ["ok", "error", "status"],
     "title": "ErrorBody",
@@ -192,7 +197,9 @@ def test_every_operation_documents_its_errors_in_the_one_shape():
     writes = [
         item["post"]
         for path, item in DOCUMENT["paths"].items()
-        if "post" in item and not path.startswith(("/login", "/logout"))  # logging in is no write
+        if "post" in item
+        and not path.startswith(("/login", "/logout"))  # logging in is no write
+        and path.removesuffix(".json") not in live[:1] + live[2:]  # a long prompt or text as a form: a read
     ]
     assert len(writes) >= 6 and all({"401", "403"} <= set(operation["responses"]) for operation in writes)
     key = DOCUMENT["paths"]["/m/{model}/layers/{layer}/keys/{key}.json"]["get"]["responses"]["200"]

@@ -179,8 +179,10 @@ def test_progress_of_a_running_run(db_url, tiny, tiny_model_dir, tmp_path):
     assert fragment.lstrip().startswith('<section id="progress" hx-get="/jobs/1"') and "64.3%" in fragment
     assert unfinished == {
         "ok": False,
-        "status": 404,
-        "error": f"Model '{slug}' has no finished index run yet. Job 1 is building one: see /jobs/1.",
+        "status": 503,
+        "error": f"Job 1 is building the first index of '{slug}' (64.3% of the corpus mined; pages show its "
+        "results from the first checkpoint). Its progress: /jobs/1",
+        "link": "/jobs/1",
     }
 
 

@@ -19,10 +19,12 @@ from ffmem.config import Settings
 from ffmem.engine.cases import CASES
 from ffmem.engine.edited_forward import intervene
 from ffmem.engine.interventions import Intervention
+from ffmem.engine.token_display import byte_form
 from ffmem.engine.trace import trace
 from ffmem.engine.trace_answer import ForwardFigures, LayerAnswer, LayerFigures, MemoryAnswer, TraceAnswer
 from ffmem.store import queries
 from ffmem.store.models import Run, Sentence, Token
+from ffmem.web.display import visible
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.live_server import Live, LiveError, create_live_app
@@ -33,7 +35,7 @@ TRACE_FIELDS = {
     "page", "title", "model", "n_layers", "n_keys", "text", "position", "readout", "memories", "generate",
     "interventions", "max_tokens", "worker", "notice", "run", "tokens", "prediction", "top_tokens", "layers",
     "heatmap", "edits", "generation", "cases", "unedited", "heatmap_mode", "notice_field", "target",
-    "attribution",
+    "attribution", "link",
 }  # fmt: skip
 LAYER_FIELDS = {
     "layer",
@@ -83,7 +85,12 @@ def client(explorer_db, live):
 
 
 def texts(db) -> dict[int, str]:
-    return {t.token_id: t.text for t in db.scalars(select(Token))}
+    """The vocabulary as the pages name it: a byte-level token that is no whole character as ⟨0x80⟩."""
+    return {t.token_id: byte_form(t.text, t.piece) for t in db.scalars(select(Token))}
+
+
+def token_id(names: dict[int, str], text: str) -> int:
+    return next(t for t, name in names.items() if name == text)
 
 
 def test_trace_json_equals_the_engine_named_with_the_index(client, db, slug, tiny):
@@ -275,6 +282,10 @@ def test_the_page_and_its_htmx_fragment(client, slug):
     assert (
         form.status_code == 200 and 'id="prompt"' in form.text and "live worker: <strong>ready" in form.text
     )
+    intro = '<p class="meta" id="trace-intro">Type a prompt and watch one forward pass build the next-token'
+    for shown in (page.text, form.text):  # a heading and a one-line intro, with a trace or without
+        assert shown.count("<h1>") == 1 and f"<h1>Live view of {slug}</h1>\n{intro}" in shown
+    assert "<h1>" not in fragment.text and 'id="trace-intro"' not in fragment.text  # the swap keeps them
 
 
 def test_the_prompt_is_escaped(client, slug):
@@ -471,8 +482,8 @@ def test_a_slow_worker_is_a_504_in_the_error_shape(explorer_db, slug):
 
 
 ATTRIBUTION_FIELDS = {
-    "target", "typed", "note", "readout", "logit", "scale", "total", "largest_residual", "vetoes", "layers",
-    "promoters", "suppressors",
+    "target", "typed", "note", "other", "other_url", "readout", "logit", "scale", "total", "largest_residual",
+    "vetoes", "layers", "promoters", "suppressors",
 }  # fmt: skip
 ATTRIBUTION_LAYER_FIELDS = {"layer", "memories", "memories_sum", "bias", "direct", "change", "residual"}
 ATTRIBUTED_FIELDS = {"layer", "key", "coefficient", "value_logit", "contribution", "top_token", "veto", "url"}
@@ -567,8 +578,13 @@ def test_a_typed_target_is_tokenized_by_the_worker_and_shared_in_the_url(client,
     a, names = body["attribution"], texts(db)
     assert body["target"] == " Paris" and a["typed"] == " Paris"
     assert a["target"] == {"token_id": pieces[0], "token": names[pieces[0]]}
-    first, second = (repr(names[t]) for t in pieces)
-    assert a["note"] == f"' Paris' is 2 tokens ({first} + {second}): the first, {first}, is attributed."
+    (first, second), paris = (f"{visible(names[t])} #{t}" for t in pieces), token_id(names, "Paris")
+    assert a["note"] == (
+        f"The target “␣Paris” is 2 tokens ({first} + {second}): the first, {first}, is attributed. "
+        f"Without a leading space it is another token, Paris #{paris}."
+    )
+    assert a["other"] == {"token_id": paris, "token": "Paris"}
+    assert a["other_url"] == f"/m/{slug}/trace?text=The+capital+of+France+is&target=%23{paris}"
     ids = tiny.tokenizer(PROMPT).input_ids
     expected = trace(tiny, ids, target=pieces[0]).attribution
     assert a["total"] == pytest.approx(expected.total, abs=1e-5)
@@ -577,12 +593,66 @@ def test_a_typed_target_is_tokenized_by_the_worker_and_shared_in_the_url(client,
     )
     assert body["layers"][0]["memories"][0]["off_url"].endswith("&target=+Paris")
     by_id = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "target": "#7"}).json()["attribution"]
-    assert by_id["target"]["token_id"] == 7 and by_id["note"] is None
+    assert (
+        by_id["target"]["token_id"] == 7
+        and (by_id["note"], by_id["other"], by_id["other_url"]) == (None,) * 3
+    )
     assert by_id["total"] == pytest.approx(trace(tiny, ids, target=7).attribution.total, abs=1e-5)
     tops = body["top_tokens"]
     assert tops[0]["target_url"] == (
         f"/m/{slug}/trace?text=The+capital+of+France+is&target=%23{tops[0]['token_id']}"
     )
+
+
+def test_a_typed_target_says_which_token_it_is_and_offers_its_other_spelling(client, db, slug):
+    """Issue 26 (7): `a` is token #65 and ` a` #264 is one token too: the note names the token taken as the
+    pages show tokens, and the page links the same trace with ` a` as the target; `Paris` has no
+    one-token ` Paris` in the tiny vocabulary, so nothing is offered."""
+    names = texts(db)
+    assert (names[65], names[264]) == ("a", " a")
+    body = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "target": "a"}).json()
+    a = body["attribution"]
+    assert a["target"] == {"token_id": 65, "token": "a"}
+    assert (
+        a["note"] == "The target “a” is the token a #65. With a leading space it is another token, ␣a #264."
+    )
+    assert a["other"] == {"token_id": 264, "token": " a"}
+    assert a["other_url"] == f"/m/{slug}/trace?text=The+capital+of+France+is&target=%23264"
+    page = client.get(f"/m/{slug}/trace", params={"text": PROMPT, "target": "a"}).text
+    note = page.split('id="target-note"')[1].split("</p>")[0]
+    assert note == (
+        ' role="status">The target “a” is the token a #65. With a leading space it is another token, ␣a #264.'
+        f' <a id="target-other" href="/m/{slug}/trace?text=The+capital+of+France+is&amp;target=%23264"'
+        ' hx-boost="true" hx-target="#trace" hx-push-url="true">Attribute'
+        ' <code class="tok" title="token id 264">␣a</code> instead</a>'
+    )
+    paris = token_id(names, "Paris")
+    one = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "target": "Paris"}).json()[
+        "attribution"
+    ]
+    assert one["note"] == f"The target “Paris” is the token Paris #{paris}."
+    assert (one["other"], one["other_url"]) == (None, None)
+    assert (
+        'id="target-other"'
+        not in client.get(f"/m/{slug}/trace", params={"text": PROMPT, "target": "Paris"}).text
+    )
+
+
+def test_a_target_note_shows_byte_level_tokens_as_their_bytes(client, db, slug, tiny):
+    """Issue 26 (14): `é` is two byte-level tokens of the tiny tokenizer, 0xC3 and the lone continuation
+    byte 0xA9, each "�" decoded alone; the note names them as the value tables do, ⟨0xC3⟩ and ⟨0xA9⟩."""
+    lead, continuation = tiny.tokenizer("é", add_special_tokens=False).input_ids
+    assert tiny.tokenizer.decode([continuation]) == "\ufffd"
+    body = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "target": "é"}).json()
+    a = body["attribution"]
+    assert a["target"] == {"token_id": lead, "token": "⟨0xC3⟩"}
+    assert a["note"] == (
+        f"The target “é” is 2 tokens (⟨0xC3⟩ #{lead} + ⟨0xA9⟩ #{continuation}): "
+        f"the first, ⟨0xC3⟩ #{lead}, is attributed."
+    )
+    page = client.get(f"/m/{slug}/trace", params={"text": PROMPT, "target": "é"}).text
+    assert f'<code class="tok" title="token id {lead}">⟨0xC3⟩</code>' in page.split('id="attribution"')[1]
+    assert "\ufffd" not in page.split('id="target-note"')[1].split("</p>")[0]
 
 
 @pytest.mark.parametrize(

@@ -296,6 +296,19 @@ def test_0012_to_0015_pack_lists_examples_neighbours_and_links_and_unpack_them_a
     engine.dispose()
 
 
+def test_0016_adds_neighbour_baselines_and_downgrading_drops_them(empty_url):
+    """Issue 26 (15): runs stored before 0016 keep their neighbours and simply have no baseline."""
+    _migrate(empty_url, "0015")
+    assert "neighbour_baselines" not in {name for name, _, _ in _schema(empty_url)[1]}
+    _migrate(empty_url, "head")
+    tables = dict((name, columns) for name, columns, _ in _schema(empty_url)[1])
+    assert tables["neighbour_baselines"] == ["run_id", "layer", "kind", "pairs", "mean", "p99"]
+    _migrate(empty_url, "0015", down=True)
+    revision, schema = _schema(empty_url)
+    assert revision == "0015" and "neighbour_baselines" not in {name for name, _, _ in schema}
+    assert "neighbours" in {name for name, _, _ in schema}
+
+
 def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp_path):
     """Large pages pack a key's examples row (~2.3 KB) with others: storage per key ≤ 8 KB on the whole
     default corpus (docs/benchmarks.md). A database made before keeps its 4 KiB pages, still in WAL mode."""

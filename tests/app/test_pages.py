@@ -84,7 +84,10 @@ def test_home_lists_models_and_runs(client, slug, run):
         "finished_at",
         "provenance",
         "error",
+        "job",
+        "mined",
     }
+    assert (entry["runs"][0]["job"], entry["runs"][0]["mined"]) == (None, None)  # built: no job builds it
     assert (entry["runs"][0]["id"], entry["runs"][0]["status"], entry["runs"][0]["top_k"]) == (
         run.id,
         "done",
@@ -167,6 +170,34 @@ def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
     assert [k["key"] for k in filtered["keys"]] == sorted(holders) and filtered["total"] == len(holders)
 
 
+def test_a_token_filter_takes_the_form_the_pages_show(client, db, slug, run, tiny):
+    """A byte that is no character shows as ⟨0xNN⟩: typed or pasted so, it finds its token."""
+    pieces = tiny.tokenizer.convert_ids_to_tokens(list(range(len(tiny.tokenizer))))
+    byte_ids = [
+        i for i, piece in enumerate(pieces) if tiny.tokenizer.decode([i]) == "\ufffd" and len(piece) == 1
+    ]
+    assert byte_ids, "the tiny vocabulary has lone bytes"
+    token_id = byte_ids[0]
+    shown = tok(queries.vocabulary(session=db, model_id=run.model_id)[token_id]).split(">")[1].split("<")[0]
+    assert re.fullmatch(r"⟨0x[0-9A-F]{2}⟩", shown)
+    filtered = json_of(client, f"/m/{slug}/layers/1.json?per_page=500&token={shown}")
+    assert filtered["token_ids"] == [token_id]
+
+
+def test_a_page_past_the_last_is_a_404_that_links_the_last(client, slug):
+    twin = client.get(f"/m/{slug}/layers/1.json?per_page=10&page=99999&sort=density")
+    assert twin.status_code == 404 and twin.json() == {
+        "ok": False,
+        "error": "There are 5 pages of 10 keys here (48 keys); page 99,999 is past the last.",
+        "status": 404,
+        "link": f"/m/{slug}/layers/1?sort=density&order=asc&per_page=10&page=5",
+    }
+    page = html_of(client, f"/m/{slug}/layers/1?per_page=10&page=6&sort=density", 404)
+    last = f"/m/{slug}/layers/1?sort=density&amp;order=asc&amp;per_page=10&amp;page=5"
+    assert f'<a id="next" href="{last}">See the last page, 5</a>' in page
+    assert json_of(client, f"/m/{slug}/layers/1.json?per_page=10&page=5")["page_number"] == 5
+
+
 def test_layer_table_fragment_for_htmx(client, slug):
     response = client.get(
         f"/m/{slug}/layers/0?sort=density&order=desc", headers={"HX-Request": "true", "HX-Target": "keys"}
@@ -194,7 +225,11 @@ def test_key_page_matches_the_stored_rows(client, db, slug, run, tiny):
             assert [(t["token_id"], t["logit"], t["prob"]) for t in listed] == [
                 (v.token_id, pytest.approx(v.logit), pytest.approx(v.prob)) for v in stored
             ]
-            assert [t["token"] for t in listed] == [tiny.tokenizer.decode([v.token_id]) for v in stored]
+            for shown, v in zip([t["token"] for t in listed], stored, strict=True):
+                decoded = tiny.tokenizer.decode([v.token_id])  # a lone byte decodes to "�": shown as ⟨0x..⟩
+                assert shown == decoded or (
+                    "\ufffd" in decoded and re.fullmatch(r"(⟨0x[0-9A-F]{2}⟩)+", shown)
+                )
     top_ids = [t["token_id"] for t in body["value"]["raw"]["top"]]
     bottom_ids = [t["token_id"] for t in body["value"]["raw"]["bottom"]]
     for name, sign, value_ids in (("triggers", 1, top_ids), ("negative_triggers", -1, bottom_ids)):

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 from explorer_index import HOSTILE
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, insert, select
 
+from ffmem.engine.neighbours import BASELINE_PAIRS, baseline_pairs
 from ffmem.engine.projection import value_logits
 from ffmem.store import queries
-from ffmem.store.models import Neighbours, RunArray, Sentence, Token
+from ffmem.store.models import NeighbourBaseline, Neighbours, RunArray, Sentence, Token
 from ffmem.web import pages
 from ffmem.web.routes.search import MAX_LENGTH
 from ffmem.web.token_search import ArrayCache
@@ -212,9 +213,86 @@ def test_key_page_shows_the_nearest_memories_as_brute_force(client, db, run, slu
     assert f'href="/m/{slug}/layers/{first["layer"]}/keys/{first["key"]}?run={run.id}"' in page
 
 
+def _unit_rows(tiny, kind: str) -> np.ndarray:
+    """Every memory's key (gated: g ⊗ u flattened) or value as a unit row, layer-major: [n, ·] float64."""
+    adapter, rows = tiny.adapter, []
+    for block in adapter.blocks(tiny.model):
+        if kind == "value":
+            rows.append(adapter.value_matrix(block).detach().numpy())
+        else:
+            gates, ups = (
+                adapter.gate_matrix(block).detach().numpy(),
+                adapter.key_matrix(block).detach().numpy(),
+            )
+            rows.append(np.einsum("ni,nj->nij", gates, ups).reshape(len(gates), -1))
+    vectors = np.concatenate(rows).astype(np.float64)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def test_the_related_section_shows_the_random_pair_baseline_of_the_layer(client, db, run, slug, tiny):
+    """Issue 26 (15): the stored baseline of a layer is numpy's mean and 99th percentile of |cosine| over
+    the engine's fixed sample of pairs, in the JSON twin and under each table."""
+    for layer in range(tiny.n_layers):
+        neighbours = _get(client, f"/m/{slug}/layers/{layer}/keys/3/related.json")["neighbours"]
+        i, j = (x.numpy() for x in baseline_pairs(tiny.n_layers, tiny.n_keys, layer))
+        for kind in ("key", "value"):
+            unit = _unit_rows(tiny, kind)
+            size = np.abs(np.einsum("pd,pd->p", unit[i], unit[j]))  # [pairs]
+            baseline = neighbours[f"{kind}_baseline"]
+            assert set(baseline) == {"pairs", "mean", "p99"} and baseline["pairs"] == BASELINE_PAIRS == len(i)
+            assert baseline["mean"] == pytest.approx(size.mean(), abs=1e-6)
+            assert baseline["p99"] == pytest.approx(np.percentile(size, 99), abs=1e-6)
+    page = client.get(f"/m/{slug}/layers/1/keys/3/related").text
+    key = _get(client, f"/m/{slug}/layers/1/keys/3/related.json")["neighbours"]["key_baseline"]
+    shown = f"random pairs of this layer: mean |cosine| {key['mean']:.2g}, 99th percentile {key['p99']:.2g}"
+    assert f'<small class="baseline" id="baseline-key">{shown}</small>' in page
+
+
+def test_neighbours_below_the_baseline_are_marked_and_only_they(client, db, run, slug, tiny):
+    """The mark appears exactly on the neighbours whose cosine is below the layer's 99th percentile (in the
+    JSON twin `chance`, on the page a `chance` row with ≈ chance); some memory of the tiny index has both."""
+    both = 0
+    for layer, key in [(layer, key) for layer in range(tiny.n_layers) for key in range(0, tiny.n_keys, 4)]:
+        url = f"/m/{slug}/layers/{layer}/keys/{key}/related"
+        neighbours = _get(client, f"{url}.json")["neighbours"]
+        page = client.get(url).text
+        for kind, rows in (("key", neighbours["by_key"]), ("value", neighbours["by_value"])):
+            p99 = neighbours[f"{kind}_baseline"]["p99"]
+            assert [n["chance"] for n in rows] == [n["cosine"] < p99 for n in rows]
+            table = page.split(f'id="neighbours-{kind}"')[1].split("</table>")[0]
+            marked = [n["chance"] for n in rows]
+            assert [row.startswith(' class="chance"') for row in table.split("<tr")[2:]] == marked
+            assert table.count("≈ chance</span>") == sum(marked)
+            both += 0 < sum(marked) < len(marked)
+    assert both, "no memory of the tiny index has neighbours on both sides of the baseline"
+
+
+def test_a_run_stored_before_baselines_shows_neighbours_without_one(client, db, run, slug):
+    stored = db.scalars(select(NeighbourBaseline).where(NeighbourBaseline.run_id == run.id)).all()
+    rows = [
+        dict(run_id=b.run_id, layer=b.layer, kind=b.kind, pairs=b.pairs, mean=b.mean, p99=b.p99)
+        for b in stored
+    ]
+    db.execute(delete(NeighbourBaseline).where(NeighbourBaseline.run_id == run.id))
+    db.commit()
+    try:
+        neighbours = _get(client, f"/m/{slug}/layers/1/keys/3/related.json")["neighbours"]
+        assert (neighbours["key_baseline"], neighbours["value_baseline"]) == (None, None)
+        assert len(neighbours["by_key"]) == 10 and all(n["chance"] is None for n in neighbours["by_key"])
+        page = client.get(f"/m/{slug}/layers/1/keys/3/related")
+        assert page.status_code == 200 and 'id="neighbours-key"' in page.text
+        section = page.text.split('id="neighbours"')[1].split("</section>")[0]
+        assert "chance" not in section and 'class="baseline"' not in section
+    finally:
+        db.execute(insert(NeighbourBaseline), rows)
+        db.commit()
+
+
 def test_the_worker_stored_arrays_and_neighbours_for_every_memory(db, run, tiny):
     n = tiny.n_layers * tiny.n_keys
     assert db.scalar(select(func.count()).select_from(Neighbours).where(Neighbours.run_id == run.id)) == 2 * n
+    baselines = select(func.count()).select_from(NeighbourBaseline).where(NeighbourBaseline.run_id == run.id)
+    assert db.scalar(baselines) == 2 * tiny.n_layers
     names = db.execute(
         select(RunArray.name, func.count()).where(RunArray.run_id == run.id).group_by(RunArray.name)
     ).all()

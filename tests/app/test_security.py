@@ -41,7 +41,7 @@ SECURITY_HEADERS = {
 TOO_LARGE = "The request body is larger than 65,536 bytes, the most this server accepts."
 TOO_LONG = (
     "The query string is longer than 8,192 bytes, the most this server accepts; "
-    "shorten the prompt or the edits."
+    "shorten it, or send a long prompt or text as a form (POST)."
 )
 GONE = "The database is not answering; try again in a few seconds."
 INTERNAL = "Something went wrong on our side; the error was logged."
@@ -178,11 +178,12 @@ def test_a_refused_post_stores_nothing(client, db, slug):
 
 
 class Recorder:
-    """An ASGI app that records the body it read, behind RequestLimits(max_body=10, max_query=10)."""
+    """An ASGI app that records the body it read, behind RequestLimits (10 bytes of query and body; 20 of a
+    live view's form)."""
 
     def __init__(self) -> None:
         self.body: bytes | None = None
-        self.limits = RequestLimits(self, max_body=10, max_query=10)
+        self.limits = RequestLimits(self, max_body=10, max_query=10, max_live=20)
 
     async def __call__(self, scope, receive, send) -> None:
         body, more = b"", True
@@ -193,12 +194,14 @@ class Recorder:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    def call(self, chunks, *, query: bytes = b"", length: int | None = None) -> tuple[int, int]:
+    def call(
+        self, chunks, *, query: bytes = b"", length: int | None = None, path: str = "/x.json"
+    ) -> tuple[int, int]:
         """(status, messages the limits read) for a request whose body arrives as `chunks` (an iterator)."""
         headers = [(b"content-type", b"application/x-www-form-urlencoded")]
         if length is not None:
             headers.append((b"content-length", str(length).encode()))
-        scope = {"type": "http", "method": "POST", "path": "/x.json", "raw_path": b"/x.json",
+        scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
                  "query_string": query, "headers": headers, "server": ("t", 80)}  # fmt: skip
         received, sent = [0], []
 
@@ -230,6 +233,23 @@ def test_limits_pass_a_body_at_the_limit_whole_and_stop_reading_past_it():
     assert app.body is None  # the app never ran
     assert app.call(forever(b"1"), length=11) == (413, 0)  # the declared length is enough: nothing read
     assert app.body is None
+
+
+@pytest.mark.parametrize(
+    ("path", "limit"),
+    [
+        ("/m/gpt2/trace.json", 20),
+        ("/m/gpt2/layers/3/keys/7.json", 20),
+        ("/m/gpt2/layers/3/keys/7/labels.json", 10),  # a write: the ordinary limit
+        ("/m/gpt2/trace/x.json", 10),
+        ("/jobs.json", 10),
+    ],
+)
+def test_a_live_views_form_has_room_for_the_longest_text(path, limit):
+    """A prompt or text too long for a URL is POSTed: its form may be as large as `max_live`."""
+    app = Recorder()
+    assert app.call(iter([b"a" * limit]), path=path)[0] == 200
+    assert app.call(iter([b"a" * (limit + 1)]), path=path)[0] == 413
 
 
 def test_limits_pass_a_query_at_the_limit():

@@ -10,7 +10,7 @@ from xml.etree import ElementTree
 import pytest
 
 from ffmem.web.rendering import templates
-from ffmem.web.shading import intensity, shade, token_pieces
+from ffmem.web.shading import intensity, shade, shaded_html, token_pieces
 
 
 def render(text, **kwargs) -> ElementTree.Element:
@@ -93,6 +93,40 @@ def test_each_token_is_shaded_by_sign_and_strength():
     # Nothing but the tokens between them: the text reads as it was typed.
     assert root.text is None and all(s.tail is None for s in root)
     assert "".join(s.text for s in spans) == "<b> x y z"
+
+
+def test_the_peak_leaves_its_leading_space_outside_its_outline():
+    """Issue 26: a line that wrapped after the peak's leading space left an empty outlined box at its end.
+    The space goes before the peak's span (unshaded, unboxed); every other token keeps its space."""
+    html = str(shaded_html(shade([" The", " capital", "\n of"], [0.5, 1.0, -0.5], peak=1), id="t"))
+    assert html == (
+        '<span class="shaded" id="t">'
+        '<span class="stok m-pos" data-index="0" data-m="0.5" style="--m: 0.500" title="m = +0.5"> The'
+        '<span class="sr-only"> (m = +0.5)</span></span>'
+        ' <span class="stok m-pos peak" data-index="1" data-m="1.0" style="--m: 1.000"'
+        ' title="m = +1, the peak">capital<span class="sr-only"> (m = +1, the peak)</span></span>'
+        '<span class="stok m-neg" data-index="2" data-m="-0.5" style="--m: 0.500" title="m = -0.5">\n of'
+        '<span class="sr-only"> (m = -0.5)</span></span>'
+        "</span>"
+    )
+    newline = render(shade(["a", "\n\tb"], [1.0, 2.0], peak=1))
+    assert tokens(newline)[1].text == "b" and tokens(newline)[0].tail == "\n\t"  # any leading whitespace
+    assert tokens(render(shade(["a", " "], [1.0, 2.0], peak=1)))[1].text == " "  # a space alone keeps its box
+    assert "".join(render(shade([" a", " b"], [1.0, 2.0], peak=1)).itertext()).startswith(" a (m = +1) b")
+
+
+def test_a_marked_trigger_leaves_its_leading_space_outside_too():
+    """The same for the marked trigger of an unshaded prefix (the layer page; a key page while mining)."""
+    from types import SimpleNamespace
+
+    macro = templates.env.from_string('{% from "_macros.html" import prefix %}{{ prefix(t) }}')
+    trigger = SimpleNamespace(prefix="The capital", trigger_start=3, position=1, trigger_token=" capital")
+    assert macro.render(t=trigger) == (
+        '<span class="prefix">The <mark class="trigger" title="trigger token at position 1">capital</mark>'
+        "</span>"
+    )
+    alone = SimpleNamespace(prefix="a ", trigger_start=1, position=1, trigger_token=" ")
+    assert '<mark class="trigger" title="trigger token at position 1"> </mark>' in macro.render(t=alone)
 
 
 def test_a_token_without_a_coefficient_is_unshaded():

@@ -131,7 +131,8 @@ def test_the_worker_refuses_bad_requests_in_the_error_shape(worker, tiny_model_d
     request = {"model": str(tiny_model_dir), "text": PROMPT, "layer": LAYER, "key": KEY} | change
     response = worker.post("/coefficients", json=request)
     assert response.status_code == 400
-    assert response.json() == {"ok": False, "error": message, "status": 400}
+    field = {"field": "text"} if "text" in change else {}  # the page shows it next to the box
+    assert response.json() == {"ok": False, "error": message, "status": 400} | field
 
 
 def key_url(slug: str, fmt: str = "") -> str:
@@ -223,7 +224,7 @@ def test_htmx_swaps_only_the_answer(client, slug):
     assert 'id="try-text-shaded"' in fragment.text and 'id="triggers"' not in fragment.text
     assert 'id="try-text-input"' not in fragment.text  # the box stays as typed
     page = client.get(key_url(slug))
-    assert '<section class="try" id="try-box">' in page.text
+    assert '<section class="try" id="try-box" data-max-query="8192">' in page.text  # longer: POST
     assert 'hx-target="#try_text" hx-swap="outerHTML" hx-push-url="true"' in page.text
     assert 'maxlength="16384"' in page.text and '<div id="try_text" class="try-answer"' in page.text
     assert "try-text-shaded" not in page.text  # no text: the box only
@@ -234,7 +235,7 @@ def test_htmx_swaps_only_the_answer(client, slug):
     [
         ("", "The text is empty: type some text.", "text"),
         ("  \n", "The text is empty: type some text.", "text"),
-        ("a " * 60, f"The prompt has 61 tokens; the limit is {MAX_TOKENS} (max_prompt_tokens).", None),
+        ("a " * 60, f"The prompt has 61 tokens; the limit is {MAX_TOKENS} (max_prompt_tokens).", "text"),
     ],
 )
 def test_a_bad_text_is_a_400_shown_next_to_the_box(client, slug, text, message, field):

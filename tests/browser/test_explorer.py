@@ -145,3 +145,55 @@ def test_weight_graph_and_explanation_on_the_key_page(watched, server, facts):
     page.wait_for_selector("#explanation-matches a.result")
     found = page.locator("#explanation-matches tbody tr td:nth-child(2)").all_inner_texts()
     assert found and all(word.lower() in row.lower() for row in found), (word, found)
+
+
+def test_key_page_on_a_phone(page, server, facts):
+    """Issue 26: at 390 px the sentence column of the triggers was ~100 px wide (a 23,000 px page). The
+    triggers and samples are cards there: each sentence takes the page's width."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(f"{server}/m/{facts['slug']}/layers/1/keys/3")
+    page.locator("#samples").scroll_into_view_if_needed()
+    page.wait_for_selector("#samples table.samples")
+    for table in ("table.triggers.positive", "table.triggers.negative", "#samples table.samples"):
+        cells = page.locator(f"{table} tbody td.sentence")
+        assert cells.count() >= 1, table
+        for box in (cells.nth(i).bounding_box() for i in range(cells.count())):
+            assert box["width"] >= 0.8 * 390, (table, box)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the phone
+    first = page.locator("table.triggers.positive tbody tr").first  # its rank, bar and next token above it
+    sentence, rank = first.locator("td.sentence").bounding_box(), first.locator("td").first.bounding_box()
+    assert rank["y"] + rank["height"] <= sentence["y"]
+    # The outlined trigger token holds no leading space: a line never ends in an empty box.
+    peaks = page.locator("table.triggers .stok.peak").evaluate_all(
+        "els => els.map(e => e.childNodes[0].nodeValue || '')"
+    )
+    assert peaks and all(text == text.lstrip() or not text.strip() for text in peaks), peaks
+
+
+GRAPH_LABELS = """() => {
+  const chart = document.getElementById("weight-graph-chart");
+  const box = (element) => {
+    const r = element.getBoundingClientRect();
+    return [r.left, r.top, r.right, r.bottom];
+  };
+  const labels = [...chart.querySelectorAll(".textpoint text")].map(box);
+  return {chart: box(chart.querySelector(".main-svg")), labels: labels};
+}"""
+
+
+@pytest.mark.parametrize("width", [1280, 390])
+def test_weight_graph_labels_fit_and_keep_apart(page, server, facts, width):
+    """Issue 26: the graph's node labels lie inside the chart, none on another, on a laptop and a phone."""
+    page.set_viewport_size({"width": width, "height": 900})
+    page.goto(f"{server}/m/{facts['slug']}/layers/1/keys/3/related")
+    page.wait_for_selector("#weight-graph-chart .main-svg .textpoint text")
+    drawn = page.evaluate(GRAPH_LABELS)
+    (left, top, right, bottom), labels = drawn["chart"], drawn["labels"]
+    assert right <= width and len(labels) == 20  # the chart fits the page; every node labelled
+    for x0, y0, x1, y1 in labels:
+        assert left <= x0 and x1 <= right and top <= y0 and y1 <= bottom, (drawn["chart"], (x0, y0, x1, y1))
+    for i, (x0, y0, x1, y1) in enumerate(labels):
+        for a0, b0, a1, b1 in labels[i + 1 :]:
+            assert x1 <= a0 or a1 <= x0 or y1 <= b0 or b1 <= y0, "two labels overlap"
+    heading = page.locator("#weight-graph-key")  # the chart's title, as HTML: it wraps
+    assert "L1 K3" in heading.inner_text() and heading.evaluate("e => e.scrollWidth <= e.clientWidth")

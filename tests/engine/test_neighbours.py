@@ -11,7 +11,14 @@ from test_adapters import CASES, _tiny
 
 from ffmem.engine.adapters import adapter_for
 from ffmem.engine.loading import LoadedModel
-from ffmem.engine.neighbours import key_factors, memory_neighbours, nearest
+from ffmem.engine.neighbours import (
+    BASELINE_PAIRS,
+    baseline_pairs,
+    key_factors,
+    memory_baselines,
+    memory_neighbours,
+    nearest,
+)
 
 
 def _brute_force(vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,3 +81,27 @@ def test_reports_each_block_pair_and_zero_rows_have_cosine_zero():
     index, cosine = nearest([rows], k=9, block=4, report=lambda done, total: calls.append((done, total)))
     assert calls == [(i, 6) for i in range(1, 7)]  # 3 row blocks: 3 + 2 + 1 pairs
     assert torch.all(cosine[3] == 0) and sorted(index[3].tolist()) == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+
+
+def test_the_random_pair_baseline_equals_numpy_on_the_tiny_model(tiny):
+    """Issue 26 (15): per layer and kind, the mean and 99th percentile of |cosine| over the fixed sample of
+    pairs (a memory of the layer, any other memory) equal numpy's on the weights (keys: g ⊗ u flattened),
+    whatever the chunk."""
+    found = memory_baselines(tiny, pairs=5000, chunk=777)
+    assert memory_baselines(tiny, pairs=5000, chunk=5000) == found  # the chunking changes nothing
+    n = tiny.n_layers * tiny.n_keys
+    for kind in ("key", "value"):
+        rows = _rows(tiny, kind)
+        unit = rows / np.linalg.norm(rows, axis=1, keepdims=True)  # [n, d]
+        assert len(found[kind]) == tiny.n_layers
+        for layer, baseline in enumerate(found[kind]):
+            i, j = (x.numpy() for x in baseline_pairs(tiny.n_layers, tiny.n_keys, layer, 5000))
+            assert ((i // tiny.n_keys) == layer).all() and (i != j).all() and j.min() >= 0 and j.max() < n
+            assert len(set(j // tiny.n_keys)) == tiny.n_layers  # the other memory from any layer
+            size = np.abs(np.einsum("pd,pd->p", unit[i], unit[j]))  # [pairs]
+            assert baseline.pairs == 5000
+            assert baseline.mean == pytest.approx(size.mean(), abs=1e-6), (kind, layer)
+            assert baseline.p99 == pytest.approx(np.percentile(size, 99), abs=1e-6), (kind, layer)
+    same = baseline_pairs(3, 48, 1)
+    assert all((a == b).all() for a, b in zip(same, baseline_pairs(3, 48, 1), strict=True))  # fixed, seeded
+    assert len(same[0]) == BASELINE_PAIRS

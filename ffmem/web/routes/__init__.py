@@ -37,6 +37,7 @@ class ErrorBody(BaseModel):
     ok: Literal[False] = Field(description="Always false on an error.")
     error: str = Field(description="What went wrong and what to do about it.")
     status: int = Field(description="The HTTP status of the answer.")
+    link: str = Field(None, description="Where to go next, given when there is a page for it (a job's, say).")
 
 
 RETRY_AFTER = {
@@ -48,7 +49,8 @@ ERRORS = {
     404: "No such page, model, run, layer, key or job; the message gives the valid range or names.",
     413: "The request body is larger than the server accepts.",
     414: "The query string is longer than the server accepts.",
-    503: "The database is not answering; try again after Retry-After seconds.",
+    503: "The database is not answering, or the index asked for is being built (`link`: its job); try again "
+    "after Retry-After seconds.",
 }
 WRITE_ERRORS = {
     401: "A write without the admin token.",
@@ -112,6 +114,28 @@ def page(
             summary=summary,
             response_class=HTMLResponse,
             responses=extra | _errors(codes, "html"),
+        )(handler)
+        return handler
+
+    return register
+
+
+def posted_page(router: APIRouter, path: str, name: str, context: type[BaseModel]) -> Callable:
+    """Register a live page's form twin: POST at `path` (the page) and `path.json` (its context), the
+    same answer as the GET with its fields in the body — a prompt or text too long for a URL. A read:
+    no write access needed (read-only servers too), rate limited as the GET."""
+    codes = ERRORS | LIVE_ERRORS
+
+    def register(handler: Callable) -> Callable:
+        summary = (handler.__doc__ or name).strip().splitlines()[0]
+        router.post(
+            f"{path}.json",
+            name=f"{name}_json",
+            summary=f"{summary} (JSON)",
+            responses={200: {"model": context}} | _errors(codes, "json"),
+        )(handler)
+        router.post(
+            path, name=name, summary=summary, response_class=HTMLResponse, responses=_errors(codes, "html")
         )(handler)
         return handler
 

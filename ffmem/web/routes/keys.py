@@ -12,12 +12,15 @@ from ffmem.web import pages, try_text, urls
 from ffmem.web.access import admin_name, remember_author
 from ffmem.web.contexts import KeyContext, LabelAnswer, LabelDeleted, RelatedContext, SamplesContext
 from ffmem.web.errors import AppError
-from ffmem.web.ratelimit import LiveTextBudget
+from ffmem.web.ratelimit import LiveBudget, LiveTextBudget
 from ffmem.web.rendering import render, render_error, wants_fragment, wants_json
-from ffmem.web.routes import SessionDep, action, page
+from ffmem.web.routes import SessionDep, action, page, posted_page
 from ffmem.web.routes.models import RunQuery
 
 router = APIRouter()
+
+
+TriggersQuery = Annotated[int, Query(ge=1, le=1000, description="Trigger prefixes shown per sign.")]
 
 
 @page(router, "/m/{model}/layers/{layer}/keys/{key}", "key", KeyContext, live=True)
@@ -29,7 +32,7 @@ def key(
     layer: int,
     key: int,
     run: RunQuery = None,
-    triggers: Annotated[int, Query(ge=1, le=1000, description="Trigger prefixes shown per sign.")] = 25,
+    triggers: TriggersQuery = 25,
     text: Annotated[
         str | None,
         Query(
@@ -39,6 +42,30 @@ def key(
     ] = None,
 ):
     """One memory: its key's trigger prefixes and its value's vocabulary distribution."""
+    return _key_page(request, session, refused, model, layer, key, run, triggers, text)
+
+
+@posted_page(router, "/m/{model}/layers/{layer}/keys/{key}", "key_posted", KeyContext)
+def key_posted(
+    request: Request,
+    session: SessionDep,
+    refused: LiveBudget,
+    model: str,
+    layer: int,
+    key: int,
+    run: RunQuery = None,
+    triggers: TriggersQuery = 25,
+    text: Annotated[
+        str | None,
+        Form(max_length=100_000, description="The text to try: this key's coefficient at every token."),
+    ] = None,
+):
+    """A key page with "try your own text" sent as a form (POST): for texts too long for a URL."""
+    return _key_page(request, session, refused, model, layer, key, run, triggers, text or "")
+
+
+def _key_page(request: Request, session, refused, model, layer, key, run, triggers, text: str | None):
+    """The key page; with a text, this key's coefficient at every token of it (or why there is none)."""
     ctx = pages.key_page(session, model, layer, key, run_id=run, limit=triggers)
     max_tokens = request.app.state.settings.max_prompt_tokens
     fragment = "try_text" if request.headers.get("HX-Target") == "try_text" else "triggers"

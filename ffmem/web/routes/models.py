@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Path, Query, Request
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from ffmem.store import jobs, queries
-from ffmem.web import analysis_page, corpora, pages, urls
+from ffmem.web import analysis_page, corpora, labels_page, pages, urls
 from ffmem.web.contexts import AnalysisContext, HomeContext, JobContext, ModelContext
 from ffmem.web.errors import AppError
+from ffmem.web.labels_page import LabelsContext, LabelSort
 from ffmem.web.rendering import render, wants_json
-from ffmem.web.routes import SessionDep, action, page
+from ffmem.web.routes import ERRORS, SessionDep, _errors, action, page
 
 router = APIRouter()
 RunQuery = Annotated[
@@ -31,6 +33,35 @@ def home(request: Request, session: SessionDep):
 def model(request: Request, session: SessionDep, model: str, run: RunQuery = None):
     """One model: statistics per layer, and charts across layers."""
     return render(request, "model.html", pages.model_page(session, model, run))
+
+
+LabelSortQuery = Annotated[
+    LabelSort, Query(description="key: by layer, then key; label: by the label's text; date: newest first.")
+]
+
+
+@page(router, "/m/{model}/labels", "labels", LabelsContext)
+def labels(request: Request, session: SessionDep, model: str, sort: LabelSortQuery = "key"):
+    """Every labelled memory of a model with its current label, sortable; as CSV at labels.csv."""
+    return render(request, "labels.html", labels_page.labels_page(session, model, sort))
+
+
+@router.get(
+    "/m/{model}/labels.csv",
+    name="labels_csv",
+    summary="Every labelled memory of a model with its current label, as CSV",
+    response_class=Response,
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}} | _errors(ERRORS, "html"),
+)
+def labels_csv(session: SessionDep, model: str, sort: LabelSortQuery = "key"):
+    """The labels index as CSV: layer, key, pattern, tag, author, created_at (UTC), url."""
+    ctx = labels_page.labels_page(session, model, sort)
+    filename = f"{ctx.model}-labels.csv"
+    return Response(
+        labels_page.labels_csv(ctx),
+        media_type="text/csv; charset=utf-8",
+        headers={"Content-Disposition": f"attachment; filename*=UTF-8''{quote(filename, safe='')}"},
+    )
 
 
 @page(router, "/m/{model}/analysis", "analysis", AnalysisContext)

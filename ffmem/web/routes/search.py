@@ -59,6 +59,7 @@ def search(
         limit=limit,
         arrays=token_search.cache_of(request.app),
         max_length=MAX_LENGTH,
+        jump=not wants_fragment(request),  # as you type: the results, with the key's link; sent: the key
     )
     if too_long:  # the page, its box holding what fits, the reason next to it
         return render(request, "search.html", found, status_code=400, field_errors={"q": too_long.message})

@@ -9,20 +9,33 @@ document.addEventListener("keydown", function (event) {
   if (link) { event.preventDefault(); window.location.href = link.href; }
 });
 
-// An error answer to an htmx request is a short message (ffmem/web/rendering.py render_error): it goes
-// next to the field that caused it when the page has a place for it (#FIELD-error), the rest of the page
-// kept; otherwise where the answer was going. A new request clears its form's old messages.
+// An error answer to an htmx request is a short message (ffmem/web/rendering.py render_error,
+// X-Error-Message): it goes next to the field that caused it when the page has a place for it
+// (#FIELD-error), else just before the element the answer was going to (errorSlot); that element is never
+// replaced, so every later request still finds it. A new request clears its form's and target's messages.
+function errorSlot(target) {
+  var before = target.previousElementSibling;
+  if (before && before.classList.contains("request-error")) return before;
+  var slot = document.createElement("p");
+  slot.className = "request-error";
+  slot.setAttribute("role", "alert");
+  if (target.id) slot.id = target.id + "-request-error";
+  target.insertAdjacentElement("beforebegin", slot);
+  return slot;
+}
 document.addEventListener("htmx:beforeSwap", function (event) {
-  if (!event.detail.isError) return;
-  var field = event.detail.xhr.getResponseHeader("X-Error-Field");
+  var detail = event.detail;
+  if (!detail.isError || !detail.xhr.getResponseHeader("X-Error-Message")) return;
+  var field = detail.xhr.getResponseHeader("X-Error-Field");
+  var target = detail.target;
   var slot = field ? document.getElementById(field + "-error") : null;
-  if (slot) {
-    // Results that no longer answer the form (data-stale-on-error) are dimmed until the next answer.
-    var stale = event.detail.target;
-    if (stale && stale.hasAttribute("data-stale-on-error")) stale.classList.add("stale");
-    event.detail.target = slot;
-    event.detail.swapOverride = "innerHTML";
-  }
+  if (!slot && target) slot = errorSlot(target === document.body ? document.querySelector("main") : target);
+  if (!slot) return;
+  // Results that no longer answer the form (data-stale-on-error) are dimmed until the next answer.
+  if (target && target.hasAttribute("data-stale-on-error")) target.classList.add("stale");
+  detail.target = slot;
+  detail.swapOverride = "innerHTML";
+  detail.selectOverride = "unset";  // the whole message, whatever the element selects from an answer (hx-select)
 });
 // A file input refuses a file larger than the server accepts (data-max-bytes), before it is sent.
 document.addEventListener("change", function (event) {
@@ -40,7 +53,23 @@ document.addEventListener("change", function (event) {
 document.addEventListener("htmx:beforeRequest", function (event) {
   var form = event.detail.elt.closest ? event.detail.elt.closest("form") : null;
   if (form) form.querySelectorAll(".field-error").forEach(function (slot) { slot.textContent = ""; });
+  var target = event.detail.target;
+  var before = target && target.previousElementSibling;
+  if (before && before.classList.contains("request-error")) before.textContent = "";
 });
+// Busy while an htmx request runs: the element it will answer into (dimmed by app.css) and the form or
+// element that asked carry aria-busy, so the wait shows (a first token search can take seconds). Not
+// for a section that polls itself (hx-trigger="every 1s"): it would blink.
+function setBusy(detail, busy) {
+  if (/^every /.test(detail.elt.getAttribute ? detail.elt.getAttribute("hx-trigger") || "" : "")) return;
+  [detail.target, detail.elt].forEach(function (element) {
+    if (!element || !element.setAttribute) return;
+    if (busy) element.setAttribute("aria-busy", "true");
+    else element.removeAttribute("aria-busy");
+  });
+}
+document.addEventListener("htmx:beforeRequest", function (event) { setBusy(event.detail, true); });
+document.addEventListener("htmx:afterRequest", function (event) { setBusy(event.detail, false); });
 // A field marked data-omit-empty stays out of the URL while it is empty (the live view's target: empty
 // means the default, the prediction, and `target=` is refused), for a plain submit and for htmx alike.
 document.addEventListener("formdata", function (event) {
@@ -54,4 +83,23 @@ document.addEventListener("htmx:configRequest", function (event) {
   form.querySelectorAll("[data-omit-empty]").forEach(function (input) {
     if (input.name && input.value === "") delete event.detail.parameters[input.name];
   });
+});
+// A request whose URL would be longer than the server accepts (data-max-query, bytes, on an element
+// around it: the live view, a key page's text box) goes as a form (POST) with the same fields: a long
+// prompt works and keeps its page; shorter ones stay GETs, their URL the share link.
+document.addEventListener("htmx:configRequest", function (event) {
+  var detail = event.detail;
+  var box = detail.elt.closest ? detail.elt.closest("[data-max-query]") : null;
+  if (!box || detail.verb !== "get") return;
+  var url = new URL(detail.path, location.href);
+  var fields = url.search ? [url.search.slice(1)] : [];
+  detail.formData.forEach(function (value, name) {
+    fields.push(encodeURIComponent(name) + "=" + encodeURIComponent(value));  // as htmx writes the URL
+  });
+  if (fields.join("&").length <= Number(box.dataset.maxQuery)) return;
+  url.searchParams.forEach(function (value, name) { detail.formData.append(name, value); });
+  detail.path = url.pathname;
+  detail.verb = "post";
+  detail.useUrlParams = false;
+  detail.headers["Content-Type"] = "application/x-www-form-urlencoded";
 });
