@@ -12,9 +12,9 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from ffmem.store import jobs, memory_lists
+from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import TRIGGERS
 from ffmem.store.models import Comparison, Job, JobKind, KeyChange, KeyStats, LanguageModel, MemoryList, Run
-from ffmem.store.queries import _bulk_insert
 
 BASES = ("sentences", "texts")  # the trigger overlap compares sentence indices (one corpus) or texts
 STATISTICS = ("mean", "positive_share", "max_coefficient", "min_coefficient", "density")  # of KeyStats
@@ -185,7 +185,7 @@ def store_comparison(
         for key in range(n_keys)
     )
     columns = ("comparison_id", "layer", "key", *COLUMNS, *(f"rank_{name}" for name in SORTS))
-    _bulk_insert(session, KeyChange.__table__, columns, rows)
+    bulk_insert(session, KeyChange.__table__, columns, rows)
     return stored.id
 
 

@@ -11,9 +11,10 @@ import numpy as np
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
+from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.models import Explanation, MemoryLinks
-from ffmem.store.queries import _bulk_insert, _same_shape, stored_text
+from ffmem.store.queries import _same_shape, stored_text
 
 DIRECTIONS = ("in", "out")  # in: earlier memories writing into the key; out: later keys reading the value
 
@@ -59,7 +60,7 @@ def store_links(
             if kept.any():
                 rows.append((layer, key, packed[layer, key][kept].tobytes()))
     columns = ("run_id", "layer", "key", "direction", "data")
-    _bulk_insert(
+    bulk_insert(
         session,
         MemoryLinks.__table__,
         columns,
@@ -92,7 +93,7 @@ def has_links(*, session: Session, run_id: int) -> bool:
 def store_explanations(*, session: Session, run_id: int, rows: Iterable[tuple]) -> None:
     """Store explanations: rows of (layer, key, source, text, score or None, pattern dict, details dict)."""
     columns = ("run_id", "layer", "key", "source", "text", "score", "pattern", "details")
-    _bulk_insert(
+    bulk_insert(
         session,
         Explanation.__table__,
         columns,

@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mined_layer import MinedLayer
+from ffmem.store.bulk import bulk_insert
 from ffmem.store.models import KeyExamples
-from ffmem.store.queries import _bulk_insert
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def store_key_examples(
         size += len(shading)
         rows.append((key, encode_bands(found), len(positive[key]), len(negative[key]), shading))
     columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading")
-    _bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
+    bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
     return size
 
 

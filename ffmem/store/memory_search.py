@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session
 
 from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
 from ffmem.store import queries
+from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.models import NeighbourBaseline, Neighbours, RunArray
-from ffmem.store.queries import _bulk_insert
 
 NEIGHBOUR_KINDS = ("key", "value")
 
@@ -139,7 +139,7 @@ def store_neighbours(
             (run_id, memory // n_keys, memory % n_keys, kind, packed[memory].tobytes())
             for memory in range(packed.shape[0])
         )
-        _bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "data"), rows)
+        bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "data"), rows)
         stored += indices.shape[0]
     return stored
 

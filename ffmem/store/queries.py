@@ -1,6 +1,6 @@
 """Keyword-only reads and writes of the index database. No torch here: array inputs are numpy arrays.
 
-Bulk writes (memory lists, key stats, sentences, vocabulary) go through `_bulk_insert`:
+Bulk writes (memory lists, key stats, sentences, vocabulary) go through `ffmem.store.bulk.bulk_insert`:
 COPY on Postgres, a driver-level executemany per chunk on SQLite (about twice as fast as Core's
 dict rows), always inside the session's transaction.
 A memory's triggers and value tokens are stored as packed lists (ffmem.store.memory_lists, the
@@ -12,19 +12,20 @@ on every backend alike; the replacement keeps lengths, so character offsets stay
 
 from __future__ import annotations
 
-import json
 import math
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timezone
-from itertools import islice, repeat
+from itertools import repeat
 
 import numpy as np
-from sqlalchemy import JSON, Row, Table, case, delete, exists, func, insert, or_, select, union_all
+from sqlalchemy import Row, case, delete, exists, func, or_, select, union_all
 from sqlalchemy.orm import Session, joinedload
 
 from ffmem.engine.token_display import byte_form
 from ffmem.store import memory_lists
+from ffmem.store.bulk import bulk_insert, chunks
+from ffmem.store.cache import ProcessCache
 from ffmem.store.memory_lists import TRIGGERS, Lists, Trigger, ValueToken
 from ffmem.store.models import (
     Corpus,
@@ -39,7 +40,6 @@ from ffmem.store.models import (
     Token,
 )
 
-CHUNK_ROWS = 50_000  # rows per executemany
 NUL_SHOWN_AS = "\u2400"
 
 
@@ -93,7 +93,7 @@ def store_vocabulary(*, session: Session, model_id: int, texts: list[str], piece
         return
     pairs = enumerate(zip(texts, pieces, strict=True))
     rows = ((model_id, token_id, stored_text(text), stored_text(piece)) for token_id, (text, piece) in pairs)
-    _bulk_insert(session, Token.__table__, ("model_id", "token_id", "text", "piece"), rows)
+    bulk_insert(session, Token.__table__, ("model_id", "token_id", "text", "piece"), rows)
 
 
 # ---- corpora ------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def store_corpus(
             )
 
     columns = ("corpus_id", "index", "text", "token_ids", "offsets", "first_position")
-    _bulk_insert(session, Sentence.__table__, columns, rows())
+    bulk_insert(session, Sentence.__table__, columns, rows())
     corpus.n_sentences, corpus.n_tokens = counts["sentences"], counts["tokens"]
     session.flush()
     return corpus
@@ -297,7 +297,7 @@ def store_triggers(
     )
     blobs = memory_lists.encode_triggers(sentence_index, position, coefficients)
     rows = ((run_id, TRIGGERS, int(sign), int(layer), key, blob) for key, blob in enumerate(blobs) if blob)
-    _bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
     return int((sentence_index >= 0).sum())
 
 
@@ -323,7 +323,7 @@ def store_value_tokens(
         raise ValueError(f"log_z has {log_z.shape[0]} values for {token_ids.shape[0]} keys")
     blobs = memory_lists.encode_value_tokens(token_ids, logits, log_z)
     rows = ((run_id, readout, int(direction), int(layer), key, blob) for key, blob in enumerate(blobs))
-    _bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
     return token_ids.size
 
 
@@ -397,7 +397,7 @@ def store_key_stats(
         "agreement",
         "next_token_rank",
     )
-    _bulk_insert(session, KeyStats.__table__, columns, rows)
+    bulk_insert(session, KeyStats.__table__, columns, rows)
 
 
 def _list(session: Session, run_id: int, kind: str, sign: int, layer: int, key: int) -> bytes | None:
@@ -504,8 +504,8 @@ def iter_value_tokens(*, session: Session, run_id: int) -> Iterator[ValueToken]:
 # triggers, token search over its values) decode the lists of one kind and sign once per process. Keyed
 # by the database, the run and its start time (an id reused by a new run is another entry); a run not yet
 # done is read again each time.
-_RUN_LISTS: dict[tuple[str, int, datetime, str, int], Lists] = {}
 RUN_LISTS_KEPT = 4  # SmolLM2's positive triggers: ~45 MB decoded
+_RUN_LISTS = ProcessCache(RUN_LISTS_KEPT)  # (database, run id, started_at, kind, sign) -> Lists
 
 
 def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
@@ -525,22 +525,13 @@ def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
         )
         if kind == TRIGGERS:
             found = found.take(np.argsort(found.entries["sentence_index"], kind="stable"))
-        _remember(_RUN_LISTS, RUN_LISTS_KEPT, cache_key, found, final=run.status == "done")
+        _RUN_LISTS.put(cache_key, found, final=run.status == "done")
     return found
 
 
 def _database(session: Session) -> str:
     """The session's database URL: the first part of a per-process cache's keys."""
     return session.get_bind().url.render_as_string()
-
-
-def _remember(cache: dict, kept: int, key, value, *, final: bool) -> None:
-    """Keep `value` under `key` in a per-process cache when it can no longer change (`final`); past
-    `kept` entries the oldest goes."""
-    if final:
-        while len(cache) >= kept:
-            cache.pop(next(iter(cache)))
-        cache[key] = value
 
 
 def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
@@ -591,8 +582,8 @@ def token_texts(*, session: Session, model_id: int, token_ids: Iterable[int]) ->
 # so each process reads it once: a key page looks up ~1,500 token texts. Keyed by the database, the
 # model's id and its creation time (an id reused by a new model row is another entry); a vocabulary
 # not yet complete (the model row's vocab_size) is read again next time.
-_VOCABULARIES: dict[tuple[str, int, datetime], dict[int, str]] = {}
 VOCABULARIES_KEPT = 4
+_VOCABULARIES = ProcessCache(VOCABULARIES_KEPT)  # (database, model id, created_at) -> token texts
 
 
 def vocabulary(*, session: Session, model_id: int) -> dict[int, str]:
@@ -606,7 +597,7 @@ def vocabulary(*, session: Session, model_id: int) -> dict[int, str]:
     if found is None:
         query = select(Token.token_id, Token.text, Token.piece).where(Token.model_id == model_id)
         found = {token_id: byte_form(text, piece) for token_id, text, piece in session.execute(query)}
-        _remember(_VOCABULARIES, VOCABULARIES_KEPT, cache_key, found, final=len(found) == model.vocab_size)
+        _VOCABULARIES.put(cache_key, found, final=len(found) == model.vocab_size)
     return found
 
 
@@ -624,7 +615,7 @@ def get_sentences(*, session: Session, corpus_id: int, indices: Iterable[int]) -
     wanted = sorted({int(i) for i in indices})
     found: dict[int, Row] = {}
     columns = [getattr(Sentence, column.key) for column in Sentence.__table__.columns]
-    for chunk in _chunks(wanted, 900):
+    for chunk in chunks(wanted, 900):
         query = select(*columns).where(Sentence.corpus_id == corpus_id, Sentence.index.in_(chunk))
         found.update((sentence.index, sentence) for sentence in session.execute(query))
     return found
@@ -903,43 +894,6 @@ def model_labels(*, session: Session, model_id: int, sort: str = "key") -> list[
     elif sort == "date":
         labels.sort(key=lambda label: (label.created_at, label.id), reverse=True)
     return labels
-
-
-def _bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
-    """Insert tuples of `columns` in the session's transaction: COPY on Postgres, executemany on SQLite."""
-    connection = session.connection()
-    dialect = connection.dialect.name
-    if dialect not in ("postgresql", "sqlite"):  # any other backend: the portable, slower Core path
-        for chunk in _chunks(rows, CHUNK_ROWS):
-            connection.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in chunk])
-        return
-    json_columns = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, JSON)]
-    if json_columns:
-        rows = (_json_encoded(row, json_columns) for row in rows)
-    quote = connection.dialect.identifier_preparer
-    target = f"{quote.format_table(table)} ({', '.join(quote.quote(column) for column in columns)})"
-    if dialect == "postgresql":
-        driver = connection.connection.driver_connection  # psycopg: COPY joins the session's transaction
-        with driver.cursor() as cursor, cursor.copy(f"COPY {target} FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
-    else:
-        sql = f"INSERT INTO {target} VALUES ({', '.join('?' * len(columns))})"
-        for chunk in _chunks(rows, CHUNK_ROWS):
-            connection.exec_driver_sql(sql, chunk)
-
-
-def _json_encoded(row: tuple, json_columns: list[int]) -> tuple:
-    row = list(row)
-    for i in json_columns:
-        row[i] = json.dumps(row[i])
-    return tuple(row)
-
-
-def _chunks(rows: Iterable[tuple], size: int) -> Iterator[list[tuple]]:
-    iterator = iter(rows)
-    while chunk := list(islice(iterator, size)):
-        yield chunk
 
 
 def _same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:

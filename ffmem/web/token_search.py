@@ -7,7 +7,6 @@ No torch: ffmem.engine.vocab_search does the arithmetic.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +15,10 @@ from sqlalchemy.orm import Session
 
 from ffmem.engine.vocab_search import SearchArrays, TokenHit
 from ffmem.store import memory_search
+from ffmem.store.cache import ProcessCache
 from ffmem.store.models import Run
+
+_MISSING = object()  # not kept: a run with no arrays is kept as None
 
 
 class ArrayCache:
@@ -24,20 +26,17 @@ class ArrayCache:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._arrays: OrderedDict[tuple, SearchArrays | None] = OrderedDict()
-        self._lock = threading.Lock()
+        self._arrays = ProcessCache(size, lru=True)  # (run id, started_at) -> SearchArrays | None
+        self._loading = threading.Lock()
 
     def get(self, session: Session, run: Run) -> SearchArrays | None:
         """The run's arrays, or None when it has none (stored before full-vocabulary search)."""
         name = (run.id, str(run.started_at))  # a deleted run's id may come back: the start tells them apart
-        with self._lock:
-            if name in self._arrays:
-                self._arrays.move_to_end(name)
-                return self._arrays[name]
-            arrays = memory_search.load_search_arrays(session=session, run_id=run.id)
-            self._arrays[name] = arrays
-            while len(self._arrays) > self.size:
-                self._arrays.popitem(last=False)
+        with self._loading:
+            arrays = self._arrays.get(name, _MISSING)
+            if arrays is _MISSING:
+                arrays = memory_search.load_search_arrays(session=session, run_id=run.id)
+                self._arrays.put(name, arrays)
             return arrays
 
 
