@@ -15,17 +15,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app import queries  # noqa: E402
+
 from results import RESULTS, record  # noqa: E402
 from web import default_run  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
 from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.store import runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
 from ffmem.store.models import Analysis  # noqa: E402
+from ffmem.store.specs import AnalysisSpec  # noqa: E402
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze  # noqa: E402
 
-OPTIONS = AnalysisOptions(examples=1000, keys=10, triggers=10, progress=False)
+OPTIONS = AnalysisOptions(AnalysisSpec(examples=1000, keys=10, triggers=10, seed=0), progress=False)
 
 
 def main() -> None:
@@ -33,7 +35,7 @@ def main() -> None:
     slug, _, _ = default_run(settings.database_url)
     sessions = make_sessionmaker(make_engine(settings.database_url))
     with sessions() as session:
-        run = queries.find_finished_run(session=session, model_slug=slug, n_sentences=settings.sentences)
+        run = runs.find_finished_run(session=session, model_slug=slug, n_sentences=settings.sentences)
         run_id, run_tokens = run.id, run.n_tokens
     loaded = load_model(settings.model, device="cpu", cache_dir=settings.cache_dir)
     mining_tokens_per_s = json.loads(RESULTS.read_text())["index"]["mining"]["mining_tokens_per_s"]
@@ -42,7 +44,7 @@ def main() -> None:
     with sessions() as session:
         prefixes = session.get(Analysis, (run_id, "token_removal")).data["prefixes"]
     results = {
-        "options": {"examples": OPTIONS.examples, "keys": OPTIONS.keys, "triggers": OPTIONS.triggers},
+        "options": OPTIONS.spec.model_dump(exclude={"seed"}),
         "seconds": {name: round(s, 1) for name, s in seconds.items()},
         "token_removal_prefixes": prefixes,
         "token_removal_ms_per_prefix": round(1000 * seconds["token_removal"] / prefixes, 1),

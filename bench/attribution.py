@@ -6,7 +6,7 @@ On the real default model (SmolLM2-135M, CPU, loaded as the live worker loads it
 1. Engine: `ffmem.engine.trace.trace` without attribution (`attribution=False`: the trace before issue
    17), with it for the prediction, and for a typed target; p50 / p95 and the added p50.
 2. Server: GET /m/{model}/trace.json through the web app and the live worker's app, both in this
-   process (as tests/app/test_live_view.py wires them: no sockets), the model and its vocabulary in a
+   process (as tests/web/test_live_view.py wires them: no sockets), the model and its vocabulary in a
    fresh SQLite database with a finished run holding 5 value tokens per memory, direction and readout
    (placeholder ids: the rows the page looks up, not the tokens a real index would store — the
    projection of 46,080 values is not this bench's subject). Server time (the app's Server-Timing) with
@@ -43,7 +43,7 @@ from ffmem.config import Settings, get_settings  # noqa: E402
 from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
 from ffmem.engine.loading import shared_model  # noqa: E402
 from ffmem.engine.trace import trace  # noqa: E402
-from ffmem.store import queries  # noqa: E402
+from ffmem.store import corpora, memory_writes, runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.web.main import create_app  # noqa: E402
 from ffmem.web.worker_client import LiveWorker  # noqa: E402
@@ -107,7 +107,7 @@ def index_database(loaded, folder: Path) -> tuple[str, str]:
     engine_ = make_engine(url)
     with make_sessionmaker(engine_)() as session:
         model = _store_model(session, loaded)
-        corpus = queries.store_corpus(
+        corpus = corpora.store_corpus(
             session=session,
             name="bench",
             source="bench",
@@ -118,7 +118,7 @@ def index_database(loaded, folder: Path) -> tuple[str, str]:
             skipped={},
             sentences=[("The capital of France is Paris.", [1, 2, 3], [(0, 3), (4, 11), (12, 14)], 0)],
         )
-        run = queries.create_run(
+        run = runs.create_run(
             session=session,
             model_id=model.id,
             corpus_id=corpus.id,
@@ -137,7 +137,7 @@ def index_database(loaded, folder: Path) -> tuple[str, str]:
             ids = (keys * 7 + np.arange(VALUE_TOKENS) + layer) % model.vocab_size  # [keys, n]
             for readout in ("norm", "raw"):
                 for direction in (1, -1):
-                    queries.store_value_tokens(
+                    memory_writes.store_value_tokens(
                         session=session,
                         run_id=run.id,
                         layer=layer,
@@ -147,7 +147,7 @@ def index_database(loaded, folder: Path) -> tuple[str, str]:
                         logits=np.zeros(ids.shape, np.float32),
                         log_z=np.zeros(ids.shape[0], np.float32),
                     )
-        queries.finish_run(session=session, run_id=run.id, n_tokens=3)
+        runs.finish_run(session=session, run_id=run.id, n_tokens=3)
         session.commit()
         slug = model.slug
     engine_.dispose()

@@ -32,7 +32,8 @@ from ffmem.config import get_settings  # noqa: E402
 from ffmem.store import key_examples, memory_lists  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.store.models import Base, KeyExamples, MemoryList  # noqa: E402
-from ffmem.worker.index import IndexOptions, build_index  # noqa: E402
+from ffmem.worker.index import IndexOptions  # noqa: E402
+from ffmem.worker.loop import build_index  # noqa: E402
 
 
 def main() -> None:
@@ -57,7 +58,7 @@ def main() -> None:
         shaded = {
             int(i)
             for (data,) in session.execute(triggers)
-            for i in memory_lists.decode_triggers(data)["sentence_index"][: options.shaded_triggers]
+            for i in memory_lists.decode_triggers(data)["sentence_index"][: options.spec.shaded_triggers]
         }
         samples = 0
         for (data,) in session.execute(select(KeyExamples.bands).where(KeyExamples.run_id == run_id)):

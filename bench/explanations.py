@@ -3,7 +3,7 @@ after weight_graph.py (whose `default_run` builds the index when it is missing).
 
 Describes every memory of the default run and scores each description on the held-out sentences (the
 corpus's sentences after the 2,000 the run mined; `explain_sentences` of them), as a finished run
-does (ffmem.worker.composition.store_explanations), and reports the time of each part (target: all
+does (ffmem.worker.explanations.store_explanations), and reports the time of each part (target: all
 memories in ≤ 10 minutes), the scores' distribution overall and by depth, and the key page's server
 time with the new sections (TestClient, random keys). Figures go into bench-results.json under
 "explanations".
@@ -30,7 +30,7 @@ from ffmem.config import Settings, get_settings  # noqa: E402
 from ffmem.engine.loading import load_model  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
 from ffmem.store.models import Explanation, Run  # noqa: E402
-from ffmem.worker.composition import ComposeOptions, store_explanations  # noqa: E402
+from ffmem.worker.explanations import ExplanationOptions, store_explanations  # noqa: E402
 
 
 def page_times(url: str, slug: str, n_layers: int, n_keys: int, samples: int) -> dict:
@@ -67,7 +67,9 @@ def main() -> None:
     run_id = default_run(url)
     sessions = make_sessionmaker(make_engine(url))
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
-    options = ComposeOptions.from_settings(settings) if not settings.explainer_url else ComposeOptions()
+    options = (
+        ExplanationOptions.from_settings(settings) if not settings.explainer_url else ExplanationOptions()
+    )
     start = time.perf_counter()
     summary = store_explanations(sessions, run_id, loaded, options)
     seconds = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """The fuzz test at ten times its CI size (a benchmark, not a test): `make bench` runs it last.
 
-Runs tests/app/test_fuzz.py's `test_operation` (Schemathesis over /openapi.json, on the tiny index,
+Runs tests/web/test_fuzz.py's `test_operation` (Schemathesis over /openapi.json, on the tiny index,
 SQLite and Postgres) with FFMEM_FUZZ_EXAMPLES ten times the test's default, reads what each
 operation sent from the JUnit report, and records under "fuzz" in bench-results.json: operations,
 cases sent, failures (operations where a check failed, named) per backend, and the seconds.
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 SCALE = 10
-CI_EXAMPLES = 20  # tests/app/test_fuzz.py's default
+CI_EXAMPLES = 20  # tests/web/test_fuzz.py's default
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
             sys.executable,
             "-m",
             "pytest",
-            "tests/app/test_fuzz.py::test_operation",
+            "tests/web/test_fuzz.py::test_operation",
             "-q",
             "-p",
             "no:cacheprovider",

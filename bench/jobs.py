@@ -1,6 +1,6 @@
 """Index jobs (a benchmark, not a test): `make bench` runs it after bench.py and web.py.
 
-- Checkpoint overhead: the mining loop of a shard (worker/index.Worker.mine_shard) with its database
+- Checkpoint overhead: the mining loop of a shard (worker/index.IndexPipeline.mine_shard) with its database
   checkpoints every `checkpoint_batches` batches over the same loop with progress updates only, on
   the same batches of the default model (interleaved, best of 3). Target ≥ 0.95.
 - Two workers over one: one prepared run on Postgres, its shards mined by one `ffmem worker`, then
@@ -22,15 +22,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app import jobs  # noqa: E402
 from results import record  # noqa: E402
 from sqlalchemy import create_engine, delete, make_url, select, text, update  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
+from ffmem.store import jobs, shards  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.store.models import Job, MinedLayerRow, Run, Shard  # noqa: E402
-from ffmem.worker.index import IndexOptions, Worker, _layers, _pad_id  # noqa: E402
+from ffmem.worker.index import IndexOptions, _layers, _pad_id  # noqa: E402
+from ffmem.worker.loop import Worker  # noqa: E402
 
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEMA = "ffmem_bench_jobs"
@@ -50,17 +51,12 @@ def bench_url() -> str:
 
 def prepared_run(url: str) -> tuple[Worker, int, int]:
     """A prepared run of the default model over SENTENCES sentences: (worker, job id, run id)."""
-    settings = get_settings()
-    options = IndexOptions(
-        sentences=SENTENCES,
-        shard_sentences=SHARD_SENTENCES,
-        cache_dir=Path(settings.cache_dir),
-        checkpoint_batches=settings.checkpoint_batches,
-        progress=False,
+    options = IndexOptions.from_settings(
+        get_settings(), progress=False, sentences=SENTENCES, shard_sentences=SHARD_SENTENCES
     )
     sessions = make_sessionmaker(make_engine(url))
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=options.run_options(), again=True)
+        job, _ = jobs.enqueue(session=session, spec=options.spec, again=True)
         session.commit()
     worker = Worker(sessions, options)
     worker.step()  # prepare: corpus, run, shards, values
@@ -74,13 +70,13 @@ def checkpoint_overhead(worker: Worker, run_id: int) -> dict:
     loaded = worker.loaded
     with worker.sessions() as session:
         corpus_id = session.get(Run, run_id).corpus_id
-    ids, first, _ = worker.corpus(corpus_id)
+    ids, first, _ = worker.index.corpus(corpus_id)
     batches = shard_batches(
         ids,
         first,
         shard=0,
         shard_sentences=len(ids),
-        batch_tokens=worker.options.batch_tokens,
+        batch_tokens=worker.options.spec.batch_tokens,
         pad_id=_pad_id(loaded),
     )
     every = worker.options.checkpoint_batches
@@ -90,17 +86,17 @@ def checkpoint_overhead(worker: Worker, run_id: int) -> dict:
         session.commit()
 
     def mine(checkpoints: bool) -> float:
-        state = MiningState(loaded.n_layers, loaded.n_keys, worker.options.top_k)
+        state = MiningState(loaded.n_layers, loaded.n_keys, worker.options.spec.top_k)
         start = time.perf_counter()
         for number, batch in enumerate(batches, start=1):
             mine_batches(loaded, [batch], state)
             layers = _layers(state) if checkpoints and number % every == 0 else None
             with worker.sessions() as session:
-                jobs.checkpoint_shard(
+                shards.checkpoint_shard(
                     session=session,
                     shard=shard,
                     worker=worker.name,
-                    lease=worker.lease,
+                    lease=worker.options.lease,
                     batches_done=number,
                     sentences_done=0,
                     tokens_done=0,
@@ -145,7 +141,7 @@ def mining_wall(url: str, run_id: int, workers: int) -> float:
         while True:
             time.sleep(0.1)
             with sessions() as session:
-                counts = jobs.shard_counts(session=session, run_id=run_id)
+                counts = shards.shard_counts(session=session, run_id=run_id)
             if started is None and (counts["running"] or counts["done"]):
                 started = time.perf_counter()
             if counts["done"] == sum(counts.values()):

@@ -39,11 +39,12 @@ from sqlalchemy import select
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app import queries  # noqa: E402
+
 from results import record  # noqa: E402
 from web import default_run, free_port, serve  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
+from ffmem.store import runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.store.models import Run, Sentence  # noqa: E402
 
@@ -80,7 +81,7 @@ def find_index(url: str, default: bool) -> Index:
     sessions = make_sessionmaker(make_engine(url))
     with sessions() as session:
         if default:
-            run = queries.find_finished_run(
+            run = runs.find_finished_run(
                 session=session, model_slug=settings.model, n_sentences=settings.sentences
             )
         else:

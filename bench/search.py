@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.store import memory_search, queries  # noqa: E402
+from ffmem.store import memory_search, runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.store.models import Neighbours, RunArray, Shard, Token  # noqa: E402
 from ffmem.web import token_search  # noqa: E402
@@ -55,12 +55,12 @@ def default_run(url: str, sentences: int):
     sessions = make_sessionmaker(make_engine(url))
     find = dict(model_slug=settings.model, n_sentences=sentences)
     with sessions() as session:
-        run = queries.find_finished_run(session=session, **find)
+        run = runs.find_finished_run(session=session, **find)
     if run is None:
         print(f"building the default index first (ffmem index --sentences {sentences})", flush=True)
         subprocess.run([*FFMEM, "index", "--sentences", str(sentences), "--db", url], check=True, cwd=ROOT)
     with sessions() as session:
-        run = queries.find_finished_run(session=session, **find)
+        run = runs.find_finished_run(session=session, **find)
         model = run.model
         return sessions, run.id, model.slug, model.id, model.n_layers, model.n_keys
 
@@ -158,7 +158,7 @@ def arithmetic(sessions, run_id: int, model_id: int) -> dict:
         times.append(1000 * (time.perf_counter() - t0))
     cache = token_search.ArrayCache(1)
     with sessions() as session:
-        run = queries.get_run(session=session, run_id=run_id)
+        run = runs.get_run(session=session, run_id=run_id)
         cache.get(session, run)
         for t in picks:  # what the page adds for a token: its E row, the ranking, the stored ranks shown
             t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def neighbours_over_mining(sessions, run_id: int, settings, sample: int) -> dict
     with sessions() as session:
         shards = session.scalars(select(Shard).where(Shard.run_id == run_id)).all()
         measured = sum((s.updated_at - s.started_at).total_seconds() for s in shards if s.started_at)
-        run_sentences = queries.get_run(session=session, run_id=run_id).n_sentences
+        run_sentences = runs.get_run(session=session, run_id=run_id).n_sentences
     loaded = load_model(
         settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir
     )

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ffmem.store import queries
+from ffmem.store import corpora, memory_writes, runs
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     n, k, v = args.keys, args.top_k, args.value_tokens
     with make_sessionmaker(engine)() as session:
-        model = queries.upsert_model(
+        model = runs.upsert_model(
             session=session,
             slug="bench",
             source="bench",
@@ -46,7 +46,7 @@ def main() -> None:
             activation="silu",
             gated=True,
         )
-        corpus = queries.find_corpus(session=session, fingerprint="bench") or queries.store_corpus(
+        corpus = corpora.find_corpus(session=session, fingerprint="bench") or corpora.store_corpus(
             session=session,
             name="bench",
             source="bench",
@@ -57,7 +57,7 @@ def main() -> None:
             skipped={},
             sentences=[("a", [1], [(0, 1)], 0)],
         )
-        run = queries.create_run(
+        run = runs.create_run(
             session=session,
             model_id=model.id,
             corpus_id=corpus.id,
@@ -76,7 +76,7 @@ def main() -> None:
         for layer in range(args.layers):
             t0 = time.perf_counter()
             for sign in (1, -1):
-                trigger_rows += queries.store_triggers(
+                trigger_rows += memory_writes.store_triggers(
                     session=session,
                     run_id=run.id,
                     layer=layer,
@@ -89,7 +89,7 @@ def main() -> None:
             t1 = time.perf_counter()
             for readout in ("raw", "norm"):
                 for direction in (1, -1):
-                    value_rows += queries.store_value_tokens(
+                    value_rows += memory_writes.store_value_tokens(
                         session=session,
                         run_id=run.id,
                         layer=layer,
@@ -107,7 +107,7 @@ def main() -> None:
             f"{trigger_rows / trigger_s:,.0f} rows/s; value tokens {value_rows:,} rows in {value_s:.1f} s "
             f"= {value_rows / value_s:,.0f} rows/s (commit included)"
         )
-        queries.delete_run(session=session, run_id=run.id)
+        runs.delete_run(session=session, run_id=run.id)
         session.commit()
     engine.dispose()
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.store import queries  # noqa: E402
+from ffmem.store import runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 
 SAMPLES = 300
@@ -44,14 +44,14 @@ def default_run(url: str) -> tuple[str, int, int]:
     upgrade(url)
     sessions = make_sessionmaker(make_engine(url))
     with sessions() as session:
-        run = queries.find_finished_run(
+        run = runs.find_finished_run(
             session=session, model_slug=settings.model, n_sentences=settings.sentences
         )
     if run is None:
         print("building the default index first (ffmem demo --no-serve)", flush=True)
         subprocess.run([*FFMEM, "demo", "--no-serve", "--db", url], check=True, cwd=ROOT)
     with sessions() as session:
-        model = queries.get_model(session=session, slug=settings.model)
+        model = runs.get_model(session=session, slug=settings.model)
         return model.slug, model.n_layers, model.n_keys
 
 

@@ -38,7 +38,7 @@ from ffmem.engine.hooks import capture  # noqa: E402
 from ffmem.engine.interventions import Intervention  # noqa: E402
 from ffmem.engine.loading import load_model  # noqa: E402
 from ffmem.engine.weight_graph import read_vectors, value_vectors  # noqa: E402
-from ffmem.store import composition, queries  # noqa: E402
+from ffmem.store import composition, corpora, memory_reads, runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.worker.composition import store_weight_graph  # noqa: E402
 
@@ -52,7 +52,7 @@ def default_run(url: str) -> int:
     sessions = make_sessionmaker(make_engine(url))
     for attempt in range(2):
         with sessions() as session:
-            run = queries.find_finished_run(
+            run = runs.find_finished_run(
                 session=session, model_slug=settings.model, n_sentences=settings.sentences
             )
             if run is not None:
@@ -94,7 +94,7 @@ def validate(sessions, run_id: int, loaded, keys: int, triggers: int, seed: int)
     values = [value_vectors(loaded, layer) for layer in range(n_layers)]  # [d_ff, d] each
     outcomes = {"graph": [], "random": []}  # (agrees, |Δm_i| / |m_i|)
     with sessions() as session, torch.inference_mode():
-        run = queries.get_run(session=session, run_id=run_id)
+        run = runs.get_run(session=session, run_id=run_id)
         for layer, key in sample:
             inbound = composition.get_links(session=session, run_id=run_id, layer=layer, key=key)["in"]
             read = read_vectors(loaded, layer)[key]  # [d]
@@ -103,10 +103,10 @@ def validate(sessions, run_id: int, loaded, keys: int, triggers: int, seed: int)
                 "graph": (inbound[0].layer, inbound[0].key, inbound[0].score),
                 "random": (*writer, float(values[writer[0]][writer[1]] @ read)),
             }
-            found = queries.get_triggers(
+            found = memory_reads.get_triggers(
                 session=session, run_id=run_id, layer=layer, key=key, sign=1, limit=triggers
             )
-            sentences = queries.get_sentences(
+            sentences = corpora.get_sentences(
                 session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in found]
             )
             for trigger in found:

@@ -113,9 +113,11 @@ def index(
         dtype=dtype.value,
     )
 
-    from ffmem.store.jobs import analysis_options
+    from ffmem.store.specs import AnalysisSpec
 
-    analysis = analysis_options(settings) if (settings.analyze if analyze is None else analyze) else None
+    analysis = (
+        AnalysisSpec.from_settings(settings) if (settings.analyze if analyze is None else analyze) else None
+    )
 
     def enqueue():
         from ffmem.store import jobs
@@ -123,9 +125,9 @@ def index(
 
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
-            job, what = jobs.enqueue(session=session, options=options.run_options(), again=again)
-            if analysis is not None:
-                jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
+            job, what, _ = jobs.enqueue_run(
+                session=session, spec=options.spec, again=again, analysis=analysis
+            )
             session.commit()
             return job, what
 
@@ -143,7 +145,7 @@ def index(
 
     def run():
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-        from ffmem.worker.index import build_index
+        from ffmem.worker.loop import build_index
 
         upgrade(url)
         return build_index(options, make_sessionmaker(make_engine(url)), again=again, analysis=analysis)
@@ -201,7 +203,8 @@ def worker(
         from ffmem.engine.allocator import keep_freed_memory
         from ffmem.store import jobs
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-        from ffmem.worker.index import IndexOptions, Worker
+        from ffmem.worker.index import IndexOptions
+        from ffmem.worker.loop import Worker
 
         keep_freed_memory()  # a long-running process: reuse freed memory instead of faulting it back in
         upgrade(url)
@@ -399,23 +402,21 @@ def analyze(
     given = dict(examples=examples, keys=keys, triggers=triggers)
 
     def enqueue():
-        from sqlalchemy import select
-
         from ffmem.store import jobs
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-        from ffmem.store.models import Run
+        from ffmem.store.models import RunStatus
+        from ffmem.store.specs import AnalysisSpec
 
         upgrade(url)
         sessions = make_sessionmaker(make_engine(url))
         with sessions() as session:
-            query = select(Run).where(Run.status == "done").order_by(Run.id.desc())
-            found = session.get(Run, run) if run else session.scalars(query.limit(1)).first()
-            if found is None or found.status == "failed":
+            found = _run_or_newest(session, run)
+            if found is None or found.status == RunStatus.failed:
                 raise FfmemError(
                     f"no index run {run or ''} to analyze in {url}; build one with `ffmem index`"
                 )
-            options = jobs.analysis_options(settings, **given)
-            job, what = jobs.enqueue_analysis(session=session, options=options, run_id=found.id, again=again)
+            spec = AnalysisSpec.from_settings(settings, **given)
+            job, what = jobs.enqueue_analysis(session=session, spec=spec, run_id=found.id, again=again)
             session.commit()
             return sessions, job.id, what, found.id, found.model.slug
 
@@ -432,15 +433,14 @@ def analyze(
         return
 
     def work():
-        from sqlalchemy import select
-
-        from ffmem.store.models import Analysis
-        from ffmem.worker.index import IndexOptions, Worker
+        from ffmem.store import analyses
+        from ffmem.worker.index import IndexOptions
+        from ffmem.worker.loop import Worker
 
         Worker(sessions, IndexOptions.from_settings(settings, device=device.value)).work(job_id=job_id)
         with sessions() as session:
-            stored = session.execute(select(Analysis.name, Analysis.seconds).where(Analysis.run_id == run_id))
-            return dict(stored.all())
+            stored = analyses.stored_analyses(session=session, run_id=run_id)
+            return {name: analysis.seconds for name, analysis in stored.items()}
 
     seconds = _fail_cleanly(work)
     spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
@@ -463,19 +463,16 @@ def compose(
     url = db or settings.database_url
 
     def work():
-        from sqlalchemy import select
-
         from ffmem.engine.loading import load_model
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-        from ffmem.store.models import Run
+        from ffmem.store.models import RunStatus
         from ffmem.worker.composition import compose as compose_run
 
         upgrade(url)
         sessions = make_sessionmaker(make_engine(url))
         with sessions() as session:
-            query = select(Run).where(Run.status == "done").order_by(Run.id.desc())
-            found = session.get(Run, run) if run else session.scalars(query.limit(1)).first()
-            if found is None or found.status != "done":
+            found = _run_or_newest(session, run)
+            if found is None or found.status != RunStatus.done:
                 raise FfmemError(f"no finished index run {run or ''} in {url}; build one with `ffmem index`")
             run_id, slug, source, dtype = found.id, found.model.slug, found.model.source, found.dtype
         loaded = load_model(source, device=device.value, dtype=dtype, cache_dir=settings.cache_dir)
@@ -531,10 +528,7 @@ def trace_command(
     """Trace a prompt: per layer top(r), top(y), top(o), the final token under r, the case, the memories;
     then who pushes the target token: per layer the memories' contributions m_i·(v_i·e_t) and their sum
     beside the FF's change to its logit."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from ffmem.web.display import visible
+    from ffmem.cli_trace import print_trace
 
     settings = get_settings()
 
@@ -568,87 +562,7 @@ def trace_command(
         return loaded, result
 
     loaded, result = _fail_cleanly(run)
-
-    def tok(token_id: int) -> str:
-        return visible(loaded.tokenizer.decode([token_id]))
-
-    console = Console(highlight=False)
-    chips = " ".join(
-        f"[{'reverse' if i == result.position else 'dim'}]{i}:{tok(t)}[/]"
-        for i, t in enumerate(result.token_ids)
-    )
-    console.print(chips)
-    edited = f", with the edits (without them: {tok(result.unedited.prediction)})" if result.unedited else ""
-    console.print(
-        f"prediction after position {result.position}: [bold]{tok(result.prediction)}[/] "
-        f"({result.readout} readout){edited}"
-    )
-    table = Table(
-        "layer",
-        "top(r)",
-        "top(y)",
-        "top(o)",
-        "p(final|r)",
-        "rank",
-        "case",
-        "memories (m: value tokens)",
-        title="with the edits" if result.unedited else None,
-    )
-    for layer in result.layers:
-        listed = "; ".join(
-            f"K{m.key} {m.coefficient:+.2f}: {' '.join(tok(t) for t in m.tokens)}" for m in layer.memories
-        )
-        case = layer.case + (" ✓" if layer.settled else "")
-        table.add_row(
-            str(layer.layer),
-            tok(layer.top_r),
-            tok(layer.top_y),
-            tok(layer.top_o),
-            f"{layer.final_prob:.3f}",
-            str(layer.final_rank),
-            case,
-            listed,
-        )
-    console.print(table)
-    shown = Table("token", "p", *(["p edited", "change"] if result.interventions else []), title="top tokens")
-    for change in result.top_tokens:
-        extra = (
-            [f"{change.after:.3f}", f"{change.after - change.before:+.3f}"] if result.interventions else []
-        )
-        shown.add_row(tok(change.token_id), f"{change.before:.3f}", *extra)
-    console.print(shown)
-    if result.generated:
-        console.print(f"greedy: {visible(loaded.tokenizer.decode(result.generated))}")
-    if result.generated_edited:
-        console.print(f"greedy, edited: {visible(loaded.tokenizer.decode(result.generated_edited))}")
-    _print_attribution(console, result.attribution, tok)
-
-
-def _print_attribution(console, attribution, tok) -> None:
-    """Who pushes the target token: per layer Σ m_i·(v_i·e_t) beside the FF's change to its logit."""
-    from rich.table import Table
-
-    table = Table(
-        "layer",
-        "Σ memories",
-        "FF change",
-        "difference",
-        "largest contributions (c = m·v·e_t)",
-        title=f"who pushes {tok(attribution.target)} ({attribution.readout} readout, logit "
-        f"{attribution.logit:.2f}; Σ over all memories {attribution.total:+.2f})",
-    )
-    for layer in attribution.layers:
-        listed = "; ".join(f"K{c.key} {c.contribution:+.3f}" for c in layer.memories)
-        table.add_row(
-            str(layer.layer),
-            f"{layer.memories_sum:+.3f}",
-            f"{layer.change:+.3f}",
-            f"{layer.residual:+.3f}",
-            listed,
-        )
-    console.print(table)
-    for name, listed in (("promoters", attribution.promoters), ("suppressors", attribution.suppressors)):
-        console.print(f"{name}: " + ", ".join(f"L{c.layer}K{c.key} {c.contribution:+.3f}" for c in listed))
+    print_trace(result, loaded.tokenizer)
 
 
 DEMO_ANALYSIS = {"examples": 500, "keys": 10, "triggers": 10}  # a few CPU minutes
@@ -682,21 +596,16 @@ def demo(
         return
 
     def enqueue():
-        from sqlalchemy import exists, select
-
         from ffmem.store import jobs
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-        from ffmem.store.models import Analysis
+        from ffmem.store.specs import AnalysisSpec, RunSpec
 
         upgrade(url)
         with make_sessionmaker(make_engine(url))() as session:
-            analysis = jobs.analysis_options(settings, **DEMO_ANALYSIS)
-            job, what = jobs.enqueue(session=session, options=jobs.run_options(settings))
-            if what == jobs.Enqueued.done:  # built before: analyze it unless that was done too
-                if not session.scalar(select(exists().where(Analysis.run_id == job.run_id))):
-                    jobs.enqueue_analysis(session=session, options=analysis, run_id=job.run_id)
-            else:
-                jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
+            analysis = AnalysisSpec.from_settings(settings, **DEMO_ANALYSIS)
+            job, what, _ = jobs.enqueue_run(  # built before: analyzed unless that was done too
+                session=session, spec=RunSpec.from_settings(settings), analysis=analysis, keep_analyses=True
+            )
             session.commit()
             return (job.run_id if what == jobs.Enqueued.done else job.id), what
 
@@ -720,6 +629,15 @@ def _stop(signum, frame) -> None:
 
     logging.getLogger("sqlalchemy").setLevel(logging.CRITICAL)
     raise SystemExit(128 + signum)
+
+
+def _run_or_newest(session, run_id: int | None):
+    """Index run `run_id`, or the newest finished one (of any model) when it is None; or None."""
+    from ffmem.store import runs
+
+    if run_id:
+        return runs.get_run(session=session, run_id=run_id)
+    return runs.latest_finished_run(session=session)
 
 
 def _fail_cleanly(action):

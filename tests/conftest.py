@@ -74,6 +74,13 @@ def session(db_url):
     engine.dispose()
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Every browser test is slow (a Chromium per module, pages served on a thread)."""
+    for item in items:
+        if "browser" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+
+
 from browser_fixtures import browser, dialogs, page, watched  # noqa: E402,F401  (Playwright on Debian's Chromium)
 from explorer_index import client, db, explorer_db, run, slug  # noqa: E402,F401  (a tiny index, its explorer)
 from tiny_models import tiny, tiny_model_dir  # noqa: E402,F401  (tiny random model fixtures)

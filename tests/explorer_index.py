@@ -13,7 +13,8 @@ from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web.main import create_app
-from ffmem.worker.index import IndexOptions, build_index
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import build_index
 
 HOSTILE = [
     "Some wrote <script>alert(1)</script> into the page.",
@@ -36,17 +37,19 @@ def explorer_db(request, tmp_path_factory, tiny, tiny_model_dir) -> str:
     upgrade(url)
     corpus = folder / "corpus.txt"
     corpus.write_text("\n".join(EXPLORER_SENTENCES * 2) + "\n")
-    options = IndexOptions(
-        model=str(tiny_model_dir),
-        corpus=str(corpus),
-        sentences=None,
-        top_k=6,
-        device="cpu",
-        dtype="float32",
-        batch_tokens=128,
-        shard_sentences=8,
-        value_tokens=8,
-        cache_dir=folder / "cache",
+    options = IndexOptions.from_settings(
+        Settings(
+            model=str(tiny_model_dir),
+            corpus=str(corpus),
+            sentences=None,
+            top_k=6,
+            device="cpu",
+            dtype="float32",
+            batch_tokens=128,
+            shard_sentences=8,
+            value_tokens=8,
+            cache_dir=folder / "cache",
+        ),
         progress=False,
     )
     engine = make_engine(url)
@@ -90,16 +93,18 @@ def four_shard_options(tiny_model_dir, tmp_path) -> IndexOptions:
     nothing held out: what the progress and provisional-page tests rewind and inspect."""
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(EXPLORER_SENTENCES[:7] * 4) + "\n")
-    return IndexOptions(
-        model=str(tiny_model_dir),
-        corpus=str(corpus),
-        cache_dir=tmp_path,
+    return IndexOptions.from_settings(
+        Settings(
+            model=str(tiny_model_dir),
+            corpus=str(corpus),
+            cache_dir=tmp_path,
+            sentences=None,
+            held_out_every=0,
+            top_k=4,
+            device="cpu",
+            dtype="float32",
+            batch_tokens=64,
+            shard_sentences=8,
+        ),
         progress=False,
-        sentences=None,
-        held_out_every=0,
-        top_k=4,
-        device="cpu",
-        dtype="float32",
-        batch_tokens=64,
-        shard_sentences=8,
     )

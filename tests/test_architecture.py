@@ -24,10 +24,10 @@ def test_a_reversed_import_is_caught(tmp_path):
     skip = shutil.ignore_patterns("static", "templates", "__pycache__")
     shutil.copytree(ROOT / "ffmem", tree / "ffmem", ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
-    queries = tree / "ffmem" / "store" / "queries.py"
-    queries.write_text(queries.read_text() + "\nfrom ffmem.web import urls  # noqa\n")
+    runs = tree / "ffmem" / "store" / "runs.py"
+    runs.write_text(runs.read_text() + "\nfrom ffmem.web import urls  # noqa\n")
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
     alone = {"PYTHONPATH": str(tree), "PATH": ""}
     run = subprocess.run([lint], cwd=tree, capture_output=True, text=True, env=alone)
     assert run.returncode != 0, run.stdout
-    assert "ffmem.store.queries -> ffmem.web.urls" in run.stdout, run.stdout
+    assert "ffmem.store.runs -> ffmem.web.urls" in run.stdout, run.stdout

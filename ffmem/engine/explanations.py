@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import chain
 
@@ -174,52 +174,98 @@ def describe(
 
 # ---- scoring on held-out text -------------------------------------------------------------------
 
+_ABSENT = torch.iinfo(torch.long).max  # a code no token, n-gram or word has: ends every sorted lookup
+
+
+def _lookup(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The row of each value in `codes` (sorted, ending in _ABSENT), and the last row where absent."""
+    last = len(codes) - 1
+    row = torch.searchsorted(codes, values).clamp_(max=last)
+    return torch.where(codes[row] == values, row, last)
+
+
+def _table(codes: Iterable[int], keys: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lookup table: (`codes` sorted and ending in _ABSENT, [codes + 1, keys] uint8: 1 where the
+    code's row is among `keys[key]`, the codes each key matches; the _ABSENT row matches no key)."""
+    codes = sorted(codes)
+    row = {code: i for i, code in enumerate(codes)}
+    marked = [(row[code], key) for key, matched in enumerate(keys) for code in matched]
+    table = torch.zeros(len(codes) + 1, len(keys), dtype=torch.uint8)
+    table[[r for r, _ in marked], [key for _, key in marked]] = 1
+    return torch.tensor([*codes, _ABSENT], dtype=torch.long, device=device), table.to(device)
+
 
 class LayerPatterns:
-    """The patterns of one layer's keys as padded tensors, for matching every key at once."""
+    """The patterns of one layer's keys as lookup tables, for matching every key at once.
+
+    A position's token picks the row of `final` that marks the keys it ends. Its n-gram parts walk a
+    trie of the n-grams read backwards: the token j − 1 before the position (−2 before the sentence's
+    start) extends the state reached at j − 1 tokens, and `ngrams[j − 1]` marks the keys whose n-gram
+    of j tokens that state spells. A key's context part matches from the first position in the
+    sentence where one of its words occurs.
+    """
 
     def __init__(self, patterns: Sequence[Pattern], device: torch.device | str = "cpu"):
-        n = len(patterns)
-
-        def padded(rows: list[list[int]], width: int, right: bool = False) -> torch.Tensor:
-            out = torch.full((n, width), -1, dtype=torch.long)
-            for i, row in enumerate(rows):
-                if row:
-                    if right:
-                        out[i, width - len(row) :] = torch.tensor(row)
-                    else:
-                        out[i, : len(row)] = torch.tensor(row)
-            return out.to(device)
-
-        self.final = padded([p.final for p in patterns], MAX_FINAL)  # [keys, MAX_FINAL]
-        self.ngram = padded([p.ngram for p in patterns], LONGEST, right=True)  # [keys, LONGEST]
+        self.final_codes, self.final = _table(
+            {t for p in patterns for t in p.final}, [p.final for p in patterns], device
+        )
+        # the trie's codes: state · (width + 1) + token, a token ≥ width (none of an n-gram's) as width
+        self.width = max((t + 1 for p in patterns for t in p.ngram), default=0)
+        self.ngrams, state = [], {(): 0}
+        for length in range(1, max((len(p.ngram) for p in patterns), default=0) + 1):
+            spelled = sorted({tuple(p.ngram[::-1][:length]) for p in patterns if len(p.ngram) >= length})
+            code = {s: state[s[:-1]] * (self.width + 1) + s[-1] for s in spelled}
+            self.ngrams.append(
+                _table(
+                    code.values(),
+                    [[code[tuple(p.ngram[::-1])]] if len(p.ngram) == length else [] for p in patterns],
+                    device,
+                )
+            )
+            state = {s: i for i, s in enumerate(sorted(spelled, key=code.get))}  # a state: its code's row
         self.context_words = sorted({t for p in patterns for t in p.context})
         column = {token: i for i, token in enumerate(self.context_words)}
-        self.context = padded([[column[t] for t in p.context] for p in patterns], MAX_CONTEXT)  # [keys, C]
-        self.context_ids = torch.tensor(self.context_words, dtype=torch.long, device=device)  # [words]
-        self.parts = torch.tensor([p.parts for p in patterns], dtype=torch.float32, device=device)  # [keys]
+        words = len(self.context_words)  # the column of no word
+        self.context_codes = torch.tensor([*self.context_words, _ABSENT], dtype=torch.long, device=device)
+        self.context = torch.tensor(  # [keys, MAX_CONTEXT] the columns of each key's words
+            [[column[t] for t in p.context] + [words] * (MAX_CONTEXT - len(p.context)) for p in patterns],
+            dtype=torch.long,
+            device=device,
+        ).view(len(patterns), MAX_CONTEXT)
+        parts = torch.tensor([p.parts for p in patterns], dtype=torch.float32)  # [keys]
+        # [levels, keys] on the CPU: the match share of each number of parts matched, divided in float32
+        self.share = (torch.arange(MAX_LEVEL + 1, dtype=torch.float32)[:, None] / parts.clamp(min=1)).double()
 
     def match(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """How many parts of each key's pattern each valid position matches: [Q, keys] float32, the
+        """How many parts of each key's pattern each valid position matches: [Q, keys] uint8, the
         positions being `input_ids[valid]` ([batch, pos] each, one sentence a row from its start)."""
         batch, width = input_ids.shape
-        tokens = input_ids[valid]  # [Q]
-        count = (tokens[:, None, None] == self.final[None]).any(-1).float()  # [Q, keys]
-        # the LONGEST tokens ending at each position, −2 before the sentence's start
-        padded = torch.cat([input_ids.new_full((batch, LONGEST - 1), -2), input_ids], dim=1)
-        window = padded.unfold(1, LONGEST, 1)[valid]  # [Q, LONGEST], the position's token last
-        same = (window[:, None, :] == self.ngram[None]) | (self.ngram[None] < 0)  # [Q, keys, LONGEST]
-        count += (same.all(-1) & (self.ngram[:, -1] >= 0)[None]).float()
-        if len(self.context_words):
-            occurs = input_ids[:, :, None] == self.context_ids[None, None, :]  # [batch, pos, words]
-            so_far = occurs.cummax(dim=1).values[valid]  # [Q, words]: seen in the sentence up to here
-            found = so_far[:, self.context.clamp(min=0)] & (self.context >= 0)[None]  # [Q, keys, C]
-            count += found.any(-1).float()
+        rows, positions = valid.nonzero(as_tuple=True)  # [Q] each, in the order of input_ids[valid]
+        count = self.final.index_select(0, _lookup(self.final_codes, input_ids[rows, positions]))  # [Q, keys]
+        state = None
+        for back, (codes, table) in enumerate(self.ngrams):
+            before = positions - back
+            token = torch.where(before >= 0, input_ids[rows, before.clamp(min=0)], -2)
+            token = torch.where((token >= 0) & (token < self.width), token, self.width)
+            state = _lookup(codes, token if state is None else state * (self.width + 1) + token)
+            count += table.index_select(0, state)
+        if self.context_words:
+            pos = torch.arange(width, device=input_ids.device)
+            word = _lookup(self.context_codes, input_ids)  # [batch, pos] its column; len(context_words): none
+            first = torch.full((batch, len(self.context_words) + 1), width, device=input_ids.device)
+            first.scatter_reduce_(1, word, pos.expand(batch, -1), "amin")  # [batch, words + 1]
+            first[:, -1] = width  # no word never occurs
+            since = first[:, self.context[:, 0]]  # [batch, keys]: where one of a key's words first occurs
+            for columns in self.context[:, 1:].T:
+                since = torch.minimum(since, first[:, columns])
+            count += (since[:, None, :] <= pos[:, None])[valid]
         return count
 
 
 class PatternScores:
-    """Running sums for the score of every key's pattern over held-out positions (module docstring).
+    """Running sums for the score of every key's pattern over held-out positions (module docstring):
+    per layer, the positions, how many of them match each number of parts where the key fires and
+    where it does not, and Σm and Σm² by number of parts; the correlation's sums follow from them.
 
     `update(layer, coefficients, input_ids, valid)` with one batch's [batch, pos, keys] coefficients;
     `scores(layer)` gives each key's PatternScore.
@@ -231,36 +277,36 @@ class PatternScores:
         self.layers = [LayerPatterns(layer, device) for layer in patterns]
         self.fires_at = fires_at.to(device)
         n_layers, n_keys = fires_at.shape
+        self.key_index = torch.arange(n_keys, dtype=torch.int32, device=device)
         self.n = torch.zeros(n_layers, dtype=torch.float64)
-        self.sums = torch.zeros(n_layers, 6, n_keys, dtype=torch.float64)  # Σp Σp² Σm Σm² Σpm matches
         self.levels = torch.zeros(n_layers, 2, MAX_LEVEL + 1, n_keys, dtype=torch.float64)  # [fires?, parts]
+        self.m_sums = torch.zeros(n_layers, MAX_LEVEL + 1, n_keys, dtype=torch.float64)  # Σm by parts
+        self.m_squares = torch.zeros(n_layers, n_keys, dtype=torch.float64)  # Σm²
 
     def update(self, layer: int, coefficients: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor):
-        patterns = self.layers[layer]
-        m = coefficients[valid].double()  # [Q, keys]
-        parts = patterns.match(input_ids, valid)  # [Q, keys]
-        p = (parts / patterns.parts.clamp(min=1)).double()  # [Q, keys] match share
+        parts = self.layers[layer].match(input_ids, valid)  # [Q, keys] uint8
+        m = coefficients[valid]  # [Q, keys]
+        fires = m >= self.fires_at[layer][None]  # [Q, keys] (NaN thresholds: never)
+        n_keys, levels = m.shape[1], MAX_LEVEL + 1
+        # one bin per key, fired or not and parts matched: (fires · levels + parts) · keys + key
+        bins = torch.add(parts, fires, alpha=levels).int().mul_(n_keys).add_(self.key_index).view(-1)
+        m = m.double()
+        counts = torch.bincount(bins, minlength=2 * levels * n_keys).view(2, levels, n_keys)
+        sums = torch.bincount(bins, weights=m.view(-1), minlength=2 * levels * n_keys).view(2, levels, n_keys)
         self.n[layer] += m.shape[0]
-        sums = self.sums[layer]
-        sums[0] += p.sum(0).cpu()
-        sums[1] += (p * p).sum(0).cpu()
-        sums[2] += m.sum(0).cpu()
-        sums[3] += (m * m).sum(0).cpu()
-        sums[4] += (p * m).sum(0).cpu()
-        sums[5] += (parts > 0).sum(0).double().cpu()
-        fires = m >= self.fires_at[layer][None].double()  # [Q, keys] (NaN thresholds: never)
-        level = parts.long()  # [Q, keys]
-        for fired in (0, 1):
-            chosen = fires if fired else ~fires
-            self.levels[layer, fired] += (
-                torch.stack([((level == k) & chosen).sum(0) for k in range(MAX_LEVEL + 1)]).double().cpu()
-            )
+        self.levels[layer] += counts.cpu()
+        self.m_sums[layer] += sums.sum(0).cpu()
+        self.m_squares[layer] += (m.mul_(m).T @ m.new_ones(m.shape[0])).cpu()
 
     def scores(self, layer: int) -> list[PatternScore]:
         n = self.n[layer].item()
-        p, p2, m, m2, pm, matches = self.sums[layer]
         if n == 0:
-            return [PatternScore(None, None, 0, 0) for _ in range(p.shape[0])]
+            return [PatternScore(None, None, 0, 0) for _ in range(self.m_squares.shape[1])]
+        share = self.layers[layer].share  # [levels, keys]
+        positions = self.levels[layer].sum(0)  # [levels, keys]
+        p, p2 = (positions * share).sum(0), (positions * share * share).sum(0)
+        m, m2, pm = self.m_sums[layer].sum(0), self.m_squares[layer], (self.m_sums[layer] * share).sum(0)
+        matches = positions[1:].sum(0)
         var_p = (p2 / n - (p / n) ** 2).clamp(min=0)
         var_m = (m2 / n - (m / n) ** 2).clamp(min=0)
         covariance = pm / n - (p / n) * (m / n)

@@ -1,5 +1,5 @@
 """How a token shows to a person, shared by the pages (ffmem.web.display), the stored vocabulary's
-reading (ffmem.store.queries.vocabulary) and the explanations written at index time (ffmem.engine.
+reading (ffmem.store.vocabularies.vocabulary) and the explanations written at index time (ffmem.engine.
 explanations). Importing it needs no torch.
 
 - `visible`: spaces ␣, newlines ↵, tabs ⇥, other invisible characters ⟨U+XXXX⟩, the empty string ∅, no

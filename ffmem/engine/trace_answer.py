@@ -1,5 +1,5 @@
 """What the live worker answers, as one contract: the worker (ffmem/worker/live_server.py) answers with
-these models and the web process (ffmem/web/trace_view.py) parses the answer into them. Importing it
+these models and the web process (ffmem/web/pages/trace.py) parses the answer into them. Importing it
 needs no torch (the web process imports it).
 
 A trace's figures follow ffmem.engine.trace: `prediction`, `layers`, `active` and `ff_logit` are those

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 
 class ProcessCache:
     """A bounded key → value map shared by the threads of one process."""
@@ -55,3 +57,8 @@ class ProcessCache:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+
+
+def database_of(session: Session) -> str:
+    """The session's database URL: the first part of a per-process cache's keys."""
+    return session.get_bind().url.render_as_string()

@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 from ffmem.store import jobs, memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import TRIGGERS
-from ffmem.store.models import Comparison, Job, JobKind, KeyChange, KeyStats, LanguageModel, MemoryList, Run
+from ffmem.store.models import Comparison, Job, KeyChange, KeyStats, LanguageModel, MemoryList, Run, RunStatus
+from ffmem.store.specs import ComparisonSpec
 
 BASES = ("sentences", "texts")  # the trigger overlap compares sentence indices (one corpus) or texts
 STATISTICS = ("mean", "positive_share", "max_coefficient", "min_coefficient", "density")  # of KeyStats
@@ -23,7 +24,7 @@ COLUMNS = ("overlap", "negative_overlap", *COSINES, "moved", *(f"d_{name}" for n
 
 
 # How the key list can be sorted, each the biggest change first (what the page says of each:
-# ffmem.web.comparison_view.SORT_NAMES); each is stored as a rank per row (KeyChange.rank_<sort>).
+# ffmem.web.pages.compare.SORT_NAMES); each is stored as a rank per row (KeyChange.rank_<sort>).
 SORTS = (
     "change", "overlap", "key", "value", "mean", "positive_share", "max_coefficient", "min_coefficient",
     "density",
@@ -72,7 +73,7 @@ def why_not_comparable(a: Run, b: Run) -> str | None:
     if a.id == b.id:
         return f"Run {a.id} is compared with itself; pick another run."
     for run in (a, b):
-        if run.status != "done":
+        if run.status != RunStatus.done:
             return f"Run {run.id} is {run.status}; only finished runs can be compared."
     if shape(a.model) != shape(b.model):
         described = [
@@ -92,23 +93,22 @@ def basis(a: Run, b: Run) -> str:
 # ---- the job ------------------------------------------------------------------------------------
 
 
-def job_options(run_a: int, run_b: int) -> dict:
+def job_spec(run_a: int, run_b: int) -> ComparisonSpec:
+    """What the comparison job of runs `run_a` and `run_b` (either order) compares."""
     low, high, _ = pair(run_a, run_b)
-    return {"runs": [low, high]}
+    return ComparisonSpec(runs=[low, high])
 
 
 def enqueue_comparison(*, session: Session, run_a: int, run_b: int, again: bool = False):
     """The comparison job of runs `run_a` and `run_b` (either order) and what happened (jobs.Enqueued)."""
-    options = job_options(run_a, run_b)
-    return jobs.enqueue(
-        session=session, options=options, again=again, kind=JobKind.comparison, run_id=options["runs"][0]
-    )
+    spec = job_spec(run_a, run_b)
+    return jobs.enqueue(session=session, spec=spec, again=again, run_id=spec.runs[0])
 
 
 def comparison_job(*, session: Session, run_a: int, run_b: int) -> Job | None:
     """The newest comparison job of this pair of runs, if any."""
-    options = job_options(run_a, run_b)
-    key = jobs.job_fingerprint(JobKind.comparison, options, run_id=options["runs"][0])
+    spec = job_spec(run_a, run_b)
+    key = jobs.job_fingerprint(spec, run_id=spec.runs[0])
     return session.scalars(select(Job).where(Job.fingerprint == key).order_by(Job.id.desc()).limit(1)).first()
 
 

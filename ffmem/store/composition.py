@@ -13,8 +13,9 @@ from sqlalchemy.orm import Session
 
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import SCORED_MEMORY
+from ffmem.store.memory_writes import same_shape
 from ffmem.store.models import Explanation, MemoryLinks
-from ffmem.store.queries import _same_shape, stored_text
+from ffmem.store.vocabularies import stored_text
 
 DIRECTIONS = ("in", "out")  # in: earlier memories writing into the key; out: later keys reading the value
 
@@ -50,7 +51,7 @@ def store_links(
     rows stored."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    layers, keys, scores = _same_shape(3, layers=layers, keys=keys, scores=scores)
+    layers, keys, scores = same_shape(3, layers=layers, keys=keys, scores=scores)
     packed = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
     packed["layer"], packed["key"], packed["score"] = layers, keys, scores
     rows = []

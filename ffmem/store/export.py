@@ -22,7 +22,7 @@ from sqlalchemy import Integer, func, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.errors import FfmemError
-from ffmem.store import queries
+from ffmem.store import memory_reads
 from ffmem.store.models import Analysis, KeyStats, Label, Run, Sentence, Token
 
 FORMATS = ("jsonl", "parquet")
@@ -72,7 +72,7 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
             lambda row: {"index": row.index, "text": row.text},
         ),
         "triggers": (
-            queries.iter_triggers(session=session, run_id=run.id),
+            memory_reads.iter_triggers(session=session, run_id=run.id),
             lambda t: {
                 "layer": t.layer,
                 "key": t.key,
@@ -84,7 +84,7 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
             },
         ),
         "value_tokens": (
-            queries.iter_value_tokens(session=session, run_id=run.id),
+            memory_reads.iter_value_tokens(session=session, run_id=run.id),
             lambda v: {
                 "layer": v.layer,
                 "key": v.key,

@@ -1,5 +1,5 @@
-"""The job queue and the shard leases, in the database (no torch here). docs/queue.md says why it is
-our own and not a queue library.
+"""The job queue and the leases on jobs and shards, in the database (no torch here; the shards
+themselves are in ffmem.store.shards). docs/queue.md says why it is our own and not a queue library.
 
 A job is an index run to build (`JobKind.index`) or the paper's analyses of a finished run
 (`JobKind.analysis`: one worker computes them under the job's lease; an analysis queued with its index
@@ -28,28 +28,35 @@ database. SQLite has no row locks: it runs one worker at a time (`other_live_wor
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import socket
 import traceback
 import uuid
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from enum import StrEnum
 
-from sqlalchemy import case, delete, exists, insert, or_, select, update
+from sqlalchemy import case, exists, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ffmem.engine.errors import FfmemError
-from ffmem.store.models import ACTIVE, Job, JobKind, JobStatus, MinedLayerRow, Run, Shard, ShardStatus
+from ffmem.store.models import (
+    ACTIVE,
+    SPECS,
+    Analysis,
+    Job,
+    JobKind,
+    JobStatus,
+    Run,
+    RunStatus,
+    Shard,
+    ShardStatus,
+    now,
+)
+from ffmem.store.specs import AnalysisSpec, RunSpec, Spec, fingerprint
 
-__all__ = ["ACTIVE", "Enqueued", "JobKind", "JobStatus", "MiningProgress", "ShardStatus", "StageProgress"]
-
-
-def now() -> datetime:
-    return datetime.now(timezone.utc)
+__all__ = ["ACTIVE", "Enqueued", "JobKind", "JobStatus", "ShardStatus", "StageProgress"]
 
 
 def worker_id() -> str:
@@ -58,20 +65,17 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
 
 
-def fingerprint(options: dict) -> str:
-    """The same options → the same job (order-independent)."""
-    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
+KINDS = {spec: kind for kind, spec in SPECS.items()}  # the kind of job that computes each spec
 
 
-def job_fingerprint(
-    kind: JobKind, options: dict, *, run_id: int | None = None, after_job_id: int | None = None
-) -> str:
-    """A job's fingerprint: an index job's is its options'; an analysis's adds its kind and its run (or,
-    while it waits, the index job it waits for)."""
+def job_fingerprint(spec: Spec, *, run_id: int | None = None, after_job_id: int | None = None) -> str:
+    """A job's fingerprint: an index job's is its spec's; another's adds its kind and its run (or, while
+    an analysis waits, the index job it waits for)."""
+    kind = KINDS[type(spec)]
     if kind == JobKind.index:
-        return fingerprint(options)
+        return fingerprint(spec.options())
     target = {"run": run_id} if run_id is not None else {"after": after_job_id}
-    return fingerprint({"kind": kind.value, **target, **options})
+    return fingerprint({"kind": kind.value, **target, **spec.options()})
 
 
 class Enqueued(StrEnum):
@@ -96,70 +100,44 @@ class StageProgress:
     total: int
 
 
-@dataclass(frozen=True)
-class MiningProgress:
-    """How far a run's mining has come, over all its shards."""
-
-    mining_since: datetime | None  # when its first shard was taken up
-    sentences_done: int
-    tokens_done: int
-    shards: int
-    shards_done: int
-    fraction: float  # of the run's sentences
-
-
 # ---- jobs ---------------------------------------------------------------------------------------
 
 
-# What defines a run (a job's options and fingerprint): settings of these names, fields of the
-# worker's IndexOptions. Device, cache and progress are each worker's own.
-RUN_FIELDS = (
-    "model",
-    "corpus",
-    "sentences",
-    "held_out_every",
-    "top_k",
-    "shaded_triggers",
-    "dtype",
-    "max_sentence_tokens",
-    "first_position",
-    "batch_tokens",
-    "shard_sentences",
-    "value_tokens",
-)
+def enqueue_run(
+    *,
+    session: Session,
+    spec: RunSpec,
+    again: bool = False,
+    analysis: AnalysisSpec | None = None,
+    keep_analyses: bool = False,
+) -> tuple[Job, Enqueued, Job | None]:
+    """The index job of run `spec`, what happened (as `enqueue` says) and, with `analysis`, the
+    analysis job of that run (it waits for the index job). With `keep_analyses`, a run built before
+    that has analyses keeps them: none is queued (`ffmem demo`'s small ones never replace others)."""
+    job, what = enqueue(session=session, spec=spec, again=again)
+    if analysis is None or (keep_analyses and what == Enqueued.done and _analyzed(session, job.run_id)):
+        return job, what, None
+    analysis_job, _ = enqueue_analysis(session=session, spec=analysis, after=job.id)
+    return job, what, analysis_job
 
 
-# What an analysis job computes: settings `analysis_<name>`, fields of the worker's AnalysisOptions.
-ANALYSIS_FIELDS = ("examples", "keys", "triggers")
-
-
-def analysis_options(settings, **given) -> dict:
-    """An analysis job's options from `given` (None: the setting), with the seed of its samples."""
-    chosen = {name: value for name, value in given.items() if value is not None}
-    return {name: chosen.get(name, getattr(settings, f"analysis_{name}")) for name in ANALYSIS_FIELDS} | {
-        "seed": chosen.get("seed", 0)
-    }
-
-
-def run_options(settings, **given) -> dict:
-    """A job's options: what defines its run, from `given` (None: the setting)."""
-    chosen = {name: value for name, value in given.items() if value is not None}
-    return {name: chosen.get(name, getattr(settings, name)) for name in RUN_FIELDS}
+def _analyzed(session: Session, run_id: int) -> bool:
+    """Whether run `run_id` has any analysis stored."""
+    return session.scalar(select(exists().where(Analysis.run_id == run_id)))
 
 
 def enqueue(
     *,
     session: Session,
-    options: dict,
+    spec: Spec,
     again: bool = False,
-    kind: JobKind = JobKind.index,
     run_id: int | None = None,
     after_job_id: int | None = None,
 ) -> tuple[Job, Enqueued]:
-    """The job for `options` and what happened (`Enqueued`): an unfinished job with the same
+    """The job that computes `spec` and what happened (`Enqueued`): an unfinished job with the same
     fingerprint is reused, a failed one queued again, a done one returned (unless `again`). Two
     callers at once get one job: the partial unique index lets one insert, the other gets its job."""
-    key = job_fingerprint(kind, options, run_id=run_id, after_job_id=after_job_id)
+    key = job_fingerprint(spec, run_id=run_id, after_job_id=after_job_id)
     active = _active_job(session, key)
     if active is not None:
         return active, Enqueued.resumed
@@ -170,9 +148,9 @@ def enqueue(
     if newest is not None and newest.status == JobStatus.failed and not again:
         return retry(session=session, job_id=newest.id), Enqueued.resumed
     values = dict(
-        kind=kind,
+        kind=KINDS[type(spec)],
         status=JobStatus.queued,
-        options=options,
+        options=spec.options(),
         fingerprint=key,
         run_id=run_id,
         after_job_id=after_job_id,
@@ -204,23 +182,23 @@ def _active_job(session: Session, key: str) -> Job | None:
 def enqueue_analysis(
     *,
     session: Session,
-    options: dict,
+    spec: AnalysisSpec,
     run_id: int | None = None,
     after: int | None = None,
     again: bool = False,
 ) -> tuple[Job, Enqueued]:
     """The analysis job of run `run_id`, or of the run index job `after` builds (it waits for it),
-    with `options` (examples, keys, triggers, seed); what happened, as `enqueue` says."""
+    computing `spec`; what happened, as `enqueue` says."""
     if (run_id is None) == (after is None):
         raise ValueError("an analysis job needs a run or the index job that builds it")
-    if run_id is not None and session.get(Run, run_id).status != "done":  # it waits for its builder
+    if run_id is not None and session.get(Run, run_id).status != RunStatus.done:  # it waits for its builder
         run_id, after = None, session.scalars(builders(run_id).order_by(Job.id.desc()).limit(1)).one()
     if after is not None:
         index_job = session.get(Job, after)
         if index_job.status == JobStatus.done:
             run_id, after = index_job.run_id, None
     target = {"run_id": run_id, "after_job_id": after}
-    return enqueue(session=session, options=options, again=again, kind=JobKind.analysis, **target)
+    return enqueue(session=session, spec=spec, again=again, **target)
 
 
 def attach_analyses(*, session: Session, index_job: Job) -> int:
@@ -230,7 +208,7 @@ def attach_analyses(*, session: Session, index_job: Job) -> int:
         select(Job).where(Job.after_job_id == index_job.id, Job.run_id.is_(None), Job.status.in_(ACTIVE))
     ).all()
     for job in waiting:
-        key = job_fingerprint(job.kind, job.options, run_id=index_job.run_id)
+        key = job_fingerprint(job.spec, run_id=index_job.run_id)
         twin = _active_job(session, key)
         if twin is not None:  # the same analyses, queued for the run meanwhile: one of them is enough
             same = FfmemError(f"job {twin.id} computes the same analyses of run {index_job.run_id}")
@@ -241,16 +219,11 @@ def attach_analyses(*, session: Session, index_job: Job) -> int:
     return len(waiting)
 
 
-def set_progress(
-    *, session: Session, job_id: int, worker: str, lease: timedelta, progress: StageProgress
-) -> bool:
-    """Record a job's progress and renew `worker`'s lease; False if it lost it."""
-    renewed = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.worker == worker, Job.status == JobStatus.running)
-        .values(lease_until=now() + lease, progress=asdict(progress))
-    )
-    return renewed.rowcount == 1
+def set_progress(*, session: Session, job_id: int, worker: str, progress: StageProgress) -> None:
+    """Record how far `worker`'s step on a job has come (while it holds the job; its heartbeat renews
+    the lease)."""
+    held = (Job.id == job_id) & (Job.worker == worker) & (Job.status == JobStatus.running)
+    session.execute(update(Job).where(held).values(progress=asdict(progress)))
 
 
 def retry(*, session: Session, job_id: int) -> Job:
@@ -263,8 +236,8 @@ def retry(*, session: Session, job_id: int) -> Job:
         return twin
     job.status, job.error, job.finished_at = JobStatus.queued, None, None
     job.worker, job.lease_until, job.attempts = None, None, 0
-    if job.run is not None and job.run.status == "failed":
-        job.run.status, job.run.error, job.run.finished_at = "running", None, None
+    if job.run is not None and job.run.status == RunStatus.failed:
+        job.run.status, job.run.error, job.run.finished_at = RunStatus.running, None, None
     if job.run_id is not None:
         unfinished = (Shard.run_id == job.run_id) & (Shard.status != ShardStatus.done)
         session.execute(update(Shard).where(unfinished).values(attempts=0))
@@ -301,7 +274,7 @@ def claim_job(
             return None
         died = job.status == JobStatus.running and job.worker is not None  # its lease ran out
         if died and job.attempts >= max_attempts:
-            _give_up(session, job, _job_step(job), attempts=job.attempts, holder=job.worker, lease=lease)
+            give_up(session, job, _job_step(job), attempts=job.attempts, holder=job.worker, lease=lease)
             continue
         job.status, job.worker, job.lease_until = JobStatus.running, worker, moment + lease
         job.started_at = job.started_at or moment
@@ -318,7 +291,7 @@ def _job_step(job: Job) -> str:
     return "preparing the run" if job.run_id is None else "storing the run"
 
 
-def _give_up(
+def give_up(
     session: Session, job: Job, step: str, *, attempts: int, holder: str | None, lease: timedelta
 ) -> None:
     """Fail `job`: its `step` was taken up `attempts` times and its worker died each time."""
@@ -363,7 +336,7 @@ def fail_job(*, session: Session, job_id: int, error: BaseException) -> None:
     job.status, job.error, job.finished_at = JobStatus.failed, stored, now()
     job.worker, job.lease_until = None, None
     if job.run is not None and job.kind == JobKind.index:  # failed analyses leave their run as it is
-        job.run.status, job.run.error, job.run.finished_at = "failed", stored, now()
+        job.run.status, job.run.error, job.run.finished_at = RunStatus.failed, stored, now()
     session.flush()
 
 
@@ -391,6 +364,12 @@ def builders(run_id: int):
     return select(Job.id).where(Job.kind == JobKind.index, Job.run_id == run_id)
 
 
+def built_by(*, session: Session, run_id: int) -> Job | None:
+    """The newest index job of run `run_id` (None for a run that has none any more)."""
+    query = select(Job).where(Job.id.in_(builders(run_id))).order_by(Job.id.desc()).limit(1)
+    return session.scalars(query).first()
+
+
 def analysis_jobs(*, session: Session, run_id: int, limit: int = 10) -> list[Job]:
     """The analysis jobs of a run (those waiting for its index job included), newest first."""
     ours = (Job.run_id == run_id) | (Job.run_id.is_(None) & Job.after_job_id.in_(builders(run_id)))
@@ -403,199 +382,16 @@ def recent_jobs(*, session: Session, limit: int = 20) -> list[Job]:
     return list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))
 
 
+def in_progress(*, session: Session) -> bool:
+    """Whether any job is queued or running."""
+    return session.scalar(select(exists().where(Job.status.in_(ACTIVE))))
+
+
 def open_jobs(*, session: Session) -> list[Job]:
     """Running index jobs whose runs are prepared (their shards may be claimable), oldest first."""
     running = (Job.kind == JobKind.index, Job.status == JobStatus.running, Job.run_id.is_not(None))
     query = select(Job).where(*running).order_by(Job.id)
     return list(session.scalars(query))
-
-
-# ---- shards -------------------------------------------------------------------------------------
-
-
-def create_shards(*, session: Session, run_id: int, n_sentences: int, shard_sentences: int) -> None:
-    """The run's shards, all pending: n = ⌈n_sentences / shard_sentences⌉ of them, shard k mining every
-    n-th of the run's mined sentences from the k-th (ffmem.engine.corpus.shard_members); [start, stop)
-    is its span when the shards' sentences are listed one shard after another."""
-    moment = now()
-    n_shards = -(-n_sentences // shard_sentences)
-    start = 0
-    for index in range(n_shards):
-        stop = start + len(range(index, n_sentences, n_shards))
-        session.add(
-            Shard(
-                run_id=run_id,
-                index=index,
-                start=start,
-                stop=stop,
-                status=ShardStatus.pending,
-                attempts=0,
-                batches_done=0,
-                sentences_done=0,
-                tokens_done=0,
-                updated_at=moment,
-            )
-        )
-        start = stop
-    session.flush()
-
-
-def claim_shard(
-    *, session: Session, run_id: int, worker: str, lease: timedelta, max_attempts: int
-) -> Shard | None:
-    """A pending shard of the run, or one whose lease ran out, leased to `worker`. A shard taken up
-    `max_attempts` times, its worker dying each time, fails its job with the reason instead (None)."""
-    moment = now()
-    expired = (Shard.status == ShardStatus.running) & (Shard.lease_until < moment)
-    claimable = or_(Shard.status == ShardStatus.pending, expired)
-    query = (
-        select(Shard)
-        .where(Shard.run_id == run_id, claimable)
-        .order_by(Shard.index)
-        .limit(1)
-        .with_for_update(skip_locked=True)
-    )
-    shard = session.scalars(query).first()
-    if shard is None:
-        return None
-    if shard.status == ShardStatus.running and shard.attempts >= max_attempts:
-        its_job = (Job.kind == JobKind.index) & (Job.run_id == run_id) & (Job.status == JobStatus.running)
-        job = session.scalars(select(Job).where(its_job)).first()
-        if job is not None:
-            step = f"mining shard {shard.index}"
-            _give_up(session, job, step, attempts=shard.attempts, holder=shard.worker, lease=lease)
-        return None
-    shard.status, shard.worker, shard.lease_until = ShardStatus.running, worker, moment + lease
-    shard.updated_at = moment
-    shard.started_at = shard.started_at or moment
-    shard.attempts += 1
-    session.flush()
-    return shard
-
-
-def hold_shard(*, session: Session, run_id: int, index: int, worker: str, lease: timedelta) -> bool:
-    """Renew `worker`'s lease on a shard it mines; False if it lost it (or the shard is done)."""
-    held = (
-        (Shard.run_id == run_id)
-        & (Shard.index == index)
-        & (Shard.worker == worker)
-        & (Shard.status == ShardStatus.running)
-    )
-    return session.execute(update(Shard).where(held).values(lease_until=now() + lease)).rowcount == 1
-
-
-def checkpoint_shard(
-    *,
-    session: Session,
-    shard: Shard,
-    worker: str,
-    lease: timedelta,
-    batches_done: int,
-    sentences_done: int,
-    tokens_done: int,
-    layers: list[bytes] | None,
-) -> bool:
-    """Record progress and renew the lease; with `layers`, also checkpoint them as the state after
-    `batches_done` batches (what a resume starts from). False if the lease was lost."""
-    values = dict(
-        sentences_done=sentences_done, tokens_done=tokens_done, lease_until=now() + lease, updated_at=now()
-    )
-    if layers is not None:
-        values["batches_done"] = batches_done
-    held = (Shard.run_id == shard.run_id) & (Shard.index == shard.index) & (Shard.worker == worker)
-    if session.execute(update(Shard).where(held).values(**values)).rowcount != 1:
-        return False
-    if layers is not None:
-        save_layers(session=session, run_id=shard.run_id, shard=shard.index, layers=layers)
-    return True
-
-
-def load_checkpoint(*, session: Session, run_id: int, index: int) -> tuple[list[bytes] | None, int]:
-    """(mined layers, the number of batches they hold) of a shard; (None, 0) before its first checkpoint."""
-    layers = load_layers(session=session, run_id=run_id, shard=index)
-    if layers is None:
-        return None, 0
-    return layers, session.scalar(
-        select(Shard.batches_done).where(Shard.run_id == run_id, Shard.index == index)
-    )
-
-
-def save_layers(*, session: Session, run_id: int, shard: int, layers: list[bytes]) -> None:
-    """Replace the mined layers stored under (run, shard)."""
-    session.execute(delete(MinedLayerRow).where(MinedLayerRow.run_id == run_id, MinedLayerRow.shard == shard))
-    rows = [
-        {"run_id": run_id, "shard": shard, "layer": layer, "data": data} for layer, data in enumerate(layers)
-    ]
-    session.execute(insert(MinedLayerRow), rows)
-
-
-def load_layers(*, session: Session, run_id: int, shard: int) -> list[bytes] | None:
-    """The mined layers stored under (run, shard), in layer order, or None."""
-    query = (
-        select(MinedLayerRow.data)
-        .where(MinedLayerRow.run_id == run_id, MinedLayerRow.shard == shard)
-        .order_by(MinedLayerRow.layer)
-    )
-    layers = list(session.scalars(query))
-    return layers or None
-
-
-def load_snapshot(*, session: Session, run_id: int) -> list[bytes] | None:
-    """The run's snapshot (the merge of its finished shards), in layer order, or None before the first."""
-    return load_layers(session=session, run_id=run_id, shard=MinedLayerRow.SNAPSHOT)
-
-
-def save_snapshot(*, session: Session, run_id: int, layers: list[bytes]) -> None:
-    """Replace the run's snapshot."""
-    save_layers(session=session, run_id=run_id, shard=MinedLayerRow.SNAPSHOT, layers=layers)
-
-
-def has_layers(*, session: Session, run_id: int) -> bool:
-    """Whether anything of the run is mined and stored (a checkpoint or its snapshot)."""
-    return session.scalar(select(exists().where(MinedLayerRow.run_id == run_id)))
-
-
-def layer_parts(*, session: Session, run_id: int, layer: int) -> list[bytes]:
-    """Every stored part of one layer of a run: its snapshot and the running shards' checkpoints."""
-    query = select(MinedLayerRow.data).where(MinedLayerRow.run_id == run_id, MinedLayerRow.layer == layer)
-    return list(session.scalars(query.order_by(MinedLayerRow.shard)))
-
-
-def lock_run(*, session: Session, run_id: int) -> Run:
-    """The run row, locked until the transaction ends: merges into its snapshot happen one at a time."""
-    return session.scalars(select(Run).where(Run.id == run_id).with_for_update()).one()
-
-
-def complete_shard(*, session: Session, shard: Shard, tokens_done: int) -> None:
-    """The shard is merged into the snapshot: mark it done and drop its checkpoint."""
-    session.execute(
-        update(Shard)
-        .where(Shard.run_id == shard.run_id, Shard.index == shard.index)
-        .values(
-            status=ShardStatus.done,
-            lease_until=None,
-            sentences_done=shard.stop - shard.start,
-            tokens_done=tokens_done,
-            updated_at=now(),
-        )
-    )
-    session.execute(
-        delete(MinedLayerRow).where(MinedLayerRow.run_id == shard.run_id, MinedLayerRow.shard == shard.index)
-    )
-
-
-def drop_layers(*, session: Session, run_id: int) -> None:
-    """The run is stored: its mined layers are no longer needed."""
-    session.execute(delete(MinedLayerRow).where(MinedLayerRow.run_id == run_id))
-
-
-def shard_counts(*, session: Session, run_id: int) -> dict[str, int]:
-    """How many of the run's shards are pending, running and done."""
-    rows = session.execute(select(Shard.status).where(Shard.run_id == run_id)).scalars()
-    counts = {status.value: 0 for status in ShardStatus}
-    for status in rows:
-        counts[status] += 1
-    return counts
 
 
 def other_live_worker(*, session: Session, worker: str) -> str | None:
@@ -641,19 +437,3 @@ def end_leases(*, session: Session, worker: str) -> int:
         held = (model.worker == worker) & (model.lease_until > moment)
         ended += session.execute(update(model).where(held).values(lease_until=moment)).rowcount
     return ended
-
-
-def progress(*, session: Session, run: Run) -> MiningProgress:
-    """Sentences and tokens mined so far, over all shards, the share of the corpus, and since when."""
-    query = select(Shard.sentences_done, Shard.tokens_done, Shard.status, Shard.started_at)
-    rows = session.execute(query.where(Shard.run_id == run.id)).all()
-    sentences = sum(r.sentences_done for r in rows)
-    started = [r.started_at for r in rows if r.started_at is not None]
-    return MiningProgress(
-        mining_since=min(started) if started else None,
-        sentences_done=sentences,
-        tokens_done=sum(r.tokens_done for r in rows),
-        shards=len(rows),
-        shards_done=sum(r.status == ShardStatus.done for r in rows),
-        fraction=sentences / run.n_sentences if run.n_sentences else 0.0,
-    )

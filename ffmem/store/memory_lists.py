@@ -9,7 +9,8 @@ key; numpy, no torch, no SQL): its top-T triggers of one sign, and its value's t
                         readout; then entries of value_entry(width): token id, logit float32, by rank.
                         A token's probability is exp(logit − log_z), the softmax over the vocabulary.
 
-`Trigger` and `ValueToken` are the decoded entries the pages read (ffmem.store.queries reads and writes).
+`Trigger` and `ValueToken` are the decoded entries the pages read (ffmem.store.memory_reads); the index
+build writes the lists (ffmem.store.memory_writes).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def value_readouts(
     lists: dict[tuple[str, int], bytes], *, run_id: int, layer: int, key: int
 ) -> dict[tuple[str, int], list[ValueToken]]:
     """A value's top (+1) and bottom (−1) tokens under each readout, rank order, from its lists
-    (ffmem.store.queries.key_lists): (readout, direction) → ValueTokens (empty when not stored)."""
+    (ffmem.store.memory_reads.key_lists): (readout, direction) → ValueTokens (empty when not stored)."""
     where = dict(run_id=run_id, layer=layer, key=key)
     return {
         (kind, sign): value_tokens_of(data, **where, readout=kind, direction=sign)

@@ -1,4 +1,4 @@
-"""Keyword-only reads and writes for the two ways of finding memories that are not in `queries`:
+"""Keyword-only reads and writes for the two ways of finding memories that are not in `memory_reads`:
 full-vocabulary token search (a run's arrays, ffmem.engine.vocab_search) and each memory's nearest
 memories by key and value direction with the random-pair baseline that says what near is
 (ffmem.engine.neighbours). No torch.
@@ -13,7 +13,7 @@ from sqlalchemy import delete, exists, insert, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
-from ffmem.store import queries
+from ffmem.store import memory_reads
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.models import NeighbourBaseline, Neighbours, RunArray
@@ -87,7 +87,7 @@ def stored_ranks(
     if not token_ids or not memories:
         return {}
     wanted = {int(t) for t in token_ids}
-    listed = queries.memory_value_tokens(
+    listed = memory_reads.memory_value_tokens(
         session=session,
         run_id=run_id,
         readout=readout,

@@ -7,7 +7,7 @@ character offsets of each token, so the web process can render prefixes without 
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from enum import StrEnum
 from typing import ClassVar
 
@@ -30,6 +30,22 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
 
+from ffmem.store.specs import AnalysisSpec, ComparisonSpec, RunSpec
+
+
+def now() -> datetime:
+    """The time every timestamp column stores: now, in UTC."""
+    return datetime.now(timezone.utc)
+
+
+class RunStatus(StrEnum):
+    """Where an index run is: running (its job prepares, mines or stores it), done (stored in full),
+    failed (its error says why; retrying its job runs it again)."""
+
+    running = "running"
+    done = "done"
+    failed = "failed"
+
 
 class JobKind(StrEnum):
     """What a job does: build an index run, compute the paper's analyses of a finished one, or compare two
@@ -51,6 +67,7 @@ class JobStatus(StrEnum):
 
 
 ACTIVE = (JobStatus.queued, JobStatus.running)  # unfinished: at most one such job per fingerprint
+SPECS = {JobKind.index: RunSpec, JobKind.analysis: AnalysisSpec, JobKind.comparison: ComparisonSpec}
 
 
 class ShardStatus(StrEnum):
@@ -168,7 +185,7 @@ class Run(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("language_models.id", ondelete="CASCADE"))
     corpus_id: Mapped[int] = mapped_column(ForeignKey("corpora.id"))
-    status: Mapped[str] = mapped_column(String(20))  # running | done | failed
+    status: Mapped[RunStatus] = mapped_column(_stored_as_text(RunStatus, "status"))
     top_k: Mapped[int] = mapped_column(Integer)
     n_value_tokens: Mapped[int] = mapped_column(Integer)
     n_sentences: Mapped[int] = mapped_column(Integer)
@@ -257,8 +274,7 @@ class Job(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     kind: Mapped[JobKind] = mapped_column(_stored_as_text(JobKind, "kind"))
     status: Mapped[JobStatus] = mapped_column(_stored_as_text(JobStatus, "status"), index=True)
-    # What the job computes: an index run's RUN_FIELDS, an analysis's ANALYSIS_FIELDS and seed.
-    options: Mapped[dict] = mapped_column(JSON)
+    options: Mapped[dict] = mapped_column(JSON)  # what the job computes: its spec's fields (`spec`)
     fingerprint: Mapped[str] = mapped_column(String(64), index=True)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
     # An analysis queued with its index run waits for that job (its run_id is set when the run is done).
@@ -275,6 +291,11 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     run: Mapped[Run | None] = relationship()
+
+    @property
+    def spec(self) -> RunSpec | AnalysisSpec | ComparisonSpec:
+        """What the job computes, typed by its kind (ffmem.store.specs)."""
+        return SPECS[self.kind].stored(self.options)
 
 
 class Shard(Base):
@@ -435,7 +456,7 @@ class MemoryLinks(Base):
 
 
 class Explanation(Base):
-    """A memory's automatic description, computed once per run (ffmem.worker.composition): `text` built
+    """A memory's automatic description, computed once per run (ffmem.worker.explanations): `text` built
     offline from the index (how its top triggers end, the words that set their prefixes apart from the
     corpus, its value's top tokens) or written by a local model (`source`); `score`, how well its
     pattern predicts the key's coefficient on held-out sentences (the correlation over their positions of

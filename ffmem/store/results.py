@@ -5,23 +5,26 @@
 merged with numpy; no torch). Both answer the same questions with the same row types (unsaved
 `Trigger` rows and unsaved `KeyStats` rows while mining), so no page branches on the run's state. Values are
 projected when a run is prepared, so they are final already; triggers and statistics are provisional
-until the run is stored.
+until the run is stored, and only a stored run has its sentences shaded (its coefficient at every token).
+`mining_job` and `run_progress` say, for the run and job pages, how far a run still mining has come.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Protocol
 
 import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mined_layer import MinedLayer
-from ffmem.store import jobs, key_examples, memory_lists, queries
-from ffmem.store.key_examples import BandSample
+from ffmem.store import corpora, jobs, key_examples, memory_lists, memory_reads, models, shards
+from ffmem.store.key_examples import BandSample, StoredExamples
 from ffmem.store.memory_lists import TRIGGERS, Trigger, ValueToken
-from ffmem.store.models import KeyStats, Run
+from ffmem.store.models import Job, KeyStats, Run, RunStatus
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,25 @@ class RunResults(Protocol):
     def band_samples(self, layer: int, key: int) -> list[BandSample]:
         """A key's examples across its coefficient range (key_examples.BandSample), by bin then slot."""
 
+    def shaded_triggers(self, layer: int, key: int) -> tuple[int, int]:
+        """How many of a key's first positive and negative triggers have their sentences shaded ((0, 0)
+        while the run mines, and for runs stored before 0011)."""
+
+    def trigger_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray]:
+        """Those shaded triggers' coefficients at every token of their sentences (of these lengths; NaN
+        where the run does not mine): [length] each, positive triggers first."""
+
+    def sample_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray] | None:
+        """The band samples' coefficients at every token of their sentences, as `trigger_shading`; None
+        when they are not shaded (while the run mines, and for runs stored before 0011)."""
+
     def layer_figures(self) -> list[LayerFigures]:
         """One row per layer for the model page."""
 
 
 def results_for(session: Session, run: Run) -> RunResults:
     """The stored results of a finished run, the provisional ones of a run still mining."""
-    return StoredResults(session, run) if run.status == "done" else MiningResults(session, run)
+    return StoredResults(session, run) if run.status == RunStatus.done else MiningResults(session, run)
 
 
 class StoredResults:
@@ -85,11 +100,12 @@ class StoredResults:
     def __init__(self, session: Session, run: Run) -> None:
         self.session, self.run = session, run
         self._lists: dict[tuple[int, int], dict[tuple[str, int], bytes]] = {}
+        self._examples: dict[tuple[int, int], StoredExamples | None] = {}
 
     def _key_lists(self, layer: int, key: int) -> dict[tuple[str, int], bytes]:
         if (layer, key) not in self._lists:
             where = dict(session=self.session, run_id=self.run.id, layer=layer, key=key)
-            self._lists[layer, key] = queries.key_lists(**where)
+            self._lists[layer, key] = memory_reads.key_lists(**where)
         return self._lists[layer, key]
 
     def coverage(self, layer: int | None = None) -> float | None:
@@ -106,21 +122,39 @@ class StoredResults:
 
     def layer_keys(self, layer, *, sort, descending, offset, limit, token_ids):
         where = dict(session=self.session, run_id=self.run.id, layer=layer)
-        total, stats = queries.layer_keys(
+        total, stats = memory_reads.layer_keys(
             **where, sort=sort, descending=descending, offset=offset, limit=limit, token_ids=token_ids
         )
-        return total, stats, queries.top_triggers(**where, keys=[s.key for s in stats])
+        return total, stats, memory_reads.top_triggers(**where, keys=[s.key for s in stats])
 
     def key_stats(self, layer: int, key: int) -> KeyStats | None:
-        return queries.get_key_stats(session=self.session, run_id=self.run.id, layer=layer, key=key)
+        return memory_reads.get_key_stats(session=self.session, run_id=self.run.id, layer=layer, key=key)
+
+    def _key_examples(self, layer: int, key: int) -> StoredExamples | None:
+        if (layer, key) not in self._examples:
+            where = dict(session=self.session, run_id=self.run.id, layer=layer, key=key)
+            self._examples[layer, key] = key_examples.key_examples(**where)
+        return self._examples[layer, key]
 
     def band_samples(self, layer: int, key: int) -> list[BandSample]:
-        found = key_examples.key_examples(session=self.session, run_id=self.run.id, layer=layer, key=key)
+        found = self._key_examples(layer, key)
         return found.samples if found else []
+
+    def shaded_triggers(self, layer: int, key: int) -> tuple[int, int]:
+        found = self._key_examples(layer, key)
+        return (found.positive, found.negative) if found else (0, 0)
+
+    def trigger_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray]:
+        found = self._key_examples(layer, key)
+        return found.trigger_shading(lengths) if found else []
+
+    def sample_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray] | None:
+        found = self._key_examples(layer, key)
+        return found.sample_shading(lengths) if found else None
 
     def layer_figures(self) -> list[LayerFigures]:
         figures = []
-        for row in queries.layer_summaries(session=self.session, run_id=self.run.id):
+        for row in memory_reads.layer_summaries(session=self.session, run_id=self.run.id):
             values = row._asdict()
             if not values.pop("keys_with_agreement"):
                 values["agreeing_keys"] = None  # runs stored before agreement was counted
@@ -138,7 +172,7 @@ class MiningResults:
     def mined(self, layer: int) -> MinedLayer | None:
         """The layer as mined so far, over every stored part; None before the first checkpoint."""
         if layer not in self._mined:
-            parts = jobs.layer_parts(session=self.session, run_id=self.run.id, layer=layer)
+            parts = shards.layer_parts(session=self.session, run_id=self.run.id, layer=layer)
             mined = [MinedLayer.from_bytes(data) for data in parts]
             merged = mined[0] if len(mined) == 1 else MinedLayer.merge(mined) if mined else None
             self._mined[layer] = merged
@@ -154,7 +188,7 @@ class MiningResults:
 
     def value_readouts(self, layer: int, key: int) -> dict[tuple[str, int], list[ValueToken]]:
         where = dict(run_id=self.run.id, layer=layer, key=key)
-        lists = queries.key_lists(session=self.session, **where, kinds=memory_lists.READOUTS)
+        lists = memory_reads.key_lists(session=self.session, **where, kinds=memory_lists.READOUTS)
         return memory_lists.value_readouts(lists, **where)
 
     def triggers(self, layer: int, key: int, sign: int, limit: int | None = None) -> list[Trigger]:
@@ -198,10 +232,10 @@ class MiningResults:
             "value_norm": unknown,
         }
         if sort not in columns:
-            raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(queries.KEY_SORTS)}")
+            raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(memory_reads.KEY_SORTS)}")
         keys = np.arange(n_keys)
         if token_ids is not None:
-            promoting = queries.promoting_keys(
+            promoting = memory_reads.promoting_keys(
                 session=self.session, run_id=self.run.id, layer=layer, token_ids=token_ids
             )
             keys = np.array(promoting, dtype=np.int64)
@@ -221,18 +255,27 @@ class MiningResults:
         mined = self.mined(layer)
         return [] if mined is None else key_examples.samples_of(mined, key)
 
+    def shaded_triggers(self, layer: int, key: int) -> tuple[int, int]:
+        return 0, 0
+
+    def trigger_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray]:
+        return []
+
+    def sample_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray] | None:
+        return None
+
     def key_stats(self, layer: int, key: int) -> KeyStats | None:
         """What is known so far; agreement over every positive trigger so far (no next-token rank or
         value norm until the run is stored)."""
         mined = self.mined(layer)
         if mined is None:
             return None
-        raw_top = queries.get_value_tokens(
+        raw_top = memory_reads.get_value_tokens(
             session=self.session, run_id=self.run.id, layer=layer, key=key, readout="raw", direction=1
         )
         stats = self._key_stats(mined, layer, key, raw_top[0].prob if raw_top else math.nan)
         positive = self.triggers(layer, key, 1)
-        sentences = queries.get_sentences(
+        sentences = corpora.get_sentences(
             session=self.session, corpus_id=self.run.corpus_id, indices=[t.sentence_index for t in positive]
         )
         top_ids = {v.token_id for v in raw_top}
@@ -260,7 +303,7 @@ class MiningResults:
 
     def _max_probs(self, layer: int, n_keys: int) -> np.ndarray:
         """Each key's value's top raw probability (projected at prepare): [keys], NaN if not yet."""
-        _, probs = queries.layer_value_tokens(
+        _, probs = memory_reads.layer_value_tokens(
             session=self.session, run_id=self.run.id, layer=layer, readout="raw", direction=1, n=1
         )
         return probs[:, 0] if probs.size else np.full(n_keys, np.nan)
@@ -290,9 +333,56 @@ class MiningResults:
         return figures
 
 
+def mining_job(session: Session, run: Run) -> tuple[int, float] | None:
+    """While the run mines: the index job building it and the share of its corpus mined so far (all
+    shards, beyond their checkpoints); None once it is stored or failed."""
+    if run.status != RunStatus.running:
+        return None
+    job = session.scalars(jobs.builders(run.id).order_by(Job.id.desc()).limit(1)).first()
+    return None if job is None else (job, shards.progress(session=session, run=run).fraction)
+
+
+@dataclass(frozen=True)
+class RunProgress:
+    """How far a run's mining has come, over all its shards (a stored run: all of it)."""
+
+    sentences_done: int
+    n_sentences: int
+    fraction: float
+    tokens_done: int
+    shards: int
+    shards_done: int
+    tokens_per_s: float | None  # None once stored, or before a sentence is mined
+    eta_seconds: float | None
+
+
+def run_progress(session: Session, run: Run) -> RunProgress:
+    """The run's mining so far, its rate and the time left at that rate (none once stored)."""
+    done = shards.progress(session=session, run=run)
+    since = done.mining_since
+    elapsed = (models.now() - _aware(since)).total_seconds() if since else 0.0
+    rate = done.sentences_done / elapsed if elapsed > 0 and done.sentences_done else None
+    finished = run.status == RunStatus.done
+    return RunProgress(
+        sentences_done=run.n_sentences if finished else done.sentences_done,
+        n_sentences=run.n_sentences,
+        fraction=1.0 if finished else done.fraction,
+        tokens_done=done.tokens_done,
+        shards=done.shards,
+        shards_done=done.shards_done,
+        tokens_per_s=done.tokens_done / elapsed if rate and not finished else None,
+        eta_seconds=(run.n_sentences - done.sentences_done) / rate if rate and not finished else None,
+    )
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite gives back naive datetimes; they were stored as UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
 def has_results(session: Session, run: Run) -> bool:
     """Whether the run has anything the pages can show: stored, or mined so far."""
-    return run.status == "done" or jobs.has_layers(session=session, run_id=run.id)
+    return run.status == RunStatus.done or shards.has_layers(session=session, run_id=run.id)
 
 
 def extremes(mined: MinedLayer) -> tuple[np.ndarray, np.ndarray]:

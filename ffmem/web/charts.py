@@ -1,4 +1,6 @@
-"""Plotly figure specs as plain dicts (ffmem/web/static/charts.js draws them); no JavaScript here.
+"""Plotly figure specs as plain dicts (ffmem/web/static/charts.js draws them); no JavaScript here. The
+browse pages' charts, and the colours, layout and labels every chart shares (the live view's charts:
+ffmem/web/trace_charts.py).
 
 Plotly reads a little HTML in labels, so every label from a corpus or a vocabulary is escaped
 (&, <, >) and made visible (␣, ↵) first: it always shows as text.
@@ -9,10 +11,12 @@ from __future__ import annotations
 import html
 import math
 
-from ffmem.web.comparison_view import LayerChange
-from ffmem.web.composition_view import WeightGraphView
-from ffmem.web.contexts import AnalysisFigure, Histogram, LayerSummary, TraceContext, ValueReadout
 from ffmem.web.display import visible
+from ffmem.web.pages.analysis import AnalysisFigure
+from ffmem.web.pages.compare import LayerChange
+from ffmem.web.pages.composition import WeightGraphView
+from ffmem.web.pages.key import Histogram, ValueReadout
+from ffmem.web.pages.model import LayerSummary
 
 POSITIVE, NEGATIVE, NEUTRAL = "#2b6cb0", "#c05621", "#4a5568"
 BASE_LAYOUT = {
@@ -142,127 +146,6 @@ def layer_lines(layers: list[LayerSummary], field: str) -> dict:
             "yaxis": yaxis,
             "shapes": shapes,
             "height": 280,
-        },
-    }
-
-
-# The live view's heatmap modes, in the order of its buttons (the unedited ones only with edits).
-HEATMAP_MODES = ("ff_logit", "active", "ff_logit_unedited", "active_unedited")
-
-
-def trace_heatmap(ctx: TraceContext) -> dict:
-    """Layers × positions: the FF's change to each position's predicted-token logit, or the number of
-    active memories (a button switches); with edits, of the edited pass and, a button away, of the
-    unedited one; the selected position is outlined."""
-    x = [f"{t.position}: {label(t.token)}" for t in ctx.tokens]
-    y = list(range(len(ctx.layers)))
-    edited = " (edited)" if ctx.unedited else ""
-    maps = [
-        ("FF → logit of the prediction" + edited, ctx.heatmap["ff_logit"], "RdBu", 0),
-        ("active memories" + edited, ctx.heatmap["active"], "Viridis", None),
-    ]
-    if ctx.unedited:
-        maps += [
-            ("FF → logit, unedited", ctx.unedited.heatmap["ff_logit"], "RdBu", 0),
-            ("active, unedited", ctx.unedited.heatmap["active"], "Viridis", None),
-        ]
-    modes = HEATMAP_MODES[: len(maps)]
-    shown = modes.index(ctx.heatmap_mode) if ctx.heatmap_mode in modes else 0  # the URL's `heatmap=`
-    data = [
-        {
-            "type": "heatmap",
-            "x": x,
-            "y": y,
-            "z": z,
-            "colorscale": scale,
-            **({"zmid": mid} if mid is not None else {}),
-            "visible": i == shown,
-            "name": title,
-            "hovertemplate": "layer %{y}<br>position %{x}<br>" + title + " %{z:.3g}<extra></extra>",
-        }
-        for i, (title, z, scale, mid) in enumerate(maps)
-    ]
-    buttons = [
-        {"label": title, "method": "update", "args": [{"visible": [j == i for j in range(len(maps))]}]}
-        for i, (title, *_rest) in enumerate(maps)
-    ]
-    return {
-        "data": data,
-        "layout": BASE_LAYOUT
-        | {
-            "height": 200 + 14 * len(y),
-            "margin": {"l": 50, "r": 20, "t": 40, "b": 110},
-            "xaxis": {"type": "category", "tickangle": -50, "title": {"text": "position (click to select)"}},
-            "yaxis": {"title": {"text": "layer"}, "autorange": True},
-            "meta": {"modes": list(modes)},  # static/charts.js keeps the chosen one in the URL
-            "updatemenus": [
-                {
-                    "type": "buttons",
-                    "active": shown,
-                    "direction": "right",
-                    "x": 0,
-                    "y": 1.12,
-                    "xanchor": "left",
-                    "buttons": buttons,
-                }
-            ],
-            "shapes": [
-                {
-                    "type": "rect",
-                    "xref": "x",
-                    "yref": "paper",
-                    "x0": ctx.position - 0.5,
-                    "x1": ctx.position + 0.5,
-                    "y0": 0,
-                    "y1": 1,
-                    "line": {"color": "#1a202c", "width": 2},
-                }
-            ],
-        },
-    }
-
-
-def residual_confidence(ctx: TraceContext) -> dict:
-    """Per layer: the probability of the final prediction under the residual (the paper's Fig. 10); with
-    edits, that of the edited pass and, dashed, the unedited pass's (each of its own final prediction)."""
-    x = [layer.layer for layer in ctx.layers]
-    data = [
-        {
-            "type": "scatter",
-            "mode": "lines+markers",
-            "name": "edited" if ctx.unedited else "p(final | r)",
-            "x": x,
-            "y": [layer.final_prob for layer in ctx.layers],
-            "marker": {"color": [POSITIVE if layer.settled else NEUTRAL for layer in ctx.layers]},
-            "line": {"color": POSITIVE},
-            "hovertemplate": "layer %{x}<br>p(final | r) %{y:.3f}<extra></extra>",
-        }
-    ]
-    if ctx.unedited:
-        data.append(
-            {
-                "type": "scatter",
-                "mode": "lines",
-                "name": "unedited",
-                "x": x,
-                "y": [layer.unedited.final_prob for layer in ctx.layers],
-                "line": {"color": NEUTRAL, "dash": "dash"},
-                "hovertemplate": "layer %{x}<br>unedited p(final | r) %{y:.3f}<extra></extra>",
-            }
-        )
-    title = f"p({label(ctx.prediction.token if ctx.prediction else '')} | residual) by layer"
-    if ctx.unedited:
-        title = f"p(final | residual) by layer; final {label(ctx.prediction.token)} edited, "
-        title += f"{label(ctx.unedited.prediction.token)} unedited"
-    return {
-        "data": data,
-        "layout": BASE_LAYOUT
-        | {
-            "title": {"text": title},
-            "showlegend": ctx.unedited is not None,
-            "height": 260,
-            "xaxis": {"title": {"text": "layer"}, "dtick": 1 if len(ctx.layers) <= 16 else 2},
-            "yaxis": {"title": {"text": "probability"}, "range": [0, 1]},
         },
     }
 

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ffmem.config import Settings, get_settings
 from ffmem.store.db import Retry, make_engine, make_sessionmaker
-from ffmem.web import errors, routes, security
+from ffmem.web import error_handlers, routes, security
 from ffmem.web.rendering import templates
 from ffmem.web.routes import access, compare, corpora, jobs, keys, layers, models, search, trace
 from ffmem.web.worker_client import LiveWorker
@@ -104,7 +104,7 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
         """Every route, from /openapi.json, in the vendored Swagger UI (static/vendor, static/docs.js)."""
         return templates.TemplateResponse(request, "docs.html", {"openapi_url": app.openapi_url})
 
-    errors.install(app)
+    error_handlers.install(app)
 
     app.add_middleware(ServerTiming)
     app.add_middleware(HeadAsGet)

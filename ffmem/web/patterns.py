@@ -7,9 +7,23 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from ffmem.web.contexts import PatternHints, TokenRef
+from pydantic import BaseModel, Field
+
+from ffmem.web.views import TokenRef
 
 LONGEST = 4  # final n-grams of up to this many tokens
+
+
+class PatternHints(BaseModel):
+    """How a key's top triggers end: the commonest final token and the commonest shared final n-gram."""
+
+    triggers: int = Field(description="The positive triggers looked at.")
+    final_token: TokenRef = Field(description="The commonest trigger token.")
+    final_token_share: float = Field(description="The share of those triggers that end in it.")
+    final_ngram: list[TokenRef] | None = Field(
+        description="The commonest shared final n-gram; null when no two triggers end alike beyond one token."
+    )
+    final_ngram_share: float = Field(description="The share of those triggers that end in it.")
 
 
 def pattern_hints(endings: Sequence[Sequence[int]], texts: dict[int, str]) -> PatternHints | None:

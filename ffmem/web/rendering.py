@@ -4,6 +4,7 @@ for one, the full page otherwise — always from the same context object.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import Request
@@ -12,7 +13,7 @@ from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
 
 from ffmem.store.models import JobKind, JobStatus
-from ffmem.web import charts, urls
+from ffmem.web import charts, trace_charts, urls
 from ffmem.web.access import admin_name, can_write, label_author, login_offered
 from ffmem.web.display import coefficient_bar, duration, number, percent, signed, tail_words, tok, visible
 from ffmem.web.errors import AppError
@@ -26,6 +27,7 @@ templates.env.filters.update(visible=visible, number=number, percent=percent, ta
 templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
+templates.env.globals.update(trace_charts=trace_charts)  # the live view's charts
 templates.env.globals.update(label_author=label_author, duration=duration, shaded=shaded_html)
 templates.env.globals.update(tok=tok, coefficient_bar=coefficient_bar, signed=signed)  # ffmem.web.display
 templates.env.globals.update(text_max_length=text_max_length)  # what the live boxes may send
@@ -97,3 +99,23 @@ def render_error(request: Request, error: AppError) -> Response:
         status_code=error.status,
         headers=error.headers,
     )
+
+
+def render_unanswered(
+    request: Request,
+    error: AppError,
+    template: str,
+    fragment: str,
+    unanswered: Callable[[str, str | None], BaseModel],
+) -> Response:
+    """A live page's answer when the live worker gives none (`error`). JSON: the error. To htmx, a bad
+    field's message alone, next to it (the answer on the page stays). Else the page (or its `fragment`, to
+    htmx) keeps its form and says why there is no answer: `unanswered(notice, field)` is its context — a bad
+    input next to its field; too many live requests, or the worker down, busy or failed, in a notice."""
+    if wants_json(request):
+        raise error
+    if error.field and wants_fragment(request):
+        return render_error(request, error)
+    notice = error.message if error.field else f"{error.title}: {error.message}"
+    context = unanswered(notice, error.field)
+    return render(request, template, context, fragment, status_code=error.status, headers=error.headers)

@@ -31,7 +31,8 @@ from secure.middleware import SecureASGIMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ffmem.config import Settings
-from ffmem.web.errors import AppError, error_response
+from ffmem.web.errors import AppError
+from ffmem.web.rendering import render_error
 from ffmem.web.worker_client import text_max_length
 
 # htmx 2.0.11's indicator <style>; a new htmx may change it (the browser test then reports the violation)
@@ -170,5 +171,5 @@ class RequestLimits:
 
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send, error: AppError) -> None:
-        response = error_response(Request(scope), error)
+        response = render_error(Request(scope), error)
         await response(scope, receive, send)

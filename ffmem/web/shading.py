@@ -4,11 +4,15 @@ sentences. Torch-free; `shaded_html` renders the result (templates call it as `s
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 
+import numpy as np
 from markupsafe import Markup, escape
 
-from ffmem.web.contexts import ShadedText
+from ffmem.store.memory_lists import Trigger as TriggerRow
+from ffmem.store.models import Sentence
+from ffmem.web.views import ShadedText
 
 
 def shade(
@@ -108,3 +112,18 @@ def token_pieces(text: str, offsets: Sequence[tuple[int, int]], alone: Sequence[
         else:
             pieces.append(own if start == end else "")
     return pieces
+
+
+def key_scale(positive: list[TriggerRow], negative: list[TriggerRow]) -> float:
+    """The |m| that shades fully on a key's pages: that of its strongest trigger of either sign."""
+    return max((abs(t.coefficient) for t in positive[:1] + negative[:1]), default=0.0)
+
+
+def stored_shading(
+    sentence: Sentence, values, position: int, texts: dict[int, str], scale: float
+) -> ShadedText:
+    """A stored sentence shaded by its stored coefficients (NaN: not mined, unshaded), trigger outlined."""
+    alone = [texts.get(i, "") for i in sentence.token_ids]
+    pieces = token_pieces(sentence.text, [tuple(o) for o in sentence.offsets], alone)
+    coefficients = [None if math.isnan(v) else v for v in values.astype(np.float64).tolist()]
+    return shade(pieces, coefficients, peak=position, prefix_end=position, scale=scale)

@@ -16,20 +16,19 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from functools import partial
 
 import numpy as np
 import torch
-from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 from stop_words import get_stop_words
 
 from ffmem.engine.analyses import census, token_removal
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel
-from ffmem.store import queries
-from ffmem.store.models import Analysis, KeyStats, Run, Token
+from ffmem.store import analyses, corpora, memory_reads, vocabularies
+from ffmem.store.models import Run, RunStatus
+from ffmem.store.specs import AnalysisSpec
 from ffmem.worker.held_out import held_out
 
 RANK_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
@@ -37,12 +36,15 @@ RANK_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 @dataclass
 class AnalysisOptions:
-    examples: int  # held-out prefixes (Figs. 7–11); defaults: settings.analysis_*
-    keys: int  # keys sampled per layer (Fig. 3)
-    triggers: int  # top trigger prefixes per sampled key (Fig. 3)
-    seed: int = 0
+    """What `analyze` computes (the job's spec) and how: prefixes per forward batch, a progress bar."""
+
+    spec: AnalysisSpec
     batch: int = 8
     progress: bool = True
+
+    def recorded(self) -> dict:
+        """What each stored analysis records of how it was computed (`Analysis.options`)."""
+        return self.spec.model_dump() | {"batch": self.batch, "progress": self.progress}
 
 
 Report = Callable[[str, int, int], None]  # (analysis, batches done, batches in all)
@@ -61,7 +63,7 @@ def analyze(
     seconds = {}
     with sessions() as session:
         run = session.get(Run, run_id)
-        if run is None or run.status != "done":
+        if run is None or run.status != RunStatus.done:
             raise FfmemError(f"run {run_id} is not a finished index run")
         for name, compute in (
             ("agreement", _agreement),
@@ -72,16 +74,13 @@ def analyze(
             report(name, 0, 1)
             data = compute(session, run, loaded, options, partial(report, name))
             seconds[name] = time.perf_counter() - start
-            session.execute(delete(Analysis).where(Analysis.run_id == run.id, Analysis.name == name))
-            session.add(
-                Analysis(
-                    run_id=run.id,
-                    name=name,
-                    options=asdict(options),
-                    data=data,
-                    seconds=seconds[name],
-                    created_at=datetime.now(timezone.utc),
-                )
+            analyses.store_analysis(
+                session=session,
+                run_id=run.id,
+                name=name,
+                options=options.recorded(),
+                data=data,
+                seconds=seconds[name],
             )
             session.commit()
     return seconds
@@ -89,11 +88,7 @@ def analyze(
 
 def _agreement(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions, report) -> dict:
     """Figs. 4–5 from the key statistics: rank 0 of the top trigger's next token is agreement."""
-    rows = session.execute(
-        select(KeyStats.layer, KeyStats.next_token_rank)
-        .where(KeyStats.run_id == run.id)
-        .order_by(KeyStats.layer)
-    ).all()
+    rows = memory_reads.run_key_stats(session=session, run_id=run.id, columns=("layer", "next_token_rank"))
     by_layer: dict[int, list[int]] = {}
     for layer, rank in rows:
         if rank is not None and rank >= 0:
@@ -116,10 +111,10 @@ def _agreement(session: Session, run: Run, loaded: LoadedModel, options: Analysi
 def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions, report) -> dict:
     corpus = run.corpus
     source = corpus.name if corpus.name == "wiki-vital" else corpus.source
-    rng = random.Random(options.seed)
+    rng = random.Random(options.spec.seed)
     prefixes = [
         s.token_ids[: rng.randrange(s.first_position, len(s.token_ids)) + 1]
-        for s in held_out(session, run, options.examples, loaded)
+        for s in held_out(session, run, options.spec.examples, loaded)
         if len(s.token_ids) > s.first_position
     ]
     if not prefixes:
@@ -129,8 +124,8 @@ def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOp
         )
     value_top = torch.from_numpy(value_top_tokens(session, run.id, run.model.n_layers))  # [layers, 2, d_ff]
     stop = set(get_stop_words("en"))
-    texts = session.execute(select(Token.token_id, Token.text).where(Token.model_id == run.model_id)).all()
-    stop_ids = {token_id for token_id, text in texts if text.strip().lower() in stop}
+    texts = vocabularies.stored_texts(session=session, model_id=run.model_id)
+    stop_ids = {token_id for token_id, text in texts.items() if text.strip().lower() in stop}
     found = census(
         loaded, prefixes, value_top, stop_ids, batch=options.batch, progress=options.progress, on_batch=report
     )
@@ -139,17 +134,17 @@ def _census(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOp
 
 def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: AnalysisOptions, report) -> dict:
     """Per layer the mean changes over the sampled keys' triggers; per key, stored in key_stats."""
-    rng = random.Random(options.seed)
+    rng = random.Random(options.spec.seed)
     n_layers, n_keys = run.model.n_layers, run.model.n_keys
     triggers = [
         (layer, key, trigger)
         for layer in range(n_layers)
-        for key in sorted(rng.sample(range(n_keys), min(options.keys, n_keys)))
-        for trigger in queries.get_triggers(
-            session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=options.triggers
+        for key in sorted(rng.sample(range(n_keys), min(options.spec.keys, n_keys)))
+        for trigger in memory_reads.get_triggers(
+            session=session, run_id=run.id, layer=layer, key=key, sign=1, limit=options.spec.triggers
         )
     ]
-    sentences = queries.get_sentences(
+    sentences = corpora.get_sentences(
         session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for _, _, t in triggers]
     )
     items = [
@@ -166,21 +161,15 @@ def _token_removal(session: Session, run: Run, loaded: LoadedModel, options: Ana
         firsts, lasts = by_key.setdefault((layer, key), ([], []))
         firsts += [] if first_change is None else [first_change]
         lasts += [] if last_change is None else [last_change]
-    session.execute(
-        update(KeyStats)
-        .where(KeyStats.run_id == run.id)
-        .values(first_token_change=None, last_token_change=None, shallowness=None)
-    )
-    for (layer, key), (firsts, lasts) in by_key.items():
-        session.execute(
-            update(KeyStats)
-            .where(KeyStats.run_id == run.id, KeyStats.layer == layer, KeyStats.key == key)
-            .values(
-                first_token_change=_mean(firsts),
-                last_token_change=_mean(lasts),
-                shallowness=None if not lasts else float(np.clip(-np.mean(lasts), 0.0, 1.0)),
-            )
+    changes = {
+        memory: (
+            _mean(firsts),
+            _mean(lasts),
+            None if not lasts else float(np.clip(-np.mean(lasts), 0.0, 1.0)),
         )
+        for memory, (firsts, lasts) in by_key.items()
+    }
+    analyses.store_token_removal(session=session, run_id=run.id, changes=changes)
 
     def layer_mean(which: int, layer: int) -> float | None:
         return _mean([x for (lay, _), values in by_key.items() if lay == layer for x in values[which]])
@@ -202,7 +191,7 @@ def value_top_tokens(session: Session, run_id: int, n_layers: int) -> np.ndarray
         [
             np.concatenate(
                 [
-                    queries.layer_value_tokens(
+                    memory_reads.layer_value_tokens(
                         session=session, run_id=run_id, layer=layer, readout="raw", direction=direction, n=1
                     )[0].T  # [1, d_ff]
                     for direction in (1, -1)

@@ -25,7 +25,7 @@ from sqlalchemy.orm import sessionmaker
 
 from ffmem.engine.comparison import MemoryWeights, overlap, weight_cosines
 from ffmem.engine.errors import FfmemError
-from ffmem.store import comparison, queries
+from ffmem.store import comparison, corpora
 from ffmem.store.models import Run
 
 LAYER_MEANS = ("overlap", "negative_overlap", "key_cosine", "value_cosine")
@@ -108,7 +108,7 @@ def trigger_overlaps(session, a: Run, b: Run, basis: str, top_t: int) -> dict[in
     n_layers, n_keys = a.model.n_layers, a.model.n_keys
     found = {sign: np.full((n_layers, n_keys), np.nan) for sign in (1, -1)}
     texts = [
-        queries.get_sentences(session=session, corpus_id=run.corpus_id, indices=range(run.corpus.n_sentences))
+        corpora.get_sentences(session=session, corpus_id=run.corpus_id, indices=range(run.corpus.n_sentences))
         if basis == "texts"
         else None
         for run in (a, b)

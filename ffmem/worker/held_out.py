@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from ffmem.engine.corpus import TokenizedSentence, held_out_sentences, read_corpus, tokenize
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.loading import LoadedModel
-from ffmem.store import queries
+from ffmem.store import corpora
 from ffmem.store.models import Run
 
 
@@ -24,7 +24,7 @@ def held_out(session: Session, run: Run, wanted: int, loaded: LoadedModel) -> li
         return []
     corpus = run.corpus
     indices = held_out_sentences(corpus.n_sentences, run.provenance.get("held_out_every", 0))[:wanted]
-    rows = queries.get_sentences(session=session, corpus_id=corpus.id, indices=indices)
+    rows = corpora.get_sentences(session=session, corpus_id=corpus.id, indices=indices)
     found = [
         TokenizedSentence(row.text, row.token_ids, [tuple(o) for o in row.offsets], row.first_position)
         for row in (rows[i] for i in indices)

@@ -1,19 +1,20 @@
-"""An index run as a job: load → corpus → mine (by shards, checkpointed in the database) → project → store.
+"""The stages of an index run: prepare (load → corpus → run and shards → project the values), mine a
+shard (checkpointed in the database) and finish (shade → store the layers → compose → neighbours).
 
-`build_index` is `ffmem index` in the foreground: it queues the job (or finds the unfinished one with
-the same options, and resumes it) and works on it until it is done. `Worker` is what `ffmem worker`
-runs: it claims queued jobs, prepares their runs, mines any run's open shards and finishes runs whose
-shards are all done. Several workers on one Postgres share the shards (ffmem.store.jobs); each shard's running
-top-T is checkpointed in its row every `checkpoint_batches` batches, so a killed worker loses at most
-that much, and the shards merge exactly into the single-worker result.
+A worker (ffmem.worker.loop) takes each stage up as a step of the run's job: it prepares a queued
+job's run, mines any run's open shards and finishes runs whose shards are all done. Several workers on
+one Postgres share the shards (ffmem.store.shards); each shard's running top-T is checkpointed in its
+row every `checkpoint_batches` batches, so a killed worker loses at most that much, and the shards
+merge exactly into the single-worker result.
 """
 
 from __future__ import annotations
 
-import logging
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
@@ -21,87 +22,69 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
-from ffmem.engine.comparison import memory_weights
 from ffmem.engine.corpus import held_out_sentences, mined_from, mined_sentences, read_corpus, tokenize
-from ffmem.engine.errors import FfmemError
-from ffmem.engine.loading import LoadedModel, shared_model
+from ffmem.engine.loading import LoadedModel
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.engine.neighbours import memory_baselines, memory_neighbours
 from ffmem.engine.projection import project_layer, search_arrays, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
-from ffmem.store import jobs, key_examples, memory_search, queries
-from ffmem.store.jobs import Enqueued, JobKind, JobStatus, ShardStatus, StageProgress
+from ffmem.store import (
+    corpora,
+    jobs,
+    key_examples,
+    memory_reads,
+    memory_search,
+    memory_writes,
+    runs,
+    shards,
+    vocabularies,
+)
 from ffmem.store.memory_lists import READOUTS, TRIGGERS
-from ffmem.store.models import Job, KeyExamples, KeyStats, MemoryList, Run, Shard
-from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
-from ffmem.worker.comparison import compare_runs
+from ffmem.store.models import Job, Run, Shard, ShardStatus
+from ffmem.store.specs import RunSpec, fingerprint
 from ffmem.worker.composition import compose
-from ffmem.worker.leases import Heartbeat, Presence
-
-log = logging.getLogger(__name__)
-
-
-def _setting(name: str):
-    """The default of a setting: IndexOptions' defaults come from Settings, written once there."""
-    default = Settings.model_fields[name].default
-    return Path(default) if name == "cache_dir" else default
-
+from ffmem.worker.leases import Heartbeat
 
 FIRST_CHECKPOINT = 2  # batches: a shard's first checkpoint, before every `checkpoint_batches`
-# Run options older jobs lack: what they did (mined position 0, shaded nothing).
-BEFORE_OPTIONS = {"first_position": True, "shaded_triggers": 0, "held_out_every": 0}
 
 
 @dataclass
 class IndexOptions:
-    """What a worker needs for an index run: the run's options (jobs.RUN_FIELDS) and its own."""
+    """What a worker needs: the run `ffmem index` builds (`spec`; a worker for all jobs reads each job's
+    own) and the worker's own settings (device, cache, progress, checkpoints, lease, attempts)."""
 
-    model: str = _setting("model")
-    corpus: str = _setting("corpus")
-    sentences: int | None = _setting("sentences")
-    held_out_every: int = _setting("held_out_every")
-    top_k: int = _setting("top_k")
-    shaded_triggers: int = _setting("shaded_triggers")
-    device: str = _setting("device")
-    dtype: str = _setting("dtype")
-    max_sentence_tokens: int = _setting("max_sentence_tokens")
-    first_position: bool = _setting("first_position")
-    batch_tokens: int = _setting("batch_tokens")
-    shard_sentences: int = _setting("shard_sentences")
-    value_tokens: int = _setting("value_tokens")
-    cache_dir: Path = _setting("cache_dir")
-    progress: bool = True
-    checkpoint_batches: int = _setting("checkpoint_batches")
-    lease_seconds: float = _setting("lease_seconds")
-    max_attempts: int = _setting("max_attempts")
+    spec: RunSpec
+    device: str
+    cache_dir: Path
+    progress: bool
+    checkpoint_batches: int
+    lease_seconds: float
+    max_attempts: int
 
     @classmethod
-    def from_settings(cls, settings: Settings, device: str | None = None, **given) -> IndexOptions:
-        """A worker's options: the run's options (given, else the settings) and the worker's own."""
+    def from_settings(
+        cls, settings: Settings, device: str | None = None, progress: bool = True, **given
+    ) -> IndexOptions:
+        """A worker's options: the run `given` names (None: the setting) and the worker's own settings."""
         return cls(
-            **jobs.run_options(settings, **given),
+            spec=RunSpec.from_settings(settings, **given),
             device=device or settings.device,
             cache_dir=Path(settings.cache_dir),
+            progress=progress,
             checkpoint_batches=settings.checkpoint_batches,
             lease_seconds=settings.lease_seconds,
             max_attempts=settings.max_attempts,
         )
 
-    def run_options(self) -> dict:
-        """What the job stores: the fields that define the run."""
-        return {name: getattr(self, name) for name in jobs.RUN_FIELDS}
-
-    def with_run_options(self, options: dict) -> IndexOptions:
-        """These worker settings, with a job's run options (a job queued before an option existed
-        gets what was done then)."""
-        options = BEFORE_OPTIONS | options
-        return IndexOptions(**(asdict(self) | {name: options[name] for name in jobs.RUN_FIELDS}))
+    @property
+    def lease(self) -> timedelta:
+        """How long a worker holds a job or shard after its last renewal."""
+        return timedelta(seconds=self.lease_seconds)
 
 
 @dataclass
@@ -120,301 +103,162 @@ class IndexSummary:
     mining_seconds: float
     projection_seconds: float
     storing_seconds: float
-    shading_seconds: float = 0.0  # the second pass (Worker.shade)
+    shading_seconds: float = 0.0  # the second pass (IndexPipeline.shade)
     already_built: bool = False
 
 
-class LostLease(FfmemError):
-    """Another worker took over this shard or job (our lease ran out)."""
+@dataclass
+class Finishing:
+    """What the steps of finishing a run share: its job and lease, its spec and model, the merged mining
+    state, the corpus (token ids, first mined positions, following tokens) and, once shaded, each
+    layer's shading (the arguments of key_examples.store_key_examples)."""
 
-
-def build_index(
-    options: IndexOptions,
-    sessions: sessionmaker,
-    loaded: LoadedModel | None = None,
-    again: bool = False,
-    analysis: dict | None = None,
-) -> IndexSummary:
-    """Build (or resume) the index run for `options` in the foreground; returns what was stored.
-    With `analysis` (an analysis job's options), then compute the paper's analyses of the run.
-
-    When the same run is already built, returns it with `already_built` (unless `again`).
-    """
-    with sessions() as session:
-        job, what = jobs.enqueue(session=session, options=options.run_options(), again=again)
-        if analysis is not None:
-            analysis_job, _ = jobs.enqueue_analysis(session=session, options=analysis, after=job.id)
-        session.commit()
-        job_id = job.id
-    worker = Worker(sessions, options, loaded=loaded)
-    if what != Enqueued.done:
-        worker.work(job_id=job_id)
-    if analysis is not None:
-        worker.work(job_id=analysis_job.id)
-    return worker.summary(job_id, already_built=what == Enqueued.done)
+    job: Job
+    lease: Heartbeat
+    spec: RunSpec
+    loaded: LoadedModel
+    state: MiningState
+    token_ids: list[list[int]]
+    first_positions: list[int]
+    following: torch.Tensor
+    shading: dict = field(default_factory=dict)
 
 
 @dataclass
-class Worker:
-    """Claims and does index and analysis work until its job is done (`work(job_id)`) or, for
-    `ffmem worker`, forever."""
+class IndexPipeline:
+    """A worker's index stages (`prepare`, `mine_shard`, `finish`), each taken up under its job's or
+    shard's lease (a Heartbeat: `check` before each commit), and what they measured (`summary`)."""
 
     sessions: sessionmaker
-    options: IndexOptions  # worker settings (device, cache, progress, lease); run options come from jobs
-    loaded: LoadedModel | None = None
-    name: str = field(default_factory=jobs.worker_id)  # random per process: see ffmem.worker.leases
-    presence: Presence = field(default_factory=Presence)
-    timings: dict = field(default_factory=lambda: {"mining": 0.0, "projection": 0.0, "storing": 0.0})
+    options: IndexOptions  # the worker's: progress, checkpoints, lease
+    model: Callable[[RunSpec], LoadedModel]  # the worker's one model, as a run's spec loads it
+    worker: str  # the worker's id (jobs.worker_id), holder of the shards it mines
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step and part (`timed`)
     padding: list = field(default_factory=lambda: [0, 0])  # real, computed tokens
     resumed_shards: int = 0
     _corpus: tuple | None = None  # (corpus id, token ids, first positions, following tokens)
-    _loaded_for: tuple | None = None  # (model, dtype) of `loaded`; None: as given
 
-    @property
-    def lease(self) -> timedelta:
-        return timedelta(seconds=self.options.lease_seconds)
-
-    # -- the loop ---------------------------------------------------------------------------------
-    def work(self, job_id: int | None = None, poll_seconds: float = 1.0, once: bool = False) -> None:
-        """Do work until job `job_id` is done or failed (or, without one and with `once`, until no job
-        is queued or running)."""
-        self.start()
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the seconds the block takes to `timings[name]`."""
+        start = time.perf_counter()
         try:
-            self._work(job_id, poll_seconds, once)
+            yield
         finally:
-            self.stop()
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
-    def start(self) -> None:
-        """Announce this worker (its presence file) and end the leases of workers known to be dead."""
-        self.presence.announce(self.name)
-        with self.sessions() as session:
-            for holder in jobs.lease_holders(session=session):
-                if holder != self.name and self.presence.is_dead(holder):
-                    jobs.end_leases(session=session, worker=holder)
-            session.commit()
-        self.presence.sweep()  # the files of workers that died holding nothing
-
-    def stop(self) -> None:
-        """Give back what this worker holds (uncounted: it did not die) and withdraw its presence."""
-        with self.sessions() as session:
-            jobs.release_leases(session=session, worker=self.name)
-            session.commit()
-        self.presence.withdraw(self.name)
-
-    def _work(self, job_id: int | None, poll_seconds: float, once: bool) -> None:
-        while True:
-            if job_id is not None:
-                with self.sessions() as session:
-                    job = session.get(Job, job_id)
-                    if job.status == JobStatus.done:
-                        return
-                    if job.status == JobStatus.failed:
-                        raise FfmemError(
-                            f"{job.kind} job {job_id} failed: {job.error['type']}: {job.error['message']}"
-                        )
-            try:
-                stepped = self.step(job_id)
-            except Exception as error:
-                if job_id is not None:
-                    raise
-                # Not a job's failure (those fail their job in `_guarded`): the queue itself, e.g. a
-                # database that does not answer. A worker for all jobs waits and tries again.
-                log.error("the worker's step failed: %s: %s; trying again", type(error).__name__, error)
-                stepped = False
-            if not stepped:
-                if once and job_id is None and not self._jobs_in_progress():
-                    return
-                time.sleep(poll_seconds)
-
-    def _jobs_in_progress(self) -> bool:
-        """Whether any job is queued or running (maybe held by another worker: it may open shards)."""
-        with self.sessions() as session:
-            return (
-                session.scalars(select(Job.id).where(Job.status.in_(jobs.ACTIVE)).limit(1)).first()
-                is not None
-            )
-
-    def step(self, job_id: int | None = None) -> bool:
-        """One unit of work: mine an open shard, or prepare / finish a job. False when there is none."""
-        reraise = job_id is not None  # a worker for all jobs outlives any one job's failure
-        with self.sessions() as session:
-            for job in jobs.open_jobs(session=session):
-                if job_id is not None and job.id != job_id:
-                    continue
-                shard = jobs.claim_shard(
-                    session=session,
-                    run_id=job.run_id,
-                    worker=self.name,
-                    lease=self.lease,
-                    max_attempts=self.options.max_attempts,
-                )
-                session.commit()  # a shard given up on has failed its job
-                if shard is not None:
-                    held = self._shard_lease(shard)
-                    self._guarded(
-                        job.id, lambda job=job, shard=shard: self.mine_shard(job, shard), held, reraise
-                    )
-                    return True
-            job = jobs.claim_job(
-                session=session,
-                worker=self.name,
-                lease=self.lease,
-                max_attempts=self.options.max_attempts,
-                job_id=job_id,
-            )
-            session.commit()  # jobs given up on are failed
-            if job is None:
-                return False
-        if job.kind == JobKind.analysis:
-            self._guarded(job.id, lambda: self.analyze(job), self._job_lease(job.id), reraise)
-            return True
-        if job.kind == JobKind.comparison:
-            self._guarded(job.id, lambda: self.compare(job), self._job_lease(job.id), reraise)
-            return True
-        if job.run_id is None:
-            self._guarded(job.id, lambda: self.prepare(job), self._job_lease(job.id), reraise)
-            return True
-        with self.sessions() as session:
-            shards = jobs.shard_counts(session=session, run_id=job.run_id)
-            if shards[ShardStatus.pending] or shards[ShardStatus.running]:  # retried: its shards are open
-                jobs.release_job(session=session, job_id=job.id)
-                session.commit()
-                return True
-        self._guarded(job.id, lambda: self.finish(job), self._job_lease(job.id), reraise)
-        return True
-
-    def _guarded(self, job_id: int, action, heartbeat: Heartbeat, reraise: bool) -> None:
-        """Run `action` while `heartbeat` renews its lease; an error fails the job (stored with its
-        traceback), never the worker: it is logged and the worker goes on to the next job, unless
-        `reraise` (a caller waiting on this one job, as `ffmem index` does, gets the error itself). A
-        lost lease is no error: the work is someone else's now. Interrupts leave everything to be resumed."""
-        try:
-            with heartbeat:
-                action()
-        except LostLease:
-            return
-        except Exception as error:
-            with self.sessions() as session:
-                jobs.fail_job(session=session, job_id=job_id, error=error)
-                session.commit()
-            if reraise:
-                raise
-            log.error(
-                "job %s failed (its page: /jobs/%s): %s: %s", job_id, job_id, type(error).__name__, error
-            )
-
-    def _job_lease(self, job_id: int) -> Heartbeat:
-        """A heartbeat that renews this worker's lease on job `job_id` every third of the lease."""
-
-        def renew() -> bool:
-            with self.sessions() as session:
-                held = jobs.hold_job(session=session, job_id=job_id, worker=self.name, lease=self.lease)
-                session.commit()
-            return held
-
-        return Heartbeat(renew, self.options.lease_seconds / 3, name=f"lease of job {job_id}")
-
-    def _shard_lease(self, shard: Shard) -> Heartbeat:
-        """A heartbeat that renews this worker's lease on `shard` every third of the lease."""
-        run_id, index = shard.run_id, shard.index
-
-        def renew() -> bool:
-            with self.sessions() as session:
-                held = jobs.hold_shard(
-                    session=session, run_id=run_id, index=index, worker=self.name, lease=self.lease
-                )
-                session.commit()
-            return held
-
-        return Heartbeat(
-            renew, self.options.lease_seconds / 3, name=f"lease of shard {index} of run {run_id}"
-        )
-
-    # -- the three kinds of work ------------------------------------------------------------------
-    def prepare(self, job: Job) -> None:
+    # -- prepare ----------------------------------------------------------------------------------
+    def prepare(self, job: Job, lease: Heartbeat) -> None:
         """Load the model, store the corpus, create the run and its shards; then open them to all."""
-        options = self.options.with_run_options(job.options)
-        loaded = self.model(options)
-        text = read_corpus(options.corpus, options.sentences)
+        spec = job.spec
+        loaded = self.model(spec)
+        text = read_corpus(spec.corpus, spec.sentences)
         tokenizer_name = f"{loaded.slug}@{loaded.revision or 'unknown'}"
-        fingerprint = jobs.fingerprint(
+        corpus_key = fingerprint(
             {
                 "corpus": text.sha256,
                 "n": len(text.sentences),
                 "tokenizer": tokenizer_name,
-                "max_tokens": options.max_sentence_tokens,
+                "max_tokens": spec.max_sentence_tokens,
             }
         )
         with self.sessions() as session, loaded.lock:  # the tokenizer is shared with live traces
             model_row = _store_model(session, loaded)
-            corpus = queries.find_corpus(session=session, fingerprint=fingerprint)
+            corpus = corpora.find_corpus(session=session, fingerprint=corpus_key)
             if corpus is None:
-                tokenized = tokenize(text.sentences, loaded.tokenizer, options.max_sentence_tokens)
-                corpus = queries.store_corpus(
+                tokenized = tokenize(text.sentences, loaded.tokenizer, spec.max_sentence_tokens)
+                corpus = corpora.store_corpus(
                     session=session,
                     name=text.name,
                     source=text.source,
                     source_sha256=text.sha256,
-                    fingerprint=fingerprint,
+                    fingerprint=corpus_key,
                     tokenizer=tokenizer_name,
-                    max_tokens=options.max_sentence_tokens,
+                    max_tokens=spec.max_sentence_tokens,
                     skipped=dict(text.skipped),
                     sentences=((s.text, s.token_ids, s.offsets, s.first_position) for s in tokenized),
                 )
-            if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
-                raise LostLease(f"job {job.id} was taken over")
-            run = queries.create_run(
+            lease.check(session)
+            run = runs.create_run(
                 session=session,
                 model_id=model_row.id,
                 corpus_id=corpus.id,
-                top_k=options.top_k,
-                n_value_tokens=options.value_tokens,
-                n_sentences=len(mined_sentences(corpus.n_sentences, options.held_out_every)),
+                top_k=spec.top_k,
+                n_value_tokens=spec.value_tokens,
+                n_sentences=len(mined_sentences(corpus.n_sentences, spec.held_out_every)),
                 dtype=str(loaded.dtype).removeprefix("torch."),
                 device=str(loaded.device),
                 package_version=version("ffmem"),
-                provenance=_provenance(loaded, corpus, options),
+                provenance=_provenance(loaded, corpus, spec),
                 histogram_edges=histogram_edges(),
                 started_at=job.started_at,
             )
-            jobs.create_shards(
+            shards.create_shards(
                 session=session,
                 run_id=run.id,
                 n_sentences=run.n_sentences,
-                shard_sentences=options.shard_sentences,
+                shard_sentences=spec.shard_sentences,
             )
-            self.project_values(session, job, run.id, loaded, options)
+            self.project_values(session, lease, run.id, loaded, spec)
             session.get(Job, job.id).run_id = run.id
             jobs.release_job(session=session, job_id=job.id)
             session.commit()
 
-    def mine_shard(self, job: Job, shard: Shard) -> None:
+    def project_values(
+        self, session: Session, lease: Heartbeat, run_id: int, loaded: LoadedModel, spec: RunSpec
+    ) -> None:
+        """Every value's top and bottom tokens under both readouts: they need no corpus, so the pages
+        show them while the run is still mining; and the arrays of full-vocabulary token search."""
+        log_z = {}
+        for layer in tqdm(
+            range(loaded.n_layers), desc="projecting values", unit="layer", disable=not self.options.progress
+        ):
+            with self.timed("projection"):
+                projected = list(project_layer(loaded, layer, spec.value_tokens))
+            with self.timed("storing"):
+                for p in projected:
+                    log_z[layer, p.readout] = p.log_z
+                    memory_writes.store_value_tokens(
+                        session=session,
+                        run_id=run_id,
+                        layer=layer,
+                        readout=p.readout,
+                        direction=p.direction,
+                        token_ids=p.token_ids.numpy(),
+                        logits=p.logits.numpy(),
+                        log_z=p.log_z.numpy(),
+                    )
+                lease.check(session)
+        memory_search.store_run_arrays(session=session, run_id=run_id, arrays=search_arrays(loaded, log_z))
+
+    # -- mine a shard -----------------------------------------------------------------------------
+    def mine_shard(self, job: Job, shard: Shard, lease: Heartbeat) -> None:
         """Mine one shard from its last checkpoint, checkpointing as it goes; merge it into the run."""
-        options = self.options.with_run_options(job.options)
-        loaded = self.model(options)
+        spec = job.spec
+        loaded = self.model(spec)
         with self.sessions() as session:
             run = session.get(Run, job.run_id)
             corpus_id, total = run.corpus_id, run.n_sentences
-            saved, batches_done = jobs.load_checkpoint(
+            saved, batches_done = shards.load_checkpoint(
                 session=session, run_id=shard.run_id, index=shard.index
             )
-            done_before = jobs.progress(session=session, run=run).sentences_done
+            done_before = shards.progress(session=session, run=run).sentences_done
         if batches_done:
             self.resumed_shards += 1
         token_ids, first_positions, _ = self.corpus(corpus_id)
-        first_positions = mined_from(first_positions, first_position=options.first_position)
+        first_positions = mined_from(first_positions, first_position=spec.first_position)
         if saved:
             state = _state(saved, loaded.device)
         else:
-            state = MiningState(loaded.n_layers, loaded.n_keys, options.top_k, device=loaded.device)
+            state = MiningState(loaded.n_layers, loaded.n_keys, spec.top_k, device=loaded.device)
         batches = shard_batches(
             token_ids,
             first_positions,
             shard=shard.index,
-            shard_sentences=options.shard_sentences,
-            batch_tokens=options.batch_tokens,
+            shard_sentences=spec.shard_sentences,
+            batch_tokens=spec.batch_tokens,
             pad_id=_pad_id(loaded),
-            held_out_every=options.held_out_every,
+            held_out_every=spec.held_out_every,
         )
         sentences_done = sum(len(b.sentence_index) for b in batches[:batches_done])
         tokens_done = sum(b.real_tokens for b in batches[:batches_done])
@@ -423,119 +267,90 @@ class Worker:
             initial=done_before,
             unit="sent",
             desc=f"mining {loaded.slug} (shard {shard.index})",
-            disable=not options.progress,
+            disable=not self.options.progress,
         )
         started = time.perf_counter()
         mined_tokens = 0
-        for number, batch in enumerate(batches[batches_done:], start=batches_done + 1):
-            with loaded.lock:  # one forward pass at a time on the shared model (live traces wait)
-                mine_batches(loaded, [batch], state)
-            sentences_done += len(batch.sentence_index)
-            tokens_done += batch.real_tokens
-            mined_tokens += batch.real_tokens
-            self.padding[0] += batch.real_tokens
-            self.padding[1] += batch.computed_tokens
-            # The first checkpoint comes early, so the pages show provisional triggers within seconds.
-            due = number % options.checkpoint_batches == 0 or number == FIRST_CHECKPOINT
-            checkpoint = due and number < len(batches)
-            with self.sessions() as session:
-                held = jobs.checkpoint_shard(
-                    session=session,
-                    shard=shard,
-                    worker=self.name,
-                    lease=self.lease,
-                    batches_done=number,
-                    sentences_done=sentences_done,
-                    tokens_done=tokens_done,
-                    layers=_layers(state) if checkpoint else None,
+        with bar, self.timed("mining"):
+            for number, batch in enumerate(batches[batches_done:], start=batches_done + 1):
+                with loaded.lock:  # one forward pass at a time on the shared model (live traces wait)
+                    mine_batches(loaded, [batch], state)
+                sentences_done += len(batch.sentence_index)
+                tokens_done += batch.real_tokens
+                mined_tokens += batch.real_tokens
+                self.padding[0] += batch.real_tokens
+                self.padding[1] += batch.computed_tokens
+                # The first checkpoint comes early, so the pages show provisional triggers within seconds.
+                due = number % self.options.checkpoint_batches == 0 or number == FIRST_CHECKPOINT
+                checkpoint = due and number < len(batches)
+                with self.sessions() as session:
+                    lease.check(session)
+                    shards.checkpoint_shard(
+                        session=session,
+                        shard=shard,
+                        worker=self.worker,
+                        lease=self.options.lease,
+                        batches_done=number,
+                        sentences_done=sentences_done,
+                        tokens_done=tokens_done,
+                        layers=_layers(state) if checkpoint else None,
+                    )
+                    session.commit()
+                elapsed = time.perf_counter() - started
+                bar.set_postfix_str(
+                    f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, "
+                    f"padding eff. {self.padding[0] / max(self.padding[1], 1):.1%}"
                 )
-                session.commit()
-            if not held:
-                bar.close()
-                raise LostLease(f"shard {shard.index} of run {shard.run_id} was taken over")
-            elapsed = time.perf_counter() - started
-            bar.set_postfix_str(
-                f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, "
-                f"padding eff. {self.padding[0] / max(self.padding[1], 1):.1%}"
-            )
-            bar.update(len(batch.sentence_index))
-        bar.close()
-        self.timings["mining"] += time.perf_counter() - started
+                bar.update(len(batch.sentence_index))
         with self.sessions() as session:
-            jobs.lock_run(session=session, run_id=shard.run_id)  # one merge at a time
+            shards.lock_run(session=session, run_id=shard.run_id)  # one merge at a time
             current = session.get(Shard, (shard.run_id, shard.index), populate_existing=True)
             if current.status != ShardStatus.done:  # a shard taken over and finished twice merges once
-                snapshot = jobs.load_snapshot(session=session, run_id=shard.run_id)
+                snapshot = shards.load_snapshot(session=session, run_id=shard.run_id)
                 layers = [state.layer(layer) for layer in range(state.n_layers)]
                 if snapshot is not None:
                     layers = [
                         MinedLayer.merge([MinedLayer.from_bytes(s), m])
                         for s, m in zip(snapshot, layers, strict=True)
                     ]
-                jobs.save_snapshot(
+                shards.save_snapshot(
                     session=session, run_id=shard.run_id, layers=[m.to_bytes() for m in layers]
                 )
-                jobs.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
+                shards.complete_shard(session=session, shard=shard, tokens_done=tokens_done)
             session.commit()
 
-    def finish(self, job: Job) -> None:
-        """Every shard is mined: store the triggers and key statistics (with key–value agreement)."""
-        options = self.options.with_run_options(job.options)
-        loaded = self.model(options)
+    # -- finish -----------------------------------------------------------------------------------
+    def finish(self, job: Job, lease: Heartbeat) -> None:
+        """Every shard is mined: store the run, step by step, each step timed into `timings`."""
+        spec = job.spec
+        loaded = self.model(spec)
         with self.sessions() as session:
-            run_id = job.run_id
-            layers = jobs.load_snapshot(session=session, run_id=run_id)
-            state = _state(layers, loaded.device)
-            corpus_id = session.get(Run, run_id).corpus_id
-            triggers = (MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS)
-            session.execute(delete(MemoryList).where(*triggers))  # a finisher that died may have stored some
-            for table in (KeyStats, KeyExamples):
-                session.execute(delete(table).where(table.run_id == run_id))
+            state = _state(shards.load_snapshot(session=session, run_id=job.run_id), loaded.device)
+            corpus_id = session.get(Run, job.run_id).corpus_id
+            # A finisher that died may have stored some results: they go before it starts again.
+            runs.clear_results(session=session, run_id=job.run_id)
             session.commit()
-        token_ids, first_positions, following = self.corpus(corpus_id)
-        shading = self.shade(state, token_ids, first_positions, loaded, options)
-        with self.sessions() as session:
-            for layer in tqdm(
-                range(loaded.n_layers), desc="storing", unit="layer", disable=not options.progress
-            ):
-                t0 = time.perf_counter()
-                _, sentence, position = state.triggers(layer, 1)  # [keys, T] each
-                next_tokens = next_token_ids(following, sentence, position)  # [keys, T]
-                ranks = target_ranks(loaded, layer, next_tokens[:, 0])  # [keys]
-                norms = loaded.value_norms[layer].cpu()  # [keys]
-                t1 = time.perf_counter()
-                _store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
-                key_examples.store_key_examples(
-                    session=session,
-                    run_id=run_id,
-                    layer=layer,
-                    mined=state.layer(layer),
-                    **shading.pop(layer),
-                )
-                if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
-                    session.rollback()
-                    raise LostLease(f"job {job.id} was taken over while storing")
-                session.commit()
-                self.timings["projection"] += t1 - t0
-                self.timings["storing"] += time.perf_counter() - t1
-            compose(self.sessions, run_id, loaded, progress=options.progress)  # weight graph, explanations
-            self.store_neighbours(session, run_id, loaded, options)
-            queries.finish_run(session=session, run_id=run_id, n_tokens=state.positions)
-            jobs.finish_job(session=session, job_id=job.id)
-            jobs.attach_analyses(session=session, index_job=job)
-            jobs.drop_layers(session=session, run_id=run_id)
-            session.commit()
+        run = Finishing(job, lease, spec, loaded, state, *self.corpus(corpus_id))
+        for name, step in (
+            ("shading", self.shade),
+            ("layers", self.store_layers),
+            ("composition", self.compose),
+            ("neighbours", self.store_neighbours),
+            ("closing", self.close),
+        ):
+            with self.timed(name):
+                step(run)
 
-    def shade(self, state: MiningState, token_ids, first_positions, loaded: LoadedModel, options) -> dict:
+    def shade(self, run: Finishing) -> None:
         """The second pass: each key's coefficient at every token of its first `shaded_triggers`
         triggers of each sign and of its band samples (engine.sentence_coefficients). Per layer, the
         arguments of key_examples.store_key_examples: {"positive", "negative", "samples"}, per key a
         list of float32 arrays."""
-        t0 = time.perf_counter()
+        state = run.state
         counts, wanted = {}, {}
         for layer in range(state.n_layers):
             blocks = [
-                state.triggers(layer, sign)[1][:, : options.shaded_triggers].numpy() for sign in (1, -1)
+                state.triggers(layer, sign)[1][:, : run.spec.shaded_triggers].numpy() for sign in (1, -1)
             ]
             blocks.append(state.layer(layer).sample_sentence.reshape(state.n_keys, -1))  # by bin, then slot
             valid = [block >= 0 for block in blocks]  # triggers fill ranks 0 … n−1; samples any slot
@@ -544,38 +359,64 @@ class Worker:
             keep = np.concatenate(valid, axis=1)  # [keys, …]
             keys = np.broadcast_to(np.arange(state.n_keys)[:, None], keep.shape)
             wanted[layer] = np.stack([keys[keep], sentences[keep]], axis=1)  # [n, 2] key-major, in order
-        bar = tqdm(desc="shading", unit="sent", disable=not options.progress)
+        bar = tqdm(desc="shading", unit="sent", disable=not self.options.progress)
 
         def report(done: int, total: int) -> None:
             bar.total, bar.n = total, done
             bar.refresh()
 
         found = sentence_coefficients(
-            loaded,
-            token_ids,
-            mined_from(first_positions, first_position=options.first_position),
+            run.loaded,
+            run.token_ids,
+            mined_from(run.first_positions, first_position=run.spec.first_position),
             wanted,
-            batch_tokens=options.batch_tokens,
-            pad_id=_pad_id(loaded),
+            batch_tokens=run.spec.batch_tokens,
+            pad_id=_pad_id(run.loaded),
             report=report,
         )
         bar.close()
-        shading = {}
         for layer, arrays in found.items():
             bounds = np.concatenate([[0], np.cumsum(counts[layer].reshape(-1))])  # per key: +, −, samples
             parts = [arrays[start:stop] for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
-            shading[layer] = {
+            run.shading[layer] = {
                 name: [parts[3 * key + i] for key in range(state.n_keys)]
                 for i, name in enumerate(("positive", "negative", "samples"))
             }
-        self.timings["shading"] = self.timings.get("shading", 0.0) + time.perf_counter() - t0
-        return shading
 
-    def store_neighbours(self, session: Session, run_id: int, loaded: LoadedModel, options) -> None:
+    def store_layers(self, run: Finishing) -> None:
+        """Each layer's triggers and key statistics (with key–value agreement) and its key examples,
+        committed a layer at a time."""
+        run_id, loaded, state = run.job.run_id, run.loaded, run.state
+        with self.sessions() as session:
+            for layer in tqdm(
+                range(loaded.n_layers), desc="storing", unit="layer", disable=not self.options.progress
+            ):
+                with self.timed("projection"):
+                    _, sentence, position = state.triggers(layer, 1)  # [keys, T] each
+                    next_tokens = next_token_ids(run.following, sentence, position)  # [keys, T]
+                    ranks = target_ranks(loaded, layer, next_tokens[:, 0])  # [keys]
+                    norms = loaded.value_norms[layer].cpu()  # [keys]
+                with self.timed("storing"):
+                    _store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
+                    key_examples.store_key_examples(
+                        session=session,
+                        run_id=run_id,
+                        layer=layer,
+                        mined=state.layer(layer),
+                        **run.shading.pop(layer),
+                    )
+                    run.lease.check(session)
+                    session.commit()
+
+    def compose(self, run: Finishing) -> None:
+        """The weight graph and the memories' explanations (ffmem.worker.composition)."""
+        compose(self.sessions, run.job.run_id, run.loaded, progress=self.options.progress)
+
+    def store_neighbours(self, run: Finishing) -> None:
         """Each memory's nearest memories by key and by value direction. They need no corpus, but at
         prepare they would hold back the run's first results; here they add to its finish."""
-        t0 = time.perf_counter()
-        bar = tqdm(desc="neighbours", unit="block pair", disable=not options.progress)
+        loaded = run.loaded
+        bar = tqdm(desc="neighbours", unit="block pair", disable=not self.options.progress)
 
         def report(kind: str, done: int, total: int) -> None:  # keys, then values: `total` pairs each
             bar.total = 2 * total
@@ -586,129 +427,44 @@ class Worker:
         found = memory_neighbours(loaded, report=report)
         bar.close()
         neighbours = {kind: (index.numpy(), cosine.numpy()) for kind, (index, cosine) in found.items()}
-        memory_search.store_neighbours(
-            session=session,
-            run_id=run_id,
-            n_keys=loaded.n_keys,
-            neighbours=neighbours,
-            baselines=memory_baselines(loaded),  # what random pairs reach, per layer
-        )
-        self.timings["neighbours"] = self.timings.get("neighbours", 0.0) + time.perf_counter() - t0
-
-    def project_values(self, session: Session, job: Job, run_id: int, loaded: LoadedModel, options) -> None:
-        """Every value's top and bottom tokens under both readouts: they need no corpus, so the pages
-        show them while the run is still mining; and the arrays of full-vocabulary token search."""
-        log_z = {}
-        for layer in tqdm(
-            range(loaded.n_layers), desc="projecting values", unit="layer", disable=not options.progress
-        ):
-            t0 = time.perf_counter()
-            projected = list(project_layer(loaded, layer, options.value_tokens))
-            t1 = time.perf_counter()
-            for p in projected:
-                log_z[layer, p.readout] = p.log_z
-                queries.store_value_tokens(
-                    session=session,
-                    run_id=run_id,
-                    layer=layer,
-                    readout=p.readout,
-                    direction=p.direction,
-                    token_ids=p.token_ids.numpy(),
-                    logits=p.logits.numpy(),
-                    log_z=p.log_z.numpy(),
-                )
-            if not jobs.hold_job(session=session, job_id=job.id, worker=self.name, lease=self.lease):
-                raise LostLease(f"job {job.id} was taken over while projecting")
-            self.timings["projection"] += t1 - t0
-            self.timings["storing"] += time.perf_counter() - t1
-        memory_search.store_run_arrays(session=session, run_id=run_id, arrays=search_arrays(loaded, log_z))
-
-    def analyze(self, job: Job) -> None:
-        """The paper's analyses of the job's (finished) run, on the model that built it; progress
-        and the lease are renewed in the job's row every few seconds."""
-        options = self.run_model_options(job.run_id)
-        loaded = self.model(options)
-        given = {name: job.options[name] for name in (*jobs.ANALYSIS_FIELDS, "seed")}
-        chosen = AnalysisOptions(**given, progress=options.progress)
-        analyze(self.sessions, job.run_id, loaded, chosen, report=self._reporter(job.id))
         with self.sessions() as session:
-            jobs.finish_job(session=session, job_id=job.id)
-            session.commit()
-
-    def compare(self, job: Job) -> None:
-        """Two finished runs side by side (ffmem.worker.comparison), each run's weights read from the
-        model that built it, one model after the other."""
-        a, b = job.options["runs"]
-        compare_runs(
-            self.sessions, a, b, lambda run_id: memory_weights(self.model(self.run_model_options(run_id)))
-        )
-        with self.sessions() as session:
-            jobs.finish_job(session=session, job_id=job.id)
-            session.commit()
-
-    def run_model_options(self, run_id: int) -> IndexOptions:
-        """The options that load the model of run `run_id` as its index job loaded it (or by its source)."""
-        with self.sessions() as session:
-            built_by = session.scalars(
-                select(Job).where(Job.kind == JobKind.index, Job.run_id == run_id).order_by(Job.id.desc())
-            ).first()
-            source = session.get(Run, run_id).model.source
-        return (
-            self.options.with_run_options(built_by.options)
-            if built_by
-            else replace(self.options, model=source)
-        )
-
-    def _reporter(self, job_id: int, every: float = 2.0):
-        """report(analysis, done, total) for `analyze`: stores the progress and renews the lease at
-        most every `every` seconds, and at each analysis's start and end; raises LostLease when the
-        job was taken over."""
-        last = {"at": float("-inf"), "stage": None}
-
-        def report(stage: str, done: int, total: int) -> None:
-            moment = time.monotonic()
-            if moment - last["at"] < every and stage == last["stage"] and done < total:
-                return
-            last["at"], last["stage"] = moment, stage
-            progress = StageProgress(stage=stage, done=done, total=total)
-            with self.sessions() as session:
-                held = jobs.set_progress(
-                    session=session, job_id=job_id, worker=self.name, lease=self.lease, progress=progress
-                )
-                session.commit()
-            if not held:
-                raise LostLease(f"job {job_id} was taken over")
-
-        return report
-
-    # -- what a worker holds ----------------------------------------------------------------------
-    def model(self, options: IndexOptions) -> LoadedModel:
-        """The job's model: the process's one copy (shared with its live traces), taken once per worker
-        (again when a job names another)."""
-        wanted = (options.model, options.dtype)
-        if self.loaded is None or self._loaded_for not in (None, wanted):
-            self.loaded = None  # ours goes first: no two models at once unless someone else holds it
-            self.loaded = shared_model(
-                options.model, device=options.device, dtype=options.dtype, cache_dir=options.cache_dir
+            memory_search.store_neighbours(
+                session=session,
+                run_id=run.job.run_id,
+                n_keys=loaded.n_keys,
+                neighbours=neighbours,
+                baselines=memory_baselines(loaded),  # what random pairs reach, per layer
             )
-        self._loaded_for = wanted
-        return self.loaded
+            session.commit()
 
+    def close(self, run: Finishing) -> None:
+        """The run is done: its job too; the analyses waiting for it get it; its mined layers go."""
+        job = run.job
+        with self.sessions() as session:
+            run.lease.check(session)
+            runs.finish_run(session=session, run_id=job.run_id, n_tokens=run.state.positions)
+            jobs.finish_job(session=session, job_id=job.id)
+            jobs.attach_analyses(session=session, index_job=job)
+            shards.drop_layers(session=session, run_id=job.run_id)
+            session.commit()
+
+    # -- what the stages read and measured --------------------------------------------------------
     def corpus(self, corpus_id: int) -> tuple[list[list[int]], list[int], torch.Tensor]:
         """(token ids, first mined positions, following tokens) of a stored corpus, read once."""
         if self._corpus is None or self._corpus[0] != corpus_id:
             with self.sessions() as session:
-                ids = queries.load_sentence_tokens(session=session, corpus_id=corpus_id)
-                first = queries.load_first_positions(session=session, corpus_id=corpus_id)
+                ids = corpora.load_sentence_tokens(session=session, corpus_id=corpus_id)
+                first = corpora.load_first_positions(session=session, corpus_id=corpus_id)
             self._corpus = (corpus_id, ids, first, _following_tokens(ids))
         return self._corpus[1:]
 
     def summary(self, job_id: int, already_built: bool = False) -> IndexSummary:
+        """What job `job_id`'s run stored, and what this worker measured building it."""
         with self.sessions() as session:
             job = session.get(Job, job_id)
             run = session.get(Run, job.run_id)
             model = run.model
-            count = queries.count_entries
+            count = runs.count_entries
             return IndexSummary(
                 run_id=run.id,
                 model=model.slug,
@@ -721,9 +477,9 @@ class Worker:
                 value_tokens=sum(count(session=session, run_id=run.id, kind=r) for r in READOUTS),
                 padding_efficiency=self.padding[0] / self.padding[1] if self.padding[1] else 1.0,
                 resumed_shards=self.resumed_shards,
-                mining_seconds=self.timings["mining"],
-                projection_seconds=self.timings["projection"],
-                storing_seconds=self.timings["storing"],
+                mining_seconds=self.timings.get("mining", 0.0),
+                projection_seconds=self.timings.get("projection", 0.0),
+                storing_seconds=self.timings.get("storing", 0.0),
                 shading_seconds=self.timings.get("shading", 0.0),
                 already_built=already_built,
             )
@@ -737,7 +493,7 @@ def _state(layers: list[bytes], device) -> MiningState:
     return MiningState.from_layers([MinedLayer.from_bytes(data) for data in layers], device=device)
 
 
-def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
+def _provenance(loaded: LoadedModel, corpus, spec: RunSpec) -> dict:
     return {
         "model_source": loaded.source,
         "model_revision": loaded.revision,
@@ -746,14 +502,14 @@ def _provenance(loaded: LoadedModel, corpus, options: IndexOptions) -> dict:
         "corpus": corpus.name,
         "corpus_sha256": corpus.source_sha256,
         "sentences": corpus.n_sentences,
-        "held_out_every": options.held_out_every,
-        "held_out": _held_out_rule(corpus.n_sentences, options.held_out_every),
+        "held_out_every": spec.held_out_every,
+        "held_out": _held_out_rule(corpus.n_sentences, spec.held_out_every),
         "shard_order": "shard k of n mines every n-th mined sentence from the k-th: each spans the corpus",
-        "max_sentence_tokens": options.max_sentence_tokens,
-        "first_position": options.first_position,
-        "mined_positions": _mined_positions(loaded, options.first_position),
-        "batch_tokens": options.batch_tokens,
-        "shard_sentences": options.shard_sentences,
+        "max_sentence_tokens": spec.max_sentence_tokens,
+        "first_position": spec.first_position,
+        "mined_positions": _mined_positions(loaded, spec.first_position),
+        "batch_tokens": spec.batch_tokens,
+        "shard_sentences": spec.shard_sentences,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -784,7 +540,7 @@ def _mined_positions(loaded: LoadedModel, first_position: bool) -> str:
 
 def _store_model(session: Session, loaded: LoadedModel):
     config = loaded.config
-    model_row = queries.upsert_model(
+    model_row = runs.upsert_model(
         session=session,
         slug=loaded.slug,
         source=loaded.source,
@@ -799,7 +555,7 @@ def _store_model(session: Session, loaded: LoadedModel):
         gated=loaded.adapter.gates is not None,
     )
     ids = list(range(len(loaded.tokenizer)))
-    queries.store_vocabulary(
+    vocabularies.store_vocabulary(
         session=session,
         model_id=model_row.id,
         texts=[loaded.tokenizer.decode([i]) for i in ids],
@@ -837,14 +593,14 @@ def _store_layer(
     top raw tokens (stored when the run was prepared); and `ranks`, the raw rank of the token after
     each key's top trigger (the paper's Figs. 4–5).
     """
-    top_ids, top_probs = queries.layer_value_tokens(
+    top_ids, top_probs = memory_reads.layer_value_tokens(
         session=session, run_id=run_id, layer=layer, readout="raw", direction=1
     )  # [keys, n] each
     agrees = (next_tokens[:, :, None] == torch.from_numpy(top_ids)[:, None, :]).any(dim=-1)  # [keys, T]
     stored = 0
     for sign in (1, -1):
         coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T] each
-        stored += queries.store_triggers(
+        stored += memory_writes.store_triggers(
             session=session,
             run_id=run_id,
             layer=layer,
@@ -855,7 +611,7 @@ def _store_layer(
         )
     top, _, _ = state.triggers(layer, 1)
     bottom, _, _ = state.triggers(layer, -1)
-    queries.store_key_stats(
+    memory_writes.store_key_stats(
         session=session,
         run_id=run_id,
         layer=layer,

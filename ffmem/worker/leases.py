@@ -3,7 +3,8 @@
 - `Heartbeat`: while a step runs (preparing a run, mining a shard, finishing a run, an analysis), a
   thread renews the step's lease every third of the lease, so a step may take longer than the lease
   (a large model loading, a large corpus tokenized) and keep its job; when the worker dies the beats
-  stop and the lease runs out.
+  stop and the lease runs out. Before the step commits what it did, `check` renews the lease in the
+  step's own transaction and raises `LostLease` when another worker took the work over.
 - `Presence`: each worker process holds an exclusive lock (flock) on a file named by its random id
   for as long as it lives; the kernel drops the lock when the process dies, however it dies. A worker
   starting finds a holder's file unlocked: that holder is dead, and its leases end at once (rerunning a
@@ -23,6 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from sqlalchemy.orm import Session, sessionmaker
+
+from ffmem.engine.errors import FfmemError
+
 try:
     import fcntl
 except ImportError:  # Windows: no presence files; leases alone decide
@@ -32,17 +37,24 @@ log = logging.getLogger("ffmem")
 WORKER_ID = re.compile(r"[0-9a-f]{32}$")  # the uuid4 at the end of jobs.worker_id()
 
 
-class Heartbeat:
-    """Calls `renew()` (True: the lease is still ours) every `every` seconds from a daemon thread
-    until the `with` block ends. A renewal that fails (a busy database) is tried again at the next
-    beat; one that finds the lease lost sets `lost` and stops."""
+class LostLease(FfmemError):
+    """Another worker took over this shard or job (our lease ran out)."""
 
-    def __init__(self, renew: Callable[[], bool], every: float, name: str = "heartbeat") -> None:
-        self.renew, self.every = renew, every
+
+class Heartbeat:
+    """The lease on `what` ("job 3", "shard 0 of run 2"), kept while a step runs: `renew(session)` (True:
+    the lease is still ours) is called every `every` seconds from a daemon thread, each time in a
+    transaction of its own, until the `with` block ends. A renewal that fails (a busy database) is
+    tried again at the next beat; one that finds the lease lost sets `lost` and stops."""
+
+    def __init__(
+        self, renew: Callable[[Session], bool], sessions: sessionmaker, every: float, what: str
+    ) -> None:
+        self.renew, self.sessions, self.every, self.what = renew, sessions, every, what
         self.lost = threading.Event()
         self.beats = 0  # renewals that held
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._beat, name=f"lease of {what}", daemon=True)
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()
@@ -54,10 +66,19 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=60)  # a renewal waiting on the step's own row lock ends with the step
 
+    def check(self, session: Session) -> None:
+        """Renew the lease in `session`, the step's transaction, before the step commits: the renewal's
+        row lock keeps the lease ours until that commit. Raises LostLease when it was taken over."""
+        if self.lost.is_set() or not self.renew(session):
+            self.lost.set()
+            raise LostLease(f"{self.what} was taken over")
+
     def _beat(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                held = self.renew()
+                with self.sessions() as session:
+                    held = self.renew(session)
+                    session.commit()
             except Exception as error:  # noqa: BLE001 - e.g. SQLite locked by the step's own write
                 log.debug("lease renewal failed (%s); trying again in %g s", error, self.every)
                 continue

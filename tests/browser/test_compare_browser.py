@@ -17,7 +17,8 @@ from ffmem.store import comparison
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import LanguageModel
 from ffmem.web.main import create_app
-from ffmem.worker.index import IndexOptions, Worker, build_index
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import Worker, build_index
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +33,12 @@ def index(tiny, tiny_model_dir, tmp_path_factory):
     sessions = make_sessionmaker(engine)
     runs = []
     for shard_sentences in (8, 2):
-        options = IndexOptions(
+        settings = Settings(
             model=str(tiny_model_dir), corpus=str(corpus), sentences=None, top_k=4, device="cpu",
             dtype="float32", batch_tokens=128, shard_sentences=shard_sentences, value_tokens=5,
-            cache_dir=folder / "cache", progress=False,
+            cache_dir=folder / "cache",
         )  # fmt: skip
+        options = IndexOptions.from_settings(settings, progress=False)
         runs.append(build_index(options, sessions, loaded=tiny).run_id)
     with sessions() as session:
         job, _ = comparison.enqueue_comparison(session=session, run_a=runs[0], run_b=runs[1])

@@ -15,10 +15,12 @@ from tiny_models import TRAINING_TEXT
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Job, LanguageModel
+from ffmem.store.specs import AnalysisSpec
 from ffmem.web.main import create_app
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
-from ffmem.worker.index import IndexOptions, build_index
+from ffmem.worker.index import IndexOptions
 from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.loop import build_index
 
 HELD_OUT = [
     "The river flows into the sea.",
@@ -35,15 +37,16 @@ def index(tiny, tiny_model_dir, tmp_path_factory):
     upgrade(url)
     corpus = folder / "corpus.txt"
     corpus.write_text("\n".join(TRAINING_TEXT + HELD_OUT) + "\n")
-    options = IndexOptions(
+    settings = Settings(
         model=str(tiny_model_dir), corpus=str(corpus), sentences=len(TRAINING_TEXT), top_k=4, device="cpu",
         dtype="float32", batch_tokens=128, shard_sentences=8, value_tokens=5, cache_dir=folder / "cache",
-        progress=False,
     )  # fmt: skip
+    options = IndexOptions.from_settings(settings, progress=False)
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
     summary = build_index(options, sessions, loaded=tiny)
-    analyze(sessions, summary.run_id, tiny, AnalysisOptions(examples=3, keys=2, triggers=2, progress=False))
+    spec = AnalysisSpec(examples=3, keys=2, triggers=2, seed=0)
+    analyze(sessions, summary.run_id, tiny, AnalysisOptions(spec, progress=False))
     with sessions() as session:
         facts = {
             "slug": session.scalars(select(LanguageModel.slug)).one(),

@@ -11,7 +11,7 @@ from browser_fixtures import serving
 from sqlalchemy import select
 
 from ffmem.config import Settings
-from ffmem.store import queries
+from ffmem.store import memory_reads
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import LanguageModel, Run, Token
 from ffmem.web.main import create_app
@@ -33,7 +33,7 @@ def facts(explorer_db):
     with make_sessionmaker(engine)() as session:
         model = session.scalars(select(LanguageModel)).one()
         run_id = session.scalars(select(Run.id)).first()
-        top = queries.get_value_tokens(
+        top = memory_reads.get_value_tokens(
             session=session, run_id=run_id, layer=0, key=0, readout="raw", direction=1
         )
         token_id = top[0].token_id

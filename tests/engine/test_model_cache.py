@@ -186,6 +186,7 @@ def cold_start(tmp_path_factory):
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 def test_threads_and_processes_loading_at_once_on_a_cold_cache_get_identical_weights(cold_start):
     cache, results, outputs, seconds = cold_start
     assert all(isinstance(loaded, LoadedModel) for loaded in results), results

@@ -13,12 +13,14 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
-from ffmem.store import jobs, queries
+from ffmem.config import Settings
+from ffmem.store import corpora, jobs, models, runs, shards
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.jobs import Enqueued, JobKind, JobStatus, ShardStatus
-from ffmem.store.models import Job, Shard
+from ffmem.store.models import Analysis, Job, Run, RunStatus, Shard
+from ffmem.store.specs import AnalysisSpec, RunSpec
 
-OPTIONS = {"model": "tiny", "corpus": "c.txt", "sentences": 10}
+SPEC = RunSpec.from_settings(Settings(_env_file=None), model="tiny", corpus="c.txt", sentences=10)
 LEASE = timedelta(milliseconds=50)  # a worker that dies holds its step this long
 
 
@@ -53,7 +55,7 @@ def test_two_enqueues_at_once_make_one_job(sessions, monkeypatch):
     def enqueue() -> None:
         try:
             with sessions() as session:
-                job, what = jobs.enqueue(session=session, options=OPTIONS)
+                job, what = jobs.enqueue(session=session, spec=SPEC)
                 session.commit()
                 results.append((job.id, what))
         except Exception as error:  # noqa: BLE001 - reported below
@@ -73,14 +75,14 @@ def test_two_enqueues_at_once_make_one_job(sessions, monkeypatch):
 
 def test_the_database_refuses_a_second_unfinished_job_with_one_fingerprint(sessions):
     def row(status: JobStatus) -> Job:
-        key = jobs.fingerprint(OPTIONS)
+        key = jobs.job_fingerprint(SPEC)
         return Job(
             kind=JobKind.index,
             status=status,
-            options=OPTIONS,
+            options=SPEC.options(),
             fingerprint=key,
             attempts=0,
-            created_at=jobs.now(),
+            created_at=models.now(),
         )
 
     with sessions() as session:
@@ -93,7 +95,7 @@ def test_the_database_refuses_a_second_unfinished_job_with_one_fingerprint(sessi
 
 def test_a_job_whose_worker_dies_each_time_fails_after_max_attempts(sessions):
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=OPTIONS)
+        job, _ = jobs.enqueue(session=session, spec=SPEC)
         session.commit()
     for attempt in (1, 2, 3):  # each worker takes the job up and dies (its lease runs out)
         with sessions() as session:
@@ -124,7 +126,7 @@ def test_a_job_whose_worker_dies_each_time_fails_after_max_attempts(sessions):
 
 def test_a_worker_that_stops_cleanly_gives_its_step_back_uncounted(sessions):
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=OPTIONS)
+        job, _ = jobs.enqueue(session=session, spec=SPEC)
         session.commit()
     for _ in range(5):  # Ctrl-C five times: no attempt is lost
         with sessions() as session:
@@ -143,7 +145,7 @@ def test_a_step_that_ended_does_not_count_against_the_next(sessions):
     """Preparing took two attempts; finishing the run (after its shards) has its own."""
     run_id = _run(sessions)
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=OPTIONS)
+        job, _ = jobs.enqueue(session=session, spec=SPEC)
         session.commit()
     for attempt in (1, 2):
         with sessions() as session:
@@ -163,15 +165,15 @@ def test_a_step_that_ended_does_not_count_against_the_next(sessions):
 def test_a_shard_whose_worker_dies_each_time_fails_its_job(sessions):
     run_id = _run(sessions)
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=OPTIONS)
+        job, _ = jobs.enqueue(session=session, spec=SPEC)
         jobs.claim_job(session=session, worker="w", lease=LEASE, max_attempts=2)
         session.get(Job, job.id).run_id = run_id
-        jobs.create_shards(session=session, run_id=run_id, n_sentences=10, shard_sentences=5)
+        shards.create_shards(session=session, run_id=run_id, n_sentences=10, shard_sentences=5)
         jobs.release_job(session=session, job_id=job.id)
         session.commit()
     for attempt in (1, 2):
         with sessions() as session:
-            shard = jobs.claim_shard(
+            shard = shards.claim_shard(
                 session=session, run_id=run_id, worker=f"m{attempt}", lease=LEASE, max_attempts=2
             )
             session.commit()
@@ -179,11 +181,12 @@ def test_a_shard_whose_worker_dies_each_time_fails_its_job(sessions):
         died()
     with sessions() as session:
         assert (
-            jobs.claim_shard(session=session, run_id=run_id, worker="m3", lease=LEASE, max_attempts=2) is None
+            shards.claim_shard(session=session, run_id=run_id, worker="m3", lease=LEASE, max_attempts=2)
+            is None
         )
         session.commit()
         failed = session.get(Job, job.id)
-        assert failed.status == JobStatus.failed and failed.run.status == "failed"
+        assert failed.status == JobStatus.failed and failed.run.status == RunStatus.failed
         assert failed.error["message"].startswith(
             "failed after 2 attempts: the worker died each time while mining shard 0 (its lease of "
             "0.05 s ran out before it finished; the last was m2)."
@@ -191,48 +194,78 @@ def test_a_shard_whose_worker_dies_each_time_fails_its_job(sessions):
         jobs.retry(session=session, job_id=job.id)
         session.commit()
         assert session.scalars(select(Shard.attempts).order_by(Shard.index)).all() == [0, 0]
-        again = jobs.claim_shard(session=session, run_id=run_id, worker="m4", lease=LEASE, max_attempts=2)
+        again = shards.claim_shard(session=session, run_id=run_id, worker="m4", lease=LEASE, max_attempts=2)
         assert (again.index, again.status, again.attempts) == (0, ShardStatus.running, 1)
 
 
 def test_an_analysis_waits_for_its_index_job_by_a_foreign_key(sessions):
     run_id = _run(sessions)
-    analysis = {"examples": 5, "keys": 2, "triggers": 2, "seed": 0}
+    analysis = AnalysisSpec(examples=5, keys=2, triggers=2, seed=0)
     with sessions() as session:
-        index_job, _ = jobs.enqueue(session=session, options=OPTIONS)
-        waiting, what = jobs.enqueue_analysis(session=session, options=analysis, after=index_job.id)
-        twin, again = jobs.enqueue_analysis(session=session, options=analysis, after=index_job.id)
+        index_job, _ = jobs.enqueue(session=session, spec=SPEC)
+        waiting, what = jobs.enqueue_analysis(session=session, spec=analysis, after=index_job.id)
+        twin, again = jobs.enqueue_analysis(session=session, spec=analysis, after=index_job.id)
         session.commit()
         assert (what, again, twin.id) == (Enqueued.created, Enqueued.resumed, waiting.id)
-        assert (waiting.after_job_id, waiting.run_id, waiting.options) == (index_job.id, None, analysis)
+        assert (waiting.after_job_id, waiting.run_id, waiting.spec) == (index_job.id, None, analysis)
         # The index job builds run `run_id` and is done: the analysis gets the run, and the fingerprint of
         # one queued for that run, so queuing it for the run now finds it.
         index_job.run_id, index_job.status = run_id, JobStatus.done
         assert jobs.attach_analyses(session=session, index_job=index_job) == 1
         session.commit()
         assert (waiting.run_id, waiting.after_job_id) == (run_id, index_job.id)
-        session.get(Job, index_job.id).run.status = "done"
-        found, what = jobs.enqueue_analysis(session=session, options=analysis, run_id=run_id)
+        session.get(Job, index_job.id).run.status = RunStatus.done
+        found, what = jobs.enqueue_analysis(session=session, spec=analysis, run_id=run_id)
         assert (found.id, what) == (waiting.id, Enqueued.resumed)
         assert [job.id for job in jobs.analysis_jobs(session=session, run_id=run_id)] == [waiting.id]
         # Deleting the run takes its index job and the analyses waiting for it.
-        queries.delete_run(session=session, run_id=run_id)
+        runs.delete_run(session=session, run_id=run_id)
         session.commit()
         assert session.scalar(select(func.count()).select_from(Job)) == 0
+
+
+def test_a_run_and_its_analyses_are_queued_in_one_call(sessions):
+    """`ffmem index --analyze`, the home page's form and `ffmem demo` queue a run and its analyses with
+    `enqueue_run`: the analyses wait for the index job; once the run is built and analyzed, the demo's
+    (`keep_analyses`) queues none, the others queue theirs for the run."""
+    run_id = _run(sessions)
+    analysis, smaller = (AnalysisSpec(examples=n, keys=2, triggers=2, seed=0) for n in (5, 3))
+    with sessions() as session:
+        job, what, waiting = jobs.enqueue_run(session=session, spec=SPEC, analysis=analysis)
+        assert (what, waiting.after_job_id, waiting.run_id, waiting.spec) == (
+            Enqueued.created,
+            job.id,
+            None,
+            analysis,
+        )
+        job.run_id, job.status, waiting.status = run_id, JobStatus.done, JobStatus.done
+        session.get(Run, run_id).status = RunStatus.done
+        session.add(
+            Analysis(
+                run_id=run_id, name="agreement", options={}, data={}, seconds=0.0, created_at=models.now()
+            )
+        )
+        session.flush()
+        same, what, none = jobs.enqueue_run(session=session, spec=SPEC, analysis=smaller, keep_analyses=True)
+        assert (same.id, what, none) == (job.id, Enqueued.done, None)
+        same, what, queued = jobs.enqueue_run(session=session, spec=SPEC, analysis=smaller)
+        assert (same.id, what, queued.run_id, queued.after_job_id, queued.spec) == (
+            job.id, Enqueued.done, run_id, None, smaller
+        )  # fmt: skip
 
 
 def _run(sessions) -> int:
     """A run row (of a model and a corpus) for jobs and shards to point at."""
     with sessions() as session:
-        model = queries.upsert_model(
+        model = runs.upsert_model(
             session=session, slug="tiny", source="tiny", revision=None, architecture="LlamaForCausalLM",
             family="llama", n_layers=1, n_keys=4, d_model=2, vocab_size=8, activation="silu", gated=True,
         )  # fmt: skip
-        corpus = queries.store_corpus(
+        corpus = corpora.store_corpus(
             session=session, name="c", source="c.txt", source_sha256="0" * 64, fingerprint="f" * 64,
             tokenizer="tiny", max_tokens=8, skipped={}, sentences=[("a b", [1, 2], [(0, 1), (2, 3)], 0)] * 10,
         )  # fmt: skip
-        run = queries.create_run(
+        run = runs.create_run(
             session=session, model_id=model.id, corpus_id=corpus.id, top_k=2, n_value_tokens=2,
             n_sentences=10, dtype="float32", device="cpu", package_version="0", provenance={},
             histogram_edges=[0.0, 1.0],

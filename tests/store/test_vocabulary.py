@@ -1,17 +1,17 @@
-"""Token texts come from a vocabulary read once per process (queries.vocabulary): the same texts as the
+"""Token texts come from a vocabulary read once per process (vocabularies.vocabulary): the same texts as the
 `tokens` table, never a stale or half-stored vocabulary, never another database's or model row's."""
 
 from __future__ import annotations
 
 from sqlalchemy import insert, select
 
-from ffmem.store import queries
+from ffmem.store import runs, vocabularies
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Token
 
 
 def _model(session, slug: str, vocab_size: int):
-    return queries.upsert_model(
+    return runs.upsert_model(
         session=session,
         slug=slug,
         source=slug,
@@ -30,18 +30,18 @@ def _model(session, slug: str, vocab_size: int):
 def test_token_texts_equal_the_stored_vocabulary(session):
     texts = [f" word{i}" for i in range(50)] + ["\x00nul", "<b>&"]
     model = _model(session, "tiny", len(texts))
-    queries.store_vocabulary(session=session, model_id=model.id, texts=texts, pieces=texts)
+    vocabularies.store_vocabulary(session=session, model_id=model.id, texts=texts, pieces=texts)
     session.commit()
     wanted = [0, 3, 51, 50, 3, 999, -1]
     stored = dict(session.execute(select(Token.token_id, Token.text).where(Token.model_id == model.id)).all())
-    assert queries.token_texts(session=session, model_id=model.id, token_ids=wanted) == {
+    assert vocabularies.token_texts(session=session, model_id=model.id, token_ids=wanted) == {
         0: " word0",
         3: " word3",
         50: stored[50],
         51: "<b>&",
     }
     assert stored[50] == "\u2400nul"  # stored as every text is (NUL shown as ␀)
-    assert queries.token_texts(session=session, model_id=model.id + 1, token_ids=[0]) == {}
+    assert vocabularies.token_texts(session=session, model_id=model.id + 1, token_ids=[0]) == {}
 
 
 def test_a_vocabulary_still_being_stored_is_read_again(session):
@@ -50,12 +50,15 @@ def test_a_vocabulary_still_being_stored_is_read_again(session):
         insert(Token), [{"model_id": model.id, "token_id": i, "text": f"t{i}", "piece": ""} for i in (0, 1)]
     )
     session.commit()
-    assert queries.token_texts(session=session, model_id=model.id, token_ids=range(4)) == {0: "t0", 1: "t1"}
+    assert vocabularies.token_texts(session=session, model_id=model.id, token_ids=range(4)) == {
+        0: "t0",
+        1: "t1",
+    }
     session.execute(
         insert(Token), [{"model_id": model.id, "token_id": i, "text": f"t{i}", "piece": ""} for i in (2, 3)]
     )
     session.commit()
-    assert queries.token_texts(session=session, model_id=model.id, token_ids=range(4)) == {
+    assert vocabularies.token_texts(session=session, model_id=model.id, token_ids=range(4)) == {
         0: "t0",
         1: "t1",
         2: "t2",
@@ -71,10 +74,10 @@ def test_each_database_has_its_own_vocabulary(tmp_path):
         engine = make_engine(url)
         with make_sessionmaker(engine)() as session:
             model = _model(session, "same-slug", 2)  # the same id in both databases
-            queries.store_vocabulary(
+            vocabularies.store_vocabulary(
                 session=session, model_id=model.id, texts=[name, name * 2], pieces=["", ""]
             )
             session.commit()
-            found.append(queries.token_texts(session=session, model_id=model.id, token_ids=[0, 1]))
+            found.append(vocabularies.token_texts(session=session, model_id=model.id, token_ids=[0, 1]))
         engine.dispose()
     assert found == [{0: "a", 1: "aa"}, {0: "b", 1: "bb"}]

@@ -11,13 +11,16 @@ import torch
 from sqlalchemy import func, select
 from tiny_models import TRAINING_TEXT
 
+from ffmem.config import Settings
 from ffmem.engine.analyses import census, token_removal
 from ffmem.engine.corpus import tokenize
-from ffmem.store import queries
+from ffmem.store import corpora, memory_reads
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Analysis, Job, KeyStats, Run
+from ffmem.store.specs import AnalysisSpec
 from ffmem.worker.analysis_jobs import value_top_tokens
-from ffmem.worker.index import IndexOptions, build_index
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import build_index
 
 MORE = ["The river flows into the sea.", "Rome was not built in a day.", "Light travels faster than sound."]
 
@@ -26,16 +29,16 @@ MORE = ["The river flows into the sea.", "Rome was not built in a day.", "Light 
 def analyzed(db_url, tiny, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TRAINING_TEXT + MORE) + "\n")
-    options = IndexOptions(
+    settings = Settings(
         model="tiny", corpus=str(corpus), sentences=len(TRAINING_TEXT), top_k=4, device="cpu",
         dtype="float32", batch_tokens=128, shard_sentences=8, value_tokens=5, cache_dir=tmp_path / "cache",
-        progress=False,
     )  # fmt: skip
+    options = IndexOptions.from_settings(settings, progress=False)
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
     # The index run and then its analyses, as jobs (`ffmem index --analyze`): the analysis job waits
     # for the run, gets it when the run is done, and the same worker computes it.
-    analysis = {"examples": 10, "keys": 3, "triggers": 2, "seed": 0}
+    analysis = AnalysisSpec(examples=10, keys=3, triggers=2, seed=0)
     summary = build_index(options, sessions, loaded=tiny, analysis=analysis)
     with sessions() as session:
         job = session.scalars(select(Job).where(Job.kind == "analysis")).one()
@@ -44,7 +47,7 @@ def analyzed(db_url, tiny, tmp_path):
             "done",
             summary.run_id,
             index_job,
-            analysis,
+            analysis.options(),
         )
         # The last report: token removal's last batch (one batch a layer here).
         assert job.progress == {"stage": "token_removal", "done": 3, "total": 3}
@@ -89,10 +92,10 @@ def test_stored_analyses_equal_the_engine(analyzed, tiny):
         items, owners = [], []
         for layer in range(3):
             for key in sorted(rng.sample(range(48), 3)):
-                for trigger in queries.get_triggers(
+                for trigger in memory_reads.get_triggers(
                     session=session, run_id=run_id, layer=layer, key=key, sign=1, limit=2
                 ):
-                    sentence = queries.get_sentences(
+                    sentence = corpora.get_sentences(
                         session=session, corpus_id=run.corpus_id, indices=[trigger.sentence_index]
                     )[trigger.sentence_index]
                     items.append((layer, key, sentence.token_ids[: trigger.position + 1]))
@@ -122,7 +125,6 @@ def _close(value):
 def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
     from fastapi.testclient import TestClient
 
-    from ffmem.config import Settings
     from ffmem.web.main import create_app
 
     sessions, run_id, _ = analyzed
@@ -156,10 +158,11 @@ def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
 
 
 def _tiny_options(tiny_corpus, tmp_path, sentences):
-    return IndexOptions(
+    settings = Settings(
         model="tiny", corpus=str(tiny_corpus), sentences=sentences, top_k=4, device="cpu", dtype="float32",
-        batch_tokens=128, shard_sentences=8, value_tokens=5, cache_dir=tmp_path / "cache", progress=False,
+        batch_tokens=128, shard_sentences=8, value_tokens=5, cache_dir=tmp_path / "cache",
     )  # fmt: skip
+    return IndexOptions.from_settings(settings, progress=False)
 
 
 def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url, tiny, tmp_path):
@@ -167,20 +170,20 @@ def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url
 
     from ffmem.engine.errors import FfmemError
     from ffmem.store import jobs
-    from ffmem.worker.index import Worker
+    from ffmem.worker.loop import Worker
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TRAINING_TEXT) + "\n")
     options = _tiny_options(corpus, tmp_path, sentences=None)  # every sentence mined: none held out
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
-    analysis = {"examples": 5, "keys": 2, "triggers": 2, "seed": 0}
+    analysis = AnalysisSpec(examples=5, keys=2, triggers=2, seed=0)
     with sessions() as session:
-        index_job, _ = jobs.enqueue(session=session, options=options.run_options())
-        waiting, what = jobs.enqueue_analysis(session=session, options=analysis, after=index_job.id)
+        index_job, _ = jobs.enqueue(session=session, spec=options.spec)
+        waiting, what = jobs.enqueue_analysis(session=session, spec=analysis, after=index_job.id)
         session.commit()
         assert (what, waiting.kind, waiting.run_id, waiting.after_job_id, waiting.options) == (
-            "created", "analysis", None, index_job.id, analysis,
+            "created", "analysis", None, index_job.id, analysis.options(),
         )  # fmt: skip
         # Before its run is built nobody may claim it: the index job goes first, then nothing is left.
         index_id, waiting_id, lease = index_job.id, waiting.id, timedelta(seconds=60)
@@ -202,7 +205,7 @@ def test_an_analysis_job_waits_for_its_run_and_its_failure_leaves_the_run(db_url
         names = session.scalars(select(Analysis.name).where(Analysis.run_id == run.id)).all()
         assert "agreement" in names and "census" not in names  # those that need no held-out sentences
         # Queued again for the run (as the analysis page does): the failed job is retried.
-        again, what = jobs.enqueue_analysis(session=session, options=analysis, run_id=run.id)
+        again, what = jobs.enqueue_analysis(session=session, spec=analysis, run_id=run.id)
         assert (what, again.id, again.status) == ("resumed", waiting_id, "queued")  # a retry
     engine.dispose()
 
@@ -213,7 +216,8 @@ def test_an_analysis_that_lost_its_job_stops(db_url, tiny, tmp_path):
     from sqlalchemy import update
 
     from ffmem.store import jobs
-    from ffmem.worker.index import LostLease, Worker
+    from ffmem.worker.leases import LostLease
+    from ffmem.worker.loop import Worker
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TRAINING_TEXT + MORE) + "\n")
@@ -223,13 +227,14 @@ def test_an_analysis_that_lost_its_job_stops(db_url, tiny, tmp_path):
     summary = build_index(options, sessions, loaded=tiny)
     worker = Worker(sessions, options, loaded=tiny)
     with sessions() as session:
-        job, _ = jobs.enqueue_analysis(session=session, options={"examples": 3}, run_id=summary.run_id)
+        spec = AnalysisSpec(examples=3, keys=2, triggers=2, seed=0)
+        job, _ = jobs.enqueue_analysis(session=session, spec=spec, run_id=summary.run_id)
         claimed = jobs.claim_job(
             session=session, worker=worker.name, lease=timedelta(seconds=60), max_attempts=3
         )
         session.commit()
         assert claimed.id == job.id
-    report = worker._reporter(job.id)
+    report = worker._reporter(job.id, worker._job_lease(job.id))
     report("census", 1, 4)
     with sessions() as session:
         assert session.get(Job, job.id).progress == {"stage": "census", "done": 1, "total": 4}

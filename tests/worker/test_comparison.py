@@ -10,28 +10,32 @@ import torch
 from explorer_index import EXPLORER_SENTENCES
 from transformers import LlamaForCausalLM
 
+from ffmem.config import Settings
 from ffmem.engine.comparison import overlap
 from ffmem.engine.errors import FfmemError
 from ffmem.store import comparison
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Comparison, Job, JobStatus, KeyChange, Run
-from ffmem.worker.index import IndexOptions, Worker, build_index
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import Worker, build_index
 
 CHANGED = (1, 7)  # the memory whose up row (key) and value are replaced in the perturbed model
 
 
 def options(model: str, corpus, folder, shard_sentences: int, top_k: int = 6) -> IndexOptions:
-    return IndexOptions(
-        model=model,
-        corpus=str(corpus),
-        sentences=None,
-        top_k=top_k,
-        device="cpu",
-        dtype="float32",
-        batch_tokens=128,
-        shard_sentences=shard_sentences,
-        value_tokens=8,
-        cache_dir=folder / "cache",
+    return IndexOptions.from_settings(
+        Settings(
+            model=model,
+            corpus=str(corpus),
+            sentences=None,
+            top_k=top_k,
+            device="cpu",
+            dtype="float32",
+            batch_tokens=128,
+            shard_sentences=shard_sentences,
+            value_tokens=8,
+            cache_dir=folder / "cache",
+        ),
         progress=False,
     )
 

@@ -13,13 +13,16 @@ import torch
 from sqlalchemy import select
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from ffmem.config import Settings
 from ffmem.engine.loading import load_model
 from ffmem.engine.weight_graph import weight_graph
 from ffmem.store import composition
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Analysis, Explanation, MemoryLinks
-from ffmem.worker.composition import ComposeOptions, compose
-from ffmem.worker.index import IndexOptions, build_index
+from ffmem.worker.composition import compose
+from ffmem.worker.explanations import ExplanationOptions
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import build_index
 
 PLANTED = 7  # the key of layer 0 that fires on "Paris"
 PARIS = [
@@ -84,18 +87,20 @@ def planted_run(tmp_path_factory, planted, planted_dir):
     url = f"sqlite:///{folder / 'ffmem.db'}"
     upgrade(url)
     sessions = make_sessionmaker(make_engine(url))
-    options = IndexOptions(
-        model=str(planted_dir),
-        corpus=str(corpus),
-        sentences=MINED,
-        held_out_every=0,  # the held-out sentences are those after the mined ones
-        top_k=6,
-        device="cpu",
-        dtype="float32",
-        batch_tokens=128,
-        shard_sentences=8,
-        value_tokens=5,
-        cache_dir=folder / "cache",
+    options = IndexOptions.from_settings(
+        Settings(
+            model=str(planted_dir),
+            corpus=str(corpus),
+            sentences=MINED,
+            held_out_every=0,  # the held-out sentences are those after the mined ones
+            top_k=6,
+            device="cpu",
+            dtype="float32",
+            batch_tokens=128,
+            shard_sentences=8,
+            value_tokens=5,
+            cache_dir=folder / "cache",
+        ),
         progress=False,
     )
     summary = build_index(options, sessions, loaded=planted)
@@ -141,7 +146,7 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
 def test_explanations_are_deterministic(planted_run, planted):
     sessions, run_id = planted_run
     before = _rows(sessions, run_id)
-    compose(sessions, run_id, planted, ComposeOptions(batch_tokens=64))
+    compose(sessions, run_id, planted, ExplanationOptions(batch_tokens=64))
     assert _rows(sessions, run_id) == before
 
 
@@ -190,7 +195,7 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
         return httpx.Response(500, text="overloaded")
 
     client = httpx.Client(transport=httpx.MockTransport(server), base_url="http://explainer.test/v1")
-    options = ComposeOptions(explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer")
+    options = ExplanationOptions(explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer")
     try:
         compose(sessions, run_id, planted, options, client=client)
         with sessions() as session:
@@ -206,7 +211,7 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
         assert len(asked) == 3 * 48 and {a["model"] for a in asked} == {"tiny-explainer"}
         assert asked[0]["temperature"] == 0
     finally:
-        compose(sessions, run_id, planted, ComposeOptions())
+        compose(sessions, run_id, planted, ExplanationOptions())
     assert _rows(sessions, run_id) == before
 
 
@@ -217,7 +222,7 @@ def test_nothing_is_sent_without_a_url(planted_run, planted, monkeypatch):
         raise AssertionError("an HTTP request was made without explainer_url")
 
     monkeypatch.setattr(httpx.Client, "send", refuse)
-    compose(sessions, run_id, planted, ComposeOptions())
+    compose(sessions, run_id, planted, ExplanationOptions())
     assert {row[2] for row in _rows(sessions, run_id)} == {"heuristic"}
 
 

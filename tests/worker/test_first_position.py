@@ -15,11 +15,13 @@ from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
 from ffmem.engine.hooks import capture
-from ffmem.store import jobs, queries
+from ffmem.store import memory_reads
 from ffmem.store.db import make_engine, make_sessionmaker
-from ffmem.store.models import KeyStats, Run, Sentence
+from ffmem.store.models import Job, JobKind, KeyStats, Run, Sentence
+from ffmem.store.specs import RunSpec
 from ffmem.web.main import create_app
-from ffmem.worker.index import IndexOptions, build_index
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import build_index
 
 SPIKE = 1000.0
 LAYER, KEY, NEGATIVE_KEY = 1, 5, 9
@@ -49,7 +51,7 @@ def planted_sink(loaded):
 def build(db_url, tiny, tiny_model_dir, tmp_path, **changes):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(SENTENCES) + "\n")
-    options = IndexOptions(
+    settings = Settings(
         **{
             "model": str(tiny_model_dir),
             "corpus": str(corpus),
@@ -61,10 +63,10 @@ def build(db_url, tiny, tiny_model_dir, tmp_path, **changes):
             "shard_sentences": 4,
             "value_tokens": 5,
             "cache_dir": tmp_path / "cache",
-            "progress": False,
         }
         | changes
     )
+    options = IndexOptions.from_settings(settings, progress=False)
     sessions = make_sessionmaker(make_engine(db_url))
     with planted_sink(tiny):
         summary = build_index(options, sessions, loaded=tiny)
@@ -99,7 +101,9 @@ def assert_stored_equals_brute_force(session, run, per_sentence, start: int) -> 
     for layer in range(3):
         for key in range(48):
             for sign in (1, -1):
-                stored = queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=sign)
+                stored = memory_reads.get_triggers(
+                    session=session, run_id=run.id, layer=layer, key=key, sign=sign
+                )
                 expected = brute_force_top(per_sentence, layer, key, sign, start)
                 assert [(t.sentence_index, t.position) for t in stored] == [e[1:] for e in expected], (
                     f"layer {layer} key {key} sign {sign}"
@@ -107,7 +111,7 @@ def assert_stored_equals_brute_force(session, run, per_sentence, start: int) -> 
                 assert [sign * t.coefficient for t in stored] == pytest.approx(
                     [e[0] for e in expected], rel=1e-5
                 )
-            stats = queries.get_key_stats(session=session, run_id=run.id, layer=layer, key=key)
+            stats = memory_reads.get_key_stats(session=session, run_id=run.id, layer=layer, key=key)
             every = torch.cat([c[layer][start:, key] for c in per_sentence])  # [mined positions]
             assert sum(stats.histogram) == len(every) == run.n_tokens
             assert stats.mean == pytest.approx(float(every.double().mean()), rel=1e-5, abs=1e-6)
@@ -124,12 +128,12 @@ def test_by_default_position_0_is_in_no_trigger_and_no_statistic(db_url, tiny, t
         assert run.provenance["mined_positions"].startswith("from 1: the tokenizer puts no BOS first")
         per_sentence = recomputed(tiny, session, run)
         assert per_sentence[0][LAYER][0, KEY] > SPIKE / 2  # the sink is planted
-        every = list(queries.iter_triggers(session=session, run_id=run.id))
+        every = list(memory_reads.iter_triggers(session=session, run_id=run.id))
         assert min(t.position for t in every) == 1
         one_token = SENTENCES.index("Paris")
         assert not [t for t in every if t.sentence_index == one_token]
         assert_stored_equals_brute_force(session, run, per_sentence, start=1)
-        spiked = queries.get_key_stats(session=session, run_id=run.id, layer=LAYER, key=KEY)
+        spiked = memory_reads.get_key_stats(session=session, run_id=run.id, layer=LAYER, key=KEY)
         assert spiked.max_coefficient < SPIKE / 2  # the model page's max column never sees the sink
 
 
@@ -144,7 +148,9 @@ def test_with_the_option_the_spike_is_the_top_trigger_and_the_run_says_so(
         per_sentence = recomputed(tiny, session, run)
         assert_stored_equals_brute_force(session, run, per_sentence, start=0)
         for key, sign in ((KEY, 1), (NEGATIVE_KEY, -1)):
-            stored = queries.get_triggers(session=session, run_id=run.id, layer=LAYER, key=key, sign=sign)
+            stored = memory_reads.get_triggers(
+                session=session, run_id=run.id, layer=LAYER, key=key, sign=sign
+            )
             assert [t.position for t in stored] == [0] * TOP_K
             assert all(sign * t.coefficient > SPIKE / 2 for t in stored)
         stats = session.get(KeyStats, (run.id, LAYER, KEY))
@@ -163,6 +169,8 @@ def test_with_the_option_the_spike_is_the_top_trigger_and_the_run_says_so(
 
 
 def test_a_job_queued_before_the_option_existed_mines_position_0_as_it_did():
-    before = {name: getattr(IndexOptions(), name) for name in jobs.RUN_FIELDS if name != "first_position"}
-    assert IndexOptions().with_run_options(before).first_position is True
-    assert IndexOptions().first_position is Settings.model_fields["first_position"].default is False
+    spec = RunSpec.from_settings(Settings(_env_file=None))
+    before = {name: value for name, value in spec.options().items() if name != "first_position"}
+    job = Job(kind=JobKind.index, options=before)
+    assert job.spec.first_position is True
+    assert spec.first_position is Settings.model_fields["first_position"].default is False

@@ -10,14 +10,16 @@ import torch
 from sqlalchemy import func, select
 from tiny_models import TRAINING_TEXT
 
+from ffmem.config import Settings
 from ffmem.engine import mining
 from ffmem.engine.corpus import mined_from
 from ffmem.engine.hooks import capture
 from ffmem.engine.projection import value_logits
-from ffmem.store import queries
+from ffmem.store import corpora, memory_reads, runs
 from ffmem.store.db import make_engine, make_sessionmaker
-from ffmem.store.models import Job, KeyStats, MemoryList, MinedLayerRow, Run, Sentence, Shard
-from ffmem.worker.index import IndexOptions, build_index
+from ffmem.store.models import Job, KeyStats, MemoryList, MinedLayerRow, Run, RunStatus, Sentence, Shard
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import build_index
 
 SENTENCES = [*TRAINING_TEXT, "Café culture <script>alert(1)</script> spread across Europe."]
 
@@ -42,9 +44,8 @@ def options(tiny_model_dir, corpus_file, tmp_path, **changes) -> IndexOptions:
         shard_sentences=8,
         value_tokens=5,
         cache_dir=tmp_path / "cache",
-        progress=False,
     )
-    return IndexOptions(**(base | changes))
+    return IndexOptions.from_settings(Settings(**(base | changes)), progress=False)
 
 
 def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model_dir, corpus_file, tmp_path):
@@ -53,18 +54,18 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
     assert summary.sentences == 21 and summary.layers == 3 and summary.keys == 48
     with sessions() as session:
         run = session.get(Run, summary.run_id)
-        assert run.status == "done" and run.finished_at is not None
+        assert run.status == RunStatus.done and run.finished_at is not None
         assert run.finished_at - run.started_at >= timedelta(seconds=summary.mining_seconds)
         assert run.provenance["corpus"] == "corpus.txt" and run.top_k == 4
         assert run.n_tokens == summary.tokens
-        count = queries.count_entries
+        count = runs.count_entries
         assert count(session=session, run_id=run.id, kind="triggers") == summary.triggers == 3 * 48 * 2 * 4
         assert summary.value_tokens == 3 * 48 * 2 * 2 * 5
         assert session.scalar(select(func.count()).select_from(MemoryList)) == 3 * 48 * (2 + 2 * 2)
         assert session.scalar(select(func.count()).select_from(KeyStats)) == 3 * 48
         for layer, key in [(0, 0), (1, 17), (2, 47)]:
             for sign in (1, -1):
-                triggers = queries.get_triggers(
+                triggers = memory_reads.get_triggers(
                     session=session, run_id=run.id, layer=layer, key=key, sign=sign
                 )
                 assert [t.rank for t in triggers] == [0, 1, 2, 3]
@@ -78,14 +79,14 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
                     assert trigger.position == best
                     assert trigger.coefficient == pytest.approx(float(m[best]), rel=1e-5, abs=1e-5)
                     assert sentence.text in SENTENCES
-            stats = queries.get_key_stats(session=session, run_id=run.id, layer=layer, key=key)
+            stats = memory_reads.get_key_stats(session=session, run_id=run.id, layer=layer, key=key)
             value = tiny.adapter.value_matrix(tiny.adapter.blocks(tiny.model)[layer])[key]  # [d]
             assert stats.value_norm == pytest.approx(float(value.detach().norm()), rel=1e-5)
             assert sum(stats.histogram) == run.n_tokens
             raw = value_logits(tiny, value[None], "raw")[0].detach()  # [vocab]
             assert stats.max_prob == pytest.approx(float(raw.softmax(-1).max()), rel=1e-4)
             top_ids = set(raw.topk(5).indices.tolist())
-            positive = queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=1)
+            positive = memory_reads.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=1)
             following = []
             for trigger in positive:
                 ids = session.get(Sentence, (run.corpus_id, trigger.sentence_index)).token_ids
@@ -103,7 +104,7 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
             for readout in ("raw", "norm"):
                 logits = value_logits(tiny, value[None], readout)[0].detach()  # [vocab]
                 probs = logits.softmax(-1)
-                top = queries.get_value_tokens(
+                top = memory_reads.get_value_tokens(
                     session=session, run_id=run.id, layer=layer, key=key, readout=readout, direction=1
                 )
                 assert [t.token_id for t in top] == logits.topk(5).indices.tolist()
@@ -111,7 +112,7 @@ def test_index_stores_what_a_direct_recomputation_gives(db_url, tiny, tiny_model
                 # prob = exp(logit − log_z) with the stored log-normaliser: the softmax, to float32's error
                 for t in top:
                     assert t.prob == pytest.approx(float(probs[t.token_id]), rel=1e-5)
-                bottom = queries.get_value_tokens(
+                bottom = memory_reads.get_value_tokens(
                     session=session, run_id=run.id, layer=layer, key=key, readout=readout, direction=-1
                 )
                 assert [t.token_id for t in bottom] == logits.topk(5, largest=False).indices.tolist()
@@ -121,7 +122,7 @@ def stored_rows(session, run_id: int) -> tuple[list, list, list]:
     """Everything a run stored, in a comparable order."""
     triggers = [
         (t.layer, t.key, t.sign, t.rank, t.sentence_index, t.position, t.coefficient)
-        for t in queries.iter_triggers(session=session, run_id=run_id)
+        for t in memory_reads.iter_triggers(session=session, run_id=run_id)
     ]
     stats = session.execute(
         select(KeyStats.layer, KeyStats.key, KeyStats.histogram, KeyStats.positive_share, KeyStats.mean)
@@ -130,7 +131,7 @@ def stored_rows(session, run_id: int) -> tuple[list, list, list]:
     ).all()
     values = [
         (v.layer, v.key, v.readout, v.direction, v.token_id)
-        for v in queries.iter_value_tokens(session=session, run_id=run_id)
+        for v in memory_reads.iter_value_tokens(session=session, run_id=run_id)
     ]
     return triggers, [tuple(r) for r in stats], values
 
@@ -202,11 +203,13 @@ def test_key_examples_shade_every_token_and_sample_every_band(
     )
     with sessions() as session:
         run = session.get(Run, summary.run_id)
-        ids = queries.load_sentence_tokens(session=session, corpus_id=run.corpus_id)
+        ids = corpora.load_sentence_tokens(session=session, corpus_id=run.corpus_id)
         for layer, key in ((0, 0), (1, 17), (2, 47)):
             found = key_examples(session=session, run_id=run.id, layer=layer, key=key)
             triggers = {
-                sign: queries.get_triggers(session=session, run_id=run.id, layer=layer, key=key, sign=sign)
+                sign: memory_reads.get_triggers(
+                    session=session, run_id=run.id, layer=layer, key=key, sign=sign
+                )
                 for sign in (1, -1)
             }
             assert (found.positive, found.negative) == (2, 2) and found.samples
@@ -251,9 +254,9 @@ def test_held_out_sentences_are_never_mined_and_are_what_the_analyses_read(
         assert (
             run.provenance["held_out_every"] == 3 and "7 sentences, not mined" in run.provenance["held_out"]
         )
-        mined = {t.sentence_index for t in queries.iter_triggers(session=session, run_id=run.id)}
+        mined = {t.sentence_index for t in memory_reads.iter_triggers(session=session, run_id=run.id)}
         assert mined and not {i for i in mined if i % 3 == 2}
         read = held_out(session, run, 5, tiny)
-        stored = queries.get_sentences(session=session, corpus_id=run.corpus_id, indices=[2, 5, 8, 11, 14])
+        stored = corpora.get_sentences(session=session, corpus_id=run.corpus_id, indices=[2, 5, 8, 11, 14])
         assert [s.text for s in read] == [stored[i].text for i in (2, 5, 8, 11, 14)]
         assert [s.token_ids for s in read] == [stored[i].token_ids for i in (2, 5, 8, 11, 14)]

@@ -14,10 +14,12 @@ import pytest
 from sqlalchemy import select
 from test_index import SENTENCES, options, stored_rows
 
-from ffmem.store import jobs
+from ffmem.config import Settings
+from ffmem.store import jobs, models, shards
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.models import Job, Run, Shard
-from ffmem.worker.index import build_index
+from ffmem.store.models import Job, Run, RunStatus, Shard
+from ffmem.store.specs import RunSpec
+from ffmem.worker.loop import build_index
 
 FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
 
@@ -63,17 +65,17 @@ def same_result(a: tuple, b: tuple) -> None:
 
 def test_the_queue_reuses_unfinished_and_finished_jobs(db_url, tiny, tiny_model_dir, tmp_path):
     sessions = make_sessionmaker(make_engine(db_url))
-    run_options = options(tiny_model_dir, tmp_path / "c.txt", tmp_path).run_options()
+    spec = options(tiny_model_dir, tmp_path / "c.txt", tmp_path).spec
     with sessions() as session:
-        job, what = jobs.enqueue(session=session, options=run_options)
+        job, what = jobs.enqueue(session=session, spec=spec)
         assert what == "created" and job.status == "queued"
-        again, what = jobs.enqueue(session=session, options=dict(reversed(run_options.items())))
+        again, what = jobs.enqueue(session=session, spec=RunSpec(**dict(reversed(spec.options().items()))))
         assert (again.id, what) == (job.id, "resumed")
-        other, what = jobs.enqueue(session=session, options=run_options | {"top_k": 9})
+        other, what = jobs.enqueue(session=session, spec=spec.model_copy(update={"top_k": 9}))
         assert what == "created" and other.id != job.id
         job.status = "done"
-        assert jobs.enqueue(session=session, options=run_options)[1:] == ("done",)
-        fresh, what = jobs.enqueue(session=session, options=run_options, again=True)
+        assert jobs.enqueue(session=session, spec=spec)[1:] == ("done",)
+        fresh, what = jobs.enqueue(session=session, spec=spec, again=True)
         assert what == "created" and fresh.id not in (job.id, other.id)
 
 
@@ -92,7 +94,7 @@ def test_a_failed_run_keeps_its_error_and_a_retry_finishes_it(
         build_index(options(tiny_model_dir, corpus, tmp_path), sessions, loaded=tiny)
     with sessions() as session:
         job = session.scalars(select(Job)).one()
-        assert job.status == "failed" and job.run.status == "failed"
+        assert job.status == "failed" and job.run.status == RunStatus.failed
         assert job.error["type"] == "ValueError" and job.error["message"] == "the device fell over"
         assert (
             "Traceback (most recent call last)" in job.error["traceback"]
@@ -108,6 +110,7 @@ def test_a_failed_run_keeps_its_error_and_a_retry_finishes_it(
         assert (job.status, job.error, job.run.status, summary.run_id) == ("done", None, "done", job.run_id)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_model_dir, big_corpus):
     url = f"sqlite:///{tmp_path / 'killed.db'}"
     env = env_for(tmp_path, checkpoint_batches=2, shard_sentences=64)  # 7 shards of ~16 batches
@@ -162,6 +165,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_m
     assert "already indexes" in again.stdout and "--again" in again.stdout
 
 
+@pytest.mark.slow
 def test_two_workers_on_postgres_equal_one(postgres_url, tmp_path, tiny, tiny_model_dir, big_corpus):
     from conftest import _clean_postgres
 
@@ -207,7 +211,7 @@ def test_sqlite_runs_one_worker(tmp_path):
     upgrade(url)
     sessions = make_sessionmaker(make_engine(url))
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options={"model": "x"})
+        job, _ = jobs.enqueue(session=session, spec=RunSpec.from_settings(Settings(), model="x"))
         jobs.claim_job(
             session=session, worker="elsewhere:1:abc", lease=timedelta(seconds=600), max_attempts=3
         )
@@ -226,28 +230,28 @@ def test_a_lapsed_lease_passes_the_shard_to_another_worker(db_url, tiny, tiny_mo
     sessions = make_sessionmaker(make_engine(db_url))
     chosen = options(tiny_model_dir, corpus, tmp_path)
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=chosen.run_options())
+        job, _ = jobs.enqueue(session=session, spec=chosen.spec)
         session.commit()
     first = jobs_worker(sessions, chosen, tiny, "host-a:1:aaaaaa")
     assert first.step()  # prepares the run
     short = timedelta(milliseconds=50)
     with sessions() as session:
         run_id = session.get(Job, job.id).run_id
-        taken = jobs.claim_shard(
+        taken = shards.claim_shard(
             session=session, run_id=run_id, worker=first.name, lease=short, max_attempts=3
         )
         session.commit()
         assert taken.index == 0
     with sessions() as session:  # while the lease holds, another worker gets the next shard
         assert (
-            jobs.claim_shard(
+            shards.claim_shard(
                 session=session, run_id=run_id, worker="host-b:2:bbbbbb", lease=short, max_attempts=3
             ).index
             == 1
         )
     time.sleep(0.1)  # the first worker stalls past its lease
     with sessions() as session:
-        again = jobs.claim_shard(
+        again = shards.claim_shard(
             session=session,
             run_id=run_id,
             worker="host-b:2:bbbbbb",
@@ -256,7 +260,7 @@ def test_a_lapsed_lease_passes_the_shard_to_another_worker(db_url, tiny, tiny_mo
         )
         session.commit()
         assert (again.index, again.worker) == (0, "host-b:2:bbbbbb")
-        lost = jobs.checkpoint_shard(
+        lost = shards.checkpoint_shard(
             session=session,
             shard=taken,
             worker=first.name,
@@ -270,7 +274,7 @@ def test_a_lapsed_lease_passes_the_shard_to_another_worker(db_url, tiny, tiny_mo
 
 
 def jobs_worker(sessions, chosen, tiny, name):
-    from ffmem.worker.index import Worker
+    from ffmem.worker.loop import Worker
 
     return Worker(sessions, chosen, loaded=tiny, name=name)
 
@@ -281,12 +285,12 @@ def test_a_prepare_longer_than_the_lease_keeps_its_job(db_url, tiny, tiny_model_
     sessions = make_sessionmaker(make_engine(db_url))
     chosen = options(tiny_model_dir, tmp_path / "c.txt", tmp_path, lease_seconds=2.0)
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=chosen.run_options())
+        job, _ = jobs.enqueue(session=session, spec=chosen.spec)
         session.commit()
     worker = jobs_worker(sessions, chosen, tiny, "host-a:1:" + "a" * 32)
     tries = []
 
-    def slow_prepare(claimed) -> None:
+    def slow_prepare(claimed, lease) -> None:
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline:  # another worker keeps trying to take the job
             with sessions() as session:
@@ -297,7 +301,7 @@ def test_a_prepare_longer_than_the_lease_keeps_its_job(db_url, tiny, tiny_model_
                 session.rollback()
             time.sleep(0.1)
 
-    worker.prepare = slow_prepare
+    worker.index.prepare = slow_prepare
     assert worker.step()
     assert len(tries) >= 30 and set(tries) == {None}
     with sessions() as session:
@@ -314,8 +318,8 @@ def test_two_workers_with_one_hostname_and_pid_keep_their_leases(
 ):
     """Containers share host names and PIDs (here both "worker" and 7): the ids differ by their uuid, and a
     worker starting or stopping ends only its own leases and those of workers it knows are dead."""
-    from ffmem.worker.index import Worker
     from ffmem.worker.leases import Presence
+    from ffmem.worker.loop import Worker
 
     monkeypatch.setattr(jobs.socket, "gethostname", lambda: "worker")
     monkeypatch.setattr(jobs.os, "getpid", lambda: 7)
@@ -326,7 +330,7 @@ def test_two_workers_with_one_hostname_and_pid_keep_their_leases(
     assert a.name.startswith("worker:7:") and b.name.startswith("worker:7:") and a.name != b.name
     a.start()
     with sessions() as session:
-        job, _ = jobs.enqueue(session=session, options=chosen.run_options())
+        job, _ = jobs.enqueue(session=session, spec=chosen.spec)
         jobs.claim_job(session=session, worker=a.name, lease=timedelta(minutes=5), max_attempts=3)
         session.commit()
 
@@ -336,9 +340,9 @@ def test_two_workers_with_one_hostname_and_pid_keep_their_leases(
             lease = (
                 row.lease_until
                 if row.lease_until.tzinfo
-                else row.lease_until.replace(tzinfo=jobs.now().tzinfo)
+                else row.lease_until.replace(tzinfo=models.now().tzinfo)
             )
-            return row.worker, lease > jobs.now()
+            return row.worker, lease > models.now()
 
     b.start()  # in another container: a's presence file is not there, so a may be alive
     b.stop()

@@ -14,11 +14,13 @@ from safetensors.torch import save_file
 from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
+from ffmem.config import Settings
 from ffmem.engine.loading import ModelLoadError
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Job, Run
-from ffmem.worker.index import IndexOptions, Worker, build_index
+from ffmem.worker.index import IndexOptions
 from ffmem.worker.live_server import Live
+from ffmem.worker.loop import Worker, build_index
 
 
 def _options(model, tmp_path, **changes) -> IndexOptions:
@@ -35,15 +37,14 @@ def _options(model, tmp_path, **changes) -> IndexOptions:
         shard_sentences=8,
         value_tokens=3,
         cache_dir=tmp_path / "cache",
-        progress=False,
     )
-    return IndexOptions(**(base | changes))
+    return IndexOptions.from_settings(Settings(**(base | changes)), progress=False)
 
 
 def test_the_index_work_and_the_live_traces_share_one_model(tiny_model_dir, tmp_path):
     options = _options(tiny_model_dir, tmp_path)
     live = Live(device="cpu", cache_dir=options.cache_dir)
-    loaded = Worker(sessions=None, options=options).model(options)
+    loaded = Worker(sessions=None, options=options).model(options.spec)
     assert live.model(str(tiny_model_dir)) is loaded  # one copy in the process
 
     traced = []

@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from explorer_index import EXPLORER_SENTENCES
 from sqlalchemy import select
 
@@ -19,6 +20,7 @@ from ffmem.config import Settings
 from ffmem.store import jobs
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Job
+from ffmem.store.specs import RunSpec
 
 
 def _free_port() -> int:
@@ -36,6 +38,7 @@ def _wait(condition, seconds: float, what: str, worker: subprocess.Popen):
     return answer
 
 
+@pytest.mark.slow
 def test_a_worker_outlives_a_job_with_an_unloadable_model(tmp_path, tiny_model_dir):
     url = f"sqlite:///{tmp_path / 'w.db'}"
     upgrade(url)
@@ -46,7 +49,7 @@ def test_a_worker_outlives_a_job_with_an_unloadable_model(tmp_path, tiny_model_d
     missing = tmp_path / "no-such-model"  # a folder without a config.json: the load fails at once
     missing.mkdir()
     with sessions() as session:
-        bad, _ = jobs.enqueue(session=session, options=jobs.run_options(settings, model=str(missing)))
+        bad, _ = jobs.enqueue(session=session, spec=RunSpec.from_settings(settings, model=str(missing)))
         session.commit()
         bad_id = bad.id
 
@@ -69,7 +72,7 @@ def test_a_worker_outlives_a_job_with_an_unloadable_model(tmp_path, tiny_model_d
         # The same worker claims the next job and builds it ...
         with sessions() as session:
             good, _ = jobs.enqueue(
-                session=session, options=jobs.run_options(settings, model=str(tiny_model_dir))
+                session=session, spec=RunSpec.from_settings(settings, model=str(tiny_model_dir))
             )
             session.commit()
             good_id = good.id
@@ -82,7 +85,7 @@ def test_a_worker_outlives_a_job_with_an_unloadable_model(tmp_path, tiny_model_d
         # Queued again, the bad job fails again; the worker still stands.
         with sessions() as session:
             again, what = jobs.enqueue(
-                session=session, options=jobs.run_options(settings, model=str(missing))
+                session=session, spec=RunSpec.from_settings(settings, model=str(missing))
             )
             session.commit()
             assert (again.id, what) == (bad_id, "resumed")

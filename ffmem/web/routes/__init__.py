@@ -1,4 +1,6 @@
-"""Thin routes, one module per area. Every page is served at its path and, as JSON, at path + `.json`.
+"""Thin routes, one module per area: each takes its lookups resolved (ffmem/web/deps.py), asks a page
+builder (ffmem/web/pages/) for the context and renders it. Every page is served at its path and, as JSON, at
+path + `.json`.
 
 `page()` and `action()` register both and document them in the OpenAPI document once for all
 routes: the success answer (the page's context model on the JSON twin) and every error the app may
@@ -7,26 +9,14 @@ answer with, in its one shape (`ErrorBody` on `.json` paths, an HTML error page 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.orm import Session
 
 from ffmem.web.access import require_write
-
-
-async def get_session(request: Request) -> AsyncIterator[Session]:
-    """A read session on the app's database, closed after the response. Async, so that FastAPI runs it on
-    the event loop, not twice in the thread pool: opening a session does no I/O (the route's first query,
-    in its thread, takes a connection); closing it hands the connection back."""
-    with request.app.state.sessions() as session:
-        yield session
-
-
-SessionDep = Annotated[Session, Depends(get_session)]
 
 
 class ErrorBody(BaseModel):

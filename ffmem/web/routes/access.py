@@ -9,7 +9,7 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from ffmem.web import access, urls
-from ffmem.web.contexts import LoginContext
+from ffmem.web.pages.login import LoginContext, back, login_page
 from ffmem.web.rendering import render, wants_json
 from ffmem.web.routes import action, page
 
@@ -17,29 +17,10 @@ router = APIRouter()
 Next = Annotated[str, Query(max_length=500, description="A path of this site to go back to.")]
 
 
-def _back(path: str) -> str:
-    """`path` when it is a path of this site, else the home page (no open redirect)."""
-    return path if path.startswith("/") and not path.startswith(("//", "/\\")) else urls.home_url()
-
-
-def login_context(request: Request, next: str = "/") -> LoginContext:
-    refused = access.refusal(request)
-    settings = request.app.state.settings
-    return LoginContext(
-        title="ffmem: log in",
-        can_write=refused is None,
-        read_only=settings.read_only,
-        token_set=settings.admin_token is not None,
-        name=access.admin_name(request),
-        reason=refused.message if refused else None,
-        next=_back(next),
-    )
-
-
 @page(router, "/login", "login", LoginContext)
 def login(request: Request, next: Next = "/"):
     """Whether this client may write; the form to log in with the admin token."""
-    return render(request, "login.html", login_context(request, next))
+    return render(request, "login.html", login_page(request, next))
 
 
 LOGIN_ERRORS = {
@@ -61,12 +42,10 @@ def _log_in(
         raise refused
     name = name.strip()
     if wants_json(request):
-        ctx = login_context(request, next).model_copy(
-            update={"can_write": True, "reason": None, "name": name}
-        )
+        ctx = login_page(request, next).model_copy(update={"can_write": True, "reason": None, "name": name})
         response: Response = JSONResponse(ctx.model_dump(mode="json"))
     else:
-        response = RedirectResponse(_back(next), status_code=303)
+        response = RedirectResponse(back(next), status_code=303)
     access.remember(request, response, name)
     return response
 

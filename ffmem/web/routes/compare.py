@@ -8,20 +8,21 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 from pydantic import BeforeValidator, Field
 
-from ffmem.web import comparison_view, urls
-from ffmem.web.comparison_view import CompareContext
+from ffmem.web import urls
+from ffmem.web.deps import ModelDep, SessionDep
+from ffmem.web.pages.compare import SORTS, CompareContext, compare_page, start_comparison
 from ffmem.web.rendering import render, wants_json
-from ffmem.web.routes import SessionDep, action, page
+from ffmem.web.routes import action, page
 
 router = APIRouter()
-Sort = Literal[comparison_view.SORTS]  # the sorts of the key list
+Sort = Literal[SORTS]  # the sorts of the key list
 
 
 @page(router, "/m/{model}/compare", "compare", CompareContext)
 def compare(
     request: Request,
     session: SessionDep,
-    model: str,
+    model: ModelDep,
     a: Annotated[
         int | None,
         Query(ge=1, le=2**31 - 1, description="Run a, of this model (default: its newest finished)."),
@@ -40,7 +41,7 @@ def compare(
 ):
     """Two runs side by side: per memory the overlap of its top triggers, the change of its statistics and
     the cosine of its key and value between the runs' models, sorted by change."""
-    found = comparison_view.compare_page(session, model, a, b, sort, limit, layer)
+    found = compare_page(session, model, a, b, sort, limit, layer)
     return render(request, "compare.html", found)
 
 
@@ -48,14 +49,14 @@ def compare(
 def _start_comparison(
     request: Request,
     session: SessionDep,
-    model: str,
+    model: ModelDep,
     a: Annotated[int, Form(ge=1, le=2**31 - 1, description="Run a, of this model.")],
     b: Annotated[int, Form(ge=1, le=2**31 - 1, description="Run b, of a model of the same shape.")],
 ):
     """Queue the comparison of two runs (a worker computes it once per pair); an identical one is reused."""
-    comparison_view.start_comparison(session, model, a, b)
+    start_comparison(session, model, a, b)
     session.commit()
     if wants_json(request):
-        found = comparison_view.compare_page(session, model, a, b, "change", 50, None)
+        found = compare_page(session, model, a, b, "change", 50, None)
         return JSONResponse(found.model_dump(mode="json"), status_code=201)
-    return RedirectResponse(urls.compare_url(model, a=a, b=b), status_code=303)
+    return RedirectResponse(urls.compare_url(model.slug, a=a, b=b), status_code=303)

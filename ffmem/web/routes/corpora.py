@@ -7,10 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, File, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, RedirectResponse
 
-from ffmem.web import corpora, urls
-from ffmem.web.contexts import CorporaContext, CorpusUpload
+from ffmem.web import urls
+from ffmem.web.deps import SessionDep, SettingsDep
+from ffmem.web.pages import corpora
+from ffmem.web.pages.corpora import CorporaContext, CorpusUpload
 from ffmem.web.rendering import render, wants_fragment, wants_json
-from ffmem.web.routes import SessionDep, action, page
+from ffmem.web.routes import action, page
 
 router = APIRouter()
 
@@ -24,12 +26,13 @@ UPLOAD_ERRORS = {
 def corpora_list(
     request: Request,
     session: SessionDep,
+    settings: SettingsDep,
     uploaded: Annotated[
         str | None, Query(max_length=1000, description="A corpus just uploaded (its path): shown first.")
     ] = None,
 ):
     """The corpora this server knows (bundled, uploaded, read by index runs); the upload form."""
-    ctx = corpora.corpora_page(session, request.app.state.settings, uploaded=uploaded)
+    ctx = corpora.corpora_page(session, settings, uploaded=uploaded)
     return render(request, "corpora.html", ctx, fragment="corpora")
 
 
@@ -37,10 +40,10 @@ def corpora_list(
 def upload_corpus(
     request: Request,
     session: SessionDep,
+    settings: SettingsDep,
     file: Annotated[UploadFile, File(description='A UTF-8 .txt file or a .jsonl file with a "text" field.')],
 ):
     """Upload a corpus file: checked as `ffmem index` checks one, its skipped lines counted, then listed."""
-    settings = request.app.state.settings
     view, already = corpora.store_upload(
         settings.upload_dir, file.filename or "", file.file, settings.max_upload_bytes
     )

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Path, Query, Request
+from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from ffmem.engine.text_files import CorpusError, corpus_file
 from ffmem.store import jobs
-from ffmem.store.models import Job, JobStatus
-from ffmem.web import pages, urls
-from ffmem.web.contexts import JobContext, JobsContext
+from ffmem.store.models import JobStatus
+from ffmem.store.specs import AnalysisSpec, RunSpec
+from ffmem.web import urls
+from ffmem.web.deps import JobDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError, sentence
+from ffmem.web.pages.jobs import JobContext, JobsContext, job_page, jobs_page
 from ffmem.web.rendering import render, wants_json
-from ffmem.web.routes import SessionDep, action, page
+from ffmem.web.routes import action, page
 
 router = APIRouter()
-# Job ids are the database's 32-bit integers: a larger one is a 400, not an overflow in the query.
-JobId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The job's number.")]
 
 
 @page(router, "/jobs", "jobs", JobsContext)
@@ -29,13 +29,13 @@ def jobs_list(
     limit: Annotated[int, Query(ge=1, le=1000, description="Jobs listed, the newest first.")] = 100,
 ):
     """Every job, the newest first: what it computes, its status, when it ran."""
-    return render(request, "jobs.html", pages.jobs_page(session, limit=limit))
+    return render(request, "jobs.html", jobs_page(session, limit=limit))
 
 
 @page(router, "/jobs/{job_id}", "job", JobContext)
-def job(request: Request, session: SessionDep, job_id: JobId):
+def job(request: Request, session: SessionDep, settings: SettingsDep, found: JobDep):
     """One job: its status, its progress (polled until it ends), its error."""
-    ctx = pages.job_page(session, job_id, max_attempts=request.app.state.settings.max_attempts)
+    ctx = job_page(session, found, max_attempts=settings.max_attempts)
     return render(request, "job.html", ctx, fragment="progress")
 
 
@@ -43,6 +43,7 @@ def job(request: Request, session: SessionDep, job_id: JobId):
 def _start(
     request: Request,
     session: SessionDep,
+    settings: SettingsDep,
     model: Annotated[str, Form(min_length=1, max_length=500, description="smollm2-135m, a HF id or a path.")],
     corpus: Annotated[str, Form(min_length=1, max_length=500, description="wiki-vital or a server path.")],
     top_k: Annotated[int, Form(ge=1, le=1000, description="Trigger sentences kept per key and sign.")],
@@ -58,39 +59,34 @@ def _start(
     ] = None,
 ):
     """Queue an index run (a worker builds it); an identical unfinished one is reused."""
-    settings = request.app.state.settings
     model, corpus = model.strip(), corpus.strip()
     for name, given in (("model", model), ("corpus", corpus)):
         if not given:
             raise AppError(400, "Bad request", f"{name}: must not be blank")
     _check_corpus(corpus)
-    options = jobs.run_options(
+    spec = RunSpec.from_settings(
         settings, model=model, corpus=corpus, sentences=sentences, top_k=top_k, first_position=first_position
     )
-    queued, _ = jobs.enqueue(session=session, options=options)
-    if analyze:
-        jobs.enqueue_analysis(session=session, options=jobs.analysis_options(settings), after=queued.id)
+    analysis = AnalysisSpec.from_settings(settings) if analyze else None
+    queued, _, _ = jobs.enqueue_run(session=session, spec=spec, analysis=analysis)
     session.commit()
     if wants_json(request):
-        ctx = pages.job_page(session, queued.id)
+        ctx = job_page(session, queued)
         return JSONResponse(ctx.model_dump(mode="json"), status_code=201)
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
 
 @action(router, "/jobs/{job_id}/retry", "retry_job", JobContext)
-def _retry(request: Request, session: SessionDep, job_id: JobId):
+def _retry(request: Request, session: SessionDep, found: JobDep):
     """Queue a failed job again; its run resumes from its checkpoints."""
-    found = session.get(Job, job_id)
-    if found is None:
-        raise AppError(404, "Unknown job", f"There is no job {job_id}.")
     if found.status != JobStatus.failed:
         raise AppError(
-            409, "Not failed", f"Job {job_id} is {found.status}; only a failed job can be retried."
+            409, "Not failed", f"Job {found.id} is {found.status}; only a failed job can be retried."
         )
-    queued = jobs.retry(session=session, job_id=job_id)  # or the unfinished job with its options
+    queued = jobs.retry(session=session, job_id=found.id)  # or the unfinished job with its options
     session.commit()
     if wants_json(request):
-        return JSONResponse(pages.job_page(session, queued.id).model_dump(mode="json"))
+        return JSONResponse(job_page(session, queued).model_dump(mode="json"))
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
 

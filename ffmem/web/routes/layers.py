@@ -6,24 +6,24 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from ffmem.store import queries
-from ffmem.web import pages
-from ffmem.web.contexts import LayerContext
+from ffmem.store import memory_reads
+from ffmem.web.deps import LayerDep, ModelDep, PinnedDep, RunDep, SessionDep
+from ffmem.web.pages.layer import LayerContext, layer_page
 from ffmem.web.rendering import render
-from ffmem.web.routes import SessionDep, page
-from ffmem.web.routes.models import RunQuery
+from ffmem.web.routes import page
 
 router = APIRouter()
-Sort = Literal[queries.KEY_SORTS]  # the columns the layer table sorts by
+Sort = Literal[memory_reads.KEY_SORTS]  # the columns the layer table sorts by
 
 
 @page(router, "/m/{model}/layers/{layer}", "layer", LayerContext)
 def layer(
     request: Request,
     session: SessionDep,
-    model: str,
-    layer: int,
-    run: RunQuery = None,
+    model: ModelDep,
+    layer: LayerDep,
+    run: RunDep,
+    pinned: PinnedDep,
     sort: Annotated[Sort, Query(description="Column to sort the keys by.")] = "key",
     order: Annotated[Literal["asc", "desc"], Query(description="Sort direction.")] = "asc",
     token: Annotated[
@@ -33,11 +33,12 @@ def layer(
     per_page: Annotated[int, Query(ge=1, le=500, description="Keys per page.")] = 50,
 ):
     """One layer: its keys with their top trigger, value tokens and statistics."""
-    ctx = pages.layer_page(
+    ctx = layer_page(
         session,
         model,
+        run,
         layer,
-        run_id=run,
+        pinned=pinned,
         sort=sort,
         order=order,
         token=token or None,

@@ -8,12 +8,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
-from ffmem.web import pages, token_search
-from ffmem.web.contexts import SearchContext
+from ffmem.web import token_search
+from ffmem.web.deps import ModelDep, PinnedDep, SessionDep
 from ffmem.web.errors import AppError
+from ffmem.web.pages.search import SearchContext, search_page
 from ffmem.web.rendering import render, wants_fragment, wants_json
-from ffmem.web.routes import SessionDep, page
-from ffmem.web.routes.models import RunQuery
+from ffmem.web.routes import page
 
 router = APIRouter()
 MAX_LENGTH = 200  # the longest q accepted; the search box says so too (maxlength)
@@ -23,7 +23,8 @@ MAX_LENGTH = 200  # the longest q accepted; the search box says so too (maxlengt
 def search(
     request: Request,
     session: SessionDep,
-    model: str,
+    model: ModelDep,
+    pinned: PinnedDep,
     q: Annotated[
         str,
         Query(
@@ -31,7 +32,6 @@ def search(
             json_schema_extra={"maxLength": MAX_LENGTH},  # checked below: the page shows why, its box kept
         ),
     ] = "",
-    run: RunQuery = None,
     readout: Annotated[
         Literal["raw", "norm"], Query(description="Value readout: raw v·E or norm lm_head(final_norm(v)).")
     ] = "raw",
@@ -49,11 +49,11 @@ def search(
         too_long = AppError(400, "Bad request", message, field="q")
         if wants_json(request) or wants_fragment(request):
             raise too_long
-    found = pages.search_page(
+    found = search_page(
         session,
         model,
         q=q[:MAX_LENGTH] if too_long else q,
-        run_id=run,
+        pinned=pinned,
         readout=readout,
         by=by,
         limit=limit,

@@ -9,15 +9,16 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Form, Query, Request
 from pydantic import BaseModel, Field
 
-from ffmem.web import pages
-from ffmem.web import trace_view as live_view
-from ffmem.web.charts import HEATMAP_MODES
-from ffmem.web.contexts import AblationContext, TraceContext
+from ffmem.store.models import LanguageModel
+from ffmem.web.deps import KeyDep, LayerDep, ModelDep, RunDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError
+from ffmem.web.pages.ablation import AblationContext, ablation_page
+from ffmem.web.pages.trace import TraceContext, trace_form, trace_page
+from ffmem.web.pages.trace_query import TraceQuery
 from ffmem.web.ratelimit import LiveBudget
-from ffmem.web.rendering import render, render_error, wants_fragment, wants_json
-from ffmem.web.routes import SessionDep, page, posted_page
-from ffmem.web.routes.models import RunQuery
+from ffmem.web.rendering import render, render_unanswered
+from ffmem.web.routes import page, posted_page
+from ffmem.web.trace_charts import HEATMAP_MODES
 
 router = APIRouter()
 HeatmapMode = Literal[HEATMAP_MODES]
@@ -56,59 +57,47 @@ class TraceForm(BaseModel):
 def trace(
     request: Request,
     session: SessionDep,
+    settings: SettingsDep,
     refused: LiveBudget,
-    model: str,
+    model: ModelDep,
     form: Annotated[TraceForm, Query()],
 ):
     """Type a prompt: which memories fire, how the prediction forms layer by layer, and edits."""
-    return _trace(request, session, refused, model, form)
+    return _trace(request, session, settings, refused, model, form)
 
 
 @posted_page(router, "/m/{model}/trace", "trace_posted", TraceContext)
 def trace_posted(
     request: Request,
     session: SessionDep,
+    settings: SettingsDep,
     refused: LiveBudget,
-    model: str,
+    model: ModelDep,
     form: Annotated[TraceForm, Form()],
 ):
     """The live view of a prompt sent as a form (POST): for prompts too long for a URL."""
     if form.text is None:  # an empty form field arrives as None
         form = form.model_copy(update={"text": ""})
-    return _trace(request, session, refused, model, form)
+    return _trace(request, session, settings, refused, model, form)
 
 
-def _trace(request: Request, session, refused, model: str, form: TraceForm):
+def _trace(request: Request, session, settings, refused, model: LanguageModel, form: TraceForm):
     """The trace the form asks for; on an error the form again, with the reason (JSON: the error)."""
-    settings, live, f = request.app.state.settings, request.app.state.live, form
-    found = pages.model_or_404(session, model)
-    q = live_view.TraceQuery(
-        found, f.text, f.position, f.readout, f.memories, f.generate, f.intervene, f.target
-    )
-    link = _link(q, settings.max_query_bytes)
+    live, f = request.app.state.live, form
+    q = TraceQuery(model, f.text, f.position, f.readout, f.memories, f.generate, f.intervene, f.target)
+    shown = {"heatmap_mode": f.heatmap, "link": q.share_link(settings.max_query_bytes)}
     try:
         if refused:
             raise refused
-        ctx = live_view.trace_page(session, live, q, settings.max_prompt_tokens)
+        ctx = trace_page(session, live, q, settings.max_prompt_tokens)
     except AppError as error:
-        if wants_json(request):
-            raise
-        if error.field and wants_fragment(request):
-            return render_error(request, error)  # next to the field; the trace on the page stays
-        # The page keeps the form and says why there is no trace (a bad prompt or edit — next to its field —,
-        # too many live requests, or the worker down, busy or failed); the browse pages work on.
-        notice = error.message if error.field else f"{error.title}: {error.message}"
-        ctx = live_view.trace_form(live, q, settings.max_prompt_tokens, notice=notice)
-        ctx = ctx.model_copy(update={"notice_field": error.field, "heatmap_mode": f.heatmap, "link": link})
-        return render(request, "trace.html", ctx, "trace", status_code=error.status, headers=error.headers)
-    ctx = ctx.model_copy(update={"heatmap_mode": f.heatmap, "link": link})
-    return render(request, "trace.html", ctx, fragment="trace")
 
+        def unanswered(notice: str, field: str | None) -> TraceContext:
+            ctx = trace_form(live, q, settings.max_prompt_tokens, notice=notice)
+            return ctx.model_copy(update={"notice_field": field} | shown)
 
-def _link(q: live_view.TraceQuery, max_query_bytes: int) -> str | None:
-    """The trace's URL, its share link; None when its query is longer than the server accepts."""
-    url = q.url()
-    return url if len(url.partition("?")[2]) <= max_query_bytes else None
+        return render_unanswered(request, error, "trace.html", "trace", unanswered)
+    return render(request, "trace.html", ctx.model_copy(update=shown), fragment="trace")
 
 
 @page(router, "/m/{model}/layers/{layer}/keys/{key}/ablation", "ablation", AblationContext, live=True)
@@ -116,16 +105,14 @@ def ablation(
     request: Request,
     session: SessionDep,
     refused: LiveBudget,
-    model: str,
-    layer: int,
-    key: int,
-    run: RunQuery = None,
+    model: ModelDep,
+    layer: LayerDep,
+    key: KeyDep,
+    run: RunDep,
     triggers: Annotated[int, Query(ge=1, le=100, description="Top trigger prefixes to test on.")] = 10,
 ):
     """Switch one memory off on its own top triggers: its value's top token and the true next token."""
     if refused:
         raise refused
-    ctx = live_view.ablation_page(
-        session, request.app.state.live, model, layer, key, run_id=run, limit=triggers
-    )
+    ctx = ablation_page(session, request.app.state.live, model, run, layer, key, limit=triggers)
     return render(request, "ablation.html", ctx, fragment="ablation")

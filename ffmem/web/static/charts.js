@@ -1,6 +1,6 @@
 // Draw every plotly figure spec found in a `.chart[data-figure]` element (also after htmx swaps).
 (function () {
-  var HEATMAP = "heatmap"; // the live view's query parameter that keeps the heatmap's mode (charts.HEATMAP_MODES)
+  var HEATMAP = "heatmap"; // the live view's query parameter that keeps the heatmap's mode (trace_charts.HEATMAP_MODES)
 
   function draw(root) {
     if (!window.Plotly) return;

@@ -1,0 +1,99 @@
+"""A trace in a terminal (`ffmem trace`): the prompt's tokens, per layer top(r), top(y), top(o), the final
+token under r, the case and the memories, the top tokens (with and without edits), then who pushes the
+target token, as Rich tables. The explorer's trace page shows the same result (ffmem/web/pages/trace.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from ffmem.web.display import visible
+
+if TYPE_CHECKING:
+    from ffmem.engine.trace import Trace
+
+
+def print_trace(result: Trace, tokenizer) -> None:
+    """Print a trace's result (ffmem.engine.trace.trace), its tokens decoded with `tokenizer`."""
+
+    def tok(token_id: int) -> str:
+        return visible(tokenizer.decode([token_id]))
+
+    console = Console(highlight=False)
+    chips = " ".join(
+        f"[{'reverse' if i == result.position else 'dim'}]{i}:{tok(t)}[/]"
+        for i, t in enumerate(result.token_ids)
+    )
+    console.print(chips)
+    edited = f", with the edits (without them: {tok(result.unedited.prediction)})" if result.unedited else ""
+    console.print(
+        f"prediction after position {result.position}: [bold]{tok(result.prediction)}[/] "
+        f"({result.readout} readout){edited}"
+    )
+    table = Table(
+        "layer",
+        "top(r)",
+        "top(y)",
+        "top(o)",
+        "p(final|r)",
+        "rank",
+        "case",
+        "memories (m: value tokens)",
+        title="with the edits" if result.unedited else None,
+    )
+    for layer in result.layers:
+        listed = "; ".join(
+            f"K{m.key} {m.coefficient:+.2f}: {' '.join(tok(t) for t in m.tokens)}" for m in layer.memories
+        )
+        case = layer.case + (" ✓" if layer.settled else "")
+        table.add_row(
+            str(layer.layer),
+            tok(layer.top_r),
+            tok(layer.top_y),
+            tok(layer.top_o),
+            f"{layer.final_prob:.3f}",
+            str(layer.final_rank),
+            case,
+            listed,
+        )
+    console.print(table)
+    shown = Table("token", "p", *(["p edited", "change"] if result.interventions else []), title="top tokens")
+    for change in result.top_tokens:
+        extra = (
+            [f"{change.after:.3f}", f"{change.after - change.before:+.3f}"] if result.interventions else []
+        )
+        shown.add_row(tok(change.token_id), f"{change.before:.3f}", *extra)
+    console.print(shown)
+    if result.generated:
+        console.print(f"greedy: {visible(tokenizer.decode(result.generated))}")
+    if result.generated_edited:
+        console.print(f"greedy, edited: {visible(tokenizer.decode(result.generated_edited))}")
+    _print_attribution(console, result.attribution, tok)
+
+
+def _print_attribution(console, attribution, tok) -> None:
+    """Who pushes the target token: per layer Σ m_i·(v_i·e_t) beside the FF's change to its logit."""
+    table = Table(
+        "layer",
+        "Σ memories",
+        "FF change",
+        "difference",
+        "largest contributions (c = m·v·e_t)",
+        title=f"who pushes {tok(attribution.target)} ({attribution.readout} readout, logit "
+        f"{attribution.logit:.2f}; Σ over all memories {attribution.total:+.2f})",
+    )
+    for layer in attribution.layers:
+        listed = "; ".join(f"K{c.key} {c.contribution:+.3f}" for c in layer.memories)
+        table.add_row(
+            str(layer.layer),
+            f"{layer.memories_sum:+.3f}",
+            f"{layer.change:+.3f}",
+            f"{layer.residual:+.3f}",
+            listed,
+        )
+    console.print(table)
+    for name, listed in (("promoters", attribution.promoters), ("suppressors", attribution.suppressors)):
+        console.print(f"{name}: " + ", ".join(f"L{c.layer}K{c.key} {c.contribution:+.3f}" for c in listed))

@@ -1,0 +1,372 @@
+"""The explorer's reads of a run's memories: a key's triggers and value tokens (decoded from their packed
+lists, ffmem.store.memory_lists), its statistics, a layer's keys and summaries, and reads across a whole
+run (free-text search over its triggers, token search over its values), which decode all its lists of
+one kind once per process. The index build writes them (ffmem.store.memory_writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+from sqlalchemy import Row, case, func, select, union_all
+from sqlalchemy.orm import Session
+
+from ffmem.store import memory_lists
+from ffmem.store.cache import ProcessCache, database_of
+from ffmem.store.memory_lists import TRIGGERS, Lists, Trigger, ValueToken
+from ffmem.store.models import KeyStats, MemoryList, Run, RunStatus
+
+
+def _list(session: Session, run_id: int, kind: str, sign: int, layer: int, key: int) -> bytes | None:
+    """One memory's packed list, if stored."""
+    return session.scalar(
+        select(MemoryList.data).where(
+            MemoryList.run_id == run_id,
+            MemoryList.kind == kind,
+            MemoryList.sign == sign,
+            MemoryList.layer == layer,
+            MemoryList.key == key,
+        )
+    )
+
+
+def _layer_lists(session: Session, run_id: int, kind: str, sign: int, layer: int, keys=None) -> Lists:
+    """The lists of one kind and sign of a layer's keys (all, or `keys`), decoded, by key then rank."""
+    query = select(MemoryList.key, MemoryList.data).where(
+        MemoryList.run_id == run_id,
+        MemoryList.kind == kind,
+        MemoryList.sign == sign,
+        MemoryList.layer == layer,
+    )
+    if keys is not None:
+        query = query.where(MemoryList.key.in_([int(k) for k in keys]))
+    rows = session.execute(query.order_by(MemoryList.key)).all()
+    return memory_lists.decode_many(kind, [layer] * len(rows), [r.key for r in rows], [r.data for r in rows])
+
+
+def get_triggers(
+    *, session: Session, run_id: int, layer: int, key: int, sign: int, limit: int | None = None
+) -> list[Trigger]:
+    """A key's triggers of one sign, strongest first (the first `limit` when given)."""
+    data = _list(session, run_id, TRIGGERS, sign, layer, key)
+    if data is None:
+        return []
+    return memory_lists.triggers_of(data, run_id=run_id, layer=layer, key=key, sign=sign, limit=limit)
+
+
+def get_value_tokens(
+    *, session: Session, run_id: int, layer: int, key: int, readout: str, direction: int
+) -> list[ValueToken]:
+    """A value's top (+1) or bottom (−1) tokens under one readout, rank order."""
+    data = _list(session, run_id, readout, direction, layer, key)
+    if data is None:
+        return []
+    where = dict(run_id=run_id, layer=layer, key=key, readout=readout, direction=direction)
+    return memory_lists.value_tokens_of(data, **where)
+
+
+def key_lists(
+    *, session: Session, run_id: int, layer: int, key: int, kinds: Sequence[str] = memory_lists.KINDS
+) -> dict[tuple[str, int], bytes]:
+    """One memory's packed lists of these kinds, both signs, in one read: (kind, sign) → data."""
+    query = select(MemoryList.kind, MemoryList.sign, MemoryList.data).where(
+        MemoryList.run_id == run_id,
+        MemoryList.kind.in_(kinds),
+        MemoryList.sign.in_((1, -1)),  # named, so that the primary key's layer and key columns are used
+        MemoryList.layer == layer,
+        MemoryList.key == key,
+    )
+    return {(kind, sign): data for kind, sign, data in session.execute(query)}
+
+
+def layer_value_tokens(
+    *, session: Session, run_id: int, layer: int, readout: str, direction: int, n: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids int64, probabilities float64), each [keys, n]: every value's stored top or bottom tokens
+    of a layer (the first `n` of each, or all)."""
+    found = _layer_lists(session, run_id, readout, direction, layer)
+    keys = len(np.unique(found.key))
+    if not keys:
+        return np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float64)
+    ids = found.entries["token_id"].astype(np.int64).reshape(keys, -1)  # [keys, n]
+    probs = memory_lists.probabilities(found.entries["logit"], found.log_z).reshape(keys, -1)  # [keys, n]
+    return ids[:, :n], probs[:, :n]
+
+
+def layer_triggers(*, session: Session, run_id: int, layer: int, sign: int) -> Lists:
+    """Every key's triggers of one sign of a layer, decoded: by key, each key's strongest first."""
+    return _layer_lists(session, run_id, TRIGGERS, sign, layer)
+
+
+def iter_triggers(*, session: Session, run_id: int) -> Iterator[Trigger]:
+    """Every trigger of the run, by layer, key, sign (−1 first) and rank; streamed."""
+    query = (
+        select(MemoryList.layer, MemoryList.key, MemoryList.sign, MemoryList.data)
+        .where(MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS)
+        .order_by(MemoryList.layer, MemoryList.key, MemoryList.sign)
+    )
+    for layer, key, sign, data in session.execute(query.execution_options(yield_per=1000)):
+        yield from memory_lists.triggers_of(data, run_id=run_id, layer=layer, key=key, sign=sign)
+
+
+def iter_value_tokens(*, session: Session, run_id: int) -> Iterator[ValueToken]:
+    """Every value token of the run, by layer, key, readout ("norm" first), direction (−1 first) and
+    rank; streamed."""
+    query = (
+        select(MemoryList.layer, MemoryList.key, MemoryList.kind, MemoryList.sign, MemoryList.data)
+        .where(MemoryList.run_id == run_id, MemoryList.kind.in_(memory_lists.READOUTS))
+        .order_by(MemoryList.layer, MemoryList.key, MemoryList.kind, MemoryList.sign)
+    )
+    for layer, key, readout, sign, data in session.execute(query.execution_options(yield_per=1000)):
+        where = dict(run_id=run_id, layer=layer, key=key, readout=readout, direction=sign)
+        yield from memory_lists.value_tokens_of(data, **where)
+
+
+# A finished run's lists never change, so reads across all of its memories (free-text search over its
+# triggers, token search over its values) decode the lists of one kind and sign once per process. Keyed
+# by the database, the run and its start time (an id reused by a new run is another entry); a run not yet
+# done is read again each time.
+RUN_LISTS_KEPT = 4  # SmolLM2's positive triggers: ~45 MB decoded
+
+
+_RUN_LISTS = ProcessCache(RUN_LISTS_KEPT)  # (database, run id, started_at, kind, sign) -> Lists
+
+
+def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
+    """Every list of one kind and sign of a run, decoded; triggers sorted by sentence index (stable)."""
+    run = session.get(Run, run_id)
+    if run is None:
+        return memory_lists.decode_many(kind, [], [], [])
+    cache_key = (database_of(session), run_id, run.started_at, kind, sign)
+    found = _RUN_LISTS.get(cache_key)
+    if found is None:
+        query = select(MemoryList.layer, MemoryList.key, MemoryList.data).where(
+            MemoryList.run_id == run_id, MemoryList.kind == kind, MemoryList.sign == sign
+        )
+        rows = session.execute(query.order_by(MemoryList.layer, MemoryList.key)).all()
+        found = memory_lists.decode_many(
+            kind, [r.layer for r in rows], [r.key for r in rows], [r.data for r in rows]
+        )
+        if kind == TRIGGERS:
+            found = found.take(np.argsort(found.entries["sentence_index"], kind="stable"))
+        _RUN_LISTS.put(cache_key, found, final=run.status == RunStatus.done)
+    return found
+
+
+def get_key_stats(*, session: Session, run_id: int, layer: int, key: int) -> KeyStats | None:
+    """One key's statistics, if stored."""
+    return session.get(KeyStats, (run_id, layer, key))
+
+
+def run_key_stats(*, session: Session, run_id: int, columns: Sequence[str]) -> list[Row]:
+    """These columns (by name) of every key's statistics of a run, by layer and key."""
+    query = (
+        select(*(getattr(KeyStats, column) for column in columns))
+        .where(KeyStats.run_id == run_id)
+        .order_by(KeyStats.layer, KeyStats.key)
+    )
+    return list(session.execute(query))
+
+
+KEY_SORTS = (
+    "key",
+    "max_coefficient",
+    "min_coefficient",
+    "positive_share",
+    "density",
+    "agreement",
+    "max_prob",
+    "next_token_rank",
+    "value_norm",
+)
+
+
+def layer_summaries(*, session: Session, run_id: int) -> list[Row]:
+    """One row per layer: key count and aggregates of the key statistics (see results.LayerFigures)."""
+    top_agrees = case((KeyStats.next_token_rank == 0, 1.0), (KeyStats.next_token_rank.is_not(None), 0.0))
+    query = (
+        select(
+            KeyStats.layer,
+            func.count().label("keys"),
+            func.avg(KeyStats.positive_share).label("positive_share"),
+            func.avg(KeyStats.density).label("density"),
+            func.max(KeyStats.max_coefficient).label("max_coefficient"),
+            func.max(KeyStats.max_prob).label("max_prob"),
+            func.avg(KeyStats.max_prob).label("mean_max_prob"),
+            func.avg(top_agrees).label("agreement_rate"),
+            func.sum(case((KeyStats.agreement > 0, 1), else_=0)).label("agreeing_keys"),
+            func.count(KeyStats.agreement).label("keys_with_agreement"),
+            func.avg(KeyStats.value_norm).label("value_norm"),
+        )
+        .where(KeyStats.run_id == run_id)
+        .group_by(KeyStats.layer)
+        .order_by(KeyStats.layer)
+    )
+    return list(session.execute(query))
+
+
+def layer_keys(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    sort: str,
+    descending: bool,
+    offset: int,
+    limit: int,
+    token_ids: Sequence[int] | None = None,
+    readout: str = "raw",
+) -> tuple[int, list[KeyStats]]:
+    """(number of keys that pass the filter, one page of them) for the layer table.
+
+    `token_ids`: keep only keys whose value has one of these among its top tokens. NULLs sort last.
+    """
+    if sort not in KEY_SORTS:
+        raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(KEY_SORTS)}")
+    where = [KeyStats.run_id == run_id, KeyStats.layer == layer]
+    if token_ids is not None:
+        keys = promoting_keys(
+            session=session, run_id=run_id, layer=layer, token_ids=token_ids, readout=readout
+        )
+        where.append(KeyStats.key.in_(keys))
+    total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
+    column = getattr(KeyStats, sort)
+    ordering = [column.is_(None), column.desc() if descending else column.asc(), KeyStats.key.asc()]
+    query = select(KeyStats).where(*where).order_by(*ordering).offset(offset).limit(limit)
+    return total, list(session.scalars(query))
+
+
+def promoting_keys(
+    *, session: Session, run_id: int, layer: int, token_ids: Sequence[int], readout: str = "raw"
+) -> list[int]:
+    """The keys of a layer whose value has one of `token_ids` among its top tokens, ascending."""
+    found = _layer_lists(session, run_id, readout, 1, layer)
+    hits = np.isin(found.entries["token_id"], np.asarray(list(token_ids), np.int64))  # [entries]
+    return np.unique(found.key[hits]).tolist()
+
+
+def top_triggers(*, session: Session, run_id: int, layer: int, keys: Sequence[int]) -> dict[int, Trigger]:
+    """Each key's strongest positive trigger."""
+    found = _layer_lists(session, run_id, TRIGGERS, 1, layer, keys)
+    first = found.take(np.flatnonzero(found.rank == 0))
+    return {
+        key: Trigger(run_id, layer, key, 1, 0, s, p, c)
+        for key, (s, p, c) in zip(first.key.tolist(), first.entries.tolist(), strict=True)
+    }
+
+
+def top_value_tokens(
+    *, session: Session, run_id: int, layer: int, keys: Sequence[int], readout: str, n: int
+) -> dict[int, list[ValueToken]]:
+    """Each key's first `n` top value tokens under one readout, rank order."""
+    query = select(MemoryList.key, MemoryList.data).where(
+        MemoryList.run_id == run_id,
+        MemoryList.kind == readout,
+        MemoryList.sign == 1,
+        MemoryList.layer == layer,
+        MemoryList.key.in_([int(k) for k in keys]),
+    )
+    where = dict(run_id=run_id, layer=layer, readout=readout, direction=1, limit=n)
+    return {
+        key: memory_lists.value_tokens_of(data, key=key, **where)
+        for key, data in session.execute(query.order_by(MemoryList.key))
+    }
+
+
+def memory_value_tokens(
+    *, session: Session, run_id: int, readout: str, memories: Iterable[tuple[int, int, int]], n: int | None
+) -> dict[tuple[int, int, int], list[int]]:
+    """(layer, key, direction) → the first `n` token ids (all when None) of that value's top (+1) or
+    bottom (−1) list."""
+    wanted = set(memories)
+    if not wanted:
+        return {}
+    keys_by_layer: dict[int, set[int]] = {}
+    for layer, key, _ in wanted:
+        keys_by_layer.setdefault(layer, set()).add(key)
+    # One SELECT per layer, UNION ALL-ed: each walks the primary key (run, kind, sign, layer, key).
+    per_layer = [
+        select(MemoryList.layer, MemoryList.key, MemoryList.sign, MemoryList.data).where(
+            MemoryList.run_id == run_id,
+            MemoryList.kind == readout,
+            MemoryList.sign.in_([1, -1]),
+            MemoryList.layer == layer,
+            MemoryList.key.in_(sorted(keys)),
+        )
+        for layer, keys in sorted(keys_by_layer.items())
+    ]
+    found: dict[tuple[int, int, int], list[int]] = {}
+    for layer, key, direction, data in session.execute(union_all(*per_layer)):
+        if (layer, key, direction) in wanted:
+            entries, _ = memory_lists.decode_value_tokens(data)
+            found[layer, key, direction] = entries["token_id"][:n].tolist()
+    return found
+
+
+def value_matches(
+    *,
+    session: Session,
+    run_id: int,
+    token_ids: Sequence[int],
+    readout: str,
+    direction: int,
+    by: str,
+    limit: int,
+) -> list[ValueToken]:
+    """Values, across all layers, with one of `token_ids` among their top (+1) or bottom (−1) tokens.
+
+    Strongest first: by probability (`by="prob"`) or logit (`"logit"`), descending for the top
+    tokens and ascending for the bottom ones; ties by layer and key.
+    """
+    lists = run_lists(session=session, run_id=run_id, kind=readout, sign=direction)
+    found = lists.take(
+        np.flatnonzero(np.isin(lists.entries["token_id"], np.asarray(list(token_ids), np.int64)))
+    )
+    logits = found.entries["logit"].astype(np.float64)  # [found]
+    score = logits - found.log_z if by == "prob" else logits  # log prob: the same order as prob
+    order = np.lexsort((found.key, found.layer, -score if direction == 1 else score))[:limit]
+    probs = memory_lists.probabilities(logits, found.log_z)  # [found]
+    return [
+        ValueToken(
+            run_id,
+            int(found.layer[i]),
+            int(found.key[i]),
+            readout,
+            direction,
+            int(found.rank[i]),
+            int(found.entries["token_id"][i]),
+            float(found.entries["logit"][i]),
+            float(probs[i]),
+        )
+        for i in order.tolist()
+    ]
+
+
+def triggers_from(
+    *, session: Session, run_id: int, first_positions: dict[int, int], limit: int
+) -> list[Trigger]:
+    """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`,
+    the strongest first (ties by layer and key), at most `limit`.
+
+    `first_positions` maps a sentence index to the first position whose prefix qualifies. The run's
+    positive triggers are decoded once per process and sorted by sentence (run_lists), so each sentence's
+    triggers are a slice found by binary search.
+    """
+    lists = run_lists(session=session, run_id=run_id, kind=TRIGGERS, sign=1)
+    # One contiguous copy and two searches for all the sentences: searchsorted copies a strided field
+    # (10-byte entries) on every call, 2.3 M entries on the whole default index.
+    sentence = np.ascontiguousarray(lists.entries["sentence_index"])  # [entries], ascending
+    indices = np.fromiter(first_positions, np.int64, len(first_positions))  # [sentences]
+    starts, stops = np.searchsorted(sentence, indices), np.searchsorted(sentence, indices + 1)  # [sentences]
+    picked = []
+    for start, stop, position in zip(starts.tolist(), stops.tolist(), first_positions.values(), strict=True):
+        span = np.arange(start, stop)  # [triggers of this sentence]
+        picked.append(span[lists.entries["position"][span] >= position])
+    found = lists.take(np.concatenate(picked) if picked else np.zeros(0, np.int64))
+    coefficient = found.entries["coefficient"]  # [found]
+    order = np.lexsort((found.key, found.layer, -coefficient.astype(np.float64)))[:limit]
+    return [
+        Trigger(run_id, int(found.layer[i]), int(found.key[i]), 1, int(found.rank[i]), s, p, c)
+        for i, (s, p, c) in zip(order.tolist(), found.entries[order].tolist(), strict=True)
+    ]

@@ -1,0 +1,154 @@
+"""The index build's writes of a run's memories: each layer's triggers and value tokens as packed lists
+(ffmem.store.memory_lists) and its key statistics. Called by the worker's storing stage; the explorer
+reads them through ffmem.store.memory_reads.
+
+Bulk writes go through `ffmem.store.bulk.bulk_insert`: COPY on Postgres, a driver-level executemany per
+chunk on SQLite, always inside the session's transaction.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import repeat
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from ffmem.store import memory_lists
+from ffmem.store.bulk import bulk_insert
+from ffmem.store.memory_lists import TRIGGERS
+from ffmem.store.models import KeyStats, MemoryList
+
+
+def store_triggers(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    sign: int,
+    coefficients: np.ndarray,
+    sentence_index: np.ndarray,
+    position: np.ndarray,
+) -> int:
+    """Store one layer's top-T triggers of one sign ([n_keys, T] arrays, rank = column), one packed list
+    per key; returns the triggers stored. Entries with sentence_index -1 (fewer sentences than T) are
+    skipped; a key with none stores no list."""
+    sentence_index, position, coefficients = same_shape(
+        2, sentence_index=sentence_index, position=position, coefficients=coefficients
+    )
+    blobs = memory_lists.encode_triggers(sentence_index, position, coefficients)
+    rows = ((run_id, TRIGGERS, int(sign), int(layer), key, blob) for key, blob in enumerate(blobs) if blob)
+    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    return int((sentence_index >= 0).sum())
+
+
+def store_value_tokens(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    readout: str,
+    direction: int,
+    token_ids: np.ndarray,
+    logits: np.ndarray,
+    log_z: np.ndarray,
+) -> int:
+    """Store one layer's top (+1) or bottom (-1) value tokens under one readout (token ids and logits
+    [n_keys, n], and log_z [n_keys], each value's log-sum-exp over the full readout), one packed list
+    per key; returns the tokens stored."""
+    if readout not in memory_lists.READOUTS:
+        raise ValueError(f"unknown readout {readout!r}; choose from {memory_lists.READOUTS}")
+    token_ids, logits = same_shape(2, token_ids=token_ids, logits=logits)
+    log_z = np.asarray(log_z).reshape(-1)  # [n_keys]
+    if log_z.shape[0] != token_ids.shape[0]:
+        raise ValueError(f"log_z has {log_z.shape[0]} values for {token_ids.shape[0]} keys")
+    blobs = memory_lists.encode_value_tokens(token_ids, logits, log_z)
+    rows = ((run_id, readout, int(direction), int(layer), key, blob) for key, blob in enumerate(blobs))
+    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    return token_ids.size
+
+
+LIST_COLUMNS = ("run_id", "kind", "sign", "layer", "key", "data")
+
+
+def store_key_stats(
+    *,
+    session: Session,
+    run_id: int,
+    layer: int,
+    mean: np.ndarray,
+    positive_share: np.ndarray,
+    max_coefficient: np.ndarray,
+    min_coefficient: np.ndarray,
+    value_norm: np.ndarray,
+    histogram: np.ndarray,
+    density: np.ndarray,
+    max_prob: np.ndarray,
+    agreement: np.ndarray,
+    next_token_rank: np.ndarray,
+) -> None:
+    """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]).
+
+    NaN or ±inf max/min → NULL; a next-token rank of −1 (no token after the top trigger) → NULL.
+    """
+    arrays = same_shape(
+        1,
+        mean=mean,
+        positive_share=positive_share,
+        max_coefficient=max_coefficient,
+        min_coefficient=min_coefficient,
+        value_norm=value_norm,
+        density=density,
+        max_prob=max_prob,
+        agreement=agreement,
+        next_token_rank=next_token_rank,
+    )
+    mean, positive_share, max_coefficient, min_coefficient, value_norm = arrays[:5]
+    density, max_prob, agreement, next_token_rank = arrays[5:]
+    histogram = np.asarray(histogram)
+    if histogram.ndim != 2 or histogram.shape[0] != mean.shape[0]:
+        raise ValueError(f"histogram has shape {histogram.shape}; expected [{mean.shape[0]}, n_bins]")
+    rows = zip(
+        repeat(run_id),
+        repeat(int(layer)),
+        range(mean.shape[0]),
+        mean.tolist(),
+        positive_share.tolist(),
+        map(_finite_or_none, max_coefficient.tolist()),
+        map(_finite_or_none, min_coefficient.tolist()),
+        value_norm.tolist(),
+        histogram.tolist(),
+        density.tolist(),
+        max_prob.tolist(),
+        agreement.astype(int).tolist(),
+        [None if rank < 0 else rank for rank in next_token_rank.astype(int).tolist()],
+    )
+    columns = (
+        "run_id",
+        "layer",
+        "key",
+        "mean",
+        "positive_share",
+        "max_coefficient",
+        "min_coefficient",
+        "value_norm",
+        "histogram",
+        "density",
+        "max_prob",
+        "agreement",
+        "next_token_rank",
+    )
+    bulk_insert(session, KeyStats.__table__, columns, rows)
+
+
+def same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:
+    """The arrays as numpy arrays, checked to share one shape of `ndim` dimensions (named in the error)."""
+    arrays = {name: np.asarray(array) for name, array in arrays.items()}
+    shapes = {name: array.shape for name, array in arrays.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != ndim:
+        raise ValueError(f"arrays must share one {ndim}-d shape, got {shapes}")
+    return list(arrays.values())
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None

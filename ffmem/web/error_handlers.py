@@ -1,0 +1,70 @@
+"""Every error the app meets answered in the one error shape (ffmem/web/errors.py, rendered by
+ffmem/web/rendering.py): an AppError as it is; unknown paths and other HTTP errors; malformed queries as a
+400, not FastAPI's 422; a database that stops answering while we serve as a 503 with Retry-After, not a 500
+(the engine's pre-ping pool reconnects once it is back); anything unexpected as a 500, logged, no traceback
+shown.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from ffmem.web.errors import AppError, describe, field_of
+from ffmem.web.rendering import render_error
+
+log = logging.getLogger("ffmem")
+
+
+def install(app: FastAPI) -> None:
+    """Route every error through `error_response`."""
+
+    @app.exception_handler(AppError)
+    async def app_error(request: Request, error: AppError) -> Response:
+        return render_error(request, error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        titles = {404: "Not found", 405: "Method not allowed"}
+        message = "No page at this address." if error.status_code == 404 else str(error.detail)
+        title = titles.get(error.status_code, "Error")
+        return render_error(request, AppError(error.status_code, title, message))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(request: Request, error: RequestValidationError) -> Response:
+        return render_error(request, AppError(400, "Bad request", describe(error), field=field_of(error)))
+
+    @app.exception_handler(DBAPIError)
+    async def database_error(request: Request, error: DBAPIError) -> Response:
+        if not database_gone(error):
+            return internal_error(request, error)
+        reason = str(error.orig).strip().splitlines()[0] if error.orig is not None else type(error).__name__
+        log.warning("the database is not answering (%s) on %s", reason, request.url.path)
+        message = "The database is not answering; try again in a few seconds."
+        gone = AppError(503, "Database unavailable", message, headers={"Retry-After": str(DATABASE_RETRY)})
+        return render_error(request, gone)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> Response:
+        return internal_error(request, error)
+
+
+DATABASE_RETRY = 5  # seconds a client waits before asking again when the database does not answer
+
+
+def database_gone(error: DBAPIError) -> bool:
+    """Whether `error` is the database going away (a lost or refused connection), not a bad query."""
+    lost = error.connection_invalidated or error.statement is None  # no statement: while connecting
+    return isinstance(error, (OperationalError, InterfaceError)) and lost
+
+
+def internal_error(request: Request, error: Exception) -> Response:
+    """A 500 in the error shape; the traceback goes to the log only."""
+    log.error("unexpected error on %s", request.url.path, exc_info=error)
+    message = "Something went wrong on our side; the error was logged."
+    return render_error(request, AppError(500, "Internal error", message))

@@ -1,0 +1,192 @@
+"""The analysis page: the paper's figures (Geva et al. 2021, §4–5) from a run's stored analyses, each
+beside the paper's own values where it gives them (read off its plots: approximate; ../PAPER.md).
+Depth is relative (layer / (layers − 1)) so the paper's 16 layers and any model's line up."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ffmem.config import Settings
+from ffmem.engine.cases import CASES
+from ffmem.store import jobs
+from ffmem.store.models import Analysis, LanguageModel, Run
+from ffmem.store.specs import AnalysisSpec
+from ffmem.web.views import JobInfo, ModelPage, RunInfo, run_info
+
+NAMES = ("agreement", "census", "token_removal")
+
+
+class AnalysisFigure(BaseModel):
+    """One of the paper's figures on this run: our per-layer series beside the paper's reference values."""
+
+    name: str = Field(description="fig3, fig4, …")
+    title: str
+    text: str = Field(description="What the chart shows, in one paragraph.")
+    unit: str = Field(description="share | count | probability | relative change | rank.")
+    layers: list[int]
+    depth: list[float] = Field(
+        description="layer / (layers − 1): the paper's 16 layers and ours on one axis."
+    )
+    series: dict[str, list[float | None]] = Field(description="Ours, by name: one value per layer.")
+    paper: dict[str, list[list[float]]] = Field(
+        description="The paper's values as [relative depth, value] points (approximate)."
+    )
+
+
+class AnalysisContext(ModelPage):
+    """The paper's analyses (Figs. 3–11) on one index run."""
+
+    page: str = "analysis"
+    run: RunInfo
+    computed: dict[str, dict] = Field(description="Analysis → {options, seconds, created_at}.")
+    missing: list[str] = Field(description="Analyses not computed on this run yet.")
+    figures: list[AnalysisFigure]
+    jobs: list[JobInfo] = Field(description="The run's analysis jobs, the newest first.")
+    defaults: dict = Field(description="The options a new analysis job gets unless the form says otherwise.")
+
+
+def _paper(*points: tuple[float, float]) -> list[list[float]]:
+    return [[x, y] for x, y in points]
+
+
+def analysis_page(session: Session, settings: Settings, model: LanguageModel, run: Run) -> AnalysisContext:
+    stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run.id))}
+    layers = list(range(model.n_layers))
+    depth = [layer / max(1, model.n_layers - 1) for layer in layers]
+
+    def figure(name, title, text, unit, series, paper=None) -> AnalysisFigure:
+        return AnalysisFigure(
+            name=name,
+            title=title,
+            text=text,
+            unit=unit,
+            layers=layers,
+            depth=depth,
+            series=series,
+            paper=paper or {},
+        )
+
+    figures = []
+    if (removal := stored.get("token_removal")) is not None:
+        data = removal.data
+        figures.append(
+            figure(
+                "fig3",
+                "Fig. 3 — removing the first or the last token of a trigger prefix",
+                f"For {removal.options['keys']} sampled keys a layer and their top "
+                f"{removal.options['triggers']} trigger prefixes ({data['prefixes']:,} prefixes): the mean "
+                f"relative change of the key's coefficient when the prefix loses its first token, and when "
+                f"it loses its last. The paper found the last token matters most, less so with depth (about "
+                f"−70% in layer 1 to −20% in layer 16), and the first hardly at all: lower layers' keys are "
+                f"shallow (n-gram) patterns, upper ones semantic.",
+                "relative change",
+                {"first token removed": data["first"], "last token removed": data["last"]},
+                {"last token removed (paper)": _paper((0, -0.7), (1, -0.2))},
+            )
+        )
+    if (agreement := stored.get("agreement")) is not None:
+        data = agreement.data
+        figures.append(
+            figure(
+                "fig4",
+                "Fig. 4 — agreement rate: keys whose value predicts what follows their top trigger",
+                f"The share of keys whose value's top token (raw readout, softmax(v·E)) is the token that "
+                f"follows their top trigger prefix; a random value would agree {data['baseline']:.2g} of the "
+                f"time. The paper saw almost none in layers 1–10 and up to about 3.5% in the upper layers: "
+                f"upper-layer values predict what follows their keys' patterns.",
+                "share",
+                {"agreement rate": data["agreement"], "random baseline": [data["baseline"]] * len(layers)},
+                {"agreement rate (paper)": _paper((0, 0.0), (0.6, 0.0), (1, 0.035))},
+            )
+        )
+        figures.append(
+            figure(
+                "fig5",
+                "Fig. 5 — rank of the next token in the value's distribution",
+                "Quartiles of the rank (0 = top) of the token after each key's top trigger among its "
+                "value's logits. The paper found the rank falls in the upper layers.",
+                "rank",
+                {
+                    f"q{float(q):.2f}": values
+                    for q, values in data["rank_quantiles"].items()
+                    if q in ("0.25", "0.5", "0.75")
+                },
+            )
+        )
+    if (found := stored.get("census")) is not None:
+        data, n_keys = found.data, model.n_keys
+        figures += [
+            figure(
+                "fig7",
+                "Fig. 7 — active memories",
+                f"Over {data['examples']:,} held-out prefixes (sentences the run did not mine, one random "
+                f"position each): the share of a layer's {n_keys:,} memories with m > 0, and with a "
+                f"non-negligible coefficient (|m| within 3 octaves of the strongest; gated and GELU memories "
+                f"are never exactly off). The paper (ReLU) saw 10%–50% active, with a dip near layer 10.",
+                "share",
+                {
+                    "m > 0": [v / n_keys for v in data["positive"]],
+                    "non-negligible": [v / n_keys for v in data["active"]],
+                },
+                {"paper: low end": _paper((0, 0.1), (1, 0.1)), "paper: high end": _paper((0, 0.5), (1, 0.5))},
+            ),
+            figure(
+                "fig8",
+                "Fig. 8 — the FF output is a composition",
+                "The share of examples whose FF output's top token is the value top token of none of the "
+                "active memories (each read in its coefficient's direction); and, of the others, the share "
+                "where that token is a stop word. The paper: at least ~68% in every layer; 60% stop words.",
+                "share",
+                {
+                    "no single memory": data["no_memory_agrees"],
+                    "stop words when one agrees": data["stop_words"],
+                },
+                {"no single memory (paper, ≥)": _paper((0, 0.68), (1, 0.68))},
+            ),
+            figure(
+                "fig9",
+                "Fig. 9 — the residual already predicts the output",
+                "The share of examples whose residual top token (before the FF, read through the final norm "
+                "and the unembedding) already is the model's final prediction. The paper: about a third in "
+                "the bottom layers, rising fast from layer 10.",
+                "share",
+                {"top(r) = final": data["settled"]},
+                {"paper (approx.)": _paper((0, 0.33), (0.6, 0.4), (1, 0.9))},
+            ),
+            figure(
+                "fig10",
+                "Fig. 10 — the residual's confidence in the final token",
+                "The mean probability of the model's final prediction under the residual, per layer: the "
+                "residual refines toward the prediction with depth.",
+                "probability",
+                {"p(final | r)": data["final_prob"]},
+            ),
+            figure(
+                "fig11",
+                "Fig. 11 — how each layer's output relates to the residual and the FF",
+                "Per layer, the share of examples where the layer output's top token is that of the "
+                "residual (residual), of the FF (ffn), of both (agreement) or of neither (composition). The "
+                "paper: the residual dominates; when the layer changes the prediction it is mostly a "
+                "composition, the FF vetoing the residual's choice.",
+                "share",
+                {case: data["cases"][case] for case in CASES},
+            ),
+        ]
+    return AnalysisContext(
+        title=f"{model.slug}: the paper's analyses",
+        model=model.slug,
+        run=run_info(run),
+        computed={
+            name: {"options": a.options, "seconds": a.seconds, "created_at": a.created_at.isoformat()}
+            for name, a in stored.items()
+        },
+        missing=[name for name in NAMES if name not in stored],
+        figures=figures,
+        jobs=[
+            JobInfo.model_validate(job, from_attributes=True)
+            for job in jobs.analysis_jobs(session=session, run_id=run.id)
+        ],
+        defaults=AnalysisSpec.from_settings(settings).model_dump(),
+    )

@@ -1,0 +1,144 @@
+"""The layer page: every key of one layer in one index run, paged, sortable, filterable by a value token."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from sqlalchemy.orm import Session
+
+from ffmem.store import corpora, memory_labels, memory_reads, vocabularies
+from ffmem.store.models import LanguageModel, Run
+from ffmem.store.results import results_for
+from ffmem.web import urls
+from ffmem.web.errors import AppError
+from ffmem.web.pages.search import token_candidates
+from ffmem.web.views import (
+    LabelView,
+    ModelPage,
+    Provisional,
+    RunInfo,
+    TokenScore,
+    Trigger,
+    label_view,
+    run_info,
+    token_score,
+    trigger_token_ids,
+    trigger_view,
+)
+
+
+class KeyRow(BaseModel):
+    """One key in the layer table."""
+
+    key: int
+    top_trigger: Trigger | None = Field(description="Its strongest positive trigger.")
+    value_top: list[TokenScore] = Field(description="Its value's top tokens (raw readout).")
+    max_coefficient: float | None
+    min_coefficient: float | None
+    positive_share: float = Field(description="The share of mined positions with m > 0.")
+    density: float | None = Field(description="The share of positions where |m| is non-negligible.")
+    agreement: int | None = Field(description="Positive triggers followed by one of the value's top tokens.")
+    max_prob: float | None = Field(description="The value's top token's probability (raw readout).")
+    next_token_rank: int | None = Field(
+        description="The top trigger's next token's rank in the value's logits."
+    )
+    value_norm: float | None = Field(description="‖v‖.")
+    label: LabelView | None = Field(None, description="The memory's label (its newest).")
+
+
+class LayerContext(ModelPage):
+    """One page of a layer's keys."""
+
+    page: str = "layer"
+    layer: int
+    n_layers: int
+    n_keys: int
+    run: RunInfo
+    sort: str = Field(description="The column the keys are sorted by.")
+    order: str = Field(description="asc | desc.")
+    token: str | None = Field(description="Keep keys whose value promotes this token.")
+    token_ids: list[int] = Field(description="The vocabulary entries the token filter matched.")
+    page_number: int = Field(description="From 1.")
+    per_page: int
+    total: int = Field(description="Keys that pass the filter.")
+    pages: int
+    keys: list[KeyRow]
+    provisional: Provisional = None
+
+
+def layer_page(
+    session: Session,
+    model: LanguageModel,
+    run: Run,
+    layer: int,
+    *,
+    pinned: int | None,
+    sort: str,
+    order: str,
+    token: str | None,
+    page: int,
+    per_page: int,
+) -> LayerContext:
+    """`pinned`: the run the URL pins (the past-the-last-page link keeps it)."""
+    token_ids = token_candidates(session, model, token) if token else None
+    window = dict(sort=sort, descending=order == "desc", offset=(page - 1) * per_page, limit=per_page)
+    results = results_for(session, run)
+    total, stats, tops = results.layer_keys(layer, token_ids=token_ids, **window)
+    pages = max(1, -(-total // per_page))
+    if page > pages:
+        query = dict(run=pinned, sort=sort, order=order, token=token, per_page=per_page, page=pages)
+        last = urls.layer_url(model.slug, layer, **query)
+        message = (
+            f"There are {pages:,} pages of {per_page} keys here ({total:,} keys); "
+            f"page {page:,} is past the last."
+        )
+        raise AppError(404, "No such page", message, link=(last, f"the last page, {pages:,}"))
+    keys = [s.key for s in stats]
+    values = memory_reads.top_value_tokens(
+        session=session, run_id=run.id, layer=layer, keys=keys, readout="raw", n=5
+    )
+    sentences = corpora.get_sentences(
+        session=session, corpus_id=run.corpus_id, indices=[t.sentence_index for t in tops.values()]
+    )
+    wanted = trigger_token_ids(list(tops.values()), sentences)
+    wanted.update(v.token_id for tokens in values.values() for v in tokens)
+    texts = vocabularies.token_texts(session=session, model_id=model.id, token_ids=wanted)
+    current = memory_labels.current_labels(session=session, model_id=model.id, layer=layer, keys=keys)
+    rows = [
+        KeyRow(
+            key=s.key,
+            top_trigger=(
+                trigger_view(tops[s.key], sentences[tops[s.key].sentence_index], texts)
+                if s.key in tops
+                else None
+            ),
+            value_top=[token_score(v, texts) for v in values.get(s.key, [])],
+            max_coefficient=s.max_coefficient,
+            min_coefficient=s.min_coefficient,
+            positive_share=s.positive_share,
+            density=s.density,
+            agreement=s.agreement,
+            max_prob=s.max_prob,
+            next_token_rank=s.next_token_rank,
+            value_norm=s.value_norm,
+            label=label_view(current[s.key]) if s.key in current else None,
+        )
+        for s in stats
+    ]
+    return LayerContext(
+        title=f"{model.slug}: layer {layer}",
+        model=model.slug,
+        layer=layer,
+        n_layers=model.n_layers,
+        n_keys=model.n_keys,
+        run=run_info(run),
+        sort=sort,
+        order=order,
+        token=token,
+        token_ids=token_ids or [],
+        page_number=page,
+        per_page=per_page,
+        total=total,
+        pages=pages,
+        keys=rows,
+        provisional=results.coverage(layer),
+    )

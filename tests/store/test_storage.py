@@ -1,0 +1,376 @@
+"""Every write of the store (runs, corpora, vocabularies, memories) round-trips exactly, on SQLite and
+Postgres."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select
+
+from ffmem.store import corpora, memory_lists, memory_reads, memory_writes, runs, vocabularies
+from ffmem.store.models import KeyStats, LanguageModel, MemoryList, Run, RunStatus, Sentence, Token
+from ffmem.store.results import MiningResults, StoredResults
+
+MODEL = dict(
+    slug="tiny",
+    source="hf-internal/tiny",
+    revision="abc123",
+    architecture="LlamaForCausalLM",
+    family="llama",
+    n_layers=2,
+    n_keys=3,
+    d_model=8,
+    vocab_size=5,
+    activation="silu",
+    gated=True,
+)
+
+
+def reread(session) -> None:
+    """Commit and forget every loaded object, so the next reads come from the database."""
+    session.commit()
+    session.expunge_all()
+
+
+@pytest.fixture
+def model(session) -> LanguageModel:
+    return runs.upsert_model(session=session, **MODEL)
+
+
+@pytest.fixture
+def corpus(session):
+    return corpora.store_corpus(
+        session=session,
+        name="tiny.txt",
+        source="/data/tiny.txt",
+        source_sha256="a" * 64,
+        fingerprint="f" * 64,
+        tokenizer="tiny@abc123",
+        max_tokens=16,
+        skipped={"empty": 2},
+        sentences=[
+            ("Hello world.", [0, 7, 9], [(0, 0), (0, 5), (5, 12)], 1),
+            ("Bye.", [0, 4], [(0, 0), (0, 4)], 1),
+        ],
+    )
+
+
+@pytest.fixture
+def run(session, model, corpus) -> Run:
+    return runs.create_run(
+        session=session,
+        model_id=model.id,
+        corpus_id=corpus.id,
+        top_k=2,
+        n_value_tokens=2,
+        n_sentences=2,
+        dtype="float32",
+        device="cpu",
+        package_version="0.1.0",
+        provenance={"torch": "2.4"},
+        histogram_edges=[-1.0, 0.0, 1.0],
+    )
+
+
+def test_upsert_model_creates_then_updates(session, model):
+    again = runs.upsert_model(session=session, **{**MODEL, "revision": "def456", "n_keys": 4})
+    reread(session)
+    stored = session.scalars(select(LanguageModel)).one()
+    assert again.id == model.id == stored.id
+    assert (stored.slug, stored.revision, stored.n_keys, stored.gated) == ("tiny", "def456", 4, True)
+    assert isinstance(stored.created_at, datetime)
+
+
+def test_vocabulary_round_trips_once(session, model):
+    texts, pieces = ["a", " b", "\x00"], ["a", "Ġb", "Ā"]
+    vocabularies.store_vocabulary(session=session, model_id=model.id, texts=texts, pieces=pieces)
+    vocabularies.store_vocabulary(session=session, model_id=model.id, texts=["x"] * 3, pieces=["y"] * 3)
+    reread(session)
+    rows = session.execute(select(Token.token_id, Token.text, Token.piece).order_by(Token.token_id)).all()
+    assert [tuple(row) for row in rows] == [(0, "a", "a"), (1, " b", "Ġb"), (2, "\u2400", "Ā")]
+
+
+def test_corpus_round_trips(session, corpus):
+    reread(session)
+    found = corpora.find_corpus(session=session, fingerprint="f" * 64)
+    assert found is not None and found.id == corpus.id
+    assert (found.n_sentences, found.n_tokens, found.skipped) == (2, 5, {"empty": 2})
+    assert corpora.find_corpus(session=session, fingerprint="0" * 64) is None
+    assert corpora.load_sentence_tokens(session=session, corpus_id=found.id) == [[0, 7, 9], [0, 4]]
+    assert corpora.load_first_positions(session=session, corpus_id=found.id) == [1, 1]
+    first = session.get(Sentence, (found.id, 0))
+    assert (first.text, first.offsets) == ("Hello world.", [[0, 0], [0, 5], [5, 12]])
+
+
+def test_run_lifecycle(session, model, run):
+    assert run.status == RunStatus.running and run.started_at is not None and run.finished_at is None
+    runs.finish_run(session=session, run_id=run.id, n_tokens=np.int64(123))
+    reread(session)
+    stored = runs.get_run(session=session, run_id=run.id)
+    assert (stored.status, stored.n_tokens, stored.histogram_edges) == ("done", 123, [-1.0, 0.0, 1.0])
+    assert stored.provenance == {"torch": "2.4"} and stored.finished_at is not None and stored.error is None
+    found = runs.find_finished_run(session=session, model_slug="tiny", n_sentences=2)
+    assert found is not None and found.id == run.id
+    assert runs.find_finished_run(session=session, model_slug="tiny", n_sentences=3) is None
+
+
+def test_fail_run_stores_the_traceback(session, run):
+    try:
+        raise RuntimeError("out of memory on layer 3")
+    except RuntimeError as error:
+        runs.fail_run(session=session, run_id=run.id, error=error)
+    reread(session)
+    stored = runs.get_run(session=session, run_id=run.id)
+    assert stored.status == RunStatus.failed and stored.finished_at is not None
+    assert stored.error["type"] == "RuntimeError"
+    assert stored.error["message"] == "out of memory on layer 3"
+    assert "Traceback (most recent call last)" in stored.error["traceback"]
+    assert "test_fail_run_stores_the_traceback" in stored.error["traceback"]
+
+
+def test_triggers_round_trip_and_skip_missing(session, run):
+    coefficients = np.array([[2.5, 1.25], [0.1, -7.0], [3.0, 0.0]], dtype=np.float32)
+    sentence_index = np.array([[1, 0], [0, -1], [-1, -1]], dtype=np.int64)
+    position = np.array([[2, 1], [3, 0], [0, 0]], dtype=np.int64)
+    stored = memory_writes.store_triggers(
+        session=session,
+        run_id=run.id,
+        layer=1,
+        sign=-1,
+        coefficients=coefficients,
+        sentence_index=sentence_index,
+        position=position,
+    )
+    reread(session)
+    assert stored == 3
+    assert runs.count_entries(session=session, run_id=run.id, kind="triggers") == 3
+    assert session.scalar(select(func.count()).select_from(MemoryList)) == 2  # key 2 has none: no list
+
+    def triggers(key: int) -> list[tuple]:
+        rows = memory_reads.get_triggers(session=session, run_id=run.id, layer=1, key=key, sign=-1)
+        return [(t.rank, t.sentence_index, t.position, t.coefficient) for t in rows]
+
+    assert triggers(0) == [(0, 1, 2, 2.5), (1, 0, 1, 1.25)]
+    assert triggers(1) == [(0, 0, 3, float(np.float32(0.1)))]
+    assert type(triggers(1)[0][3]) is float
+    assert triggers(2) == []
+    assert memory_reads.get_triggers(session=session, run_id=run.id, layer=1, key=0, sign=1) == []
+
+
+def test_value_tokens_round_trip(session, run):
+    token_ids = np.array([[4, 1], [0, 2], [3, 3]], dtype=np.int64)
+    logits = np.array([[9.5, 8.25], [1.0, -2.0], [0.5, 0.5]], dtype=np.float32)
+    log_z = np.array([10.25, 3.0, 20.0], dtype=np.float32)
+    for readout, direction in (("raw", 1), ("norm", -1)):
+        memory_writes.store_value_tokens(
+            session=session,
+            run_id=run.id,
+            layer=0,
+            readout=readout,
+            direction=direction,
+            token_ids=token_ids,
+            logits=logits,
+            log_z=log_z,
+        )
+    reread(session)
+    assert runs.count_entries(session=session, run_id=run.id, kind="raw") == 6
+    assert runs.count_entries(session=session, run_id=run.id, kind="norm") == 6
+
+    def values(key: int, readout: str, direction: int) -> list[tuple]:
+        rows = memory_reads.get_value_tokens(
+            session=session, run_id=run.id, layer=0, key=key, readout=readout, direction=direction
+        )
+        return [(v.rank, v.token_id, v.logit, v.prob) for v in rows]
+
+    # prob = exp(logit − log_z), the softmax over the full readout
+    close = pytest.approx
+    assert values(2, "norm", -1) == [(0, 3, 0.5, close(math.exp(-19.5))), (1, 3, 0.5, close(math.exp(-19.5)))]
+    assert values(0, "raw", 1) == [(0, 4, 9.5, close(math.exp(-0.75))), (1, 1, 8.25, close(math.exp(-2.0)))]
+    assert values(2, "raw", -1) == []
+    assert all(type(v) is float for v in values(0, "raw", 1)[0][2:])
+
+
+def test_a_keys_lists_in_one_read_equal_the_lists_read_one_by_one(session, run):
+    """What the key page reads in one statement (memory_reads.key_lists; StoredResults' triggers and value
+    readouts) equals each list read alone, and a list not stored is empty."""
+    where = dict(session=session, run_id=run.id, layer=1)
+    memory_writes.store_triggers(
+        **where,
+        sign=1,
+        coefficients=np.array([[2.5, 1.25], [0.5, 0.25], [3.0, 1.0]], dtype=np.float32),
+        sentence_index=np.array([[1, 0], [0, -1], [1, 0]]),
+        position=np.array([[2, 1], [1, 0], [0, 1]]),
+    )
+    memory_writes.store_triggers(
+        **where,
+        sign=-1,
+        coefficients=np.array([[-1.0, -0.5], [-2.0, -1.5], [-3.0, -0.5]], dtype=np.float32),
+        sentence_index=np.array([[0, 1], [1, 0], [0, -1]]),
+        position=np.array([[1, 2], [0, 1], [2, 0]]),
+    )
+    token_ids = np.array([[4, 1], [0, 2], [3, 3]])
+    for readout, direction in (("raw", 1), ("raw", -1), ("norm", 1)):  # no norm bottom tokens stored
+        memory_writes.store_value_tokens(
+            **where,
+            readout=readout,
+            direction=direction,
+            token_ids=token_ids[:, ::direction],
+            logits=np.array([[9.5, 8.25], [1.0, -2.0], [0.5, 0.5]], dtype=np.float32) * direction,
+            log_z=np.array([10.25, 3.0, 20.0], dtype=np.float32),
+        )
+    reread(session)
+    key = 1
+    lists = memory_reads.key_lists(**where, key=key)
+    assert set(lists) == {("triggers", 1), ("triggers", -1), ("raw", 1), ("raw", -1), ("norm", 1)}
+    readouts = memory_lists.value_readouts(lists, run_id=run.id, layer=1, key=key)
+    for readout in memory_lists.READOUTS:
+        for direction in (1, -1):
+            alone = memory_reads.get_value_tokens(**where, key=key, readout=readout, direction=direction)
+            assert readouts[readout, direction] == alone
+    assert readouts["norm", -1] == [] and len(readouts["raw", -1]) == 2
+    stored = StoredResults(session, run)
+    assert stored.value_readouts(1, key) == readouts
+    assert MiningResults(session, run).value_readouts(1, key) == readouts  # a run still mining: the same
+    for sign in (1, -1):
+        alone = memory_reads.get_triggers(**where, key=key, sign=sign)
+        assert stored.triggers(1, key, sign) == alone and len(alone) >= 1
+        assert stored.triggers(1, key, sign, 1) == alone[:1]
+    assert stored.triggers(0, key, 1) == [] and stored.value_readouts(0, key)["raw", 1] == []
+
+
+def test_packed_lists_round_trip():
+    sentence_index = np.array([[7, 70_000, -1], [-1, -1, -1]])  # [keys, T]
+    position = np.array([[0, 511, 0], [0, 0, 0]])
+    coefficient = np.array([[2.5, -1.25, 0.0], [0.0, 0.0, 0.0]], dtype=np.float32)
+    first, second = memory_lists.encode_triggers(sentence_index, position, coefficient)
+    assert len(first) == 2 * memory_lists.TRIGGER.itemsize == 20 and second == b""
+    decoded = memory_lists.decode_triggers(first)
+    assert decoded.tolist() == [(7, 0, 2.5), (70_000, 511, -1.25)]
+    for widest, width in ((65_535, 2), (65_536, 4)):
+        token_ids = np.array([[widest, 3], [0, 1]])  # [keys, n]
+        logits = np.array([[1.5, -2.0], [0.25, 0.125]], dtype=np.float32)
+        blobs = memory_lists.encode_value_tokens(token_ids, logits, np.array([4.0, 5.0]))
+        assert [len(b) for b in blobs] == [memory_lists.VALUE_HEADER.itemsize + 2 * (width + 4)] * 2
+        entries, log_z = memory_lists.decode_value_tokens(blobs[0])
+        assert (entries["token_id"].tolist(), entries["logit"].tolist(), log_z) == (
+            [widest, 3],
+            [1.5, -2.0],
+            4.0,
+        )
+        many = memory_lists.decode_many("raw", [3, 3], [0, 1], blobs)
+        assert (many.layer.tolist(), many.key.tolist(), many.rank.tolist()) == (
+            [3] * 4,
+            [0, 0, 1, 1],
+            [0, 1] * 2,
+        )
+        assert many.entries["token_id"].tolist() == [widest, 3, 0, 1] and many.log_z.tolist() == [4, 4, 5, 5]
+
+
+def test_key_stats_round_trip_with_null_extremes(session, run):
+    memory_writes.store_key_stats(
+        session=session,
+        run_id=run.id,
+        layer=1,
+        mean=np.array([0.5, -0.25, 0.0], dtype=np.float32),
+        positive_share=np.array([0.75, 0.125, 0.0]),
+        max_coefficient=np.array([3.0, np.inf, np.nan]),
+        min_coefficient=np.array([-1.5, -np.inf, np.nan]),
+        value_norm=np.array([1.0, 2.0, 4.0]),
+        histogram=np.array([[1, 2], [0, 3], [0, 0]], dtype=np.int64),
+        density=np.array([0.5, 0.25, 0.0]),
+        max_prob=np.array([0.125, 0.5, 1.0]),
+        agreement=np.array([3, 0, 0]),
+        next_token_rank=np.array([0, 17, -1]),
+    )
+    reread(session)
+    first = memory_reads.get_key_stats(session=session, run_id=run.id, layer=1, key=0)
+    assert (
+        first.mean,
+        first.positive_share,
+        first.max_coefficient,
+        first.min_coefficient,
+        first.value_norm,
+        first.histogram,
+    ) == (0.5, 0.75, 3.0, -1.5, 1.0, [1, 2])
+    assert (first.density, first.max_prob, first.agreement, first.next_token_rank) == (0.5, 0.125, 3, 0)
+    second = memory_reads.get_key_stats(session=session, run_id=run.id, layer=1, key=1)
+    assert (second.max_coefficient, second.min_coefficient, second.histogram) == (None, None, [0, 3])
+    assert second.next_token_rank == 17
+    third = memory_reads.get_key_stats(session=session, run_id=run.id, layer=1, key=2)
+    assert (third.max_coefficient, third.min_coefficient, third.next_token_rank) == (None, None, None)
+    assert memory_reads.get_key_stats(session=session, run_id=run.id, layer=0, key=0) is None
+
+
+def test_mismatched_shapes_are_refused(session, run):
+    with pytest.raises(ValueError, match="shape"):
+        memory_writes.store_triggers(
+            session=session,
+            run_id=run.id,
+            layer=0,
+            sign=1,
+            coefficients=np.zeros((3, 2)),
+            sentence_index=np.zeros((3, 1), dtype=np.int64),
+            position=np.zeros((3, 2)),
+        )
+
+
+def _fill(session, run) -> None:
+    ones = np.ones((3, 2))
+    ints = np.ones((3, 2), dtype=np.int64)
+    memory_writes.store_triggers(
+        session=session, run_id=run.id, layer=0, sign=1, coefficients=ones, sentence_index=ints, position=ints
+    )
+    memory_writes.store_value_tokens(
+        session=session,
+        run_id=run.id,
+        layer=0,
+        readout="raw",
+        direction=1,
+        token_ids=ints,
+        logits=ones,
+        log_z=np.ones(3),
+    )
+    memory_writes.store_key_stats(
+        session=session,
+        run_id=run.id,
+        layer=0,
+        mean=np.zeros(3),
+        positive_share=np.zeros(3),
+        max_coefficient=np.ones(3),
+        min_coefficient=np.ones(3),
+        value_norm=np.ones(3),
+        histogram=ints,
+        density=np.zeros(3),
+        max_prob=np.ones(3),
+        agreement=np.zeros(3, dtype=np.int64),
+        next_token_rank=np.zeros(3, dtype=np.int64),
+    )
+
+
+def _counts(session) -> tuple[int, int, int, int]:
+    runs, lists, stats = (
+        session.scalar(select(func.count()).select_from(t)) for t in (Run, MemoryList, KeyStats)
+    )
+    value_lists = session.scalar(select(func.count()).select_from(MemoryList).where(MemoryList.kind == "raw"))
+    return runs, lists - value_lists, value_lists, stats
+
+
+def test_deleting_a_run_cascades(session, run):
+    _fill(session, run)
+    reread(session)
+    assert _counts(session) == (1, 3, 3, 3)  # one list per key
+    runs.delete_run(session=session, run_id=run.id)
+    reread(session)
+    assert _counts(session) == (0, 0, 0, 0)
+
+
+def test_deleting_a_model_cascades_to_its_runs(session, model, run):
+    _fill(session, run)
+    vocabularies.store_vocabulary(session=session, model_id=model.id, texts=["a"], pieces=["a"])
+    reread(session)
+    session.delete(session.get(LanguageModel, model.id))
+    reread(session)
+    assert _counts(session) == (0, 0, 0, 0)

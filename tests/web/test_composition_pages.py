@@ -1,0 +1,138 @@
+"""The key page's weight graph and automatic explanation, and explanations in the search, on the tiny
+index (SQLite and Postgres): the JSON twin gives what the store holds, every graph node links to its
+memory, and the search finds a memory by a word of its explanation."""
+
+from __future__ import annotations
+
+import json
+import re
+from html import unescape
+
+from sqlalchemy import select
+
+from ffmem.store import composition
+from ffmem.store.models import Explanation
+from ffmem.web import charts, urls
+from ffmem.web.pages.composition import LinkView, WeightGraphView
+
+
+def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
+    key_page = client.get(f"/m/{slug}/layers/1/keys/5.json").json()
+    assert "weight_graph" not in key_page  # the key page loads it as a section, from its own page
+    assert key_page["links"]["related"] == f"/m/{slug}/layers/1/keys/5/related?run={run.id}"
+    body = client.get(f"/m/{slug}/layers/1/keys/5/related.json").json()
+    assert body["page"] == "related" and (body["layer"], body["key"], body["run"]["id"]) == (1, 5, run.id)
+    stored = composition.get_links(session=db, run_id=run.id, layer=1, key=5)
+    graph = body["weight_graph"]
+    for direction, shown in (("in", graph["inbound"]), ("out", graph["outbound"])):
+        assert [(m["layer"], m["key"], m["score"]) for m in shown] == [
+            (link.layer, link.key, link.score) for link in stored[direction]
+        ]
+        assert len(shown) == 10
+        assert all(m["url"] == urls.key_url(slug, m["layer"], m["key"]) for m in shown)
+        assert all(m["explanation"] for m in shown)  # every memory of the run is explained
+    assert {m["layer"] for m in graph["inbound"]} == {0} and {m["layer"] for m in graph["outbound"]} == {2}
+    scores = [abs(m["score"]) for m in graph["inbound"]]
+    assert scores == sorted(scores, reverse=True)
+
+    loads = f'<div id="related" hx-get="{key_page["links"]["related"]}"'.replace("&", "&amp;")
+    assert loads in client.get(f"/m/{slug}/layers/1/keys/5").text
+    section = client.get(
+        f"/m/{slug}/layers/1/keys/5/related", headers={"HX-Request": "1", "HX-Target": "related"}
+    )
+    assert "<html" not in section.text and section.text.count('<div id="related">') == 1
+    page = client.get(f"/m/{slug}/layers/1/keys/5/related").text
+    assert "<title>" in page and 'id="weight-graph-in"' in page and 'id="weight-graph-out"' in page
+    figure = json.loads(unescape(re.search(r'id="weight-graph-chart" data-figure="([^"]*)"', page).group(1)))
+    nodes = next(trace for trace in figure["data"] if trace.get("customdata"))
+    assert [point[0] for point in nodes["customdata"]] == [
+        m["url"] for m in graph["inbound"] + graph["outbound"]
+    ]
+    assert figure["layout"]["meta"] == {"links": True}
+    for m in graph["inbound"][:3]:
+        assert f'href="{m["url"]}"' in page
+
+
+def test_the_weight_graph_keeps_its_labels_apart_and_inside():
+    """Issue 26: labels cut at the chart's edges ("L29 K28" for L29 K287) and on top of each other. Each link
+    has its own row; a writer's label sits left of it, a reader's right, into margins as wide as the
+    longest label there; the page heads the chart (a plotly title does not wrap on a phone)."""
+
+    def links(layers: list[int], key: int) -> list[LinkView]:
+        return [
+            LinkView(layer=at, key=key, score=0.1, url=f"/m/x/layers/{at}/keys/{key}", explanation=None)
+            for at in layers
+        ]
+
+    graph = WeightGraphView(inbound=links([0, 14, 14], 1073), outbound=links([29, 16, 29, 29], 287))
+    figure = charts.weight_graph(graph, 15, 287, 30)
+    nodes = next(trace for trace in figure["data"] if trace.get("text"))
+    assert nodes["text"][:4] == ["L0 K1073", "L14 K1073", "L14 K1073", "L29 K287"]  # in full
+    assert nodes["textposition"] == ["middle left"] * 3 + ["middle right"] * 4  # away from the centre
+    assert nodes["cliponaxis"] is False  # into the margin beside the axis
+    for side in (nodes["y"][:3], nodes["y"][3:]):
+        assert len(set(side)) == len(side)  # one writer and one reader a row
+    layout = figure["layout"]
+    assert layout["margin"]["l"] >= charts.NODE_LABEL_PX * len("L14 K1073") + nodes["marker"]["size"] / 2
+    assert layout["margin"]["r"] >= charts.NODE_LABEL_PX * len("L29 K287") + nodes["marker"]["size"] / 2
+    assert layout["xaxis"]["range"] == [-0.5, 29.5] and layout["title"]["text"] == ""
+    centre = figure["data"][-1]
+    assert "text" not in centre and "L15 K287" in centre["hovertemplate"]  # the page names it
+    assert not any(trace.get("text") for trace in figure["data"][:-2])  # edges carry no labels
+    first = charts.weight_graph(WeightGraphView(inbound=[], outbound=links([1], 5)), 0, 3, 30)["layout"]
+    assert first["margin"]["l"] < first["margin"]["r"]  # no writers: no room kept for their labels
+
+
+def test_layer_zero_reads_no_earlier_memory(client, slug):
+    body = client.get(f"/m/{slug}/layers/0/keys/0/related.json").json()
+    assert body["weight_graph"]["inbound"] == [] and len(body["weight_graph"]["outbound"]) == 10
+    assert "layer 0 reads no earlier memory" in client.get(f"/m/{slug}/layers/0/keys/0/related").text
+
+
+def test_the_explanation_shows_beside_the_label(client, db, run, slug):
+    stored = db.get(Explanation, (run.id, 2, 3))
+    body = client.get(f"/m/{slug}/layers/2/keys/3.json").json()
+    assert body["explanation"] == {
+        "text": stored.text,
+        "source": "heuristic",
+        "score": stored.score,  # scored on the held-out sentence (index 9 of the tiny index's 16)
+        "auroc": stored.details["auroc"],
+        "positions": stored.details["positions"],
+        "matches": stored.details["matches"],
+    }
+    assert stored.details["positions"] > 0
+    page = client.get(f"/m/{slug}/layers/2/keys/3").text
+    assert page.index('id="label"') < page.index('id="explanation"')
+    shown = re.search(r'id="explanation-text"><strong>(.*?)</strong>', page, re.S).group(1)
+    assert unescape(shown) == stored.text
+    held = f"{stored.details['positions']:,} held-out positions"
+    assert (
+        f"over {stored.details['positions']:,} positions of held-out" if stored.score is not None else held
+    ) in page
+
+
+def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):
+    stored = db.scalars(
+        select(Explanation)
+        .where(Explanation.run_id == run.id, Explanation.text.like("%ends with “%"))
+        .order_by(Explanation.layer, Explanation.key)
+    ).first()
+    ngram = re.search(r"ends with “([^”]+)”", stored.text).group(1)
+    assert len(ngram.strip()) >= 2  # the search looks for texts of two characters or more
+    body = client.get(f"/m/{slug}/search.json", params={"q": ngram, "run": run.id, "limit": 200}).json()
+    found = [(hit["layer"], hit["key"]) for hit in body["explanations"]]
+    assert (stored.layer, stored.key) in found
+    assert all(ngram.strip().lower() in hit["text"].lower() for hit in body["explanations"])
+    assert set(body["explanations"][0]) == {
+        "layer",
+        "key",
+        "url",
+        "text",
+        "source",
+        "score",
+        "auroc",
+        "positions",
+        "matches",
+    }
+    page = client.get(f"/m/{slug}/search", params={"q": ngram, "run": run.id}).text
+    assert 'id="explanation-matches"' in page and f'href="{urls.key_url(slug, *found[0])}"' in page
