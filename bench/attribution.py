@@ -48,7 +48,7 @@ from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.web.main import create_app  # noqa: E402
 from ffmem.web.worker_client import LiveWorker  # noqa: E402
 from ffmem.worker import live_server  # noqa: E402
-from ffmem.worker.index import _store_model  # noqa: E402
+from ffmem.worker.provenance import store_model  # noqa: E402
 
 ENGINE_ROUNDS, SERVER_ROUNDS, VALUE_TOKENS = 40, 40, 5
 TARGET = " London"
@@ -106,7 +106,7 @@ def index_database(loaded, folder: Path) -> tuple[str, str]:
     upgrade(url)
     engine_ = make_engine(url)
     with make_sessionmaker(engine_)() as session:
-        model = _store_model(session, loaded)
+        model = store_model(session, loaded)
         corpus = corpora.store_corpus(
             session=session,
             name="bench",

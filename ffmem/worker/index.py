@@ -10,7 +10,6 @@ merge exactly into the single-worker result.
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,34 +20,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import held_out_sentences, mined_from, mined_sentences, read_corpus, tokenize
+from ffmem.engine.corpus import mined_from, mined_sentences, read_corpus, tokenize
 from ffmem.engine.loading import LoadedModel
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.engine.neighbours import memory_baselines, memory_neighbours
 from ffmem.engine.projection import project_layer, search_arrays, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
-from ffmem.store import (
-    corpora,
-    jobs,
-    key_examples,
-    memory_reads,
-    memory_search,
-    memory_writes,
-    runs,
-    shards,
-    vocabularies,
-)
+from ffmem.store import corpora, jobs, key_examples, memory_search, memory_writes, runs, shards
 from ffmem.store.memory_lists import READOUTS, TRIGGERS
 from ffmem.store.models import Job, Run, Shard, ShardStatus
 from ffmem.store.specs import RunSpec, fingerprint
 from ffmem.worker.composition import compose
+from ffmem.worker.layer_results import following_tokens, next_token_ids, store_layer
 from ffmem.worker.leases import Heartbeat
+from ffmem.worker.provenance import provenance, store_model
 
 FIRST_CHECKPOINT = 2  # batches: a shard's first checkpoint, before every `checkpoint_batches`
 
@@ -163,7 +153,7 @@ class IndexPipeline:
             }
         )
         with self.sessions() as session, loaded.lock:  # the tokenizer is shared with live traces
-            model_row = _store_model(session, loaded)
+            model_row = store_model(session, loaded)
             corpus = corpora.find_corpus(session=session, fingerprint=corpus_key)
             if corpus is None:
                 tokenized = tokenize(text.sentences, loaded.tokenizer, spec.max_sentence_tokens)
@@ -189,7 +179,7 @@ class IndexPipeline:
                 dtype=str(loaded.dtype).removeprefix("torch."),
                 device=str(loaded.device),
                 package_version=version("ffmem"),
-                provenance=_provenance(loaded, corpus, spec),
+                provenance=provenance(loaded, corpus, spec),
                 histogram_edges=histogram_edges(),
                 started_at=job.started_at,
             )
@@ -397,7 +387,7 @@ class IndexPipeline:
                     ranks = target_ranks(loaded, layer, next_tokens[:, 0])  # [keys]
                     norms = loaded.value_norms[layer].cpu()  # [keys]
                 with self.timed("storing"):
-                    _store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
+                    store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
                     key_examples.store_key_examples(
                         session=session,
                         run_id=run_id,
@@ -455,7 +445,7 @@ class IndexPipeline:
             with self.sessions() as session:
                 ids = corpora.load_sentence_tokens(session=session, corpus_id=corpus_id)
                 first = corpora.load_first_positions(session=session, corpus_id=corpus_id)
-            self._corpus = (corpus_id, ids, first, _following_tokens(ids))
+            self._corpus = (corpus_id, ids, first, following_tokens(ids))
         return self._corpus[1:]
 
     def summary(self, job_id: int, already_built: bool = False) -> IndexSummary:
@@ -491,142 +481,6 @@ def _layers(state: MiningState) -> list[bytes]:
 
 def _state(layers: list[bytes], device) -> MiningState:
     return MiningState.from_layers([MinedLayer.from_bytes(data) for data in layers], device=device)
-
-
-def _provenance(loaded: LoadedModel, corpus, spec: RunSpec) -> dict:
-    return {
-        "model_source": loaded.source,
-        "model_revision": loaded.revision,
-        "weights_sha256": loaded.weights_sha256,
-        "architecture": type(loaded.model).__name__,
-        "corpus": corpus.name,
-        "corpus_sha256": corpus.source_sha256,
-        "sentences": corpus.n_sentences,
-        "held_out_every": spec.held_out_every,
-        "held_out": _held_out_rule(corpus.n_sentences, spec.held_out_every),
-        "shard_order": "shard k of n mines every n-th mined sentence from the k-th: each spans the corpus",
-        "max_sentence_tokens": spec.max_sentence_tokens,
-        "first_position": spec.first_position,
-        "mined_positions": _mined_positions(loaded, spec.first_position),
-        "batch_tokens": spec.batch_tokens,
-        "shard_sentences": spec.shard_sentences,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _held_out_rule(n_sentences: int, every: int) -> str:
-    """Which sentences the run holds out of mining, in words (ffmem.engine.corpus.held_out_sentences)."""
-    if not every:
-        return "none: every sentence read is mined"
-    held = len(held_out_sentences(n_sentences, every))
-    return (
-        f"every {every}th sentence (index % {every} = {every - 1}): {held:,} sentences, not mined; "
-        "the analyses and the explanations' scores read them"
-    )
-
-
-def _mined_positions(loaded: LoadedModel, first_position: bool) -> str:
-    """The run's position policy in words (ffmem.engine.corpus.mined_from)."""
-    if loaded.bos_prepended:
-        where = f"from 1: the tokenizer puts {loaded.tokenizer.bos_token} first (never mined)"
-    elif first_position:
-        where = "from 0: the tokenizer puts no BOS first; the first token (attention sink) is mined"
-    else:
-        where = "from 1: the tokenizer puts no BOS first; the first token (attention sink) is not mined"
-    return f"{where}. Triggers and every statistic (histogram, mean, shares, tokens) cover these positions"
-
-
-def _store_model(session: Session, loaded: LoadedModel):
-    config = loaded.config
-    model_row = runs.upsert_model(
-        session=session,
-        slug=loaded.slug,
-        source=loaded.source,
-        revision=loaded.revision,
-        architecture=type(loaded.model).__name__,
-        family=loaded.adapter.family,
-        n_layers=loaded.n_layers,
-        n_keys=loaded.n_keys,
-        d_model=config.hidden_size if hasattr(config, "hidden_size") else config.n_embd,
-        vocab_size=len(loaded.tokenizer),
-        activation=loaded.adapter.activation(config),
-        gated=loaded.adapter.gates is not None,
-    )
-    ids = list(range(len(loaded.tokenizer)))
-    vocabularies.store_vocabulary(
-        session=session,
-        model_id=model_row.id,
-        texts=[loaded.tokenizer.decode([i]) for i in ids],
-        pieces=[str(p) for p in loaded.tokenizer.convert_ids_to_tokens(ids)],
-    )
-    return model_row
-
-
-def _following_tokens(token_ids: list[list[int]]) -> torch.Tensor:
-    """[sentences, max_len + 1]: the token after each position (−1 past a sentence's end)."""
-    following = torch.full((len(token_ids), max(map(len, token_ids), default=0) + 1), -1, dtype=torch.long)
-    for row, ids in enumerate(token_ids):
-        following[row, : len(ids) - 1] = torch.tensor(ids[1:], dtype=torch.long)
-    return following
-
-
-def next_token_ids(following: torch.Tensor, sentence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """The token that follows each trigger prefix ([keys, T]; −1 at a sentence's end or an empty slot)."""
-    found = following[sentence.clamp(min=0), position]  # [keys, T]
-    return torch.where(sentence >= 0, found, -1)
-
-
-def _store_layer(
-    session: Session,
-    run_id: int,
-    layer: int,
-    state: MiningState,
-    next_tokens: torch.Tensor,
-    ranks: torch.Tensor,
-    norms: torch.Tensor,
-) -> int:
-    """Store one layer's triggers (both signs) and key statistics; returns triggers stored.
-
-    Key–value agreement: how many of a key's positive triggers are followed by one of its value's
-    top raw tokens (stored when the run was prepared); and `ranks`, the raw rank of the token after
-    each key's top trigger (the paper's Figs. 4–5).
-    """
-    top_ids, top_probs = memory_reads.layer_value_tokens(
-        session=session, run_id=run_id, layer=layer, readout="raw", direction=1
-    )  # [keys, n] each
-    agrees = (next_tokens[:, :, None] == torch.from_numpy(top_ids)[:, None, :]).any(dim=-1)  # [keys, T]
-    stored = 0
-    for sign in (1, -1):
-        coefficients, sentence, position = state.triggers(layer, sign)  # [keys, T] each
-        stored += memory_writes.store_triggers(
-            session=session,
-            run_id=run_id,
-            layer=layer,
-            sign=sign,
-            coefficients=coefficients.numpy(),
-            sentence_index=sentence.numpy(),
-            position=position.numpy(),
-        )
-    top, _, _ = state.triggers(layer, 1)
-    bottom, _, _ = state.triggers(layer, -1)
-    memory_writes.store_key_stats(
-        session=session,
-        run_id=run_id,
-        layer=layer,
-        mean=state.mean(layer).numpy(),
-        positive_share=state.positive_share(layer).numpy(),
-        max_coefficient=top[:, 0].numpy(),
-        min_coefficient=bottom[:, 0].numpy(),
-        value_norm=norms.numpy(),
-        histogram=state.histogram[layer].cpu().numpy(),
-        density=state.density(layer).numpy(),
-        max_prob=top_probs[:, 0],
-        agreement=(agrees & (next_tokens >= 0)).sum(dim=-1).numpy(),
-        next_token_rank=ranks.numpy(),
-    )
-    return stored
 
 
 def _pad_id(loaded: LoadedModel) -> int:

@@ -219,7 +219,7 @@ def test_serve_tells_uvicorn_which_proxies_to_trust(tmp_path, monkeypatch, optio
 
     started = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: started.update(options))
-    monkeypatch.setattr("ffmem.cli.signal.signal", lambda *args: None)
+    monkeypatch.setattr("ffmem.cli.serve.signal.signal", lambda *args: None)
     monkeypatch.delenv("FFMEM_FORWARDED_ALLOW_IPS", raising=False)
     get_settings.cache_clear()
     url = f"sqlite:///{tmp_path / 'serve.db'}"

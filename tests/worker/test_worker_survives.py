@@ -102,7 +102,7 @@ def test_a_worker_outlives_a_job_with_an_unloadable_model(tmp_path, tiny_model_d
 
 
 def test_serve_starts_its_local_worker_again_when_it_exits(tmp_path):
-    from ffmem.cli import _LocalWorker
+    from ffmem.cli.serve import _LocalWorker
 
     starts = tmp_path / "starts"
     script = f"open({str(starts)!r}, 'a').write('x'); raise SystemExit(3)"

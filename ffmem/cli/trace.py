@@ -1,19 +1,86 @@
-"""A trace in a terminal (`ffmem trace`): the prompt's tokens, per layer top(r), top(y), top(o), the final
-token under r, the case and the memories, the top tokens (with and without edits), then who pushes the
-target token, as Rich tables. The explorer's trace page shows the same result (ffmem/web/pages/trace.py).
+"""`ffmem trace`: trace a prompt in a terminal and print the prompt's tokens, per layer top(r), top(y),
+top(o), the final token under r, the case and the memories, the top tokens (with and without edits), then
+who pushes the target token, as Rich tables. The explorer's trace page shows the same result
+(ffmem/web/pages/trace.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from enum import Enum
+from typing import TYPE_CHECKING, Annotated
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
-from ffmem.web.display import visible
+from ffmem.cli.common import Device, fail_cleanly
+from ffmem.config import get_settings
+from ffmem.engine.errors import FfmemError
+from ffmem.engine.token_display import visible
 
 if TYPE_CHECKING:
     from ffmem.engine.trace import Trace
+
+
+class Readout(str, Enum):
+    norm = "norm"
+    raw = "raw"
+
+
+def trace_command(
+    text: Annotated[str, typer.Argument(help="The prompt.")],
+    model: Annotated[str | None, typer.Option(help="Model (default: settings.model).")] = None,
+    position: Annotated[int | None, typer.Option(min=0, help="Token position (default: the last).")] = None,
+    memories: Annotated[int, typer.Option(min=1, max=100, help="Memories listed per layer.")] = 3,
+    readout: Annotated[
+        Readout, typer.Option(help="norm: the model's final norm + unembedding; raw: r·E.")
+    ] = (Readout.norm),
+    intervene: Annotated[
+        str, typer.Option(help="Memories to edit: L12K345 (off), L12K345*0.5 (scale), L12K345=3.2 (on).")
+    ] = "",
+    generate: Annotated[int, typer.Option(min=0, max=20, help="Greedy tokens, with and without edits.")] = 0,
+    target: Annotated[
+        str | None,
+        typer.Option(help="Who pushes this token (' London' or #5188; default: the prediction)."),
+    ] = None,
+    device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+) -> None:
+    """Trace a prompt: per layer top(r), top(y), top(o), the final token under r, the case, the memories;
+    then who pushes the target token: per layer the memories' contributions m_i·(v_i·e_t) and their sum
+    beside the FF's change to its logit."""
+    settings = get_settings()
+
+    def run():
+        from ffmem.engine.attribution_terms import target_tokens
+        from ffmem.engine.interventions import parse_interventions
+        from ffmem.engine.loading import load_model
+        from ffmem.engine.trace import trace
+
+        loaded = load_model(model or settings.model, device=device.value, cache_dir=settings.cache_dir)
+        ids = loaded.tokenizer(text).input_ids
+        if not text.strip() or not ids:
+            raise FfmemError("the prompt is empty")
+        if len(ids) > settings.max_prompt_tokens:
+            raise FfmemError(f"the prompt has {len(ids)} tokens; the limit is {settings.max_prompt_tokens}")
+        if position is not None and position >= len(ids):
+            raise FfmemError(f"position {position} is past the prompt's {len(ids)} tokens (0–{len(ids) - 1})")
+        edits = parse_interventions(intervene, loaded.n_layers, loaded.n_keys)
+        typed = target_tokens(loaded.tokenizer, loaded.model.config.vocab_size, target)
+        result = trace(
+            loaded,
+            ids,
+            position,
+            memories=memories,
+            readout=readout.value,
+            interventions=edits,
+            generate_tokens=generate,
+            value_tokens=3,
+            target=typed[0] if typed else None,
+        )
+        return loaded, result
+
+    loaded, result = fail_cleanly(run)
+    print_trace(result, loaded.tokenizer)
 
 
 def print_trace(result: Trace, tokenizer) -> None:

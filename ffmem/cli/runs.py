@@ -1,0 +1,153 @@
+"""What `ffmem` does with a stored index run: `analyze` (the paper's analyses), `compose` (the weight graph
+and explanations) and `export` (its tables as files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ffmem.cli.common import DbOption, Device, fail_cleanly
+from ffmem.config import get_settings
+from ffmem.engine.errors import FfmemError
+
+
+def analyze(
+    run: Annotated[
+        int | None, typer.Option(min=1, help="Index run (default: the newest finished one).")
+    ] = None,
+    examples: Annotated[
+        int | None, typer.Option(min=1, help="Held-out prefixes (Figs. 7–11). Default: settings.")
+    ] = None,
+    keys: Annotated[int | None, typer.Option(min=1, help="Keys sampled per layer (Fig. 3).")] = None,
+    triggers: Annotated[
+        int | None, typer.Option(min=1, max=1000, help="Top trigger prefixes per sampled key (Fig. 3).")
+    ] = None,
+    db: DbOption = None,
+    device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+    queue: Annotated[
+        bool, typer.Option("--queue", help="Only queue the job; `ffmem worker` computes it.")
+    ] = False,
+    again: Annotated[
+        bool, typer.Option("--again", help="Compute again even if these analyses are stored.")
+    ] = False,
+) -> None:
+    """Compute the paper's analyses of an index run and store them (the /m/MODEL/analysis page).
+
+    An analysis job, like an index run: in the foreground here, or with --queue for `ffmem worker`.
+    """
+    settings = get_settings()
+    url = db or settings.database_url
+    given = dict(examples=examples, keys=keys, triggers=triggers)
+
+    def enqueue():
+        from ffmem.store import jobs
+        from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+        from ffmem.store.models import RunStatus
+        from ffmem.store.specs import AnalysisSpec
+
+        upgrade(url)
+        sessions = make_sessionmaker(make_engine(url))
+        with sessions() as session:
+            found = _run_or_newest(session, run)
+            if found is None or found.status == RunStatus.failed:
+                raise FfmemError(
+                    f"no index run {run or ''} to analyze in {url}; build one with `ffmem index`"
+                )
+            spec = AnalysisSpec.from_settings(settings, **given)
+            job, what = jobs.enqueue_analysis(session=session, spec=spec, run_id=found.id, again=again)
+            session.commit()
+            return sessions, job.id, what, found.id, found.model.slug
+
+    from ffmem.store.jobs import Enqueued
+
+    sessions, job_id, what, run_id, slug = fail_cleanly(enqueue)
+    if what == Enqueued.done:
+        typer.echo(
+            f"run {run_id} is analyzed with these options (job {job_id}): /m/{slug}/analysis; --again redoes"
+        )
+        return
+    if queue:
+        typer.echo(f"job {job_id}: analyses of run {run_id} queued; `ffmem worker --db {url}` computes them")
+        return
+
+    def work():
+        from ffmem.store import analyses
+        from ffmem.worker.index import IndexOptions
+        from ffmem.worker.loop import Worker
+
+        Worker(sessions, IndexOptions.from_settings(settings, device=device.value)).work(job_id=job_id)
+        with sessions() as session:
+            stored = analyses.stored_analyses(session=session, run_id=run_id)
+            return {name: analysis.seconds for name, analysis in stored.items()}
+
+    seconds = fail_cleanly(work)
+    spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
+    typer.echo(f"stored the analyses of run {run_id} ({spent}); see /m/{slug}/analysis")
+
+
+def compose(
+    run: Annotated[
+        int | None, typer.Option(min=1, help="Index run (default: the newest finished one).")
+    ] = None,
+    db: DbOption = None,
+    device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+) -> None:
+    """Compute an index run's weight graph (which memories feed which) and its memories' explanations.
+
+    A run computes both when it is stored; this fills them in for runs stored before, or again.
+    """
+    settings = get_settings()
+    url = db or settings.database_url
+
+    def work():
+        from ffmem.engine.loading import load_model
+        from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+        from ffmem.store.models import RunStatus
+        from ffmem.worker.composition import compose as compose_run
+
+        upgrade(url)
+        sessions = make_sessionmaker(make_engine(url))
+        with sessions() as session:
+            found = _run_or_newest(session, run)
+            if found is None or found.status != RunStatus.done:
+                raise FfmemError(f"no finished index run {run or ''} in {url}; build one with `ffmem index`")
+            run_id, slug, source, dtype = found.id, found.model.slug, found.model.source, found.dtype
+        loaded = load_model(source, device=device.value, dtype=dtype, cache_dir=settings.cache_dir)
+        return run_id, slug, compose_run(sessions, run_id, loaded, progress=True)
+
+    run_id, slug, seconds = fail_cleanly(work)
+    spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
+    typer.echo(f"stored the weight graph and explanations of run {run_id} ({spent}); see /m/{slug}")
+
+
+def export(
+    run: Annotated[int, typer.Argument(min=1, help="The index run to export.")],
+    format: Annotated[str, typer.Option("--format", help="jsonl or parquet (needs pyarrow).")] = "jsonl",
+    out: Annotated[Path | None, typer.Option(help="Folder to write (default: export-run-RUN).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Write a run's triggers, values, statistics, analyses and labels as JSON Lines or Parquet files."""
+    url = db or get_settings().database_url
+    folder = out or Path(f"export-run-{run}")
+
+    def work():
+        from ffmem.store.db import make_engine, make_sessionmaker
+        from ffmem.store.export import export_run
+
+        with make_sessionmaker(make_engine(url))() as session:
+            return export_run(session=session, run_id=run, folder=folder, fmt=format)
+
+    written = fail_cleanly(work)
+    rows = ", ".join(f"{name} {count:,}" for name, count in written.items())
+    typer.echo(f"wrote run {run} to {folder}/ ({format}): {rows}")
+
+
+def _run_or_newest(session, run_id: int | None):
+    """Index run `run_id`, or the newest finished one (of any model) when it is None; or None."""
+    from ffmem.store import runs
+
+    if run_id:
+        return runs.get_run(session=session, run_id=run_id)
+    return runs.latest_finished_run(session=session)
