@@ -40,6 +40,7 @@ bench: install
 	$(PY) bench/compare.py
 	$(PY) bench/jobs.py
 	$(PY) bench/fuzz.py
+	$(PY) bench/scale.py --shape smollm2 --db both
 
 lint: install
 	$(VENV)/bin/ruff check ffmem tests bench

@@ -33,7 +33,12 @@ class BandSample:
 
 def samples_of(mined: MinedLayer, key: int) -> list[BandSample]:
     """A key's band samples in a mined layer, by bin then slot."""
-    sentence = mined.sample_sentence[key]  # [bins, S]
+    return _samples(mined, key, mined.sample_sentence[key])
+
+
+def _samples(mined: MinedLayer, key: int, sentence: np.ndarray) -> list[BandSample]:
+    """A key's band samples, given its row of the layer's sample_sentence ([bins, S]): a layer's rows are
+    read off one sample_sentence (a property over every key), not one per key."""
     bins, slots = np.nonzero(sentence >= 0)  # row-major: by bin, then slot
     return [
         BandSample(
@@ -116,8 +121,9 @@ def store_key_examples(
     len(positive[key]) positive and len(negative[key]) negative triggers and of each sample (arrays, one
     per sentence, in samples_of's order; encode_shading packs them). Returns the shading's bytes."""
     rows, size = [], 0
+    sentence = mined.sample_sentence  # [keys, bins, S]
     for key in range(mined.histogram.shape[0]):
-        found = samples_of(mined, key)
+        found = _samples(mined, key, sentence[key])
         assert len(samples[key]) == len(found), "one shading per band sample"
         shading = encode_shading([*positive[key], *negative[key], *samples[key]])
         size += len(shading)

@@ -8,7 +8,7 @@ from datetime import datetime
 
 import numpy as np
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from ffmem.store import corpora, memory_lists, memory_reads, memory_writes, runs, vocabularies
 from ffmem.store.models import KeyStats, LanguageModel, MemoryList, Run, RunStatus, Sentence, Token
@@ -27,6 +27,22 @@ MODEL = dict(
     activation="silu",
     gated=True,
 )
+
+
+def three_key_stats() -> dict[str, np.ndarray]:
+    """A layer of three keys' statistics, the last two with infinite and missing extremes."""
+    return dict(
+        mean=np.array([0.5, -0.25, 0.0], dtype=np.float32),
+        positive_share=np.array([0.75, 0.125, 0.0]),
+        max_coefficient=np.array([3.0, np.inf, np.nan]),
+        min_coefficient=np.array([-1.5, -np.inf, np.nan]),
+        value_norm=np.array([1.0, 2.0, 4.0]),
+        histogram=np.array([[1, 2], [0, 3], [0, 0]], dtype=np.int64),
+        density=np.array([0.5, 0.25, 0.0]),
+        max_prob=np.array([0.125, 0.5, 1.0]),
+        agreement=np.array([3, 0, 0]),
+        next_token_rank=np.array([0, 17, -1]),
+    )
 
 
 def reread(session) -> None:
@@ -115,6 +131,23 @@ def test_run_lifecycle(session, model, run):
     found = runs.find_finished_run(session=session, model_slug="tiny", n_sentences=2)
     assert found is not None and found.id == run.id
     assert runs.find_finished_run(session=session, model_slug="tiny", n_sentences=3) is None
+
+
+def test_a_finished_run_leaves_postgres_row_counts_to_plan_by(session, run, db_url):
+    """Postgres plans the explorer's reads by its statistics, which autovacuum (off on these machines)
+    may never gather: finishing a run gathers them for the tables it filled (reltuples −1: never)."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite plans without statistics")
+    memory_writes.store_key_stats(session=session, run_id=run.id, layer=0, **three_key_stats())
+    session.commit()
+    planned = text(
+        "SELECT relname, reltuples FROM pg_class WHERE relname IN ('key_stats', 'memory_lists')"
+        " AND relnamespace = current_schema()::regnamespace"
+    )
+    assert dict(session.execute(planned).all()) == {"key_stats": -1, "memory_lists": -1}
+    runs.finish_run(session=session, run_id=run.id, n_tokens=10)
+    session.commit()
+    assert dict(session.execute(planned).all()) == {"key_stats": 3, "memory_lists": 0}
 
 
 def test_fail_run_stores_the_traceback(session, run):
@@ -270,21 +303,7 @@ def test_packed_lists_round_trip():
 
 
 def test_key_stats_round_trip_with_null_extremes(session, run):
-    memory_writes.store_key_stats(
-        session=session,
-        run_id=run.id,
-        layer=1,
-        mean=np.array([0.5, -0.25, 0.0], dtype=np.float32),
-        positive_share=np.array([0.75, 0.125, 0.0]),
-        max_coefficient=np.array([3.0, np.inf, np.nan]),
-        min_coefficient=np.array([-1.5, -np.inf, np.nan]),
-        value_norm=np.array([1.0, 2.0, 4.0]),
-        histogram=np.array([[1, 2], [0, 3], [0, 0]], dtype=np.int64),
-        density=np.array([0.5, 0.25, 0.0]),
-        max_prob=np.array([0.125, 0.5, 1.0]),
-        agreement=np.array([3, 0, 0]),
-        next_token_rank=np.array([0, 17, -1]),
-    )
+    memory_writes.store_key_stats(session=session, run_id=run.id, layer=1, **three_key_stats())
     reread(session)
     first = memory_reads.get_key_stats(session=session, run_id=run.id, layer=1, key=0)
     assert (

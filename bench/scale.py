@@ -1,0 +1,312 @@
+"""The explorer at the scale of real models (a benchmark, not a test): a synthetic finished run of a model's
+shape (tests/synthetic_index.py: written through the store's own writers, no model needed), then its
+storage and its pages' times.
+
+- Build: seconds to write the run, by part (value tokens, triggers, key statistics, key examples,
+  neighbours, links, explanations, search arrays).
+- Storage: bytes per memory, every table with its indexes (SQLite: dbstat; Postgres:
+  pg_total_relation_size), the vocabulary and corpus included.
+- Pages, with the app's own TestClient, sequentially (wall ms, p50 / p95 over REQUESTS each): the key page
+  (random keys), its samples and related sections, the layer page (each sort, filtered by a token, a late
+  page), token search (by prob and by logit, both readouts), free-text search, the model page, the JSON
+  twins.
+- 32 concurrent clients (httpx, asyncio) for 20 s on a mix of those pages, against uvicorn on a thread:
+  requests, errors (non-200 or failed), p50 / p95.
+
+    python bench/scale.py --shape smollm2 --db sqlite [--sentences 1000] [--no-record]
+
+SQLite: a fresh file under /tmp; Postgres: a private schema (ffmem_scale) of FFMEM_TEST_POSTGRES_URL or
+the local server's `test` database, dropped first. Figures go into bench-results.json under
+"scale-<shape>-<db>".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import uvicorn
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, make_url, text
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))  # the synthetic index: tests/synthetic_index.py
+
+from results import record  # noqa: E402
+from synthetic_index import Shape, sentence_tokens, token_text, write_run  # noqa: E402
+from web import free_port  # noqa: E402
+
+from ffmem.config import Settings  # noqa: E402
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from ffmem.store.memory_reads import KEY_SORTS  # noqa: E402
+from ffmem.web.main import create_app  # noqa: E402
+
+SHAPES = {  # layers × keys (d_ff), vocabulary, d_model
+    "smollm2": dict(slug="synthetic-smollm2-135m", n_layers=30, n_keys=1536, vocab_size=49_152, d_model=576),
+    "llama-1b": dict(
+        slug="synthetic-llama-3.2-1b", n_layers=16, n_keys=8192, vocab_size=128_256, d_model=2048
+    ),
+    "llama-8b": dict(
+        slug="synthetic-llama-3.1-8b", n_layers=32, n_keys=14_336, vocab_size=128_256, d_model=4096
+    ),
+}
+POSTGRES_URL = os.environ.get("FFMEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+SCHEMA = "ffmem_scale"
+REQUESTS = 30  # per page kind
+CLIENTS, SECONDS = 32, 20.0
+
+
+def database(kind: str, shape: Shape) -> str:
+    """A fresh, migrated database of this kind: its URL."""
+    if kind == "sqlite":
+        path = Path(f"/tmp/ffmem-scale-{shape.slug}.db")
+        path.unlink(missing_ok=True)
+        url = f"sqlite:///{path}"
+    else:
+        admin = create_engine(POSTGRES_URL)
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE'))
+            connection.execute(text(f'CREATE SCHEMA "{SCHEMA}"'))
+        admin.dispose()
+        url = make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={SCHEMA}"})
+        url = url.render_as_string(hide_password=False)
+    upgrade(url)
+    return url
+
+
+def analyze(url: str) -> float | None:
+    """On Postgres, ANALYZE every table (what autovacuum does a minute after a build; the local test
+    server runs without it, and unanalyzed tables get plans that scan a layer's every list): seconds."""
+    engine = make_engine(url)
+    if engine.dialect.name != "postgresql":
+        return None
+    start = time.perf_counter()
+    with engine.begin() as connection:
+        tables = connection.scalars(
+            text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
+        )
+        for table in tables.all():
+            connection.execute(text(f'ANALYZE "{table}"'))
+    engine.dispose()
+    return round(time.perf_counter() - start, 1)
+
+
+def table_bytes(url: str) -> dict[str, int]:
+    """Bytes of each table with its indexes (and TOAST on Postgres), largest first."""
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        if engine.dialect.name == "sqlite":
+            query = text(
+                "SELECT coalesce(m.tbl_name, s.name), sum(s.pgsize) FROM dbstat s "
+                "LEFT JOIN sqlite_master m ON m.name = s.name GROUP BY 1"
+            )
+        else:
+            query = text(
+                "SELECT tablename, pg_total_relation_size(quote_ident(tablename)) FROM pg_tables "
+                "WHERE schemaname = current_schema()"
+            )
+        sizes = {name: int(size) for name, size in connection.execute(query)}
+    engine.dispose()
+    return dict(sorted(sizes.items(), key=lambda item: -item[1]))
+
+
+def percentiles(ms: list[float]) -> dict:
+    cuts = statistics.quantiles(ms, n=20, method="inclusive")
+    return {"p50_ms": round(cuts[9], 2), "p95_ms": round(cuts[18], 2), "n": len(ms)}
+
+
+def timed(client: TestClient, paths: list[str]) -> dict:
+    """Wall ms of each GET, sequentially; every answer must be a 200."""
+    ms = []
+    for path in paths:
+        start = time.perf_counter()
+        response = client.get(path)
+        ms.append(1000 * (time.perf_counter() - start))
+        if response.status_code != 200:
+            raise SystemExit(f"{path}: {response.status_code} {response.text[:300]}")
+    return percentiles(ms)
+
+
+def page_paths(shape: Shape, pick: random.Random) -> dict[str, list[str]]:
+    """The paths of each page kind measured, REQUESTS each (random keys, layers, tokens, texts)."""
+    m, n = f"/m/{shape.slug}", REQUESTS
+
+    def memories() -> list[tuple[int, int]]:
+        return [(pick.randrange(shape.n_layers), pick.randrange(shape.n_keys)) for _ in range(n)]
+
+    def layers() -> list[int]:
+        return [pick.randrange(shape.n_layers) for _ in range(n)]
+
+    keys = [f"{m}/layers/{layer}/keys/{key}" for layer, key in memories()]
+    late = shape.n_keys // 50  # the last page of 50
+    sentences = sentence_tokens(shape)
+    texts = []
+    for _ in range(n):  # two tokens of a corpus sentence
+        ids = pick.choice(sentences)
+        at = pick.randrange(len(ids) - 1)
+        texts.append(token_text(ids[at]) + token_text(ids[at + 1]))
+    tokens = [token_text(pick.randrange(shape.vocab_size)).strip() for _ in range(n)]
+    paths = {
+        "key page": keys,
+        "key page .json": [f"{p}.json" for p in keys],
+        "key samples": [f"{p}/samples" for p in keys],
+        "key related": [f"{p}/related" for p in keys],
+    }
+    for sort in KEY_SORTS:
+        paths[f"layer by {sort}"] = [f"{m}/layers/{lay}?sort={sort}&order=desc" for lay in layers()]
+    paths["layer late page"] = [f"{m}/layers/{lay}?sort=max_prob&order=desc&page={late}" for lay in layers()]
+    paths["layer filtered"] = [f"{m}/layers/{lay}?token={t}" for lay, t in zip(layers(), tokens, strict=True)]
+    paths["layer page .json"] = [f"{m}/layers/{lay}.json?sort=density&order=desc&page=3" for lay in layers()]
+    for readout in ("raw", "norm"):
+        for by in ("prob", "logit"):
+            paths[f"token search {readout}/{by}"] = [
+                f"{m}/search?q={quote(t)}&readout={readout}&by={by}" for t in tokens
+            ]
+    paths["token search .json"] = [f"{m}/search.json?q={quote(t)}" for t in tokens]
+    paths["free-text search"] = [f"{m}/search?q={quote(t)}" for t in texts]
+    paths["model page"] = [m] * n
+    paths["model page .json"] = [f"{m}.json"] * n
+    return paths
+
+
+class Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # on a thread: the main thread keeps its handlers
+        pass
+
+
+async def concurrent(base: str, paths: list[str]) -> dict:
+    latencies, statuses = [], Counter()
+    stop = time.monotonic() + SECONDS
+
+    async def client_loop(client: httpx.AsyncClient, seed: int) -> None:
+        pick = random.Random(seed)
+        while time.monotonic() < stop:
+            start = time.perf_counter()
+            try:
+                status = str((await client.get(pick.choice(paths))).status_code)
+            except httpx.HTTPError as error:
+                status = type(error).__name__
+            latencies.append(1000 * (time.perf_counter() - start))
+            statuses[status] += 1
+
+    limits = httpx.Limits(max_connections=CLIENTS)
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client, seed) for seed in range(CLIENTS)))
+    return {
+        "clients": CLIENTS,
+        "seconds": SECONDS,
+        "requests": len(latencies),
+        "errors": len(latencies) - statuses["200"],
+        "statuses": dict(sorted(statuses.items())),
+        "requests_per_s": round(len(latencies) / SECONDS, 1),
+        "latency": percentiles(latencies),
+    }
+
+
+def under_load(url: str, paths: list[str]) -> dict:
+    """CLIENTS clients for SECONDS against the explorer served by uvicorn on a thread."""
+    port = free_port()
+    app = create_app(Settings(database_url=url, worker_url=f"http://127.0.0.1:{free_port()}"))
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        return asyncio.run(concurrent(f"http://127.0.0.1:{port}", paths))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def bench(shape: Shape, kind: str) -> dict:
+    url = database(kind, shape)
+    print(f"{kind}: writing {shape.slug} ({shape.memories:,} memories)", flush=True)
+    start = time.perf_counter()
+    with make_sessionmaker(make_engine(url))() as session:
+        written = write_run(session, shape, report=lambda line: print(f"  {line}", flush=True))
+    build = time.perf_counter() - start
+    analyzed = analyze(url)
+    sizes = table_bytes(url)
+    total = sum(sizes.values())
+    paths = page_paths(shape, random.Random(0))
+    pages = {}
+    with TestClient(create_app(Settings(database_url=url))) as client:
+        for path in [paths["key page"][0], paths["layer by key"][0], paths["model page"][0]]:
+            client.get(path)  # the vocabulary and the first pages of the database
+        start = time.perf_counter()
+        client.get(paths["token search raw/prob"][0]).raise_for_status()
+        first_search = 1000 * (time.perf_counter() - start)  # reads the run's search arrays
+        for name, kind_paths in paths.items():
+            pages[name] = timed(client, kind_paths)
+            print(
+                f"  {name:<28} p50 {pages[name]['p50_ms']:>8.1f} ms  p95 {pages[name]['p95_ms']:>8.1f} ms",
+                flush=True,
+            )
+    mix = [p for name, kind_paths in paths.items() if "search" not in name for p in kind_paths]
+    mix += paths["token search raw/prob"][:5] + paths["free-text search"][:5]
+    load = under_load(url, mix)
+    return {
+        "shape": {**vars(shape), "memories": shape.memories},
+        "database": kind,
+        "build_seconds": round(build, 1),
+        "build_parts_seconds": {name: round(s, 1) for name, s in written.seconds.items()},
+        "analyze_seconds": analyzed,
+        "bytes": total,
+        "bytes_per_memory": round(total / shape.memories),
+        "table_bytes_per_memory": {name: round(size / shape.memories) for name, size in sizes.items()},
+        "first_token_search_ms": round(first_search, 1),
+        "pages": pages,
+        "concurrent": load,
+        "cores": os.cpu_count(),
+    }
+
+
+def report(results: dict) -> None:
+    print(
+        f"\n{results['shape']['slug']} on {results['database']}: {results['shape']['memories']:,} memories, "
+        f"built in {results['build_seconds']} s; {results['bytes_per_memory']:,} B a memory "
+        f"({results['bytes'] / 2**20:,.0f} MiB); first token search {results['first_token_search_ms']} ms"
+    )
+    for name, size in results["table_bytes_per_memory"].items():
+        if size:
+            print(f"  {name:<22} {size:>8,} B/memory")
+    print(f"  {'page':<28} {'p50 ms':>8} {'p95 ms':>8}")
+    for name, figures in results["pages"].items():
+        print(f"  {name:<28} {figures['p50_ms']:>8.1f} {figures['p95_ms']:>8.1f}")
+    load = results["concurrent"]
+    print(
+        f"  {load['clients']} clients × {load['seconds']:g} s: {load['requests']} requests, "
+        f"{load['errors']} errors {load['statuses']}, "
+        f"p50 {load['latency']['p50_ms']} ms, p95 {load['latency']['p95_ms']} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="sqlite")
+    parser.add_argument("--sentences", type=int, default=1000, help="Corpus sentences (default 1000).")
+    parser.add_argument("--no-record", action="store_true", help="Print the figures only.")
+    args = parser.parse_args()
+    shape = Shape(**SHAPES[args.shape], sentences=args.sentences)
+    for kind in ("sqlite", "postgres") if args.db == "both" else (args.db,):
+        results = bench(shape, kind)
+        report(results)
+        if not args.no_record:
+            record(f"scale-{args.shape}-{kind}", results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""A synthetic index: a finished run of any shape (layers × keys, vocabulary, top-T …) written through the
+store's own writers, as the index build writes one, with no model — random but seeded, with realistic sizes
+and distributions: coefficients of both signs, token ids spread over the whole vocabulary (ids above 65,535
+when it is larger), band samples and shading, statistics with some NULLs, neighbours, the weight graph,
+explanations and the arrays of token search. tests/web/test_wide_model.py checks the pages at a wide
+shape; bench/scale.py times them at the shapes of real models.
+
+Every array of a layer comes from `layer_arrays(shape, layer)` (seeded by the shape's seed and the layer),
+so a test can compute what a page must show; the run is written one layer at a time (memory-bounded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from ffmem.engine.mined_layer import N_BINS, SAMPLES, ZERO_BIN, MinedLayer, density, histogram_edges
+from ffmem.engine.mined_layer import positive_share as share_above_zero
+from ffmem.engine.vocab_search import BLOCK
+from ffmem.store import composition, corpora, key_examples, memory_search, memory_writes, runs, vocabularies
+
+READOUTS = ("raw", "norm")
+NEIGHBOURS = 10  # per memory and kind, as engine.neighbours.NEIGHBOURS
+LINKS = 10  # per memory and direction, as engine.weight_graph.TOP
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the synthetic run holds: its model's shape and the run's options."""
+
+    slug: str
+    n_layers: int
+    n_keys: int
+    vocab_size: int
+    d_model: int
+    top_k: int = 50  # triggers per key and sign
+    value_tokens: int = 30  # top and bottom tokens per value and readout
+    sentences: int = 1000
+    sentence_tokens: int = 24  # the longest sentence; the shortest is half as long
+    shaded_triggers: int = 10  # triggers of each sign whose sentences are shaded
+    band_bins: int = 8  # occupied histogram bins per key, each with SAMPLES band samples
+    search_arrays: bool = True  # the arrays of full-vocabulary token search
+    seed: int = 0
+
+    @property
+    def memories(self) -> int:
+        return self.n_layers * self.n_keys
+
+
+def token_text(token_id: int) -> str:
+    """The synthetic vocabulary's decoded text of a token: unique, every other one with a leading space."""
+    return f"{' ' if token_id % 2 == 0 else ''}w{token_id}"
+
+
+def sentence_tokens(shape: Shape) -> list[list[int]]:
+    """Every sentence's token ids (lengths from sentence_tokens / 2 to sentence_tokens)."""
+    rng = np.random.default_rng([shape.seed, 1])
+    lengths = rng.integers(max(2, shape.sentence_tokens // 2), shape.sentence_tokens + 1, shape.sentences)
+    return [rng.integers(0, shape.vocab_size, int(n)).tolist() for n in lengths]
+
+
+@dataclass
+class LayerArrays:
+    """One layer as the index build stores it ([keys, …] arrays)."""
+
+    triggers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]  # sign → (coefficient, sentence, position)
+    values: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]  # (readout, direction) → (token ids, logits)
+    log_z: dict[str, np.ndarray]  # readout → [keys]
+    stats: dict[str, np.ndarray]  # store_key_stats' arguments
+    mined: MinedLayer  # its triggers, histogram and band samples
+    neighbours: dict[str, tuple[np.ndarray, np.ndarray]]  # kind → (memory indices, cosines) [keys, k]
+    links: dict[
+        str, tuple[np.ndarray, np.ndarray, np.ndarray]
+    ]  # direction → (layers, keys, scores) [keys, n]
+
+
+def _distinct_ids(rng: np.random.Generator, rows: int, n: int, vocab: int) -> np.ndarray:
+    """[rows, n] token ids, distinct within each row, uniform over the vocabulary."""
+    ids = rng.integers(0, vocab, (rows, n))
+    ordered = np.sort(ids, axis=1)
+    for row in np.flatnonzero((np.diff(ordered, axis=1) == 0).any(axis=1)):
+        ids[row] = rng.choice(vocab, n, replace=False)
+    return ids
+
+
+def _ranked(rng: np.random.Generator, shape: tuple[int, int], loc: float, scale: float) -> np.ndarray:
+    """[rows, n] float32, each row sorted descending."""
+    return -np.sort(-rng.normal(loc, scale, shape).astype(np.float32), axis=1)
+
+
+def layer_arrays(shape: Shape, layer: int, lengths: np.ndarray) -> LayerArrays:
+    """The layer's arrays (`lengths`: each sentence's length)."""
+    rng = np.random.default_rng([shape.seed, 2, layer])
+    keys, t, n = shape.n_keys, min(shape.top_k, shape.sentences), shape.value_tokens
+    # Triggers: T distinct sentences per key and sign, the strongest first, anywhere in their sentence.
+    triggers = {}
+    for sign in (1, -1):
+        sentence = np.argpartition(rng.random((keys, shape.sentences), np.float32), t - 1, axis=1)[:, :t]
+        position = (rng.random((keys, t)) * lengths[sentence]).astype(np.int16)
+        scale = rng.lognormal(0.5, 0.6, (keys, 1)).astype(np.float32)  # each key's own range
+        magnitude = -np.sort(-np.abs(rng.normal(0.0, 1.0, (keys, t)).astype(np.float32)) * scale, axis=1)
+        triggers[sign] = (sign * magnitude, sentence.astype(np.int32), position)
+    # Value tokens: the top tokens' logits descending, the bottom ones' ascending; log Z above the top.
+    values, log_z = {}, {}
+    for readout in READOUTS:
+        top = _ranked(rng, (keys, n), 4.0, 1.5) + np.float32(4.0)
+        bottom = -_ranked(rng, (keys, n), 4.0, 1.5) - np.float32(4.0)
+        values[readout, 1] = (_distinct_ids(rng, keys, n, shape.vocab_size), top)
+        values[readout, -1] = (_distinct_ids(rng, keys, n, shape.vocab_size), bottom)
+        log_z[readout] = (top[:, 0] + rng.uniform(0.2, 4.0, keys)).astype(np.float32)
+    # Statistics: a histogram over every mined position, both signs; the figures read off it.
+    positions = int(lengths.sum())
+    weights = rng.gamma(0.6, 1.0, (keys, N_BINS)) * (rng.random((keys, N_BINS)) < 0.5)
+    weights[:, ZERO_BIN - 3 : ZERO_BIN + 4] += 1.0  # mass near 0 for every key
+    histogram = np.floor(weights / weights.sum(axis=1, keepdims=True) * positions).astype(np.int64)
+    agreement = rng.integers(0, t + 1, keys)
+    next_token_rank = rng.integers(-1, 5000, keys)  # −1: no token after the top trigger (NULL)
+    max_prob = np.exp(values["raw", 1][1][:, 0].astype(np.float64) - log_z["raw"])
+    stats = dict(
+        mean=rng.normal(-0.05, 0.05, keys),
+        positive_share=share_above_zero(histogram, positions),
+        max_coefficient=triggers[1][0][:, 0].copy(),
+        min_coefficient=triggers[-1][0][:, 0].copy(),
+        value_norm=rng.lognormal(0.0, 0.3, keys).astype(np.float32),
+        histogram=histogram,
+        density=density(histogram, positions),
+        max_prob=max_prob,
+        agreement=agreement,
+        next_token_rank=next_token_rank,
+    )
+    # Band samples: SAMPLES sentences in each of `band_bins` occupied bins.
+    order = np.full((keys, N_BINS, SAMPLES), np.iinfo(np.int64).max, np.int64)
+    sample_position = np.zeros((keys, N_BINS, SAMPLES), np.int16)
+    sample_coefficient = np.zeros((keys, N_BINS, SAMPLES), np.float32)
+    bins = np.argsort(-(histogram + rng.random(histogram.shape)), axis=1)[:, : shape.band_bins]  # [keys, B]
+    rows = np.arange(keys)[:, None]
+    sentences = rng.integers(0, shape.sentences, (keys, shape.band_bins, SAMPLES))
+    for slot in range(SAMPLES):
+        order[rows, bins, slot] = sentences[:, :, slot]
+        sample_position[rows, bins, slot] = (rng.random(bins.shape) * lengths[sentences[:, :, slot]]).astype(
+            np.int16
+        )
+        octave = np.where(bins > ZERO_BIN, bins - ZERO_BIN - 11, ZERO_BIN - bins - 11)  # the bin's lower edge
+        magnitude = np.exp2(octave + rng.random(bins.shape)).astype(np.float32)
+        signed = np.where(bins > ZERO_BIN, magnitude, -magnitude)
+        sample_coefficient[rows, bins, slot] = np.where(bins == ZERO_BIN, 0.0, signed)  # the zero bin: +0
+    mined = MinedLayer(
+        coefficient={sign: triggers[sign][0] for sign in (1, -1)},
+        sentence={sign: triggers[sign][1] for sign in (1, -1)},
+        position={sign: triggers[sign][2] for sign in (1, -1)},
+        histogram=histogram,
+        total=stats["mean"] * positions,
+        positions=positions,
+        sentences=shape.sentences,
+        sample_order=order,
+        sample_position=sample_position,
+        sample_coefficient=sample_coefficient,
+    )
+    # Neighbours (any layer) and links (earlier layers in, later ones out), strongest first.
+    memories = shape.memories
+    neighbours = {
+        kind: (
+            rng.integers(0, memories, (keys, NEIGHBOURS)),
+            _ranked(rng, (keys, NEIGHBOURS), 0.2, 0.1).clip(-1, 1),
+        )
+        for kind in ("key", "value")
+    }
+    links = {}
+    for direction, (low, high) in (("in", (0, layer)), ("out", (layer + 1, shape.n_layers))):
+        if low >= high:  # no earlier (later) layer: empty slots
+            empty = np.full((keys, LINKS), -1, np.int16)
+            links[direction] = (empty, np.zeros((keys, LINKS), np.int32), np.zeros((keys, LINKS), np.float32))
+            continue
+        scores = _ranked(rng, (keys, LINKS), 0.0, 1.0)
+        scores = scores[np.arange(keys)[:, None], np.argsort(-np.abs(scores), axis=1)]
+        links[direction] = (
+            rng.integers(low, high, (keys, LINKS)).astype(np.int16),
+            rng.integers(0, keys, (keys, LINKS)).astype(np.int32),
+            scores,
+        )
+    return LayerArrays(triggers, values, log_z, stats, mined, neighbours, links)
+
+
+def _shading(
+    rng: np.random.Generator, arrays: LayerArrays, lengths: np.ndarray, shaded: int
+) -> dict[str, list[list[np.ndarray]]]:
+    """store_key_examples' `positive`, `negative` and `samples`: per key, each shaded sentence's coefficient
+    at every token (its trigger's or sample's coefficient at its position, smaller ones elsewhere)."""
+    mined = arrays.mined
+    keys = mined.histogram.shape[0]
+    kept = mined.sample_sentence >= 0  # [keys, bins, SAMPLES]: row-major is samples_of's order
+    parts = {}
+    for sign, name in ((1, "positive"), (-1, "negative")):
+        coefficient, sentence, position = (a[:, :shaded].reshape(-1) for a in arrays.triggers[sign])
+        parts[name] = (np.full(keys, shaded), sentence, position, coefficient)
+    parts["samples"] = (
+        kept.sum(axis=(1, 2)),
+        mined.sample_sentence[kept],
+        mined.sample_position[kept],
+        mined.sample_coefficient[kept],
+    )
+    found = {}
+    for name, (counts, sentence, position, coefficient) in parts.items():
+        spans = lengths[sentence]  # [sentences]
+        ends = np.cumsum(spans)
+        flat = rng.normal(0.0, 0.3, int(ends[-1]) if len(ends) else 0).astype(np.float32)
+        flat[ends - spans + position] = coefficient
+        pieces = np.split(flat, ends[:-1]) if len(ends) else []
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        found[name] = [pieces[start:stop] for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
+    return found
+
+
+@dataclass
+class Written:
+    """What writing the run took: its id, and the seconds of each part."""
+
+    run_id: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def write_run(session: Session, shape: Shape, report: Callable[[str], None] | None = None) -> Written:
+    """Write a finished run of `shape` (its model, vocabulary and corpus too, each once per database),
+    committing a layer at a time."""
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, start: float) -> float:
+        now = time.perf_counter()
+        seconds[name] = seconds.get(name, 0.0) + now - start
+        return now
+
+    start = time.perf_counter()
+    model = runs.upsert_model(
+        session=session,
+        slug=shape.slug,
+        source=f"synthetic:{shape.slug}",
+        revision=None,
+        architecture="SyntheticForCausalLM",
+        family="llama",
+        n_layers=shape.n_layers,
+        n_keys=shape.n_keys,
+        d_model=shape.d_model,
+        vocab_size=shape.vocab_size,
+        activation="silu",
+        gated=True,
+    )
+    texts = [token_text(i) for i in range(shape.vocab_size)]
+    vocabularies.store_vocabulary(
+        session=session, model_id=model.id, texts=texts, pieces=[t.replace(" ", "Ġ") for t in texts]
+    )
+    token_ids = sentence_tokens(shape)
+    lengths = np.array([len(ids) for ids in token_ids])
+    fingerprint = f"synthetic-{shape.slug}-{shape.sentences}-{shape.sentence_tokens}-{shape.seed}"
+    corpus = corpora.find_corpus(session=session, fingerprint=fingerprint)
+    if corpus is None:
+        corpus = corpora.store_corpus(
+            session=session,
+            name="synthetic",
+            source="synthetic",
+            source_sha256="0" * 64,
+            fingerprint=fingerprint,
+            tokenizer=shape.slug,
+            max_tokens=shape.sentence_tokens,
+            skipped={},
+            sentences=(_sentence(ids, texts) for ids in token_ids),
+        )
+    run = runs.create_run(
+        session=session,
+        model_id=model.id,
+        corpus_id=corpus.id,
+        top_k=shape.top_k,
+        n_value_tokens=shape.value_tokens,
+        n_sentences=shape.sentences,
+        dtype="float32",
+        device="cpu",
+        package_version="synthetic",
+        provenance={"first_position": True, "synthetic": shape.slug},
+        histogram_edges=histogram_edges(),
+    )
+    session.commit()
+    start = timed("model, vocabulary, corpus", start)
+    rng = np.random.default_rng([shape.seed, 3])
+    neighbours = {kind: ([], []) for kind in ("key", "value")}
+    links = {direction: ([], [], []) for direction in composition.DIRECTIONS}
+    log_z = {readout: [] for readout in READOUTS}
+    for layer in range(shape.n_layers):
+        arrays = layer_arrays(shape, layer, lengths)
+        start = timed("generating", start)
+        where = dict(session=session, run_id=run.id, layer=layer)
+        for (readout, direction), (ids, logits) in arrays.values.items():
+            memory_writes.store_value_tokens(
+                **where, readout=readout, direction=direction, token_ids=ids, logits=logits,
+                log_z=arrays.log_z[readout],
+            )  # fmt: skip
+        start = timed("value tokens", start)
+        for sign, (coefficient, sentence, position) in arrays.triggers.items():
+            memory_writes.store_triggers(
+                **where, sign=sign, coefficients=coefficient, sentence_index=sentence, position=position
+            )
+        start = timed("triggers", start)
+        memory_writes.store_key_stats(**where, **arrays.stats)
+        start = timed("key stats", start)
+        shading = _shading(rng, arrays, lengths, min(shape.shaded_triggers, shape.top_k, shape.sentences))
+        start = timed("generating", start)
+        key_examples.store_key_examples(**where, mined=arrays.mined, **shading)
+        session.commit()
+        start = timed("key examples", start)
+        for kind, (indices, cosines) in arrays.neighbours.items():
+            neighbours[kind][0].append(indices)
+            neighbours[kind][1].append(cosines)
+        for direction, parts in arrays.links.items():
+            for kept, part in zip(links[direction], parts, strict=True):
+                kept.append(part)
+        for readout in READOUTS:
+            log_z[readout].append(arrays.log_z[readout])
+        if report:
+            report(f"layer {layer + 1}/{shape.n_layers} written")
+    stacked = {kind: (np.concatenate(i), np.concatenate(c)) for kind, (i, c) in neighbours.items()}
+    memory_search.store_neighbours(
+        session=session,
+        run_id=run.id,
+        n_keys=shape.n_keys,
+        neighbours=stacked,
+        baselines={kind: [(20_000, 0.05, 0.2)] * shape.n_layers for kind in stacked},
+    )
+    session.commit()
+    start = timed("neighbours", start)
+    for direction, (layers, keys, scores) in links.items():
+        composition.store_links(
+            session=session,
+            run_id=run.id,
+            direction=direction,
+            layers=np.stack(layers),
+            keys=np.stack(keys),
+            scores=np.stack(scores),
+        )
+    session.commit()
+    start = timed("links", start)
+    composition.store_explanations(session=session, run_id=run.id, rows=_explanations(shape, lengths))
+    session.commit()
+    start = timed("explanations", start)
+    if shape.search_arrays:
+        memory_search.store_run_arrays(session=session, run_id=run.id, arrays=search_arrays(shape, log_z))
+        session.commit()
+        start = timed("search arrays", start)
+    runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))
+    session.commit()
+    timed("closing", start)
+    return Written(run.id, seconds)
+
+
+def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tuple[int, int]], int]:
+    """(text, token ids, offsets, first position) of a sentence of these tokens."""
+    offsets, at = [], 0
+    for token_id in ids:
+        offsets.append((at, at + len(texts[token_id])))
+        at += len(texts[token_id])
+    return "".join(texts[t] for t in ids), ids, offsets, 0
+
+
+def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
+    """One explanation per memory: (layer, key, source, text, score, pattern, details)."""
+    rng = np.random.default_rng([shape.seed, 4])
+    for layer in range(shape.n_layers):
+        finals = rng.integers(0, shape.vocab_size, (shape.n_keys, 2)).tolist()
+        scores = rng.uniform(-0.1, 0.9, shape.n_keys).tolist()
+        for key, (final, score) in enumerate(zip(finals, scores, strict=True)):
+            yield (
+                layer,
+                key,
+                "heuristic",
+                f"ends with {token_text(final[0]).strip()} or {token_text(final[1]).strip()}",
+                None if key % 10 == 0 else score,
+                {"final": final, "ngram": [], "context": []},
+                {"positions": int(lengths.sum()) // 10, "matches": 40, "auroc": 0.7},
+            )
+
+
+def search_arrays(shape: Shape, log_z: dict[str, list[np.ndarray]]) -> Iterator[tuple[str, int, np.ndarray]]:
+    """The arrays of full-vocabulary token search (engine.vocab_search names them), as the worker stores
+    them (float16 values and output embedding; per value its log Z and the final norm's terms); `log_z`
+    per readout and layer. Generated a layer (an embedding block) at a time."""
+    rng = np.random.default_rng([shape.seed, 5])
+    d = shape.d_model
+    for layer in range(shape.n_layers):
+        yield (
+            "values",
+            layer,
+            (rng.standard_normal((shape.n_keys, d), np.float32) / np.sqrt(d)).astype(np.float16),
+        )
+    scale = rng.uniform(0.5, 2.0, shape.memories).astype(np.float32)
+    stats = np.stack(
+        [np.concatenate(log_z["raw"]), np.concatenate(log_z["norm"]), scale, np.zeros_like(scale)]
+    )
+    yield "value_stats", 0, stats.T.copy()
+    yield "norm", 0, np.stack([rng.uniform(0.5, 1.5, d), np.zeros(d)]).astype(np.float32)
+    for part, first in enumerate(range(0, shape.vocab_size, BLOCK)):
+        rows = min(BLOCK, shape.vocab_size - first)
+        yield "unembedding", part, rng.standard_normal((rows, d), np.float32).astype(np.float16)

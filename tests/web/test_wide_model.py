@@ -1,0 +1,238 @@
+"""The explorer at a wide model's shape (a synthetic index, tests/synthetic_index.py): 3 layers × 22,000 keys
+(66,000 memories, past 65,535), a 130,000-token vocabulary (ids past 65,535 in sentences, value lists and
+search), on SQLite and Postgres. Each page must answer with exactly what was written: a late key of the
+last layer, its examples and related memories, the layer page under every sort and past its first pages,
+filtered by a token near the vocabulary's end, token search for its last token, the model page.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from synthetic_index import Shape, layer_arrays, search_arrays, sentence_tokens, token_text, write_run
+
+from ffmem.config import Settings
+from ffmem.engine.vocab_search import BLOCK
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.memory_reads import KEY_SORTS
+from ffmem.web.main import create_app
+
+SHAPE = Shape(
+    slug="wide",
+    n_layers=3,
+    n_keys=22_000,
+    vocab_size=130_000,
+    d_model=32,
+    top_k=4,
+    value_tokens=10,
+    sentences=120,
+    sentence_tokens=12,
+    shaded_triggers=1,
+    band_bins=1,
+)
+LAST = SHAPE.n_layers - 1
+M = f"/m/{SHAPE.slug}"
+
+
+@pytest.fixture(scope="module")
+def lengths() -> np.ndarray:
+    return np.array([len(ids) for ids in sentence_tokens(SHAPE)])
+
+
+@pytest.fixture(scope="module")
+def last_layer(lengths):
+    """What the synthetic run holds in its last layer."""
+    return layer_arrays(SHAPE, LAST, lengths)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def client(request, tmp_path_factory):
+    """The explorer on a database holding the synthetic wide run."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('wide') / 'ffmem.db'}"
+    else:
+        from conftest import _clean_postgres
+
+        url = request.getfixturevalue("postgres_url")
+        _clean_postgres(url)
+    upgrade(url)
+    engine = make_engine(url)
+    with make_sessionmaker(engine)() as session:
+        write_run(session, SHAPE)
+    engine.dispose()
+    with TestClient(create_app(Settings(database_url=url))) as test_client:
+        yield test_client
+
+
+def json_of(client: TestClient, path: str, **params) -> dict:
+    response = client.get(path, params=params)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wide_key(arrays) -> int:
+    """The last key of the layer whose raw top tokens include an id past 65,535."""
+    ids = arrays.values["raw", 1][0]  # [keys, n]
+    return int(np.flatnonzero((ids > 0xFFFF).any(axis=1))[-1])
+
+
+def test_a_late_key_shows_what_was_written(client, last_layer):
+    key = wide_key(last_layer)
+    assert key > SHAPE.n_keys - 100 and LAST * SHAPE.n_keys + key > 0xFFFF  # its memory index too
+    page = json_of(client, f"{M}/layers/{LAST}/keys/{key}.json")
+    for sign, shown in ((1, page["triggers"]), (-1, page["negative_triggers"])):
+        coefficient, sentence, position = (a[key] for a in last_layer.triggers[sign])
+        assert [t["sentence_index"] for t in shown] == sentence.tolist()
+        assert [t["position"] for t in shown] == position.tolist()
+        assert [t["coefficient"] for t in shown] == pytest.approx(coefficient.tolist(), rel=1e-6)
+    for readout in ("raw", "norm"):
+        log_z = float(last_layer.log_z[readout][key])
+        for direction, part in ((1, "top"), (-1, "bottom")):
+            ids, logits = (a[key] for a in last_layer.values[readout, direction])
+            shown = page["value"][readout][part]
+            assert [v["token_id"] for v in shown] == ids.tolist()
+            assert [v["token"] for v in shown] == [token_text(t) for t in ids.tolist()]
+            assert [v["logit"] for v in shown] == pytest.approx(logits.tolist(), rel=1e-6)
+            assert [v["prob"] for v in shown] == pytest.approx(np.exp(logits - log_z).tolist(), rel=1e-5)
+    assert max(v["token_id"] for v in page["value"]["raw"]["top"]) > 0xFFFF
+    stats = last_layer.stats
+    assert page["stats"]["max_coefficient"] == pytest.approx(float(stats["max_coefficient"][key]))
+    assert page["stats"]["agreement"] == int(stats["agreement"][key])
+    assert page["histogram"]["counts"] == stats["histogram"][key].tolist()
+    html = client.get(f"{M}/layers/{LAST}/keys/{key}")
+    assert (
+        html.status_code == 200 and f"w{max(v['token_id'] for v in page['value']['raw']['top'])}" in html.text
+    )
+
+
+def test_its_samples_and_related_memories(client, last_layer):
+    key = SHAPE.n_keys - 1
+    mined = last_layer.mined
+    kept = mined.sample_sentence[key] >= 0  # [bins, SAMPLES]
+    bins = np.nonzero(kept)[0]
+    written = sorted(
+        zip(
+            bins.tolist(),
+            mined.sample_sentence[key][kept].tolist(),
+            mined.sample_position[key][kept].tolist(),
+            strict=True,
+        )
+    )
+    samples = json_of(client, f"{M}/layers/{LAST}/keys/{key}/samples.json")["samples"]
+    assert sorted((s["bin"], s["sentence_index"], s["position"]) for s in samples) == written
+    related = json_of(client, f"{M}/layers/{LAST}/keys/{key}/related.json")
+    for kind, shown in (
+        ("key", related["neighbours"]["by_key"]),
+        ("value", related["neighbours"]["by_value"]),
+    ):
+        indices, cosines = (a[key] for a in last_layer.neighbours[kind])
+        assert [(n["layer"], n["key"]) for n in shown] == [divmod(int(i), SHAPE.n_keys) for i in indices]
+        assert [n["cosine"] for n in shown] == pytest.approx(cosines.tolist(), abs=1e-6)
+    layers, keys, _ = (a[key] for a in last_layer.links["in"])
+    inbound = related["weight_graph"]["inbound"]
+    assert [(link["layer"], link["key"]) for link in inbound] == list(
+        zip(layers.tolist(), keys.tolist(), strict=True)
+    )
+    assert related["weight_graph"]["outbound"] == []  # the last layer: no later keys
+
+
+def expected_order(stats: dict, sort: str, descending: bool, keys: np.ndarray | None = None) -> list[int]:
+    """The layer table's order: NULLs last, then the column, then the key ascending."""
+    keys = np.arange(SHAPE.n_keys) if keys is None else keys
+    value = keys.astype(float) if sort == "key" else np.asarray(stats[sort], float)[keys]
+    missing = value < 0 if sort == "next_token_rank" else np.isnan(value)  # −1 is stored as NULL
+    primary = np.where(missing, 0.0, -value if descending else value)
+    return keys[np.lexsort((keys, primary, missing))].tolist()
+
+
+@pytest.mark.parametrize("sort", KEY_SORTS)
+def test_the_layer_page_sorts_every_column_past_its_first_pages(client, last_layer, sort):
+    for order in ("desc", "asc"):
+        page = json_of(client, f"{M}/layers/{LAST}.json", sort=sort, order=order, page=3, per_page=50)
+        assert (page["total"], page["pages"]) == (SHAPE.n_keys, SHAPE.n_keys // 50)
+        expected = expected_order(last_layer.stats, sort, order == "desc")
+        assert [row["key"] for row in page["keys"]] == expected[100:150], (sort, order)
+    last = json_of(client, f"{M}/layers/{LAST}.json", sort=sort, order="desc", page=SHAPE.n_keys // 50)
+    assert [row["key"] for row in last["keys"]] == expected_order(last_layer.stats, sort, True)[-50:]
+
+
+def test_the_layer_page_filtered_by_a_token_near_the_vocabulary_end(client, last_layer):
+    ids = last_layer.values["raw", 1][0]  # [keys, n]
+    token = int(ids.max())
+    assert token > SHAPE.vocab_size - 1000
+    keys = np.flatnonzero((ids == token).any(axis=1))
+    page = json_of(client, f"{M}/layers/{LAST}.json", token=f"w{token}", sort="max_prob", order="desc")
+    assert page["token_ids"] == [token]
+    assert page["total"] == len(keys)
+    assert [row["key"] for row in page["keys"]] == expected_order(last_layer.stats, "max_prob", True, keys)[
+        :50
+    ]
+
+
+@pytest.fixture(scope="module")
+def written_search(lengths) -> dict[str, list]:
+    """The run's token-search arrays as written: name → [(part, array)]."""
+    layers = [layer_arrays(SHAPE, layer, lengths) for layer in range(SHAPE.n_layers)]
+    log_z = {readout: [arrays.log_z[readout] for arrays in layers] for readout in ("raw", "norm")}
+    found: dict[str, list] = {}
+    for name, part, array in search_arrays(SHAPE, log_z):
+        found.setdefault(name, []).append((part, array))
+    return found
+
+
+def brute_force(arrays: dict[str, list], token: int, readout: str, by: str, limit: int) -> dict[int, list]:
+    """direction → [(layer, key, logit)] of the `limit` memories whose value most promotes (+1) or
+    suppresses (−1) `token`, from the written arrays directly (float64)."""
+    values = np.concatenate([a.astype(np.float64) for _, a in sorted(arrays["values"], key=lambda p: p[0])])
+    e = dict(arrays["unembedding"])[token // BLOCK][token % BLOCK].astype(np.float64)  # [d]
+    stats = arrays["value_stats"][0][1].astype(np.float64)  # [memories, 4]
+    if readout == "raw":
+        logits = values @ e  # [memories]
+    else:
+        weight, bias = arrays["norm"][0][1].astype(np.float64)  # [d] each
+        query = weight * e
+        logits = stats[:, 2] * (values @ query - query.sum() * stats[:, 3]) + bias @ e
+    score = logits - stats[:, 0 if readout == "raw" else 1] if by == "prob" else logits
+    memories = np.arange(len(score))
+    found = {}
+    for direction in (1, -1):
+        order = np.lexsort((memories, -direction * score))[:limit]
+        found[direction] = [(*divmod(int(i), SHAPE.n_keys), float(logits[i])) for i in order]
+    return found
+
+
+@pytest.mark.parametrize(("readout", "by"), [("raw", "prob"), ("norm", "logit")])
+def test_token_search_finds_the_last_token_of_the_vocabulary(client, written_search, readout, by):
+    token = SHAPE.vocab_size - 1
+    page = json_of(client, f"{M}/search.json", q=f"w{token}", readout=readout, by=by, limit=20)
+    assert page["token_ids"] == [token] and page["token_coverage"] == "full"
+    assert page["memories"] == SHAPE.memories
+    expected = brute_force(written_search, token, readout, by, 20)
+    for direction, part in ((1, "promote"), (-1, "suppress")):
+        shown = page[part]
+        assert {m["token_id"] for m in shown} == {token}
+        assert [(m["layer"], m["key"]) for m in shown] == [
+            (layer, key) for layer, key, _ in expected[direction]
+        ]
+        assert [m["logit"] for m in shown] == pytest.approx(
+            [logit for *_, logit in expected[direction]], rel=1e-3, abs=1e-4
+        )
+    assert client.get(f"{M}/search", params={"q": f"w{token}"}).status_code == 200
+
+
+def test_the_model_page(client, last_layer):
+    page = json_of(client, f"{M}.json")
+    model = page["model"]
+    assert (model["n_layers"], model["n_keys"], model["vocab_size"]) == (3, 22_000, 130_000)
+    assert [row["keys"] for row in page["layers"]] == [SHAPE.n_keys] * SHAPE.n_layers
+    assert page["layers"][LAST]["max_coefficient"] == pytest.approx(
+        float(last_layer.stats["max_coefficient"].max())
+    )
+    assert page["run"]["n_tokens"] == int(last_layer.mined.positions)
+    assert math.isclose(
+        page["layers"][LAST]["density"], float(np.mean(last_layer.stats["density"])), rel_tol=1e-9
+    )
+    assert client.get(M).status_code == 200
