@@ -15,6 +15,14 @@ file lock that holds across processes.
 Every load is checked: weights missing from the checkpoint (other than tied ones) or left over are an
 error that names them; a cached copy must match the per-tensor checksums written with it; the embedded
 default must have the known checksum and give the known answer (" Paris").
+
+What researchers load: a folder of one safetensors file or of shards (`model.safetensors.index.json`
+and its shards; transformers reads either, and the checks see every shard's weights), in whatever dtype
+it was saved (a bf16 checkpoint is read straight into the dtype asked for: exactly upcast to float32 on
+a CPU, kept bf16 on a GPU). The weights are read into the target dtype on the host and moved whole to
+the one device (no `device_map`, no accelerate dispatch), so a bf16 model never exists as a float32
+copy. Before any weight is read, a model whose weights do not fit the device's free memory is refused
+with the numbers (`check_fits`).
 """
 
 from __future__ import annotations
@@ -34,7 +42,13 @@ import torch
 import transformers
 from filelock import FileLock, Timeout
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedTokenizerBase,
+)
 
 from ffmem.engine.adapters import Adapter, adapter_for
 from ffmem.engine.errors import FfmemError
@@ -319,12 +333,19 @@ def _load(source: str, device: torch.device, dtype: torch.dtype, cache_dir: Path
         target, read_dtype = source, dtype
         if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
             raise ModelLoadError(f"{source} is not a Hugging Face model folder: it has no config.json")
+    check_fits(source, parameter_count(target), device, dtype, read_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
+        # Read straight into the dtype asked for (never "auto", the checkpoint's own dtype), on the host;
+        # transformers 5 builds the model on the meta device, so no second (float32) copy is made.
         model, info = AutoModelForCausalLM.from_pretrained(target, dtype=read_dtype, output_loading_info=True)
     except (OSError, ValueError) as error:
         if os.path.isdir(target):
-            raise ModelLoadError(f"{source} is not a Hugging Face model folder: {error}") from None
+            raise ModelLoadError(
+                f"{source} could not be read as a Hugging Face model folder ({str(error).strip()}); is every "
+                "file of the checkpoint there (config.json, the weights or all the shards its "
+                "model.safetensors.index.json lists, the tokenizer)?"
+            ) from None
         raise ModelLoadError(
             f"could not load {source!r} from the Hugging Face hub ({error}). Without network access, "
             "pass a local folder that holds config.json, the weights and the tokenizer "
@@ -346,9 +367,9 @@ def _load(source: str, device: torch.device, dtype: torch.dtype, cache_dir: Path
             f"{folder} to rebuild the cache."
         )
     if read_dtype != dtype:
-        model.to(dtype=dtype)
+        model.to(dtype=dtype)  # on the host, before the move: the device only ever sees `dtype`
         sha = weights_sha256(model)
-    model.to(device=device).eval()
+    model.to(device=device).eval()  # one device, whole: no device_map, no dispatch hooks
     if revision is None:
         revision = getattr(model.config, "_commit_hash", None)
     loaded = LoadedModel(
@@ -365,6 +386,79 @@ def _load(source: str, device: torch.device, dtype: torch.dtype, cache_dir: Path
     if source in KNOWN:
         check_answer(loaded, KNOWN[source].prompt, KNOWN[source].answer)
     return loaded
+
+
+# -- will it fit ------------------------------------------------------------------------------------------
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device`: a GPU's free memory (`torch.cuda.mem_get_info`), on a CPU
+    the RAM the kernel says is available (/proc/meminfo MemAvailable); None where that is unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024  # the kernel counts in KiB
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def parameter_count(target: str) -> int | None:
+    """The model's parameters (tied ones once), from its config alone: the model is built on the meta
+    device and no weight is read (~0.7 s at Llama-3.1-8B's shape). None when the config cannot be read
+    or built; the load that follows says why."""
+    try:
+        config = AutoConfig.from_pretrained(target)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError, ImportError):
+        return None
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.1f} MB"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_fits(
+    source: str, parameters: int | None, device: torch.device, dtype: torch.dtype, read_dtype: torch.dtype
+) -> None:
+    """Refuse, before reading any weight, a model whose weights do not fit: they take parameters × the
+    dtype's bytes on `device` (activations come on top), and are first read on the host in `read_dtype`
+    (a GGUF's float32 cache, cast there). Unknown counts or free memory pass."""
+    if parameters is None:
+        return
+    if device.type != "cpu":
+        free = free_memory(device)
+        needed = parameters * dtype.itemsize
+        if free is not None and needed > free:
+            raise ModelLoadError(
+                f"{source} needs ~{_size(needed)} in {_dtype_name(dtype)}; the GPU ({device}) has "
+                f"{_size(free)} free. {_remedy(halving=dtype.itemsize > 2)}"
+            )
+    read = read_dtype  # `dtype` but for a GGUF's float32 cache
+    free = free_memory(torch.device("cpu"))
+    needed = parameters * read.itemsize
+    if free is not None and needed > free:
+        steps = [f"read in {_dtype_name(read)}, then cast to {_dtype_name(dtype)}"] if read != dtype else []
+        steps += [f"before the move to {device}"] if device.type != "cpu" else []
+        when = f" while it loads ({', '.join(steps)})" if steps else ""
+        raise ModelLoadError(
+            f"{source} needs ~{_size(needed)} in {_dtype_name(read)}{when}; this machine has "
+            f"{_size(free)} of RAM free. {_remedy(halving=read == dtype and dtype.itemsize > 2)}"
+        )
+
+
+def _remedy(*, halving: bool) -> str:
+    if halving:
+        return "Use a smaller model, --dtype bfloat16 or float16 (half the memory), or a larger device."
+    return "Use a smaller model or a larger device."
 
 
 # -- checks -----------------------------------------------------------------------------------------------
