@@ -197,3 +197,24 @@ def test_weight_graph_labels_fit_and_keep_apart(page, server, facts, width):
             assert x1 <= a0 or a1 <= x0 or y1 <= b0 or b1 <= y0, "two labels overlap"
     heading = page.locator("#weight-graph-key")  # the chart's title, as HTML: it wraps
     assert "L1 K3" in heading.inner_text() and heading.evaluate("e => e.scrollWidth <= e.clientWidth")
+
+
+def test_a_wide_layer_on_a_phone_opens_any_page_and_any_key(page, server, facts):
+    """Issue 29 (4): the page box goes to any page with the sort and page size kept, the key box to any key,
+    and both fit a phone's width."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    slug = facts["slug"]
+    page.goto(f"{server}/m/{slug}/layers/1?sort=density&order=desc&per_page=5")
+    for form in ("#open-key", "#page-jump"):
+        box = page.locator(form).bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390, (form, box)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.locator("#page-jump input[name=page]").fill("4")
+    page.locator("#page-jump button").click()
+    page.wait_for_url("**page=4**")
+    assert "page 4 of 10" in page.locator("#keys p.count").inner_text()
+    assert "sort=density" in page.url and "order=desc" in page.url and "per_page=5" in page.url
+    page.locator("#open-key input[name=key]").fill("7")
+    page.locator("#open-key button").click()
+    page.wait_for_url(f"**/m/{slug}/layers/1/keys/7**")
+    assert page.locator("h1").first.inner_text().startswith("Layer 1")

@@ -5,18 +5,27 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import RedirectResponse
 
 from ffmem.store import memory_reads
+from ffmem.web import urls
 from ffmem.web.deps import LayerDep, ModelDep, PinnedDep, RunDep, SessionDep
+from ffmem.web.lookups import check_key
 from ffmem.web.pages.layer import LayerContext, layer_page
-from ffmem.web.rendering import render
+from ffmem.web.rendering import render, wants_json
 from ffmem.web.routes import page
 
 router = APIRouter()
 Sort = Literal[memory_reads.KEY_SORTS]  # the columns the layer table sorts by
 
 
-@page(router, "/m/{model}/layers/{layer}", "layer", LayerContext)
+@page(
+    router,
+    "/m/{model}/layers/{layer}",
+    "layer",
+    LayerContext,
+    redirect="`key` names a key of the layer: its page.",
+)
 def layer(
     request: Request,
     session: SessionDep,
@@ -31,8 +40,16 @@ def layer(
     ] = None,
     page_number: Annotated[int, Query(alias="page", ge=1, le=100_000, description="Page, from 1.")] = 1,
     per_page: Annotated[int, Query(ge=1, le=500, description="Keys per page.")] = 50,
+    key: Annotated[
+        int | None,
+        Query(ge=0, le=2**31 - 1, description="Open this key of the layer (a redirect to its page)."),
+    ] = None,
 ):
     """One layer: its keys with their top trigger, value tokens and statistics."""
+    if key is not None:  # the page's "open key" box: at 14,336 keys a layer, paging to one is no way there
+        check_key(model, layer, key)
+        fmt = "json" if wants_json(request) else None
+        return RedirectResponse(urls.key_url(model.slug, layer, key, fmt, run=pinned), status_code=303)
     ctx = layer_page(
         session,
         model,
