@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 # A CPU build of torch on machines without a GPU; GPU users may install any recent torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench wheelhouse lint clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ bench: install
 	$(PY) bench/jobs.py
 	$(PY) bench/fuzz.py
 	$(PY) bench/scale.py --shape smollm2 --db both
+
+# .whl/ (git-ignored): what `ffmem index` needs on the GPU machine beyond its torch, transformers, numpy and
+# numba, and the default model's tokenizer; bench/device/index.sh installs it there (carry .whl).
+wheelhouse: install
+	$(PY) bench/device/wheelhouse.py --out .whl
 
 lint: install
 	$(VENV)/bin/ruff check ffmem tests bench

@@ -3,17 +3,19 @@ shape (tests/synthetic_index.py: written through the store's own writers, no mod
 storage and its pages' times.
 
 - Build: seconds to write the run, by part (value tokens, triggers, key statistics, key examples,
-  neighbours, links, explanations, search arrays).
+  neighbours, links, explanations, the token → memories table); `--runs 2` writes two runs of the shape
+  (their bytes are counted over both runs' memories; the pages read the newest).
 - Storage: bytes per memory, every table with its indexes (SQLite: dbstat; Postgres:
   pg_total_relation_size), the vocabulary and corpus included.
 - Pages, with the app's own TestClient, sequentially (wall ms, p50 / p95 over REQUESTS each): the key page
   (random keys), its samples and related sections, the layer page (each sort, filtered by a token, a late
   page), token search (by prob and by logit, both readouts), free-text search, the model page, the JSON
   twins.
-- 32 concurrent clients (httpx, asyncio) for 20 s on a mix of those pages, against uvicorn on a thread:
-  requests, errors (non-200 or failed), p50 / p95.
+- 32 concurrent clients (httpx, asyncio) for 20 s on a mix of those pages (token search on every run),
+  against `ffmem serve` in its own process: requests, errors (non-200 or failed), p50 / p95, and that
+  process's peak and final resident memory (VmHWM, VmRSS).
 
-    python bench/scale.py --shape smollm2 --db sqlite [--sentences 1000] [--no-record]
+    python bench/scale.py --shape smollm2 --db sqlite [--runs 1] [--sentences 1000] [--no-record]
 
 SQLite: a fresh file under /tmp; Postgres: a private schema (ffmem_scale) of FFMEM_TEST_POSTGRES_URL or
 the local server's `test` database, dropped first. Figures go into bench-results.json under
@@ -28,14 +30,12 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from urllib.parse import quote
 
 import httpx
-import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, make_url, text
 
@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))  # the synthetic index: tests/synthetic_index.py
 
 from results import record  # noqa: E402
+from search import serve  # noqa: E402
 from synthetic_index import Shape, sentence_tokens, token_text, write_run  # noqa: E402
-from web import free_port  # noqa: E402
 
 from ffmem.config import Settings  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
@@ -180,11 +180,6 @@ def page_paths(shape: Shape, pick: random.Random) -> dict[str, list[str]]:
     return paths
 
 
-class Server(uvicorn.Server):
-    def install_signal_handlers(self) -> None:  # on a thread: the main thread keeps its handlers
-        pass
-
-
 async def concurrent(base: str, paths: list[str]) -> dict:
     latencies, statuses = [], Counter()
     stop = time.monotonic() + SECONDS
@@ -215,28 +210,33 @@ async def concurrent(base: str, paths: list[str]) -> dict:
 
 
 def under_load(url: str, paths: list[str]) -> dict:
-    """CLIENTS clients for SECONDS against the explorer served by uvicorn on a thread."""
-    port = free_port()
-    app = create_app(Settings(database_url=url, worker_url=f"http://127.0.0.1:{free_port()}"))
-    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    """CLIENTS clients for SECONDS against `ffmem serve` in its own process, and its resident memory."""
+    process, base = serve(url)
     try:
-        return asyncio.run(concurrent(f"http://127.0.0.1:{port}", paths))
+        figures = asyncio.run(concurrent(base, paths))
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        memory = dict(
+            line.split(":", 1) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))
+        )
+        figures |= {
+            name.lower() + "_mb": round(int(value.split()[0]) / 1024) for name, value in memory.items()
+        }
+        return figures
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        process.terminate()
+        process.wait(timeout=30)
 
 
-def bench(shape: Shape, kind: str) -> dict:
+def bench(shape: Shape, kind: str, n_runs: int = 1) -> dict:
     url = database(kind, shape)
-    print(f"{kind}: writing {shape.slug} ({shape.memories:,} memories)", flush=True)
+    print(f"{kind}: writing {n_runs} × {shape.slug} ({shape.memories:,} memories)", flush=True)
     start = time.perf_counter()
     with make_sessionmaker(make_engine(url))() as session:
-        written = write_run(session, shape, report=lambda line: print(f"  {line}", flush=True))
-    build = time.perf_counter() - start
+        written = [
+            write_run(session, shape, report=lambda line: print(f"  {line}", flush=True))
+            for _ in range(n_runs)
+        ]
+    build = (time.perf_counter() - start) / n_runs
     analyzed = analyze(url)
     sizes = table_bytes(url)
     total = sum(sizes.values())
@@ -247,7 +247,7 @@ def bench(shape: Shape, kind: str) -> dict:
             client.get(path)  # the vocabulary and the first pages of the database
         start = time.perf_counter()
         client.get(paths["token search raw/prob"][0]).raise_for_status()
-        first_search = 1000 * (time.perf_counter() - start)  # reads the run's search arrays
+        first_search = 1000 * (time.perf_counter() - start)  # the token table's first rows read
         for name, kind_paths in paths.items():
             pages[name] = timed(client, kind_paths)
             print(
@@ -256,16 +256,20 @@ def bench(shape: Shape, kind: str) -> dict:
             )
     mix = [p for name, kind_paths in paths.items() if "search" not in name for p in kind_paths]
     mix += paths["token search raw/prob"][:5] + paths["free-text search"][:5]
+    mix += [f"{p}&run={w.run_id}" for w in written for p in paths["token search norm/logit"][:5]]
     load = under_load(url, mix)
     return {
         "shape": {**vars(shape), "memories": shape.memories},
         "database": kind,
+        "runs": n_runs,
         "build_seconds": round(build, 1),
-        "build_parts_seconds": {name: round(s, 1) for name, s in written.seconds.items()},
+        "build_parts_seconds": {name: round(s, 1) for name, s in written[-1].seconds.items()},
         "analyze_seconds": analyzed,
         "bytes": total,
-        "bytes_per_memory": round(total / shape.memories),
-        "table_bytes_per_memory": {name: round(size / shape.memories) for name, size in sizes.items()},
+        "bytes_per_memory": round(total / (n_runs * shape.memories)),
+        "table_bytes_per_memory": {
+            name: round(size / (n_runs * shape.memories)) for name, size in sizes.items()
+        },
         "first_token_search_ms": round(first_search, 1),
         "pages": pages,
         "concurrent": load,
@@ -289,7 +293,9 @@ def report(results: dict) -> None:
     print(
         f"  {load['clients']} clients × {load['seconds']:g} s: {load['requests']} requests, "
         f"{load['errors']} errors {load['statuses']}, "
-        f"p50 {load['latency']['p50_ms']} ms, p95 {load['latency']['p95_ms']} ms"
+        f"p50 {load['latency']['p50_ms']} ms, p95 {load['latency']['p95_ms']} ms; "
+        f"the web process's memory: peak {load.get('vmhwm_mb')} MB, at the end {load.get('vmrss_mb')} MB "
+        f"({results['runs']} run(s))"
     )
 
 
@@ -298,14 +304,15 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="sqlite")
     parser.add_argument("--sentences", type=int, default=1000, help="Corpus sentences (default 1000).")
+    parser.add_argument("--runs", type=int, default=1, help="Runs of the shape written (default 1).")
     parser.add_argument("--no-record", action="store_true", help="Print the figures only.")
     args = parser.parse_args()
     shape = Shape(**SHAPES[args.shape], sentences=args.sentences)
     for kind in ("sqlite", "postgres") if args.db == "both" else (args.db,):
-        results = bench(shape, kind)
+        results = bench(shape, kind, args.runs)
         report(results)
         if not args.no_record:
-            record(f"scale-{args.shape}-{kind}", results)
+            record(f"scale-{args.shape}-{kind}" + (f"-{args.runs}-runs" if args.runs > 1 else ""), results)
 
 
 if __name__ == "__main__":

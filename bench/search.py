@@ -2,15 +2,15 @@
 
 - full-vocabulary token search: server time (the Server-Timing header) of `/m/…/search.json?q=<token>`
   over random vocabulary words, p50 / p95 (target p50 ≤ 100 ms; the page also runs the text search
-  and the label and explanation searches of q); the first search of a run, which reads its value
-  matrix from the database; in this process, the token part of the page (web/token_search) and the
-  arithmetic alone (engine/vocab_search) p50;
+  and the label and explanation searches of q); the first search of a run; in this process, the token
+  part of the page (web/token_search: the token's rows of the token → memories table, the merge, the
+  shown memories' ranks) p50;
 - the key page's related section (neighbours, weight graph): server time p50 / p95 over random keys;
 - the neighbours of every memory on the real default model (ffmem.engine.neighbours, as the worker runs
   them) over the mining pass of the default index (measured on the run when it is the default one, and
   estimated from the mining speed measured back to back with the neighbours);
-- storage added per key: the run's search arrays and neighbour rows (bytes stored, and pages on disk
-  for SQLite), and the whole database over its keys.
+- storage added per key: the run's token → memories table and neighbour rows (bytes stored, and pages on
+  disk for SQLite), and the whole database over its keys.
 
     .venv/bin/python bench/search.py [--db sqlite:////tmp/ffmem-search/ffmem.db]
 
@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.store import memory_search, runs  # noqa: E402
+from ffmem.store import runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.models import Neighbours, RunArray, Shard, Token  # noqa: E402
+from ffmem.store.models import LanguageModel, Neighbours, Shard, Token, TokenMemoryList  # noqa: E402
 from ffmem.web import token_search  # noqa: E402
 
 FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
@@ -137,51 +137,25 @@ def web_figures(url: str, sessions, run_id: int, slug: str, model_id: int, layer
     }
 
 
-def arithmetic(sessions, run_id: int, model_id: int) -> dict:
-    """In this process: loading a run's arrays; the arithmetic per query (matvec + ranking); the token
-    part of a search page (that, its E row and the stored ranks of the memories shown)."""
-    t0 = time.perf_counter()
-    with sessions() as session:
-        arrays = memory_search.load_search_arrays(session=session, run_id=run_id)
-    load = time.perf_counter() - t0
+def token_part(sessions, run_id: int, model_id: int) -> dict:
+    """In this process: the token part of a search page (the token's table rows, the merge, the shown
+    memories' value lists for their ranks and log Z)."""
     rng = random.Random(1)
+    ranked = []
     with sessions() as session:
         ids = session.scalars(select(Token.token_id).where(Token.model_id == model_id)).all()
-        picks = rng.sample(list(ids), QUERIES)
-        rows = {
-            t: memory_search.embedding_rows(session=session, run_id=run_id, token_ids=[t])[1] for t in picks
-        }
-    times, ranked = [], []
-    for t in picks:
-        t0 = time.perf_counter()
-        arrays.search(rows[t], [t], readout="raw", by="prob", limit=50)
-        times.append(1000 * (time.perf_counter() - t0))
-    cache = token_search.ArrayCache(1)
-    with sessions() as session:
-        run = runs.get_run(session=session, run_id=run_id)
-        cache.get(session, run)
-        for t in picks:  # what the page adds for a token: its E row, the ranking, the stored ranks shown
+        run, model = runs.get_run(session=session, run_id=run_id), session.get(LanguageModel, model_id)
+        for t in rng.sample(list(ids), QUERIES):
             t0 = time.perf_counter()
-            token_search.rank_memories(session, cache, run, [t], readout="raw", by="prob", limit=50)
+            token_search.rank_memories(session, model, run, [t], readout="raw", by="prob", limit=50)
             ranked.append(1000 * (time.perf_counter() - t0))
-    return {
-        "load_arrays_s": round(load, 2),
-        "resident_mb": round(arrays.nbytes / 2**20, 1),
-        "arithmetic_only": percentiles(times),
-        "token_part_of_the_page": percentiles(ranked),
-    }
+    return {"token_part_of_the_page": percentiles(ranked)}
 
 
 def storage(url: str, sessions, run_id: int, memories: int) -> dict:
     with sessions() as session:
-        arrays = session.scalar(select(func.sum(func.length(RunArray.data))).where(RunArray.run_id == run_id))
-        by_name = dict(
-            session.execute(
-                select(RunArray.name, func.sum(func.length(RunArray.data)))
-                .where(RunArray.run_id == run_id)
-                .group_by(RunArray.name)
-            ).all()
-        )
+        table = TokenMemoryList
+        tokens = session.scalar(select(func.sum(func.length(table.data))).where(table.run_id == run_id))
         neighbour_rows = session.scalar(
             select(func.count()).select_from(Neighbours).where(Neighbours.run_id == run_id)
         )
@@ -190,17 +164,17 @@ def storage(url: str, sessions, run_id: int, memories: int) -> dict:
         )
         runs = session.scalar(text("SELECT count(*) FROM runs"))
         figures = {
-            "search_arrays_bytes_per_key": round(arrays / memories),
-            "search_arrays_mb": {name: round(size / 2**20, 1) for name, size in by_name.items()},
+            "token_table_bytes_per_key": round(tokens / memories),
+            "token_table_mb": round(tokens / 2**20, 1),
             "neighbour_rows": neighbour_rows,
             "neighbours_bytes_per_key": round(neighbour_bytes / memories),
         }
         if session.get_bind().dialect.name == "sqlite":
             pages = dict(session.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")).all())
             ours = {
-                "run_arrays",
+                "token_memories",
                 "neighbours",
-                "sqlite_autoindex_run_arrays_1",
+                "sqlite_autoindex_token_memories_1",
                 "sqlite_autoindex_neighbours_1",
             }
             figures["added_on_disk_bytes_per_key"] = round(sum(pages.get(n, 0) for n in ours) / memories)
@@ -271,7 +245,7 @@ def main() -> None:
     memories = layers * keys
     results = {"run": run_id, "memories": memories, "storage": storage(args.db, sessions, run_id, memories)}
     print(results, flush=True)
-    results["in_process"] = arithmetic(sessions, run_id, model_id)
+    results["in_process"] = token_part(sessions, run_id, model_id)
     print(results["in_process"], flush=True)
     results["web"] = web_figures(args.db, sessions, run_id, slug, model_id, layers, keys)
     print(results["web"], flush=True)

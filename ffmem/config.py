@@ -127,11 +127,14 @@ class Settings(BaseSettings):
         "count again; a worker stopped cleanly (Ctrl-C, SIGTERM) gives its step back uncounted.",
     )
     value_tokens: int = Field(30, ge=1, le=1000, description="Top and bottom tokens stored per value.")
-    search_cache_runs: int = Field(
-        2,
+    token_memories: int = Field(
+        32,
         ge=1,
-        description="Runs whose value matrix the web process keeps in memory for full-vocabulary token "
-        "search (read from the database on a run's first search; ~110 MB each for SmolLM2-135M).",
+        le=1000,
+        description="Memories kept per vocabulary token for token search, each way (promoting, "
+        "suppressing), readout and ranking (logit, probability): the most a token search shows each way. "
+        "8 B each: 32 cost 1 KB per token and readout (2.3 KB a memory for SmolLM2-135M, whose vocabulary "
+        "is as large as its memories; 0.6 KB for Llama-3.1-8B).",
     )
     worker_url: str = Field(
         "http://127.0.0.1:8001",

@@ -20,8 +20,8 @@ from sqlalchemy.orm import Session
 
 from ffmem.engine.mined_layer import N_BINS, SAMPLES, ZERO_BIN, MinedLayer, density, histogram_edges
 from ffmem.engine.mined_layer import positive_share as share_above_zero
-from ffmem.engine.vocab_search import BLOCK
 from ffmem.store import composition, corpora, key_examples, memory_search, memory_writes, runs, vocabularies
+from ffmem.store.memory_lists import TOKEN_LISTS
 
 READOUTS = ("raw", "norm")
 NEIGHBOURS = 10  # per memory and kind, as engine.neighbours.NEIGHBOURS
@@ -43,7 +43,7 @@ class Shape:
     sentence_tokens: int = 24  # the longest sentence; the shortest is half as long
     shaded_triggers: int = 10  # triggers of each sign whose sentences are shaded
     band_bins: int = 8  # occupied histogram bins per key, each with SAMPLES band samples
-    search_arrays: bool = True  # the arrays of full-vocabulary token search
+    token_memories: int = 32  # memories per token and list in the token → memories table (0: none)
     seed: int = 0
 
     @property
@@ -286,7 +286,7 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     rng = np.random.default_rng([shape.seed, 3])
     neighbours = {kind: ([], []) for kind in ("key", "value")}
     links = {direction: ([], [], []) for direction in composition.DIRECTIONS}
-    log_z = {readout: [] for readout in READOUTS}
+    positive = []  # per layer: (memory, sentence, position, coefficient) [keys, T] each
     for layer in range(shape.n_layers):
         arrays = layer_arrays(shape, layer, lengths)
         start = timed("generating", start)
@@ -301,6 +301,9 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
             memory_writes.store_triggers(
                 **where, sign=sign, coefficients=coefficient, sentence_index=sentence, position=position
             )
+        coefficient, sentence, position = arrays.triggers[1]
+        memory = layer * shape.n_keys + np.arange(shape.n_keys)[:, None].repeat(sentence.shape[1], axis=1)
+        positive.append((memory, sentence, position, coefficient))
         start = timed("triggers", start)
         memory_writes.store_key_stats(**where, **arrays.stats)
         start = timed("key stats", start)
@@ -315,10 +318,20 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
         for direction, parts in arrays.links.items():
             for kept, part in zip(links[direction], parts, strict=True):
                 kept.append(part)
-        for readout in READOUTS:
-            log_z[readout].append(arrays.log_z[readout])
         if report:
             report(f"layer {layer + 1}/{shape.n_layers} written")
+    flat = (np.concatenate([a.ravel() for a in part]) for part in zip(*positive, strict=True))
+    memory, sentence, position, coefficient = flat
+    memory_writes.store_sentence_triggers(
+        session=session,
+        run_id=run.id,
+        memory=memory,
+        sentence_index=sentence,
+        position=position,
+        coefficient=coefficient,
+    )
+    session.commit()
+    start = timed("triggers", start)
     stacked = {kind: (np.concatenate(i), np.concatenate(c)) for kind, (i, c) in neighbours.items()}
     memory_search.store_neighbours(
         session=session,
@@ -343,10 +356,14 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     composition.store_explanations(session=session, run_id=run.id, rows=_explanations(shape, lengths))
     session.commit()
     start = timed("explanations", start)
-    if shape.search_arrays:
-        memory_search.store_run_arrays(session=session, run_id=run.id, arrays=search_arrays(shape, log_z))
+    if shape.token_memories:
+        for readout in READOUTS:
+            memories, scores = token_table(shape, readout)
+            memory_search.store_token_memories(
+                session=session, run_id=run.id, readout=readout, memories=memories, scores=scores
+            )
         session.commit()
-        start = timed("search arrays", start)
+        start = timed("token table", start)
     runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))
     session.commit()
     timed("closing", start)
@@ -380,24 +397,20 @@ def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
             )
 
 
-def search_arrays(shape: Shape, log_z: dict[str, list[np.ndarray]]) -> Iterator[tuple[str, int, np.ndarray]]:
-    """The arrays of full-vocabulary token search (engine.vocab_search names them), as the worker stores
-    them (float16 values and output embedding; per value its log Z and the final norm's terms); `log_z`
-    per readout and layer. Generated a layer (an embedding block) at a time."""
-    rng = np.random.default_rng([shape.seed, 5])
-    d = shape.d_model
-    for layer in range(shape.n_layers):
-        yield (
-            "values",
-            layer,
-            (rng.standard_normal((shape.n_keys, d), np.float32) / np.sqrt(d)).astype(np.float16),
-        )
-    scale = rng.uniform(0.5, 2.0, shape.memories).astype(np.float32)
-    stats = np.stack(
-        [np.concatenate(log_z["raw"]), np.concatenate(log_z["norm"]), scale, np.zeros_like(scale)]
-    )
-    yield "value_stats", 0, stats.T.copy()
-    yield "norm", 0, np.stack([rng.uniform(0.5, 1.5, d), np.zeros(d)]).astype(np.float32)
-    for part, first in enumerate(range(0, shape.vocab_size, BLOCK)):
-        rows = min(BLOCK, shape.vocab_size - first)
-        yield "unembedding", part, rng.standard_normal((rows, d), np.float32).astype(np.float16)
+def token_table(shape: Shape, readout: str) -> tuple[np.ndarray, np.ndarray]:
+    """One readout's token → memories table as the worker stores it: (memories, scores) [vocab, lists,
+    depth] in memory_lists.TOKEN_LISTS order — distinct memories per list; logits falling (promoting) or
+    rising (suppressing) from the first, log-probabilities likewise, below 0."""
+    rng = np.random.default_rng([shape.seed, 5, READOUTS.index(readout)])
+    vocab, depth, n = shape.vocab_size, shape.token_memories, shape.memories
+    start = rng.integers(0, n, (vocab, len(TOKEN_LISTS), 1))
+    stride = rng.integers(1, max(2, n // depth), (vocab, len(TOKEN_LISTS), 1))
+    memories = ((start + stride * np.arange(depth)) % n).astype(np.int32)  # distinct while depth · stride < n
+    steps = rng.exponential(0.05, (vocab, len(TOKEN_LISTS), depth)).astype(np.float32).cumsum(axis=2)
+    scores = np.empty_like(steps)
+    for index, (by, direction) in enumerate(TOKEN_LISTS):
+        center = (
+            0.0 if by == "logit" else -11.5
+        )  # logits about 0; log-probabilities −3 (strong) to −20 (weak)
+        scores[:, index] = center + direction * (8.0 - steps[:, index])
+    return memories, scores

@@ -54,11 +54,6 @@ class Batch:
     sentence_index: torch.Tensor  # [batch] global sentence index in the corpus
 
     @functools.cached_property
-    def unmined(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, positions) of the positions not mined: padding, and a BOS where there is one."""
-        return (~self.mined).nonzero(as_tuple=True)  # [unmined] each
-
-    @functools.cached_property
     def anchor(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(a mined position of each row: its first, 0 where none; whether the row has one), [batch] each."""
         has_mined = self.mined.any(dim=1)  # [batch]

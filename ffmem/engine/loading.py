@@ -51,6 +51,7 @@ from transformers import (
 )
 
 from ffmem.engine.adapters import Adapter, adapter_for
+from ffmem.engine.adapters.base import resolve
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.model_names import slugify
 from ffmem.engine.packaged import package_file
@@ -119,6 +120,13 @@ class LoadedModel:
     @property
     def n_keys(self) -> int:
         return self.adapter.value_matrix(self.adapter.blocks(self.model)[0]).shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model reads out: its output embedding's rows, more than the tokenizer's tokens
+        where the vocabulary is padded (Qwen2.5: 152,064 rows, 151,665 tokens)."""
+        unembedding = resolve(self.model, self.adapter.unembedding)
+        return max(len(self.tokenizer), unembedding.weight.shape[0])
 
     @cached_property
     def value_norms(self) -> torch.Tensor:

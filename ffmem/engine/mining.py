@@ -123,7 +123,6 @@ class MiningState:
         shifted = torch.arange(CODES) ^ (CODES // 2)  # [CODES]: each shifted code's (sign, exponent) code
         self._code_bins = code_bins[shifted].long().to(device)  # [CODES]: its bin
         self._workspace: dict[str, torch.Tensor] = {}
-        self._tables: dict[int, torch.Tensor] = {}  # per sign, a batch's argmax (see _extreme_position)
         self.sentences = 0
 
     # -- update ---------------------------------------------------------------------------------
@@ -154,137 +153,127 @@ class MiningState:
         )
 
     def fold_tensors(self, layer: int, c: torch.Tensor, batch: Batch) -> None:
-        """`update` in torch operations on any device; `c` [batch, pos, keys] float32 is overwritten at
-        padded and unmined positions.
+        """`update` in torch operations on any device; `c` [batch, pos, keys] float32 is overwritten.
 
-        Passes over the whole [batch, pos, keys] tensor: the maximum, the minimum, the sum, the codes and
-        their count. The top-T and band samples then work on [keys, batch], and merge only where a
-        sentence beats what is kept.
+        Every operation has a shape fixed by (batch, pos, keys, T, bins, SAMPLES): no `nonzero`, no
+        boolean indexing, no value read back to the host. On a GPU a batch's folds of every layer are
+        then enqueued without waiting for one to finish. Passes over the whole [batch, pos, keys]
+        tensor: the fill of unmined positions, the maximum and the minimum with their positions, the
+        zeroing, the sum, the codes and their count; the top-T and the band samples then work on
+        [signs, batch, keys], both signs at once.
         """
-        rows, positions = batch.unmined  # of padded and unmined positions; few after bucketing
-        anchor, has_mined = batch.anchor  # [batch] each
-        # The sentence extremes without a fill per sign: unmined positions first hold a mined coefficient
-        # of their row, which changes neither its maximum nor its minimum.
-        c[rows, positions] = c[rows, anchor[rows]]  # [unmined, keys]
-        high, low = c.amax(dim=1), c.amin(dim=1)  # [batch, keys] each (torch.aminmax: 10× slower)
-        # A sentence with no mined position has best ±inf; its sentence −1 then gives it the empty
-        # slot's order key, so it never ranks above an empty slot.
-        high.masked_fill_(~has_mined[:, None], float("-inf"))
-        low.masked_fill_(~has_mined[:, None], float("inf"))
+        mined = batch.mined[:, :, None]  # [batch, pos, 1]
+        anchor, has_mined = batch.anchor  # [batch] each: the first mined position, whether there is one
+        # Unmined positions first hold their row's first mined coefficient, which changes neither its
+        # maximum nor its minimum. Where an extreme's first occurrence is such a copy, its first mined
+        # occurrence is the anchor: the anchor holds that value and no mined position comes before it.
+        first = c.gather(1, anchor[:, None, None].expand(-1, 1, c.shape[2]))  # [batch, 1, keys]
+        torch.where(mined, c, first, out=c)
+        (high, high_at), (low, low_at) = c.max(dim=1), c.min(dim=1)  # [batch, keys] each
+        extreme = torch.stack([high, low])  # [signs, batch, keys]: the maximum (s = +1), the minimum (−1)
+        at = torch.stack([high_at, low_at])  # [signs, batch, keys]: where each first is (torch.max's rule)
+        at_mined = batch.mined.expand(len(SIGNS), -1, -1).gather(2, at)  # [signs, batch, keys]
+        at = torch.where(at_mined, at, anchor[:, None])  # [signs, batch, keys]: its first mined occurrence
+        # best: s·extreme. A sentence with no mined position has best −inf; its sentence −1 then gives
+        # it the empty slot's order key (and position 0: its anchor), so it never ranks above an empty slot.
+        best = torch.stack([high, low.neg()]).masked_fill_(~has_mined[None, :, None], float("-inf"))
         sentence = batch.sentence_index.masked_fill(~has_mined, -1)  # [batch]
-        self._tables.clear()  # a new batch or layer
         # Statistics with unmined positions set to +0.0: they add nothing to the sum, and their
-        # histogram bin (ZERO_BIN) is corrected by their number.
-        c[rows, positions] = 0.0
+        # histogram bin (ZERO_BIN) is corrected by their number, counted on the device.
+        c.masked_fill_(~mined, 0.0)
         self.total[layer] += c.sum(dim=(0, 1), dtype=torch.float64)
-        self.histogram[layer] += self._histogram(c, len(rows))
+        self.histogram[layer] += self._histogram(c, batch.mined.numel() - batch.mined.sum())
+        self._enter_top(layer, best, at, sentence)
         sample_key = (
             _priority(batch.sentence_index, layer, self.n_keys) << 32 | batch.sentence_index
         )  # [keys, batch]
-        for sign, best in ((1, high), (-1, low.neg_())):  # best: s·(the sentence's extreme), [batch, keys]
-            self._enter_top(layer, sign, c, best, sentence, batch)
-            self._sample(layer, sign, c, best, batch, sentence, sample_key)
+        self._sample(layer, extreme, best, at, sample_key)
 
-    def _histogram(self, c: torch.Tensor, unmined: int) -> torch.Tensor:
-        """[keys, bins] counts of one batch's coefficients (`unmined` of them are padding set to +0.0).
+    def _histogram(self, c: torch.Tensor, unmined: torch.Tensor) -> torch.Tensor:
+        """[keys, bins] counts of one batch's coefficients (`unmined`, a 0-dim tensor, of them are padding
+        set to +0.0).
 
-        Each float's sign and exponent (a code) is counted per key with one bincount, then the codes
-        are folded into the histogram's bins: two cheap passes over the coefficients, not ten.
+        Each float's sign and exponent (a code) is counted per key with one scatter-add (torch.bincount
+        would read its input's maximum back to the host), then the codes are folded into the histogram's
+        bins: two cheap passes over the coefficients, not ten.
         """
         codes = _scratch(self._workspace, "codes", c.shape, torch.int32, c.device)  # [batch, pos, keys]
         torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes)  # −256 … 255
         codes = codes.view(-1, self.n_keys).add_(self._key_offsets)  # [batch·pos, keys]: 0 … keys·CODE_STRIDE
-        by_code = torch.bincount(codes.view(-1), minlength=self.n_keys * CODE_STRIDE)  # [keys · CODE_STRIDE]
-        by_code = by_code.view(self.n_keys, CODE_STRIDE)
+        ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(codes.numel())  # [batch·pos·keys]
+        by_code = torch.zeros(self.n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
+        by_code.index_add_(0, codes.view(-1), ones)  # [keys · CODE_STRIDE]
+        by_code = by_code.view(self.n_keys, CODE_STRIDE)[:, :CODES].long()  # [keys, CODES]
         counts = torch.zeros((self.n_keys, N_BINS), dtype=torch.long, device=c.device)
-        counts.index_add_(1, self._code_bins, by_code[:, :CODES])  # [keys, bins]
+        counts.index_add_(1, self._code_bins, by_code)  # [keys, bins]
         counts[:, ZERO_BIN] -= unmined
         return counts
 
-    def _enter_top(
-        self, layer: int, sign: int, c: torch.Tensor, best: torch.Tensor, sentence: torch.Tensor, batch: Batch
-    ) -> None:
-        """Merge a batch's sentences into the top-T of sign `sign`: `best` [batch, keys] is s·m's maximum
-        per sentence, `sentence` [batch] the sentences (−1: none mined). Only keys with a sentence above
-        their T-th kept one are merged: the others keep their top-T as it is (order keys are unique but
-        for the empty slot's, whose position is 0 wherever it is)."""
-        top = self.top[sign]
-        last = top.order[layer, :, -1]  # [keys]: the T-th kept
-        # First on the values alone (a NaN passes, as its order key is above every other): keys where
-        # no sentence reaches the T-th value stay as they are, and in steady state that is most keys.
-        reach = ~(best.T < _unpack(last)[0][:, None])  # [keys, batch]
-        key = reach.any(dim=1).nonzero().squeeze(1)  # [candidates]
-        if not len(key):
-            return
-        order = _order_key(best[:, key].T, sentence[None, :].expand(len(key), -1))  # [candidates, batch]
-        changed = (order > last[key, None]).any(dim=1)  # [candidates]
-        key, order = key[changed], order[changed]  # [changed], [changed, batch]
-        if not len(key):
-            return
-        merged = torch.cat([top.order[layer, key], order], dim=1)  # [changed, T + batch]
-        kept, index = merged.topk(self.top_k, dim=1)  # [changed, T] each, best first
-        position = top.position[layer, key].gather(1, index.clamp(max=self.top_k - 1))  # [changed, T]
-        entry, slot = (index >= self.top_k).nonzero(as_tuple=True)  # [new] each: entered the top-T
-        if len(entry):
-            row = index[entry, slot] - self.top_k  # [new]
-            position[entry, slot] = _extreme_position(c, row, key[entry], batch, sign, self._tables)
-        top.order[layer, key] = kept
-        top.position[layer, key] = position
+    def _enter_top(self, layer: int, best: torch.Tensor, at: torch.Tensor, sentence: torch.Tensor) -> None:
+        """Merge a batch's sentences into the top-T of both signs: `best` [signs, batch, keys] is s·m's
+        maximum per sentence, `at` [signs, batch, keys] where it first is, `sentence` [batch] the
+        sentences (−1: none mined). One topk over every key's kept and new order keys; order keys are
+        unique but for the empty slot's, whose position is 0 wherever it is, so ties do not change the
+        state."""
+        kept_order = torch.stack([self.top[sign].order[layer] for sign in SIGNS])  # [signs, keys, T]
+        kept_position = torch.stack([self.top[sign].position[layer] for sign in SIGNS])  # [signs, keys, T]
+        new = _order_key(best.transpose(1, 2), sentence)  # [signs, keys, batch]
+        merged = torch.cat([kept_order, new], dim=2)  # [signs, keys, T + batch]
+        kept, index = merged.topk(self.top_k, dim=2)  # [signs, keys, T] each, best first
+        position = torch.cat([kept_position, at.transpose(1, 2)], dim=2).gather(2, index)  # [signs, keys, T]
+        for i, sign in enumerate(SIGNS):
+            self.top[sign].order[layer] = kept[i]
+            self.top[sign].position[layer] = position[i]
 
     def _sample(
         self,
         layer: int,
-        sign: int,
-        c: torch.Tensor,
+        extreme: torch.Tensor,
         best: torch.Tensor,
-        batch: Batch,
-        sentence: torch.Tensor,
+        at: torch.Tensor,
         sample_key: torch.Tensor,
     ) -> None:
         """Fold a batch's sentence extremes into the band samples (MinedLayer.sample_order).
 
-        `best`: [batch, keys] s·(the sentence's extreme); `sentence`: the batch's sentences with −1 for
-        one with no mined position; `sample_key`: [keys, batch] each sentence's order key. Only sentences
-        below the highest kept key of their bin can enter; of those, the batch's lowest per key and bin are
-        found with SAMPLES rounds of a scatter-min, then merged with the kept ones of the bins they reach.
+        `extreme`, `best` (s·extreme, −inf for a sentence with no mined position) and `at` (where the
+        extreme first is): [signs, batch, keys]; `sample_key`: [keys, batch] each sentence's order key.
+        A maximum above 0 and a minimum below 0 lie in different bins, so both signs are the candidates
+        of one pass. The candidates' lowest per key and bin are found with SAMPLES rounds of a scatter-min
+        (each round also scatters the candidate that holds them), then every cell is merged with its kept
+        samples by one stable sort of [keys, bins, 2·SAMPLES].
         """
-        n_bins = N_BINS
-        index = batch.sentence_index  # [batch]
-        signed = best * sign  # [batch, keys]: the extreme itself
-        useful = (best > 0) & torch.isfinite(best) & (sentence >= 0)[:, None]  # [batch, keys]
-        bins = histogram_bins(signed).long().masked_fill_(~useful, n_bins).T  # [keys, batch]; n_bins: none
-        kept = self.sample_order[layer]  # [keys, bins, S]
-        none = torch.full((self.n_keys, 1), EMPTY_SAMPLE, dtype=torch.long, device=c.device)
-        highest = torch.cat([kept[..., -1], none], dim=1)  # [keys, bins + 1]: what an entry must be below
-        enters = useful.T & (sample_key < highest.gather(1, bins))  # [keys, batch]
-        if not enters.any():
-            return
-        order = sample_key.masked_fill(~enters, EMPTY_SAMPLE)  # [keys, batch]
-        found = []
+        n_bins, n_keys = N_BINS, self.n_keys
+        useful = (best > 0) & torch.isfinite(best)  # [signs, batch, keys]: not −inf (nothing mined), NaN
+        useful = useful.view(-1, n_keys).T  # [keys, signs·batch]
+        bins = histogram_bins(extreme).long().view(-1, n_keys).T  # [keys, signs·batch]
+        bins = bins.masked_fill(~useful, n_bins)  # n_bins: no bin
+        order = torch.where(useful, sample_key.repeat(1, len(SIGNS)), EMPTY_SAMPLE)  # [keys, signs·batch]
+        candidates = torch.arange(order.shape[1], device=order.device)  # [signs·batch]
+        candidates = candidates.expand(n_keys, -1)  # [keys, signs·batch]
+        found, found_at = [], []  # per round: [keys, bins] each
         for _ in range(SAMPLES):
-            lowest = torch.full((self.n_keys, n_bins + 1), EMPTY_SAMPLE, dtype=torch.long, device=c.device)
+            lowest = torch.full((n_keys, n_bins + 1), EMPTY_SAMPLE, dtype=torch.long, device=order.device)
             lowest.scatter_reduce_(1, bins, order, "amin")  # [keys, bins + 1]
+            hit = order == lowest.gather(1, bins)  # [keys, signs·batch]: each cell's lowest (or none left)
+            which = torch.zeros((n_keys, n_bins + 1), dtype=torch.long, device=order.device)
+            which.scatter_(1, torch.where(hit, bins, n_bins), candidates)  # [keys, bins + 1]
             found.append(lowest[:, :n_bins])
-            order = order.masked_fill(order == lowest.gather(1, bins), EMPTY_SAMPLE)  # [keys, batch]
-        found = torch.stack(found, dim=-1)  # [keys, bins, S]
-        key, band = (found[..., 0] != EMPTY_SAMPLE).nonzero(as_tuple=True)  # [cells] each: bins reached
-        merged = torch.cat([kept[key, band], found[key, band]], dim=-1)  # [cells, 2S]
-        order, slot = merged.sort(dim=-1)  # [cells, 2S] each
-        order, slot = order[:, :SAMPLES], slot[:, :SAMPLES]  # [cells, S]
-        position = self.sample_position[layer, key, band].gather(
-            -1, slot.clamp(max=SAMPLES - 1)
-        )  # [cells, S]
-        coefficient = self.sample_coefficient[layer, key, band].gather(-1, slot.clamp(max=SAMPLES - 1))
-        cell, new = ((slot >= SAMPLES) & (order != EMPTY_SAMPLE)).nonzero(as_tuple=True)  # [new] each
-        if len(cell):
-            ordered, rows = index.sort()  # [batch] each: the batch's sentences are in length order
-            row = rows[torch.searchsorted(ordered, order[cell, new] & 0xFFFFFFFF)]  # [new]
-            where = _extreme_position(c, row, key[cell], batch, sign, self._tables)  # [new]
-            position[cell, new] = where.to(torch.int16)
-            coefficient[cell, new] = signed[row, key[cell]]
-        self.sample_order[layer, key, band] = order
-        self.sample_position[layer, key, band] = position
-        self.sample_coefficient[layer, key, band] = coefficient
+            found_at.append(which[:, :n_bins])
+            order = order.masked_fill(hit, EMPTY_SAMPLE)  # [keys, signs·batch]
+        found = torch.stack(found, dim=-1)  # [keys, bins, S], lowest first
+        which = torch.stack(found_at, dim=-1).view(n_keys, n_bins * SAMPLES)  # [keys, bins·S]
+        position = at.view(-1, n_keys).T.gather(1, which).view(found.shape)  # [keys, bins, S]
+        coefficient = extreme.view(-1, n_keys).T.gather(1, which).view(found.shape)  # [keys, bins, S]
+        # Stable: among empty entries the kept ones come first, so an empty slot keeps what it held (a
+        # found empty entry, whose candidate means nothing, is never among the first SAMPLES), as in the
+        # compiled fold, which never writes an empty slot.
+        merged, slot = torch.cat([self.sample_order[layer], found], dim=-1).sort(dim=-1, stable=True)
+        slot = slot[..., :SAMPLES]  # [keys, bins, S]: 0 … S − 1 kept, S … 2S − 1 found
+        positions = torch.cat([self.sample_position[layer], position.to(torch.int16)], dim=-1)
+        coefficients = torch.cat([self.sample_coefficient[layer], coefficient], dim=-1)
+        self.sample_order[layer] = merged[..., :SAMPLES]
+        self.sample_position[layer] = positions.gather(-1, slot)  # [keys, bins, S]
+        self.sample_coefficient[layer] = coefficients.gather(-1, slot)  # [keys, bins, S]
 
     def count(self, batch: Batch) -> None:
         """Count a batch's positions and sentences once (after its layers were folded in)."""
@@ -382,28 +371,6 @@ def _priority(sentence: torch.Tensor, layer: int, n_keys: int) -> torch.Tensor:
     x = x * 0x45D9F3B % 2**32
     x = x ^ (x >> 16)
     return x >> 1
-
-
-def _extreme_position(
-    c: torch.Tensor, row: torch.Tensor, key: torch.Tensor, batch: Batch, sign: int, tables: dict
-) -> torch.Tensor:
-    """The first mined position of s·c's maximum in each (row, key) pair: [pairs] int64.
-
-    Read off each pair's positions, or, where the pairs are many (a new run: most sentences enter the
-    top-T), off one argmax over the whole batch; both give the first maximum. Overwrites c's unmined
-    positions (to ∓inf) in the second case; `tables` keeps that argmax per sign for the batch and layer.
-    """
-    if len(row) * 8 < c.shape[0] * c.shape[2]:
-        per_position = c[row, :, key]  # [pairs, pos]
-        unmined = ~batch.mined[row]  # [pairs, pos]
-        if sign == 1:
-            return per_position.masked_fill_(unmined, float("-inf")).argmax(dim=1)
-        return per_position.masked_fill_(unmined, float("inf")).argmin(dim=1)
-    if sign not in tables:
-        c[batch.unmined] = float("-inf") if sign == 1 else float("inf")
-        by_key = c.transpose(1, 2).contiguous()  # [batch, keys, pos]: argmax(dim=1) is 2× slower
-        tables[sign] = by_key.argmax(dim=2) if sign == 1 else by_key.argmin(dim=2)  # [batch, keys]
-    return tables[sign][row, key]
 
 
 def mine_batches(

@@ -4,20 +4,18 @@
 - norm: lm_head(final_norm(v)), the model's own path from a residual to logits applied to v alone.
 Probabilities are a softmax over the full vocabulary. Work is chunked over keys, on the model's
 device, so all values of a 30-layer model project in one pass without holding [keys, vocab] for
-more than a chunk at a time.
+more than a chunk at a time. The inverse, vocabulary → memories, is ffmem.engine.token_memories.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ffmem.engine.adapters.base import resolve
 from ffmem.engine.loading import LoadedModel
-from ffmem.engine.vocab_search import BLOCK
 
 READOUTS = ("raw", "norm")
 
@@ -116,57 +114,3 @@ def target_ranks(
         rank = (logits > own).sum(dim=-1)  # [chunk]
         ranks.append(torch.where(target[:, 0] >= 0, rank, -1))
     return torch.cat(ranks).cpu()  # [keys]
-
-
-def search_arrays(
-    loaded: LoadedModel, log_z: Mapping[tuple[int, str], torch.Tensor]
-) -> Iterator[tuple[str, int, np.ndarray]]:
-    """What full-vocabulary token search reads (ffmem.engine.vocab_search, which says what each array
-    holds), as (name, part, array): the values and output embedding in float16, and per value its log Z
-    under both readouts (`log_z[layer, readout]`, from project_layer) and the final norm's scale and
-    centre, so the web computes any token's logit in every value without torch."""
-    blocks = loaded.adapter.blocks(loaded.model)
-    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
-    stats = []
-    norm = None
-    with torch.inference_mode():
-        for layer, block in enumerate(blocks):
-            values = loaded.adapter.value_matrix(block)  # [keys, d]
-            yield "values", layer, _compact(values)
-            columns = [log_z[layer, "raw"].float().cpu(), log_z[layer, "norm"].float().cpu()]
-            try:
-                scale, center, weight, bias = norm_terms(loaded, values)  # [keys], [keys], [d], [d]
-            except TypeError:  # a final norm with no linear form: the raw readout only
-                nan = torch.full_like(columns[0], float("nan"))
-                columns += [nan, nan]
-            else:
-                columns += [scale.cpu(), center.cpu()]
-                norm = torch.stack([weight, bias])  # [2, d]
-            stats.append(torch.stack(columns, dim=1))  # [keys, 4]
-        yield "value_stats", 0, torch.cat(stats).numpy()
-        if norm is not None:
-            yield "norm", 0, norm.cpu().numpy()
-        if getattr(unembedding, "bias", None) is not None:
-            yield "head_bias", 0, unembedding.bias.float().cpu().numpy()
-        weight = unembedding.weight  # [vocab, d]
-        for part, start in enumerate(range(0, weight.shape[0], BLOCK)):
-            yield "unembedding", part, _compact(weight[start : start + BLOCK])
-
-
-def norm_terms(
-    loaded: LoadedModel, vectors: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The final norm as final_norm(x) = w ⊙ (x − μ(x)) · s(x) + b, per vector (norm_parts' split):
-    [n, d] → (s [n], μ [n], w [d], b [d]), float32; μ = 0 for RMSNorm, b = 0 without a bias."""
-    _, scale, bias = norm_parts(loaded, vectors)
-    norm = resolve(loaded.model, loaded.adapter.final_norm)
-    x = vectors.float()  # [n, d]
-    center = x.mean(dim=-1) if isinstance(norm, torch.nn.LayerNorm) else x.new_zeros(x.shape[0])  # [n]
-    weight = norm.weight.float()  # [d]
-    return scale[:, 0], center, weight, bias if bias is not None else torch.zeros_like(weight)
-
-
-def _compact(rows: torch.Tensor) -> np.ndarray:
-    """float16 (half of float32, and finer than bfloat16), or float32 where float16 would overflow."""
-    fits = rows.abs().max().item() < torch.finfo(torch.float16).max / 2 if rows.numel() else True
-    return rows.to(torch.float16 if fits else torch.float32).cpu().numpy()

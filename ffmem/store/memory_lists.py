@@ -9,6 +9,15 @@ key; numpy, no torch, no SQL): its top-T triggers of one sign, and its value's t
                         readout; then entries of value_entry(width): token id, logit float32, by rank.
                         A token's probability is exp(logit − log_z), the softmax over the vocabulary.
 
+A vocabulary token's memories (the `token_memories` table, one row per run, readout and token; ffmem.engine.
+token_memories builds them): its lists of TOKEN_LISTS, each of `depth` entries of TOKEN_MEMORY (8 B): the
+memory (layer · keys + key, int32; −1: none, where the model has fewer memories than `depth`) and its
+score (float32: the token's logit, or its log-probability logit − log_z, in the value's readout), best first.
+
+A sentence's triggers (the `sentence_triggers` table, one row per run and sentence): every positive trigger
+of the run in that sentence, as SENTENCE_TRIGGER records (10 B): the memory (layer · keys + key, int32),
+the trigger's position (int16) and its coefficient (float32), by memory.
+
 `Trigger` and `ValueToken` are the decoded entries the pages read (ffmem.store.memory_reads); the index
 build writes the lists (ffmem.store.memory_writes).
 """
@@ -26,6 +35,10 @@ KINDS = (TRIGGERS, *READOUTS)
 
 TRIGGER = np.dtype([("sentence_index", "<i4"), ("position", "<i2"), ("coefficient", "<f4")])  # 10 B
 VALUE_HEADER = np.dtype([("token_bytes", "u1"), ("log_z", "<f4")])  # 5 B
+SENTENCE_TRIGGER = np.dtype([("memory", "<i4"), ("position", "<i2"), ("coefficient", "<f4")])  # 10 B
+TOKEN_MEMORY = np.dtype([("memory", "<i4"), ("score", "<f4")])  # 8 B
+# A token's lists, in stored order: (ranked by, direction); as ffmem.engine.token_memories.LISTS.
+TOKEN_LISTS = (("logit", 1), ("logit", -1), ("prob", 1), ("prob", -1))
 # Another memory and its score (a neighbour's cosine, a weight-graph link's score): 10 B.
 SCORED_MEMORY = np.dtype([("layer", "<i2"), ("key", "<i4"), ("score", "<f4")])
 
@@ -47,6 +60,18 @@ class Trigger:
     key: int
     sign: int
     rank: int  # 0 = strongest
+    sentence_index: int
+    position: int
+    coefficient: float
+
+
+@dataclass(frozen=True)
+class SentenceTrigger:
+    """A positive trigger found by its sentence (free-text search): key (`layer`, `key`) peaks at
+    `position` of sentence `sentence_index` with `coefficient`, one of its top-T sentences."""
+
+    layer: int
+    key: int
     sentence_index: int
     position: int
     coefficient: float
@@ -112,6 +137,43 @@ def decode_value_tokens(data: bytes) -> tuple[np.ndarray, float]:
     header = np.frombuffer(data, VALUE_HEADER, count=1)[0]
     entries = np.frombuffer(data, value_entry(int(header["token_bytes"])), offset=VALUE_HEADER.itemsize)
     return entries, float(header["log_z"])
+
+
+def encode_sentence_triggers(
+    memory: np.ndarray, sentence_index: np.ndarray, position: np.ndarray, coefficient: np.ndarray
+) -> tuple[list[int], list[bytes]]:
+    """(sentence indices, one blob each) from triggers as flat [triggers] arrays, any order; a blob's
+    entries by memory (then position). Entries with sentence index −1 (empty slots) are left out."""
+    real = sentence_index >= 0
+    memory, sentence_index, position, coefficient = (
+        a[real] for a in (memory, sentence_index, position, coefficient)
+    )
+    order = np.lexsort((position, memory, sentence_index))  # [triggers]: by sentence, then memory
+    packed = np.empty(len(order), SENTENCE_TRIGGER)  # [triggers]
+    packed["memory"], packed["position"], packed["coefficient"] = (
+        memory[order],
+        position[order],
+        coefficient[order],
+    )
+    sentences, starts = np.unique(sentence_index[order], return_index=True)  # [sentences] each
+    return sentences.tolist(), [part.tobytes() for part in np.split(packed, starts[1:])]
+
+
+def decode_sentence_triggers(data: bytes) -> np.ndarray:
+    """A blob's triggers: [n] SENTENCE_TRIGGER records, by memory."""
+    return np.frombuffer(data, SENTENCE_TRIGGER)
+
+
+def encode_token_memories(memories: np.ndarray, scores: np.ndarray) -> list[bytes]:
+    """One blob per token from memories and scores [vocab, lists, depth]."""
+    entries = np.empty(memories.shape, TOKEN_MEMORY)  # [vocab, lists, depth]
+    entries["memory"], entries["score"] = memories, scores
+    return [row.tobytes() for row in entries]
+
+
+def decode_token_memories(data: bytes) -> np.ndarray:
+    """A blob's lists: [lists, depth] records of TOKEN_MEMORY, in TOKEN_LISTS order."""
+    return np.frombuffer(data, TOKEN_MEMORY).reshape(len(TOKEN_LISTS), -1)
 
 
 def probabilities(logits: np.ndarray, log_z: np.ndarray | float) -> np.ndarray:

@@ -7,6 +7,7 @@ one kind once per process. The index build writes them (ffmem.store.memory_write
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 
 import numpy as np
 from sqlalchemy import Row, case, func, select, union_all
@@ -14,8 +15,8 @@ from sqlalchemy.orm import Session
 
 from ffmem.store import memory_lists
 from ffmem.store.cache import ProcessCache, database_of
-from ffmem.store.memory_lists import TRIGGERS, Lists, Trigger, ValueToken
-from ffmem.store.models import KeyStats, MemoryList, Run, RunStatus
+from ffmem.store.memory_lists import TRIGGERS, Lists, SentenceTrigger, Trigger, ValueToken
+from ffmem.store.models import KeyStats, MemoryList, Run, RunStatus, SentenceTriggers
 
 
 def _list(session: Session, run_id: int, kind: str, sign: int, layer: int, key: int) -> bytes | None:
@@ -123,18 +124,18 @@ def iter_value_tokens(*, session: Session, run_id: int) -> Iterator[ValueToken]:
         yield from memory_lists.value_tokens_of(data, **where)
 
 
-# A finished run's lists never change, so reads across all of its memories (free-text search over its
-# triggers, token search over its values) decode the lists of one kind and sign once per process. Keyed
+# A finished run's lists never change, so reads across all of its memories (the stored-token search of a
+# run from before revision 0018) decode the lists of one kind and sign once per process. Keyed
 # by the database, the run and its start time (an id reused by a new run is another entry); a run not yet
 # done is read again each time.
-RUN_LISTS_KEPT = 4  # SmolLM2's positive triggers: ~45 MB decoded
+RUN_LISTS_KEPT = 4  # SmolLM2's value tokens of one readout and direction: ~11 MB decoded
 
 
 _RUN_LISTS = ProcessCache(RUN_LISTS_KEPT)  # (database, run id, started_at, kind, sign) -> Lists
 
 
 def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
-    """Every list of one kind and sign of a run, decoded; triggers sorted by sentence index (stable)."""
+    """Every list of one kind and sign of a run, decoded."""
     run = session.get(Run, run_id)
     if run is None:
         return memory_lists.decode_many(kind, [], [], [])
@@ -148,8 +149,6 @@ def run_lists(*, session: Session, run_id: int, kind: str, sign: int) -> Lists:
         found = memory_lists.decode_many(
             kind, [r.layer for r in rows], [r.key for r in rows], [r.data for r in rows]
         )
-        if kind == TRIGGERS:
-            found = found.take(np.argsort(found.entries["sentence_index"], kind="stable"))
         _RUN_LISTS.put(cache_key, found, final=run.status == RunStatus.done)
     return found
 
@@ -279,6 +278,15 @@ def memory_value_tokens(
 ) -> dict[tuple[int, int, int], list[int]]:
     """(layer, key, direction) → the first `n` token ids (all when None) of that value's top (+1) or
     bottom (−1) list."""
+    listed = memory_value_lists(session=session, run_id=run_id, readout=readout, memories=memories)
+    return {memory: entries["token_id"][:n].tolist() for memory, (entries, _) in listed.items()}
+
+
+def memory_value_lists(
+    *, session: Session, run_id: int, readout: str, memories: Iterable[tuple[int, int, int]]
+) -> dict[tuple[int, int, int], tuple[np.ndarray, float]]:
+    """(layer, key, direction) → that value's top (+1) or bottom (−1) list under `readout`: its entries
+    (memory_lists.value_entry records, by rank) and the value's log Z."""
     wanted = set(memories)
     if not wanted:
         return {}
@@ -296,12 +304,11 @@ def memory_value_tokens(
         )
         for layer, keys in sorted(keys_by_layer.items())
     ]
-    found: dict[tuple[int, int, int], list[int]] = {}
-    for layer, key, direction, data in session.execute(union_all(*per_layer)):
-        if (layer, key, direction) in wanted:
-            entries, _ = memory_lists.decode_value_tokens(data)
-            found[layer, key, direction] = entries["token_id"][:n].tolist()
-    return found
+    return {
+        (layer, key, direction): memory_lists.decode_value_tokens(data)
+        for layer, key, direction, data in session.execute(union_all(*per_layer))
+        if (layer, key, direction) in wanted
+    }
 
 
 def value_matches(
@@ -344,29 +351,22 @@ def value_matches(
 
 
 def triggers_from(
-    *, session: Session, run_id: int, first_positions: dict[int, int], limit: int
-) -> list[Trigger]:
+    *, session: Session, run_id: int, n_keys: int, first_positions: dict[int, int], limit: int
+) -> list[SentenceTrigger]:
     """The strongest positive triggers whose prefix (sentence, position) reaches past `first_positions`,
-    the strongest first (ties by layer and key), at most `limit`.
-
-    `first_positions` maps a sentence index to the first position whose prefix qualifies. The run's
-    positive triggers are decoded once per process and sorted by sentence (run_lists), so each sentence's
-    triggers are a slice found by binary search.
-    """
-    lists = run_lists(session=session, run_id=run_id, kind=TRIGGERS, sign=1)
-    # One contiguous copy and two searches for all the sentences: searchsorted copies a strided field
-    # (10-byte entries) on every call, 2.3 M entries on the whole default index.
-    sentence = np.ascontiguousarray(lists.entries["sentence_index"])  # [entries], ascending
-    indices = np.fromiter(first_positions, np.int64, len(first_positions))  # [sentences]
-    starts, stops = np.searchsorted(sentence, indices), np.searchsorted(sentence, indices + 1)  # [sentences]
-    picked = []
-    for start, stop, position in zip(starts.tolist(), stops.tolist(), first_positions.values(), strict=True):
-        span = np.arange(start, stop)  # [triggers of this sentence]
-        picked.append(span[lists.entries["position"][span] >= position])
-    found = lists.take(np.concatenate(picked) if picked else np.zeros(0, np.int64))
-    coefficient = found.entries["coefficient"]  # [found]
-    order = np.lexsort((found.key, found.layer, -coefficient.astype(np.float64)))[:limit]
-    return [
-        Trigger(run_id, int(found.layer[i]), int(found.key[i]), 1, int(found.rank[i]), s, p, c)
-        for i, (s, p, c) in zip(order.tolist(), found.entries[order].tolist(), strict=True)
-    ]
+    the strongest first (ties by layer and key), at most `limit`: `first_positions` maps a sentence index
+    to the first position whose prefix qualifies. Reads those sentences' rows of `sentence_triggers`."""
+    rows = session.execute(
+        select(SentenceTriggers.sentence_index, SentenceTriggers.data).where(
+            SentenceTriggers.run_id == run_id, SentenceTriggers.sentence_index.in_(sorted(first_positions))
+        )
+    ).all()
+    found = []
+    for sentence_index, data in rows:
+        entries = memory_lists.decode_sentence_triggers(data)  # [triggers in the sentence]
+        entries = entries[entries["position"] >= first_positions[sentence_index]]
+        layer, key = np.divmod(entries["memory"].astype(np.int64), n_keys)
+        found += zip(layer.tolist(), key.tolist(), repeat(sentence_index), entries["position"].tolist(),
+                     entries["coefficient"].tolist())  # fmt: skip
+    found.sort(key=lambda t: (-t[4], t[0], t[1]))
+    return [SentenceTrigger(*t) for t in found[:limit]]

@@ -1,105 +1,62 @@
 """Keyword-only reads and writes for the two ways of finding memories that are not in `memory_reads`:
-full-vocabulary token search (a run's arrays, ffmem.engine.vocab_search) and each memory's nearest
-memories by key and value direction with the random-pair baseline that says what near is
-(ffmem.engine.neighbours). No torch.
+full-vocabulary token search (a run's token → memories table, ffmem.engine.token_memories) and each
+memory's nearest memories by key and value direction with the random-pair baseline that says what near
+is (ffmem.engine.neighbours). No torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from sqlalchemy import delete, exists, insert, select
 from sqlalchemy.orm import Session
 
-from ffmem.engine.vocab_search import BLOCK, SearchArrays, from_npy, to_npy
-from ffmem.store import memory_reads
+from ffmem.store import memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import SCORED_MEMORY
-from ffmem.store.models import NeighbourBaseline, Neighbours, RunArray
+from ffmem.store.models import NeighbourBaseline, Neighbours, TokenMemoryList
 
 NEIGHBOUR_KINDS = ("key", "value")
 
 
-# ---- token search arrays --------------------------------------------------------------------------
+# ---- the token → memories table --------------------------------------------------------------------
 
 
-def store_run_arrays(*, session: Session, run_id: int, arrays: Iterable[tuple[str, int, np.ndarray]]) -> int:
-    """Store a run's token-search arrays as (name, part, array), replacing any it had; returns the bytes
-    stored."""
-    session.execute(delete(RunArray).where(RunArray.run_id == run_id))
-    stored = 0
-    for name, part, array in arrays:
-        data = to_npy(array)
-        session.execute(insert(RunArray).values(run_id=run_id, name=name, part=int(part), data=data))
-        stored += len(data)
-    return stored
+def store_token_memories(
+    *, session: Session, run_id: int, readout: str, memories: np.ndarray, scores: np.ndarray
+) -> int:
+    """Store one readout's token → memories table (memories and scores [vocab, lists, depth], row t the
+    token t; ffmem.engine.token_memories), replacing the readout's rows; returns the tokens stored."""
+    if readout not in memory_lists.READOUTS:
+        raise ValueError(f"unknown readout {readout!r}; choose from {memory_lists.READOUTS}")
+    table = TokenMemoryList.__table__
+    session.execute(delete(table).where(table.c.run_id == run_id, table.c.readout == readout))
+    blobs = memory_lists.encode_token_memories(memories, scores)
+    rows = ((run_id, readout, token_id, blob) for token_id, blob in enumerate(blobs))
+    bulk_insert(session, table, ("run_id", "readout", "token_id", "data"), rows)
+    return len(blobs)
 
 
-def has_run_arrays(*, session: Session, run_id: int) -> bool:
-    """Whether the run has token-search arrays (runs stored before migration 0008 have none)."""
-    where = (RunArray.run_id == run_id, RunArray.name == "value_stats")
+def has_token_memories(*, session: Session, run_id: int, readout: str) -> bool:
+    """Whether the run has the table for `readout` (runs stored before revision 0018 have none)."""
+    where = (TokenMemoryList.run_id == run_id, TokenMemoryList.readout == readout)
     return bool(session.scalar(select(exists().where(*where))))
 
 
-def load_search_arrays(*, session: Session, run_id: int) -> SearchArrays | None:
-    """A run's value matrix and readout terms (not the output embedding: `embedding_rows`), or None."""
+def token_memories(
+    *, session: Session, run_id: int, readout: str, token_ids: Sequence[int]
+) -> dict[int, np.ndarray]:
+    """token id → its lists under `readout` ([lists, depth] TOKEN_MEMORY records, memory_lists.TOKEN_LISTS
+    order); a token the table lacks (past the model's vocabulary) is left out."""
     rows = session.execute(
-        select(RunArray.name, RunArray.part, RunArray.data)
-        .where(RunArray.run_id == run_id, RunArray.name != "unembedding")
-        .order_by(RunArray.name, RunArray.part)
-    ).all()
-    values = [from_npy(row.data) for row in rows if row.name == "values"]
-    singles = {row.name: from_npy(row.data) for row in rows if row.name != "values"}
-    if not values or "value_stats" not in singles:
-        return None
-    return SearchArrays.from_parts(values, singles)
-
-
-def embedding_rows(
-    *, session: Session, run_id: int, token_ids: Sequence[int]
-) -> tuple[list[int], np.ndarray]:
-    """(the ids found, their rows of the run's output embedding E: [found, d] float32), reading only the
-    stored blocks that hold them; an id past E's rows (a tokenizer's added token) is left out."""
-    parts = sorted({int(t) // BLOCK for t in token_ids})
-    rows = session.execute(
-        select(RunArray.part, RunArray.data).where(
-            RunArray.run_id == run_id, RunArray.name == "unembedding", RunArray.part.in_(parts)
+        select(TokenMemoryList.token_id, TokenMemoryList.data).where(
+            TokenMemoryList.run_id == run_id,
+            TokenMemoryList.readout == readout,
+            TokenMemoryList.token_id.in_(sorted({int(t) for t in token_ids})),
         )
-    ).all()
-    blocks = {row.part: from_npy(row.data) for row in rows}
-    found = [int(t) for t in token_ids if int(t) % BLOCK < len(blocks.get(int(t) // BLOCK, ()))]
-    d = next(iter(blocks.values())).shape[1] if blocks else 0
-    embedding = [blocks[t // BLOCK][t % BLOCK] for t in found]
-    return found, np.stack(embedding).astype(np.float32) if found else np.zeros((0, d), dtype=np.float32)
-
-
-def stored_ranks(
-    *,
-    session: Session,
-    run_id: int,
-    readout: str,
-    token_ids: Sequence[int],
-    memories: Sequence[tuple[int, int]],
-) -> dict[tuple[int, int, int, int], int]:
-    """(layer, key, token id, direction) → rank, for the `token_ids` among the stored top (+1) or bottom
-    (−1) value tokens of `memories` ((layer, key) pairs): the exact rank, counted from that end."""
-    if not token_ids or not memories:
-        return {}
-    wanted = {int(t) for t in token_ids}
-    listed = memory_reads.memory_value_tokens(
-        session=session,
-        run_id=run_id,
-        readout=readout,
-        memories={(int(layer), int(key), d) for layer, key in memories for d in (1, -1)},
-        n=None,
     )
-    return {
-        (layer, key, token_id, direction): rank
-        for (layer, key, direction), ids in listed.items()
-        for rank, token_id in enumerate(ids)
-        if token_id in wanted
-    }
+    return {token_id: memory_lists.decode_token_memories(data) for token_id, data in rows}
 
 
 # ---- neighbours -----------------------------------------------------------------------------------

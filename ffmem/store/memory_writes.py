@@ -1,6 +1,6 @@
 """The index build's writes of a run's memories: each layer's triggers and value tokens as packed lists
-(ffmem.store.memory_lists) and its key statistics. Called by the worker's storing stage; the explorer
-reads them through ffmem.store.memory_reads.
+(ffmem.store.memory_lists), its key statistics, and the run's positive triggers by sentence. Called by
+the worker's storing stage; the explorer reads them through ffmem.store.memory_reads.
 
 Bulk writes go through `ffmem.store.bulk.bulk_insert`: COPY on Postgres, a driver-level executemany per
 chunk on SQLite, always inside the session's transaction.
@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from ffmem.store import memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import TRIGGERS
-from ffmem.store.models import KeyStats, MemoryList
+from ffmem.store.models import KeyStats, MemoryList, SentenceTriggers
 
 
 def store_triggers(
@@ -152,3 +152,21 @@ def same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:
 
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+def store_sentence_triggers(
+    *,
+    session: Session,
+    run_id: int,
+    memory: np.ndarray,
+    sentence_index: np.ndarray,
+    position: np.ndarray,
+    coefficient: np.ndarray,
+) -> int:
+    """Store the run's positive triggers grouped by sentence (flat [triggers] arrays: memory number layer ·
+    keys + key, sentence index, position, coefficient; −1 sentences skipped), one row per sentence;
+    returns the sentences stored."""
+    sentences, blobs = memory_lists.encode_sentence_triggers(memory, sentence_index, position, coefficient)
+    rows = zip(repeat(run_id), sentences, blobs)
+    bulk_insert(session, SentenceTriggers.__table__, ("run_id", "sentence_index", "data"), rows)
+    return len(sentences)

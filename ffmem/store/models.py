@@ -373,17 +373,31 @@ class Analysis(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-class RunArray(Base):
-    """One array of a run for full-vocabulary token search, as .npy bytes: the values of a layer, a
-    block of the output embedding, the per-value terms of the readouts (ffmem.engine.vocab_search
-    lists them). Written when the run's values are projected; the web reads them without torch."""
+class TokenMemoryList(Base):
+    """One vocabulary token's memories under one readout: the memories whose value promotes it most and
+    those that suppress it most, ranked by its logit and by its probability, packed as bytes
+    (ffmem.store.memory_lists: TOKEN_LISTS of TOKEN_MEMORY). Written when the run's values are projected;
+    token search reads a few rows per query (revision 0018; it replaced the value matrix in `run_arrays`)."""
 
-    __tablename__ = "run_arrays"
+    __tablename__ = "token_memories"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    name: Mapped[str] = mapped_column(String(40), primary_key=True)  # values | unembedding | value_stats …
-    part: Mapped[int] = mapped_column(Integer, primary_key=True)  # the layer, the embedding block, or 0
-    data: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))
+    readout: Mapped[str] = mapped_column(String(8), primary_key=True)  # raw | norm
+    token_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+
+
+class SentenceTriggers(Base):
+    """The positive triggers of a run that lie in one corpus sentence, packed as bytes
+    (ffmem.store.memory_lists: SENTENCE_TRIGGER records — the memory, the trigger's position, its
+    coefficient): what free-text search reads for the sentences that contain a text, instead of every
+    trigger list of the run (revision 0019)."""
+
+    __tablename__ = "sentence_triggers"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    sentence_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
 
 
 class KeyExamples(Base):

@@ -26,6 +26,8 @@ from ffmem.store.models import (
     Run,
     RunStatus,
     Sentence,
+    SentenceTriggers,
+    TokenMemoryList,
     now,
 )
 from ffmem.store.vocabularies import stored_text
@@ -127,7 +129,17 @@ def finish_run(*, session: Session, run_id: int, n_tokens: int) -> Run:
 
 
 # The tables a finished run has just filled, whose row counts the explorer's query plans depend on.
-RESULT_TABLES = (MemoryList, KeyStats, KeyExamples, Neighbours, MemoryLinks, Explanation, Sentence)
+RESULT_TABLES = (
+    MemoryList,
+    KeyStats,
+    KeyExamples,
+    Neighbours,
+    MemoryLinks,
+    Explanation,
+    Sentence,
+    SentenceTriggers,
+    TokenMemoryList,
+)
 
 
 def _gather_statistics(session: Session) -> None:
@@ -192,10 +204,11 @@ def latest_finished_run(*, session: Session, model_id: int | None = None) -> Run
 
 
 def clear_results(*, session: Session, run_id: int) -> None:
-    """Delete what storing a run writes before its values' lists (its triggers, key statistics and key
-    examples), so that a finisher taken up again starts clean: one that died may have stored some."""
+    """Delete what storing a run writes before its values' lists (its triggers, by key and by sentence, key
+    statistics and key examples), so that a finisher taken up again starts clean: one that died may have
+    stored some."""
     session.execute(delete(MemoryList).where(MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS))
-    for table in (KeyStats, KeyExamples):
+    for table in (SentenceTriggers, KeyStats, KeyExamples):
         session.execute(delete(table).where(table.run_id == run_id))
 
 

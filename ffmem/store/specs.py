@@ -42,9 +42,9 @@ class Spec(BaseModel):
 
 
 class RunSpec(Spec):
-    """What defines an index run. The three fields with a default are those jobs queued before they
+    """What defines an index run. The four fields with a default are those jobs queued before they
     existed lack; the default is what such a job did (mined position 0, held nothing out, shaded
-    nothing). A new run's spec gives every field (`from_settings`)."""
+    nothing, built no token → memories table). A new run's spec gives every field (`from_settings`)."""
 
     model: str
     corpus: str
@@ -58,6 +58,7 @@ class RunSpec(Spec):
     batch_tokens: int
     shard_sentences: int
     value_tokens: int
+    token_memories: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings, **given) -> RunSpec:

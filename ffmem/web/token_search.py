@@ -1,51 +1,32 @@
-"""Full-vocabulary token search in the web process: each run's value matrix is read from the database
-once and kept in memory (float32, ~110 MB for SmolLM2; the `search_cache_runs` newest-used runs), so a
-query is one matrix–vector product over all memories plus one small read of the token's embedding row.
-No torch: ffmem.engine.vocab_search does the arithmetic.
+"""Full-vocabulary token search from a run's token → memories table (ffmem.engine.token_memories, computed
+at index time over every memory's whole readout): a query reads its tokens' rows (a few kilobytes each),
+merges their lists, and reads the shown memories' value lists for each token's rank there and the value's
+log Z. Nothing is kept in memory between queries, whatever the number of runs and memories; no torch.
 """
 
 from __future__ import annotations
 
-import threading
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastapi import FastAPI
 from sqlalchemy.orm import Session
 
-from ffmem.engine.vocab_search import SearchArrays, TokenHit
-from ffmem.store import memory_search
-from ffmem.store.cache import ProcessCache
-from ffmem.store.models import Run
-
-_MISSING = object()  # not kept: a run with no arrays is kept as None
+from ffmem.store import memory_reads, memory_search
+from ffmem.store.memory_lists import TOKEN_LISTS
+from ffmem.store.models import LanguageModel, Run
 
 
-class ArrayCache:
-    """The search arrays of the last `size` runs used, loaded once each (one load at a time)."""
+@dataclass(frozen=True)
+class TokenHit:
+    """One memory's score for one searched token."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._arrays = ProcessCache(size, lru=True)  # (run id, started_at) -> SearchArrays | None
-        self._loading = threading.Lock()
-
-    def get(self, session: Session, run: Run) -> SearchArrays | None:
-        """The run's arrays, or None when it has none (stored before full-vocabulary search)."""
-        name = (run.id, str(run.started_at))  # a deleted run's id may come back: the start tells them apart
-        with self._loading:
-            arrays = self._arrays.get(name, _MISSING)
-            if arrays is _MISSING:
-                arrays = memory_search.load_search_arrays(session=session, run_id=run.id)
-                self._arrays.put(name, arrays)
-            return arrays
-
-
-def cache_of(app: FastAPI) -> ArrayCache:
-    """The app's cache, made on first use with the app's settings."""
-    cache = getattr(app.state, "token_search", None)
-    if cache is None:
-        cache = app.state.token_search = ArrayCache(app.state.settings.search_cache_runs)
-    return cache
+    layer: int
+    key: int
+    token_id: int
+    logit: float
+    prob: float
+    rank: int | None  # the token's rank among the value's stored top / bottom tokens; None: not there
 
 
 @dataclass
@@ -55,12 +36,12 @@ class Ranked:
     promote: list[TokenHit]
     suppress: list[TokenHit]
     memories: int  # memories ranked (every memory of every layer)
-    ranks: dict[tuple[int, int, int, int], int]  # (layer, key, token, direction) → stored rank
+    depth: int  # each token's memories stored per list: the most a search can show each way
 
 
 def rank_memories(
     session: Session,
-    cache: ArrayCache,
+    model: LanguageModel,
     run: Run,
     token_ids: Sequence[int],
     *,
@@ -68,17 +49,43 @@ def rank_memories(
     by: str,
     limit: int,
 ) -> Ranked | None:
-    """Every memory of every layer ranked by the tokens' logit (or probability) in its value's readout,
-    both ways; None when the run has no search arrays, or not for this readout."""
-    arrays = cache.get(session, run)
-    if arrays is None or readout not in arrays.readouts:
+    """The (memory, token) pairs, over every memory of every layer and the tokens `token_ids`, whose value
+    promotes (the highest score) or suppresses (the lowest) the token most, the score being the token's
+    logit in the value's readout (`by="logit"`) or its log-probability (`"prob"`); at most `limit` and
+    the table's depth each way, equal scores by memory, then token. None when the run has no table for
+    `readout` (stored before revision 0018)."""
+    lists = memory_search.token_memories(session=session, run_id=run.id, readout=readout, token_ids=token_ids)
+    if not lists and not memory_search.has_token_memories(session=session, run_id=run.id, readout=readout):
         return None
-    token_ids, embedding = memory_search.embedding_rows(session=session, run_id=run.id, token_ids=token_ids)
-    if not token_ids:
-        return None
-    found = arrays.search(embedding, token_ids, readout=readout, by=by, limit=limit)
-    shown = [(hit.layer, hit.key) for hits in found.values() for hit in hits]
-    ranks = memory_search.stored_ranks(
-        session=session, run_id=run.id, readout=readout, token_ids=token_ids, memories=shown
-    )
-    return Ranked(promote=found[1], suppress=found[-1], memories=arrays.n_values, ranks=ranks)
+    depth = next(iter(lists.values())).shape[1] if lists else 0
+    chosen = {}
+    for direction in (1, -1):
+        entries = lists_of(lists, by, direction)
+        # Exact to the depth: a pair among the best `depth` of all is among the best `depth` of its token.
+        chosen[direction] = sorted(entries, key=lambda e: (-direction * e[2], e[0], e[1]))[
+            : min(limit, depth)
+        ]
+    shown = {(m // model.n_keys, m % model.n_keys, d) for d, found in chosen.items() for m, _, _ in found}
+    values = memory_reads.memory_value_lists(session=session, run_id=run.id, readout=readout, memories=shown)
+    hits = {}
+    for direction, found in chosen.items():
+        hits[direction] = []
+        for memory, token_id, score in found:
+            layer, key = divmod(memory, model.n_keys)
+            value_tokens, log_z = values.get((layer, key, direction), (None, math.nan))
+            listed = [] if value_tokens is None else value_tokens["token_id"].tolist()
+            rank = listed.index(token_id) if token_id in listed else None
+            logit = score if by == "logit" else score + log_z
+            hits[direction].append(TokenHit(layer, key, token_id, logit, math.exp(logit - log_z), rank))
+    return Ranked(hits[1], hits[-1], model.n_layers * model.n_keys, depth)
+
+
+def lists_of(lists: dict, by: str, direction: int) -> list[tuple[int, int, float]]:
+    """(memory, token id, score) of every token's list of (`by`, `direction`), empty slots left out."""
+    index = TOKEN_LISTS.index((by, direction))
+    return [
+        (memory, token_id, score)
+        for token_id, token_lists in lists.items()
+        for memory, score in token_lists[index].tolist()
+        if memory >= 0
+    ]

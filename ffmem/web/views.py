@@ -8,6 +8,7 @@ a real space); templates make them visible with the `visible` filter.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Annotated
 
@@ -15,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, Field, computed_field
 from sqlalchemy.orm import object_session
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from ffmem.store.memory_lists import SentenceTrigger
 from ffmem.store.memory_lists import Trigger as TriggerRow
 from ffmem.store.models import JobKind, JobStatus, Label, LanguageModel, Run, Sentence
 from ffmem.store.results import mining_job
@@ -262,7 +264,9 @@ def trigger_view(
     )
 
 
-def trigger_token_ids(rows: list[TriggerRow], sentences: dict[int, Sentence]) -> set[int]:
+def trigger_token_ids(
+    rows: Sequence[TriggerRow | SentenceTrigger], sentences: dict[int, Sentence]
+) -> set[int]:
     """The trigger and next token ids of these triggers (for one vocabulary lookup)."""
     found = set()
     for row in rows:

@@ -10,9 +10,9 @@ Per memory (b against a):
   density);
 - the cosine of its key and of its value between the two runs' models (ffmem.engine.comparison: a gated
   FF's key is its gate and up rows, compared apart and as their product), read from the weights: runs
-  store their values (run_arrays) but not their keys, and storing every run's keys (2 × 106 MB for
-  SmolLM2-135M) for the few pairs anyone compares would cost more than loading the two models once
-  here. The models are loaded one after the other (`weights(run_id)`), never both at once.
+  store neither their keys nor their values, and storing them (2 × 106 MB of keys for SmolLM2-135M)
+  for the few pairs anyone compares would cost more than loading the two models once here. The models
+  are loaded one after the other (`weights(run_id)`), never both at once.
 """
 
 from __future__ import annotations

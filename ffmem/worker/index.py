@@ -29,8 +29,9 @@ from ffmem.engine.loading import LoadedModel
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.engine.neighbours import memory_baselines, memory_neighbours
-from ffmem.engine.projection import project_layer, search_arrays, target_ranks
+from ffmem.engine.projection import project_layer, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
+from ffmem.engine.token_memories import token_table
 from ffmem.store import corpora, jobs, key_examples, memory_search, memory_writes, runs, shards
 from ffmem.store.memory_lists import READOUTS, TRIGGERS
 from ffmem.store.models import Job, Run, Shard, ShardStatus
@@ -198,8 +199,9 @@ class IndexPipeline:
         self, session: Session, lease: Heartbeat, run_id: int, loaded: LoadedModel, spec: RunSpec
     ) -> None:
         """Every value's top and bottom tokens under both readouts: they need no corpus, so the pages
-        show them while the run is still mining; and the arrays of full-vocabulary token search."""
-        log_z = {}
+        show them while the run is still mining; then the token → memories table of full-vocabulary
+        token search, which needs every value's log Z."""
+        log_z = {readout: [] for readout in READOUTS}  # readout → per layer [keys]
         for layer in tqdm(
             range(loaded.n_layers), desc="projecting values", unit="layer", disable=not self.options.progress
         ):
@@ -207,7 +209,8 @@ class IndexPipeline:
                 projected = list(project_layer(loaded, layer, spec.value_tokens))
             with self.timed("storing"):
                 for p in projected:
-                    log_z[layer, p.readout] = p.log_z
+                    if p.direction == 1:
+                        log_z[p.readout].append(p.log_z)
                     memory_writes.store_value_tokens(
                         session=session,
                         run_id=run_id,
@@ -219,7 +222,30 @@ class IndexPipeline:
                         log_z=p.log_z.numpy(),
                     )
                 lease.check(session)
-        memory_search.store_run_arrays(session=session, run_id=run_id, arrays=search_arrays(loaded, log_z))
+        if not spec.token_memories:
+            return
+        bar = tqdm(desc="token → memories", unit="token", disable=not self.options.progress)
+
+        def report(done: int, total: int) -> None:
+            bar.total, bar.n = total, done
+            bar.refresh()
+
+        for readout in READOUTS:
+            bar.set_description(f"token → memories ({readout})", refresh=False)
+            with self.timed("token table"):
+                memories, scores = token_table(
+                    loaded, readout, torch.cat(log_z[readout]), spec.token_memories, progress=report
+                )
+            with self.timed("storing"):
+                memory_search.store_token_memories(
+                    session=session,
+                    run_id=run_id,
+                    readout=readout,
+                    memories=memories.numpy(),
+                    scores=scores.numpy(),
+                )
+                lease.check(session)
+        bar.close()
 
     # -- mine a shard -----------------------------------------------------------------------------
     def mine_shard(self, job: Job, shard: Shard, lease: Heartbeat) -> None:
@@ -397,6 +423,28 @@ class IndexPipeline:
                     )
                     run.lease.check(session)
                     session.commit()
+            with self.timed("storing"):
+                self.store_sentence_triggers(session, run)
+                run.lease.check(session)
+                session.commit()
+
+    def store_sentence_triggers(self, session: Session, run: Finishing) -> None:
+        """The run's positive triggers grouped by sentence, for free-text search."""
+        n_keys, state = run.loaded.n_keys, run.state
+        parts = []
+        for layer in range(run.loaded.n_layers):
+            coefficient, sentence, position = state.triggers(layer, 1)  # [keys, T] each
+            memory = layer * n_keys + torch.arange(n_keys)[:, None].expand_as(sentence)  # [keys, T]
+            parts.append([t.reshape(-1).numpy() for t in (memory, sentence, position, coefficient)])
+        memory, sentence, position, coefficient = (np.concatenate(p) for p in zip(*parts, strict=True))
+        memory_writes.store_sentence_triggers(
+            session=session,
+            run_id=run.job.run_id,
+            memory=memory,
+            sentence_index=sentence,
+            position=position,
+            coefficient=coefficient,
+        )
 
     def compose(self, run: Finishing) -> None:
         """The weight graph and the memories' explanations (ffmem.worker.composition)."""

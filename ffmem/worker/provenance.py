@@ -75,15 +75,16 @@ def store_model(session: Session, loaded: LoadedModel):
         n_layers=loaded.n_layers,
         n_keys=loaded.n_keys,
         d_model=config.hidden_size if hasattr(config, "hidden_size") else config.n_embd,
-        vocab_size=len(loaded.tokenizer),
+        vocab_size=loaded.vocab_size,
         activation=loaded.adapter.activation(config),
         gated=loaded.adapter.gates is not None,
     )
     ids = list(range(len(loaded.tokenizer)))
+    padding = [f"⟨unused {i}⟩" for i in range(len(ids), loaded.vocab_size)]  # rows no token reads in
     vocabularies.store_vocabulary(
         session=session,
         model_id=model_row.id,
-        texts=[loaded.tokenizer.decode([i]) for i in ids],
-        pieces=[str(p) for p in loaded.tokenizer.convert_ids_to_tokens(ids)],
+        texts=[loaded.tokenizer.decode([i]) for i in ids] + padding,
+        pieces=[str(p) for p in loaded.tokenizer.convert_ids_to_tokens(ids)] + padding,
     )
     return model_row

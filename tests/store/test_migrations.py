@@ -325,6 +325,66 @@ def test_0017_checks_a_runs_status_and_downgrading_drops_the_check(empty_url):
     assert "ck_runs_status" not in checks(empty_url)
 
 
+def test_0018_replaces_the_search_arrays_with_the_token_table_and_downgrading_brings_them_back_empty(
+    empty_url,
+):
+    """Issue 29: token search reads a token → memories table; the value matrices of older runs go (their
+    search covers the stored value tokens until they are indexed again)."""
+    _migrate(empty_url, "0017")
+    tables = {name for name, _, _ in _schema(empty_url)[1]}
+    assert "run_arrays" in tables and "token_memories" not in tables
+    _migrate(empty_url, "head")
+    tables = dict((name, columns) for name, columns, _ in _schema(empty_url)[1])
+    assert (
+        tables["token_memories"] == ["run_id", "readout", "token_id", "data"] and "run_arrays" not in tables
+    )
+    _migrate(empty_url, "0017", down=True)
+    revision, schema = _schema(empty_url)
+    assert revision == "0017" and "token_memories" not in {name for name, _, _ in schema}
+    assert "run_arrays" in {name for name, _, _ in schema}
+
+
+def test_0019_indexes_an_older_runs_positive_triggers_by_sentence_as_the_worker_does(empty_url):
+    """Issue 29: free-text search reads a sentence's triggers from `sentence_triggers`; a run stored before
+    gets them from its trigger lists, packed as the index build packs them (memory_lists)."""
+    import numpy as np
+    import sqlalchemy as sa
+
+    from ffmem.store import memory_lists
+
+    _migrate(empty_url, "0018")
+    triggers = {  # (layer, key, sign) → [(sentence, position, coefficient)], strongest first
+        (0, 1, 1): [(2, 5, 3.5), (0, 1, 2.25)],
+        (1, 3, 1): [(70_000, 300, 1.0), (2, 0, 0.5)],
+        (1, 0, -1): [(2, 4, -9.0)],  # negative: not indexed
+    }
+    engine = make_engine(empty_url)
+    with engine.begin() as connection:
+        _old_run(connection)  # 2 layers × 4 keys
+        lists = sa.table("memory_lists", *map(sa.column, ("run_id", "kind", "sign", "layer", "key", "data")))
+        for (layer, key, sign), rows in triggers.items():
+            blob = memory_lists.encode_triggers(*(np.array([list(c)]) for c in zip(*rows, strict=True)))[0]
+            connection.execute(
+                sa.insert(lists).values(run_id=1, kind="triggers", sign=sign, layer=layer, key=key, data=blob)
+            )
+    engine.dispose()
+    _migrate(empty_url, "head")
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        stored = dict(connection.execute(sa.text("SELECT sentence_index, data FROM sentence_triggers")).all())
+    engine.dispose()
+    positive = [
+        (layer * 4 + key, *row) for (layer, key, sign), rows in triggers.items() if sign == 1 for row in rows
+    ]
+    memory, sentence, position, coefficient = (np.array(c) for c in zip(*positive, strict=True))
+    sentences, blobs = memory_lists.encode_sentence_triggers(memory, sentence, position, coefficient)
+    assert {s: bytes(b) for s, b in stored.items()} == dict(zip(sentences, blobs, strict=True))
+    assert memory_lists.decode_sentence_triggers(stored[2]).tolist() == [(1, 5, 3.5), (7, 0, 0.5)]
+    assert sorted(stored) == [0, 2, 70_000]
+    _migrate(empty_url, "0018", down=True)
+    assert "sentence_triggers" not in {name for name, _, _ in _schema(empty_url)[1]}
+
+
 def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp_path):
     """Large pages pack a key's examples row (~2.3 KB) with others: storage per key ≤ 8 KB on the whole
     default corpus (docs/benchmarks.md). A database made before keeps its 4 KiB pages, still in WAL mode."""

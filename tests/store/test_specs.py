@@ -30,8 +30,9 @@ RUN = {
     "batch_tokens": 4096,
     "shard_sentences": 2048,
     "value_tokens": 30,
+    "token_memories": 32,
 }
-BEFORE = ("first_position", "shaded_triggers", "held_out_every")  # run options older jobs lack
+BEFORE = ("first_position", "shaded_triggers", "held_out_every", "token_memories")  # older jobs lack these
 
 
 def by_hand(options: dict) -> str:
@@ -61,7 +62,12 @@ def test_an_analysis_spec_takes_the_analysis_settings_and_seed_0():
 def test_a_job_queued_before_an_option_existed_reads_back_as_what_it_did():
     old = {name: value for name, value in RUN.items() if name not in BEFORE}
     spec = Job(kind=JobKind.index, options=old).spec
-    assert (spec.first_position, spec.shaded_triggers, spec.held_out_every) == (True, 0, 0)
+    assert (spec.first_position, spec.shaded_triggers, spec.held_out_every, spec.token_memories) == (
+        True,
+        0,
+        0,
+        0,
+    )
     assert spec.options() == old  # what it stores, as stored
     with pytest.raises(ValidationError):
         RunSpec.stored({name: value for name, value in RUN.items() if name != "model"})

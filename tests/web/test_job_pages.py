@@ -66,6 +66,7 @@ def test_start_a_run_from_the_browser(client, tmp_path):
         "batch_tokens": 4096,
         "shard_sentences": 2048,
         "value_tokens": 30,
+        "token_memories": 32,
     }
     page = client.get("/jobs/1").text
     assert 'hx-trigger="every 1s"' in page and "waiting for a worker" in page

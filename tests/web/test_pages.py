@@ -353,9 +353,10 @@ def test_search_by_token_ranks_both_signs(client, db, slug, run):
     for q in (f"%20{word}", word, f"%E2%90%A3{word}"):  # " word", "word" (also means " word"), "␣word"
         assert json_of(client, f"/m/{slug}/search.json?q={q}")["token_ids"] == [token_id]
     body = json_of(client, f"/m/{slug}/search.json?q=%20{word}&by=prob&limit=200")
-    for direction, name in ((1, "promote"), (-1, "suppress")):  # all memories, ranked: see test_search.py
+    assert body["memories"] == 144 and body["token_depth"] == 32
+    for direction, name in ((1, "promote"), (-1, "suppress")):  # all memories ranked: see test_search.py
         shown = body[name]
-        assert len(shown) == 144 and all(m["direction"] == direction and m["token"] == text for m in shown)
+        assert len(shown) == 32 and all(m["direction"] == direction and m["token"] == text for m in shown)
         probs = [m["prob"] for m in shown]
         assert probs == sorted(probs, reverse=direction == 1)
     by_logit = json_of(client, f"/m/{slug}/search.json?q=%20{word}&by=logit&readout=norm&limit=3")

@@ -1,8 +1,8 @@
 """Finding memories on the tiny index (SQLite and Postgres), against computations written out here:
 full-vocabulary token search equals a brute-force ranking of every value's readout, the stored ranks
-are the value tokens', an older run without arrays falls back to the stored tokens; free-text search
-shows each sentence once with the matches marked (escaped); the key page's neighbours equal a
-brute-force cosine over all memories; the worker stored what each needs."""
+are the value tokens', an older run without a token → memories table falls back to the stored tokens;
+free-text search shows each sentence once with the matches marked (escaped); the key page's neighbours
+equal a brute-force cosine over all memories; the worker stored what each needs."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from sqlalchemy import delete, func, insert, select
 from ffmem.engine.neighbours import BASELINE_PAIRS, baseline_pairs
 from ffmem.engine.projection import value_logits
 from ffmem.store import memory_reads
-from ffmem.store.models import NeighbourBaseline, Neighbours, RunArray, Sentence, Token
+from ffmem.store.models import LanguageModel, NeighbourBaseline, Neighbours, Sentence, Token, TokenMemoryList
 from ffmem.web.lookups import model_or_404
 from ffmem.web.pages import search
 from ffmem.web.routes.search import MAX_LENGTH
-from ffmem.web.token_search import ArrayCache
+from ffmem.web.token_search import rank_memories
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_token_search_ranks_every_memory_as_brute_force(client, db, run, slug, d
     log_z = torch.logsumexp(torch.from_numpy(direct[readout]), dim=-1).numpy()
     scores = logits if by == "logit" else logits - log_z
     assert body["memories"] == len(scores) == tiny.n_layers * tiny.n_keys
-    tolerance = float(3e-3 * np.abs(direct[readout]).max())  # V and E are stored as float16
+    tolerance = float(1e-5 * np.abs(direct[readout]).max())  # float32 logits, computed apart
     for direction, name in ((1, "promote"), (-1, "suppress")):
         shown = body[name]
         assert len(shown) == 30
@@ -67,7 +67,7 @@ def test_token_search_ranks_every_memory_as_brute_force(client, db, run, slug, d
             i = m["layer"] * tiny.n_keys + m["key"]
             assert m["direction"] == direction and m["token"] == text and m["token_id"] == token_id
             assert m["logit"] == pytest.approx(logits[i], abs=tolerance)
-            assert m["prob"] == pytest.approx(np.exp(logits[i] - log_z[i]), rel=0.01)
+            assert m["prob"] == pytest.approx(np.exp(logits[i] - log_z[i]), rel=1e-4)
             true_rank = int((direction * direct[readout][i] > direction * logits[i]).sum())
             if m["rank"] is None:  # not among the stored top / bottom n: beyond them
                 assert true_rank >= run.n_value_tokens - 1
@@ -84,6 +84,34 @@ def test_token_search_ranks_every_memory_as_brute_force(client, db, run, slug, d
                 assert m["rank"] == stored and abs(m["rank"] - true_rank) <= 1
 
 
+@pytest.mark.parametrize("by", ["logit", "prob"])
+def test_several_tokens_rank_as_one_brute_force_over_every_pair(db, run, slug, direct, tiny, by):
+    """A text means several tokens (as typed, with a space): their pairs with every memory are ranked
+    together, equal scores by memory, then token; at most the table's depth each way."""
+    model = db.scalar(select(LanguageModel).where(LanguageModel.slug == slug))
+    tokens = [5, 17, direct["raw"].shape[1] - 1]  # the last token of the vocabulary too
+    ranked = rank_memories(db, model, run, tokens, readout="raw", by=by, limit=1000)
+    logits = direct["raw"][:, tokens]  # [memories, tokens]
+    log_z = torch.logsumexp(torch.from_numpy(direct["raw"]), dim=-1).numpy()[:, None]  # [memories, 1]
+    scores = logits if by == "logit" else logits - log_z
+    assert ranked.depth == 32 and ranked.memories == tiny.n_layers * tiny.n_keys
+    for direction, hits in ((1, ranked.promote), (-1, ranked.suppress)):
+        assert len(hits) == 32, "no more than each token's depth, though the limit is higher"
+        pairs = sorted(
+            (
+                (-direction * scores[m, t], m, tokens[t])
+                for m in range(scores.shape[0])
+                for t in range(len(tokens))
+            ),
+        )[:32]  # the brute force over every (memory, token) pair
+        got = [(h.layer * tiny.n_keys + h.key, h.token_id) for h in hits]
+        assert got == [(m, t) for _, m, t in pairs]
+        for h in hits:
+            m, t = h.layer * tiny.n_keys + h.key, tokens.index(h.token_id)
+            assert h.logit == pytest.approx(logits[m, t], rel=1e-4, abs=1e-5)
+            assert h.prob == pytest.approx(np.exp(logits[m, t] - log_z[m, 0]), rel=1e-4)
+
+
 def test_token_search_page_names_its_readout(client, db, run, slug):
     _, text = _word(db, run)
     page = client.get(f"/m/{slug}/search?q=%20{text[1:]}&readout=norm").text
@@ -91,13 +119,13 @@ def test_token_search_page_names_its_readout(client, db, run, slug):
     assert "lm_head(final_norm(v))" in page and "All 144 memories" in page
 
 
-def test_a_run_without_arrays_searches_its_stored_tokens(db, run, slug):
+def test_a_run_without_a_token_table_searches_its_stored_tokens(db, run, slug):
     token_id, text = _word(db, run)
-    db.execute(delete(RunArray).where(RunArray.run_id == run.id))  # as a run stored before 0008
+    db.execute(delete(TokenMemoryList).where(TokenMemoryList.run_id == run.id))  # as a run stored before 0018
     try:
         found = search.search_page(
             db, model_or_404(db, slug), q=text, pinned=None, readout="raw", by="prob", limit=200,
-            arrays=ArrayCache(1), max_length=MAX_LENGTH,
+            max_length=MAX_LENGTH,
         )  # fmt: skip
     finally:
         db.rollback()
@@ -289,15 +317,18 @@ def test_a_run_stored_before_baselines_shows_neighbours_without_one(client, db, 
         db.commit()
 
 
-def test_the_worker_stored_arrays_and_neighbours_for_every_memory(db, run, tiny):
+def test_the_worker_stored_token_tables_and_neighbours_for_every_memory(db, run, tiny):
     n = tiny.n_layers * tiny.n_keys
     assert db.scalar(select(func.count()).select_from(Neighbours).where(Neighbours.run_id == run.id)) == 2 * n
     baselines = select(func.count()).select_from(NeighbourBaseline).where(NeighbourBaseline.run_id == run.id)
     assert db.scalar(baselines) == 2 * tiny.n_layers
-    names = db.execute(
-        select(RunArray.name, func.count()).where(RunArray.run_id == run.id).group_by(RunArray.name)
+    tables = db.execute(
+        select(TokenMemoryList.readout, func.count(), func.min(func.length(TokenMemoryList.data)))
+        .where(TokenMemoryList.run_id == run.id)
+        .group_by(TokenMemoryList.readout)
     ).all()
-    assert dict(names) == {"values": tiny.n_layers, "unembedding": 1, "value_stats": 1, "norm": 1}
+    vocab = tiny.model.get_output_embeddings().weight.shape[0]
+    assert {tuple(row) for row in tables} == {("raw", vocab, 4 * 32 * 8), ("norm", vocab, 4 * 32 * 8)}
 
 
 def test_marked_parts_cut_at_every_occurrence_as_typed():

@@ -12,11 +12,11 @@ import math
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from synthetic_index import Shape, layer_arrays, search_arrays, sentence_tokens, token_text, write_run
+from synthetic_index import Shape, layer_arrays, sentence_tokens, token_table, token_text, write_run
 
 from ffmem.config import Settings
-from ffmem.engine.vocab_search import BLOCK
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.memory_lists import TOKEN_LISTS
 from ffmem.store.memory_reads import KEY_SORTS
 from ffmem.web.main import create_app
 
@@ -172,54 +172,28 @@ def test_the_layer_page_filtered_by_a_token_near_the_vocabulary_end(client, last
     ]
 
 
-@pytest.fixture(scope="module")
-def written_search(lengths) -> dict[str, list]:
-    """The run's token-search arrays as written: name → [(part, array)]."""
-    layers = [layer_arrays(SHAPE, layer, lengths) for layer in range(SHAPE.n_layers)]
-    log_z = {readout: [arrays.log_z[readout] for arrays in layers] for readout in ("raw", "norm")}
-    found: dict[str, list] = {}
-    for name, part, array in search_arrays(SHAPE, log_z):
-        found.setdefault(name, []).append((part, array))
-    return found
-
-
-def brute_force(arrays: dict[str, list], token: int, readout: str, by: str, limit: int) -> dict[int, list]:
-    """direction → [(layer, key, logit)] of the `limit` memories whose value most promotes (+1) or
-    suppresses (−1) `token`, from the written arrays directly (float64)."""
-    values = np.concatenate([a.astype(np.float64) for _, a in sorted(arrays["values"], key=lambda p: p[0])])
-    e = dict(arrays["unembedding"])[token // BLOCK][token % BLOCK].astype(np.float64)  # [d]
-    stats = arrays["value_stats"][0][1].astype(np.float64)  # [memories, 4]
-    if readout == "raw":
-        logits = values @ e  # [memories]
-    else:
-        weight, bias = arrays["norm"][0][1].astype(np.float64)  # [d] each
-        query = weight * e
-        logits = stats[:, 2] * (values @ query - query.sum() * stats[:, 3]) + bias @ e
-    score = logits - stats[:, 0 if readout == "raw" else 1] if by == "prob" else logits
-    memories = np.arange(len(score))
-    found = {}
-    for direction in (1, -1):
-        order = np.lexsort((memories, -direction * score))[:limit]
-        found[direction] = [(*divmod(int(i), SHAPE.n_keys), float(logits[i])) for i in order]
-    return found
-
-
 @pytest.mark.parametrize(("readout", "by"), [("raw", "prob"), ("norm", "logit")])
-def test_token_search_finds_the_last_token_of_the_vocabulary(client, written_search, readout, by):
-    token = SHAPE.vocab_size - 1
+def test_token_search_finds_a_token_near_the_end_of_the_vocabulary(client, readout, by):
+    """Read from the written table: a token id past 65,535 with a memory past 65,535, each way's list in
+    order, its scores the logits (or log-probabilities) written."""
+    memories, scores = token_table(SHAPE, readout)
+    far = (memories[:, :, :20] > 2**16).any(axis=(1, 2))  # [vocab]: a memory past 65,536 among the shown
+    token = int(np.flatnonzero(far)[-1])  # near the vocabulary's end
+    assert token > SHAPE.vocab_size - 1000
     page = json_of(client, f"{M}/search.json", q=f"w{token}", readout=readout, by=by, limit=20)
     assert page["token_ids"] == [token] and page["token_coverage"] == "full"
-    assert page["memories"] == SHAPE.memories
-    expected = brute_force(written_search, token, readout, by, 20)
+    assert page["memories"] == SHAPE.memories and page["token_depth"] == SHAPE.token_memories
     for direction, part in ((1, "promote"), (-1, "suppress")):
+        written = TOKEN_LISTS.index((by, direction))
         shown = page[part]
         assert {m["token_id"] for m in shown} == {token}
-        assert [(m["layer"], m["key"]) for m in shown] == [
-            (layer, key) for layer, key, _ in expected[direction]
-        ]
-        assert [m["logit"] for m in shown] == pytest.approx(
-            [logit for *_, logit in expected[direction]], rel=1e-3, abs=1e-4
-        )
+        assert [m["layer"] * SHAPE.n_keys + m["key"] for m in shown] == memories[token, written, :20].tolist()
+        if by == "logit":
+            assert [m["logit"] for m in shown] == pytest.approx(
+                scores[token, written, :20].tolist(), rel=1e-6
+            )
+        else:
+            assert [math.log(m["prob"]) for m in shown] == pytest.approx(scores[token, written, :20].tolist())
     assert client.get(f"{M}/search", params={"q": f"w{token}"}).status_code == 200
 
 

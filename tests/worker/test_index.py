@@ -8,14 +8,15 @@ from datetime import timedelta
 import pytest
 import torch
 from sqlalchemy import func, select
-from tiny_models import TRAINING_TEXT
+from tiny_models import TRAINING_TEXT, tiny_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from ffmem.config import Settings
 from ffmem.engine import mining
 from ffmem.engine.corpus import mined_from
 from ffmem.engine.hooks import capture
 from ffmem.engine.projection import value_logits
-from ffmem.store import corpora, memory_reads, runs
+from ffmem.store import corpora, memory_reads, memory_search, runs, vocabularies
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Job, KeyStats, MemoryList, MinedLayerRow, Run, RunStatus, Sentence, Shard
 from ffmem.worker.index import IndexOptions
@@ -260,3 +261,31 @@ def test_held_out_sentences_are_never_mined_and_are_what_the_analyses_read(
         stored = corpora.get_sentences(session=session, corpus_id=run.corpus_id, indices=[2, 5, 8, 11, 14])
         assert [s.text for s in read] == [stored[i].text for i in (2, 5, 8, 11, 14)]
         assert [s.token_ids for s in read] == [stored[i].token_ids for i in (2, 5, 8, 11, 14)]
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_is_indexed_whole(db_url, corpus_file, tmp_path):
+    """Qwen2.5 pads its output embedding past its tokenizer (152,064 rows, 151,665 tokens): every row is a
+    vocabulary entry (the padding named ⟨unused N⟩), read out by the values and found by token search."""
+    tokenizer = tiny_tokenizer()
+    padded = len(tokenizer) + 5
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=padded, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    folder = tmp_path / "padded"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    sessions = make_sessionmaker(make_engine(db_url))
+    summary = build_index(options(folder, corpus_file, tmp_path), sessions)
+    with sessions() as session:
+        run = session.get(Run, summary.run_id)
+        assert run.status == RunStatus.done and run.model.vocab_size == padded
+        texts = vocabularies.vocabulary(session=session, model_id=run.model_id)
+        assert len(texts) == padded and texts[padded - 1] == f"⟨unused {padded - 1}⟩"
+        last = memory_search.token_memories(
+            session=session, run_id=run.id, readout="raw", token_ids=[padded - 1]
+        )
+        for listed in last[padded - 1]["memory"]:  # the depth's 32 of the 48 memories in each list
+            assert len(set(listed.tolist())) == 32 and 0 <= listed.min() and listed.max() < 2 * 24

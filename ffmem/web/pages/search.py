@@ -89,9 +89,14 @@ class SearchContext(ModelPage):
         "full",
         description="full: every memory of every layer ranked by the token's logit in its value's whole "
         "readout; stored: only values with the token among their stored top / bottom tokens (runs stored "
-        "before 0008).",
+        "before 0018: index them again for full).",
     )
     memories: int = Field(0, description="Memories ranked (full).")
+    token_depth: int = Field(
+        0,
+        description="Memories the run stores per token, each way (full): the most the token sections "
+        "show, whatever the limit.",
+    )
     sentences: list[SentenceMatch] = Field(
         [], description="Sentences that contain q, one row each, with the keys they trigger."
     )
@@ -114,7 +119,6 @@ def search_page(
     readout: str,
     by: str,
     limit: int,
-    arrays: token_search.ArrayCache,
     max_length: int,
     jump: bool = True,
 ) -> SearchContext | str:
@@ -128,8 +132,8 @@ def search_page(
         return key_url
     run = run_or_404(session, model, pinned)
     token_ids = token_candidates(session, model, q) if q else []
-    promote, suppress, coverage, ranked_count = token_matches(
-        session, model, run, token_ids, readout=readout, by=by, limit=limit, arrays=arrays
+    promote, suppress, coverage, ranked = token_matches(
+        session, model, run, token_ids, readout=readout, by=by, limit=limit
     )
     label_hits: list[LabelHit] = []
     sentences: list[SentenceMatch] = []
@@ -160,7 +164,8 @@ def search_page(
         promote=promote,
         suppress=suppress,
         token_coverage=coverage,
-        memories=ranked_count,
+        memories=ranked.memories if ranked else 0,
+        token_depth=ranked.depth if ranked else 0,
         sentences=sentences,
         labels=label_hits,
         explanations=explanation_hits(session, slug, run, q, limit),
@@ -178,17 +183,16 @@ def token_matches(
     readout: str,
     by: str,
     limit: int,
-    arrays: token_search.ArrayCache,
-) -> tuple[list[TokenMatch], list[TokenMatch], str, int]:
-    """(promoting, suppressing, coverage, memories ranked): the memories whose values promote or suppress
-    these tokens — every memory ranked ("full"), or, for a run stored before full-vocabulary search, the
-    values with them among their stored top / bottom tokens ("stored")."""
+) -> tuple[list[TokenMatch], list[TokenMatch], str, token_search.Ranked | None]:
+    """(promoting, suppressing, coverage, what was ranked): the memories whose values promote or suppress
+    these tokens — every memory ranked ("full", from the run's token → memories table), or, for a run
+    stored before that table, the values with them among their stored top / bottom tokens ("stored")."""
     promote: list[TokenMatch] = []
     suppress: list[TokenMatch] = []
     if not token_ids:
-        return promote, suppress, "full", 0
+        return promote, suppress, "full", None
     texts = vocabularies.token_texts(session=session, model_id=model.id, token_ids=token_ids)
-    ranked = token_search.rank_memories(session, arrays, run, token_ids, readout=readout, by=by, limit=limit)
+    ranked = token_search.rank_memories(session, model, run, token_ids, readout=readout, by=by, limit=limit)
     if ranked is not None:
         for direction, hits, found in ((1, ranked.promote, promote), (-1, ranked.suppress, suppress)):
             found.extend(
@@ -196,7 +200,7 @@ def token_matches(
                     layer=hit.layer,
                     key=hit.key,
                     direction=direction,
-                    rank=ranked.ranks.get((hit.layer, hit.key, hit.token_id, direction)),
+                    rank=hit.rank,
                     token=texts[hit.token_id],
                     token_id=hit.token_id,
                     logit=hit.logit,
@@ -204,7 +208,7 @@ def token_matches(
                 )
                 for hit in hits
             )
-        return promote, suppress, "full", ranked.memories
+        return promote, suppress, "full", ranked
     for direction, found in ((1, promote), (-1, suppress)):
         rows = memory_reads.value_matches(
             session=session,
@@ -228,7 +232,7 @@ def token_matches(
             )
             for v in rows
         )
-    return promote, suppress, "stored", 0
+    return promote, suppress, "stored", None
 
 
 def named_key(model: LanguageModel, q: str) -> tuple[int, int] | None:
@@ -278,7 +282,7 @@ def sentence_matches(
             (p for p, (_, stop) in enumerate(sentence.offsets) if stop >= end), len(sentence.offsets)
         )
     rows = memory_reads.triggers_from(
-        session=session, run_id=run.id, first_positions=first_positions, limit=limit
+        session=session, run_id=run.id, n_keys=model.n_keys, first_positions=first_positions, limit=limit
     )
     by_index = {s.index: s for s in found}
     texts = vocabularies.token_texts(

@@ -8,7 +8,6 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
-from ffmem.web import token_search
 from ffmem.web.deps import ModelDep, PinnedDep, SessionDep
 from ffmem.web.errors import AppError
 from ffmem.web.pages.search import SearchContext, search_page
@@ -57,7 +56,6 @@ def search(
         readout=readout,
         by=by,
         limit=limit,
-        arrays=token_search.cache_of(request.app),
         max_length=MAX_LENGTH,
         jump=not wants_fragment(request),  # as you type: the results, with the key's link; sent: the key
     )

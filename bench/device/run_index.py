@@ -1,0 +1,389 @@
+"""`ffmem index` on random-weight models of real shapes, stage by stage: the GPU machine's check.
+
+    bash bench/device/index.sh --out $OUT/index.json                      # on the GPU machine
+    bash bench/device/index.sh --shapes llama-3.1-8b:300000               # one shape, 300K corpus tokens
+    PYTHON=.venv/bin/python bash bench/device/index.sh --device cpu --shapes tiny:2000   # the dry run here
+
+For each shape (`--shapes name[:tokens],…`, smallest first, default DEFAULT_SHAPES): bench/shapes.py
+writes its random-weight model (bf16 by default; the random numbers drawn on the GPU), then the real
+`ffmem index` command (its typer app, called in this process with the arguments a user types: the
+model folder, `--sentences`, `--device`, `--dtype`, `--db sqlite:///…`, default settings otherwise)
+indexes it over the first sentences of the bundled corpus, as many as hold about `tokens` tokens
+(TOKENS_PER_SENTENCE). Then the stored run is checked (finished, every layer's keys stored, the
+vocabulary as large as the model's unembedding, the ids past the tokenizer's stored as `⟨unused N⟩`: a
+shape larger than SmolLM2's 49,152 tokens has a padded vocabulary) and a table printed: each stage's
+seconds, its peak GPU memory and its peak host memory.
+
+The stages are the worker's own timed steps (`IndexPipeline.timed`: projection, storing, mining,
+shading, layers, composition, neighbours, closing; seconds read back from the pipeline's `timings`,
+which the worker keeps in memory and stores nowhere) and a few parts of preparing a run that it does not
+time, measured here around the functions it calls (BENCH_STAGES: loading, reading the corpus,
+tokenizing, storing the vocabulary); what neither covers is "other". The worker records no memory at
+all: the peaks are read here, around those same blocks (torch.cuda.max_memory_allocated, reset at each
+stage's start and end; the host's peak resident set from /proc/self/status VmHWM, reset through
+/proc/self/clear_refs). Projection and storing run both in preparing and inside the "layers" step, so
+the "layers" row includes its share of them; shares are of the whole command.
+
+`--out` writes every figure as JSON after each shape, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+import traceback
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+os.environ.setdefault("TQDM_MININTERVAL", "30")  # the worker's progress bars: a line every 30 s, not 10 a s
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.shapes import SHAPES, write_shape  # noqa: E402
+
+DEFAULT_SHAPES = "smollm2-135m:100000,llama-3.2-1b:100000,llama-3.1-8b:1000000"
+# The bundled corpus (wiki-vital) under the default model's tokenizer, which every shape shares: 1,050,056
+# tokens in 36,518 sentences (read_corpus + tokenize, max 128 tokens a sentence; bench/gpu.py agrees).
+CORPUS_SENTENCES = 36_518
+TOKENS_PER_SENTENCE = 1_050_056 / CORPUS_SENTENCES
+# Parts of preparing a run that the worker does not time: (module, function, stage).
+BENCH_STAGES = (
+    ("ffmem.worker.loop", "shared_model", "loading"),
+    ("ffmem.worker.index", "read_corpus", "reading corpus"),
+    ("ffmem.worker.index", "tokenize", "tokenizing"),
+    ("ffmem.worker.index", "store_model", "storing vocabulary"),
+)
+START = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - START:6.1f} s] {message}", flush=True)
+
+
+def host_peak() -> int | None:
+    """The process's peak resident set since the last reset, in bytes (VmHWM); None where unknown."""
+    try:
+        with open("/proc/self/status") as status:
+            return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) * 1024
+    except (OSError, AttributeError):
+        return None
+
+
+def reset_host_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        pass
+
+
+@dataclass
+class Stage:
+    by: str  # "worker": its own `timed` block; "bench": measured here around a function it calls
+    seconds: float = 0.0
+    top_seconds: float = 0.0  # entered outside every other stage (what "other" is the rest of)
+    peak_gpu: int = 0
+    peak_host: int | None = None
+
+
+@dataclass
+class Stages:
+    """Each stage's seconds and peaks. Peaks are read at every stage's start and end and folded into
+    every stage open at that moment, then reset: a nested stage's peak never hides its outer one's."""
+
+    device: torch.device
+    stages: dict[str, Stage] = field(default_factory=dict)
+    open: list[tuple[str, float]] = field(default_factory=list)
+    pipeline: object = None  # the worker's IndexPipeline, seen through its `timed`
+
+    def _fold(self) -> None:
+        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        host = host_peak()
+        for name, _ in self.open:
+            stage = self.stages[name]
+            stage.peak_gpu = max(stage.peak_gpu, gpu)
+            if host is not None:
+                stage.peak_host = max(stage.peak_host or 0, host)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        reset_host_peak()
+
+    @contextmanager
+    def stage(self, name: str, by: str):
+        self.stages.setdefault(name, Stage(by))
+        self._fold()
+        top = not self.open
+        self.open.append((name, time.perf_counter()))
+        try:
+            yield
+        finally:
+            self._fold()
+            _, start = self.open.pop()
+            seconds = time.perf_counter() - start
+            self.stages[name].seconds += seconds
+            if top:
+                self.stages[name].top_seconds += seconds
+
+    def watching(self) -> ExitStack:
+        """Patches that measure the worker's timed blocks and BENCH_STAGES while the command runs."""
+        import importlib
+
+        from ffmem.worker.index import IndexPipeline
+
+        stack = ExitStack()
+        original = IndexPipeline.timed
+        stages = self
+
+        @contextmanager
+        def timed(pipeline, name: str):
+            stages.pipeline = pipeline
+            with stages.stage(name, "worker"), original(pipeline, name):
+                yield
+
+        stack.enter_context(mock.patch.object(IndexPipeline, "timed", timed))
+        for module_name, attribute, name in BENCH_STAGES:
+            module = importlib.import_module(module_name)
+            if not hasattr(module, attribute):
+                log(f"  not measured: {module_name}.{attribute} is gone (stage {name!r})")
+                continue
+            stack.enter_context(
+                mock.patch.object(module, attribute, self._measured(name, getattr(module, attribute)))
+            )
+        return stack
+
+    def _measured(self, name: str, function):
+        def measured(*args, **kwargs):
+            with self.stage(name, "bench"):
+                return function(*args, **kwargs)
+
+        return measured
+
+
+def parse_shapes(text: str) -> list[tuple[str, int]]:
+    """`name[:tokens],…` → [(name, tokens)]; a shape without tokens gets the default's or 100,000."""
+    defaults = dict(item.split(":") for item in DEFAULT_SHAPES.split(","))
+    out = []
+    for item in text.split(","):
+        name, _, tokens = item.strip().partition(":")
+        if name not in SHAPES:
+            raise SystemExit(f"unknown shape {name!r}; shapes: {', '.join(SHAPES)}")
+        out.append((name, int(tokens or defaults.get(name, 100_000))))
+    return out
+
+
+def run_command(arguments: list[str]) -> int:
+    """`ffmem …arguments` through its typer app, in this process; its exit code."""
+    from ffmem.cli import cli
+    from ffmem.config import get_settings
+
+    get_settings.cache_clear()
+    try:
+        code = cli(arguments, standalone_mode=False)
+    except SystemExit as exit_:
+        code = exit_.code
+    return int(code or 0)
+
+
+def stored(url: str, tokenizer_ids: int) -> dict:
+    """What the run in the database at `url` holds: its state, and the model's layers and vocabulary
+    (`padding_rows`: the rows past the tokenizer's `tokenizer_ids` ids stored as `⟨unused N⟩`)."""
+    from sqlalchemy import func, select
+
+    from ffmem.store.db import make_engine, make_sessionmaker
+    from ffmem.store.models import KeyStats, LanguageModel, Run, Token
+
+    with make_sessionmaker(make_engine(url))() as session:
+        run = session.scalars(select(Run).order_by(Run.id.desc())).first()
+        model = session.get(LanguageModel, run.model_id)
+        past = session.execute(
+            select(Token.token_id, Token.text).where(
+                Token.model_id == model.id, Token.token_id >= tokenizer_ids
+            )
+        ).all()
+        per_layer = session.execute(
+            select(KeyStats.layer, func.count()).where(KeyStats.run_id == run.id).group_by(KeyStats.layer)
+        ).all()
+        return {
+            "run_id": run.id,
+            "status": str(run.status),
+            "tokens_mined": run.n_tokens,
+            "sentences_mined": run.n_sentences,
+            "model_layers": model.n_layers,
+            "model_keys": model.n_keys,
+            "vocab_size": model.vocab_size,
+            "vocabulary_rows": session.scalar(select(func.count()).where(Token.model_id == model.id)),
+            "tokenizer_ids": tokenizer_ids,
+            "padding_rows": sum(1 for token_id, text in past if text == f"⟨unused {token_id}⟩"),
+            "layers_stored": sum(1 for _, keys in per_layer if keys == model.n_keys),
+            "dtype": run.dtype,
+            "device": run.device,
+        }
+
+
+def index_shape(name: str, tokens: int, args, work: Path) -> dict:
+    """Write the shape, index it with `ffmem index`, check and measure it."""
+    from transformers import AutoTokenizer
+
+    shape = SHAPES[name]
+    device = torch.device(args.device)
+    folder, database = work / name, work / f"{name}.db"
+    shutil.rmtree(folder, ignore_errors=True)
+    database.unlink(missing_ok=True)
+    result: dict = {"shape": name, "memories": shape.memories, "vocab": shape.vocab}
+    tokenizer = args.tokenizer if args.tokenizer and args.tokenizer.is_dir() else None
+    what = f"{shape.parameters():,} random {args.dtype} weights"
+    log(f"{name}: writing {what} (tokenizer {tokenizer or 'the GGUF file'})")
+    start = time.perf_counter()
+    write_shape(name, folder, args.dtype, tokenizer=tokenizer, device=args.device)
+    result["write_seconds"] = time.perf_counter() - start
+    result["folder_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
+    tokenizer_ids = len(AutoTokenizer.from_pretrained(folder))  # the ids past it are padding
+    sentences = min(CORPUS_SENTENCES, max(1, math.ceil(tokens / TOKENS_PER_SENTENCE)))
+    url = f"sqlite:///{database}"
+    arguments = ["index", "--model", str(folder), "--sentences", str(sentences), "--db", url]
+    arguments += ["--device", args.device, "--dtype", args.dtype]
+    log(f"{name}: wrote {result['folder_bytes'] / 1e9:.2f} GB in {result['write_seconds']:.1f} s")
+    log(f"{name}: ffmem {' '.join(arguments)}")
+    result.update(sentences=sentences, command="ffmem " + " ".join(arguments))
+    stages = Stages(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with stages.watching():
+        result["exit_code"] = run_command(arguments)
+    result["index_seconds"] = time.perf_counter() - start
+    worker_seconds = stages.pipeline.timings if stages.pipeline is not None else {}
+    result["stages"] = {
+        stage_name: {
+            "by": stage.by,
+            "seconds": worker_seconds.get(stage_name, stage.seconds)
+            if stage.by == "worker"
+            else stage.seconds,
+            "top_seconds": stage.top_seconds,
+            "peak_gpu_bytes": stage.peak_gpu if device.type == "cuda" else None,
+            "peak_host_bytes": stage.peak_host,
+        }
+        for stage_name, stage in stages.stages.items()
+    }
+    result["other_seconds"] = result["index_seconds"] - sum(s.top_seconds for s in stages.stages.values())
+    result["database_bytes"] = database.stat().st_size if database.exists() else 0
+    if result["exit_code"] == 0:
+        result["stored"] = stored(url, tokenizer_ids)
+    if not args.keep:
+        shutil.rmtree(folder, ignore_errors=True)
+    return result
+
+
+def verdict(result: dict) -> str:
+    """OK when the run finished with every layer stored and the model's whole vocabulary, its padding
+    past the tokenizer named `⟨unused N⟩`."""
+    found = result.get("stored")
+    if not found:
+        return f"FAILED (exit code {result.get('exit_code')})"
+    shape = SHAPES[result["shape"]]
+    problems = []
+    if found["status"] != "done":
+        problems.append(f"run {found['status']}")
+    if found["layers_stored"] != shape.layers:
+        problems.append(f"{found['layers_stored']} of {shape.layers} layers stored")
+    if found["vocab_size"] != shape.vocab or found["vocabulary_rows"] != shape.vocab:
+        problems.append(
+            f"vocabulary {found['vocab_size']:,} ({found['vocabulary_rows']:,} rows) of {shape.vocab:,}"
+        )
+    padding = shape.vocab - found["tokenizer_ids"]
+    if found["padding_rows"] != padding:
+        problems.append(
+            f"{found['padding_rows']:,} of {padding:,} ids past the tokenizer stored as ⟨unused N⟩"
+        )
+    return "OK" if not problems else "WRONG: " + "; ".join(problems)
+
+
+def print_table(result: dict) -> None:
+    def size(value) -> str:
+        return "-" if value is None else f"{value / 2**30:.2f} GiB"
+
+    found = result.get("stored") or {}
+    print(
+        f"\n{result['shape']}: {result['memories']:,} memories, vocabulary {result['vocab']:,} "
+        f"({found.get('padding_rows', 0):,} padding): "
+        f"{verdict(result)}\n"
+        f"  run {found.get('run_id', '-')}: {found.get('tokens_mined', 0):,} tokens mined of "
+        f"{found.get('sentences_mined', 0):,} sentences ({result['sentences']:,} read), "
+        f"{found.get('dtype', '-')} on {found.get('device', '-')}; weights written in "
+        f"{result['write_seconds']:.1f} s ({result['folder_bytes'] / 1e9:.2f} GB); database "
+        f"{result['database_bytes'] / 1e6:,.1f} MB "
+        f"({result['database_bytes'] / result['memories']:,.0f} B a memory)",
+        flush=True,
+    )
+    total = result["index_seconds"]
+    print(f"  {'stage':<20} {'timed by':<8} {'seconds':>9} {'share':>6} {'peak GPU':>10} {'peak host':>10}")
+    rows = [
+        (name, s["by"], s["seconds"], s["peak_gpu_bytes"], s["peak_host_bytes"])
+        for name, s in result["stages"].items()
+    ]
+    rows.append(("other", "", result["other_seconds"], None, None))
+    for name, by, seconds, gpu, host in rows:
+        print(
+            f"  {name:<20} {by:<8} {seconds:>9.1f} {seconds / total:>6.1%} {size(gpu):>10} {size(host):>10}"
+        )
+    print(f"  {'ffmem index':<20} {'':<8} {total:>9.1f} {1:>6.1%}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="name[:corpus tokens],… (bench/shapes.py)")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
+    parser.add_argument("--tokenizer", type=Path, default=ROOT / ".whl" / "tokenizer", help="saved tokenizer")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ffmem-device"), help="models and databases")
+    parser.add_argument("--keep", action="store_true", help="keep each model folder after its run")
+    parser.add_argument("--out", type=Path, help="write every figure here as JSON")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    shapes = parse_shapes(args.shapes)
+    args.work.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    import ffmem
+
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    results = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
+               "ffmem": str(Path(ffmem.__file__).parent), "shapes": []}  # fmt: skip
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    log(f"{device_name}: {versions}, ffmem from {results['ffmem']}")
+    for name, tokens in shapes:
+        try:
+            result = index_shape(name, tokens, args, args.work)
+        except Exception:
+            traceback.print_exc()
+            result = {"shape": name, "error": traceback.format_exc().strip().splitlines()[-1]}
+        results["shapes"].append(result)
+        if "stages" in result:
+            print_table(result)
+        else:
+            print(f"\n{name}: FAILED ({result['error']})", flush=True)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    passed = [r for r in results["shapes"] if "stages" in r and verdict(r) == "OK"]
+    log(f"{len(passed)}/{len(shapes)} shapes indexed and checked")
+    sys.exit(0 if len(passed) == len(shapes) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The token → memories table (ffmem.engine.token_memories) against a brute-force ranking of every memory's
+full readout (numpy argsort over all logits, in float64): for each family and readout, every token's four
+lists (by logit and by probability, promoting and suppressing) hold the memories and scores the brute force
+gives, whatever the block of tokens; a depth past the memories leaves empty slots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_adapters import CASES, _tiny
+
+from ffmem.engine.adapters import adapter_for
+from ffmem.engine.loading import LoadedModel
+from ffmem.engine.projection import READOUTS, project_layer, value_logits
+from ffmem.engine.token_memories import LISTS, list_index, token_table
+
+
+def _loaded(model, name: str) -> LoadedModel:
+    return LoadedModel(model, None, adapter_for(model), name, name, None, torch.device("cpu"), torch.float32)
+
+
+def _table(loaded: LoadedModel, readout: str, depth: int, block: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """The table as the worker computes it: log Z from the projection, then the token blocks."""
+    projected = (p for layer in range(loaded.n_layers) for p in project_layer(loaded, layer, n=3))
+    log_z = torch.cat([p.log_z for p in projected if p.readout == readout and p.direction == 1])
+    memories, scores = token_table(loaded, readout, log_z, depth, block=block)
+    return memories.numpy(), scores.numpy()
+
+
+def _brute_force(loaded: LoadedModel, readout: str) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
+    """(by, direction) → (memories, scores) [vocab, every memory], best first: a full argsort per token."""
+    blocks = loaded.adapter.blocks(loaded.model)
+    values = torch.cat([loaded.adapter.value_matrix(b) for b in blocks])  # [memories, d], layer-major
+    with torch.no_grad():
+        logits = value_logits(loaded, values, readout).double().numpy()  # [memories, vocab]
+    log_prob = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))  # [memories, vocab]
+    ranked = {}
+    for by, direction in LISTS:
+        score = (logits if by == "logit" else log_prob).T  # [vocab, memories]
+        order = np.argsort(-direction * score, axis=1, kind="stable")  # [vocab, memories]
+        ranked[by, direction] = order, np.take_along_axis(score, order, axis=1)
+    return ranked
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: case.name)
+def loaded(request) -> LoadedModel:
+    return _loaded(_tiny(request.param), request.param.name)
+
+
+@pytest.mark.parametrize("readout", READOUTS)
+@pytest.mark.parametrize(("depth", "block"), [(10, 256), (10, 7), (1, 1)], ids=["one block", "blocks", "1"])
+def test_every_token_list_equals_the_brute_force_ranking(loaded, readout, depth, block):
+    memories, scores = _table(loaded, readout, depth, block)  # [vocab, lists, depth] each
+    assert memories.shape == scores.shape == (loaded.model.config.vocab_size, len(LISTS), depth)
+    for (by, direction), (order, expected) in _brute_force(loaded, readout).items():
+        listed, listed_scores = memories[:, list_index(by, direction)], scores[:, list_index(by, direction)]
+        # The best `depth` scores, each the listed memory's own; the same memories as the brute force's
+        # but where float32 and float64 order two near-equal scores apart.
+        np.testing.assert_allclose(listed_scores, expected[:, :depth], rtol=1e-5, atol=1e-5)
+        own = np.take_along_axis(expected, np.argsort(order, axis=1), axis=1)  # [vocab, memories]
+        np.testing.assert_allclose(
+            np.take_along_axis(own, listed, axis=1), listed_scores, rtol=1e-5, atol=1e-5
+        )
+        assert all(len(set(row)) == depth for row in listed.tolist()), "a memory once per list"
+        assert (listed == order[:, :depth]).mean() > 0.99
+
+
+def test_a_depth_past_the_memories_leaves_empty_slots(loaded):
+    n = loaded.n_layers * loaded.n_keys
+    memories, scores = _table(loaded, "raw", n + 3)
+    assert (memories[:, :, :n] >= 0).all() and (memories[:, :, n:] == -1).all()
+    signs = np.array([d for _, d in LISTS])[None, :, None]
+    assert (scores[:, :, n:] == -signs * np.inf).all(), (
+        "an empty slot ranks last: −inf promotes, +inf suppresses"
+    )
+    for row in memories[:, :, :n].reshape(-1, n):
+        assert sorted(row.tolist()) == list(range(n)), "every memory once in every list"
