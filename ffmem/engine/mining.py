@@ -390,10 +390,10 @@ def mine_batches(
         torch.inference_mode(),
         capture(loaded.model, loaded.adapter, fields=("coefficients",), on_coefficients=fold),
     ):
-        for batch in batches:
+        for batch in batches:  # counted on the host copy: reading a device tensor back would wait for it
             current[:] = [batch.to(loaded.device)]
-            batch = current[0]
-            backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+            on_device = current[0]
+            backbone(input_ids=on_device.input_ids, attention_mask=on_device.attention_mask, use_cache=False)
             state.count(batch)
             if on_batch is not None:
                 on_batch(batch)

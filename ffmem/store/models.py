@@ -136,6 +136,8 @@ class Token(Base):
     """One vocabulary entry: `text` is the decoded string, `piece` the tokenizer's raw piece."""
 
     __tablename__ = "tokens"
+    # A token found by its text (search, the layer page's token filter): not a scan of the vocabulary.
+    __table_args__ = (Index("ix_tokens_text", "model_id", "text"),)
 
     model_id: Mapped[int] = mapped_column(
         ForeignKey("language_models.id", ondelete="CASCADE"), primary_key=True
