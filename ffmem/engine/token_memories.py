@@ -50,8 +50,8 @@ def token_table(
     bias = getattr(unembedding, "bias", None) if readout == "norm" else None  # raw: v·E, no bias
     vocab = embedding.shape[0]
     with torch.inference_mode():
-        values = torch.cat([loaded.adapter.value_matrix(b) for b in blocks])  # [memories, d]
-        read = readout_input(loaded, values, readout)  # [memories, d]
+        # What the output embedding reads of every value, one layer at a time (one [memories, d] copy).
+        read = torch.cat([readout_input(loaded, loaded.adapter.value_matrix(b), readout) for b in blocks])
         log_z = log_z.to(read.device, torch.float32)  # [memories]
         k = min(depth, read.shape[0])
         memories = torch.full((vocab, len(LISTS), depth), -1, dtype=torch.int32)
