@@ -9,12 +9,14 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ffmem.store import corpora, memory_labels, memory_reads, vocabularies
+from ffmem.store.memory_lists import ValueToken
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import token_search, urls
 from ffmem.web.display import visible
 from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_key, run_or_404
 from ffmem.web.pages.composition import ExplanationHit, explanation_hits
+from ffmem.web.token_search import TokenHit
 from ffmem.web.views import LabelHit, ModelPage, RunInfo, label_view, run_info, trigger_token_ids
 
 KEY_JUMP = re.compile(
@@ -187,30 +189,30 @@ def token_matches(
     """(promoting, suppressing, coverage, what was ranked): the memories whose values promote or suppress
     these tokens — every memory ranked ("full", from the run's token → memories table), or, for a run
     stored before that table, the values with them among their stored top / bottom tokens ("stored")."""
-    promote: list[TokenMatch] = []
-    suppress: list[TokenMatch] = []
     if not token_ids:
-        return promote, suppress, "full", None
+        return [], [], "full", None
     texts = vocabularies.token_texts(session=session, model_id=model.id, token_ids=token_ids)
+
+    def matches(direction: int, found: list[TokenHit] | list[ValueToken]) -> list[TokenMatch]:
+        return [
+            TokenMatch(
+                layer=m.layer,
+                key=m.key,
+                direction=direction,
+                rank=m.rank,
+                token=texts[m.token_id],
+                token_id=m.token_id,
+                logit=m.logit,
+                prob=m.prob,
+            )
+            for m in found
+        ]
+
     ranked = token_search.rank_memories(session, model, run, token_ids, readout=readout, by=by, limit=limit)
     if ranked is not None:
-        for direction, hits, found in ((1, ranked.promote, promote), (-1, ranked.suppress, suppress)):
-            found.extend(
-                TokenMatch(
-                    layer=hit.layer,
-                    key=hit.key,
-                    direction=direction,
-                    rank=hit.rank,
-                    token=texts[hit.token_id],
-                    token_id=hit.token_id,
-                    logit=hit.logit,
-                    prob=hit.prob,
-                )
-                for hit in hits
-            )
-        return promote, suppress, "full", ranked
-    for direction, found in ((1, promote), (-1, suppress)):
-        rows = memory_reads.value_matches(
+        return matches(1, ranked.promote), matches(-1, ranked.suppress), "full", ranked
+    stored = {
+        direction: memory_reads.value_matches(
             session=session,
             run_id=run.id,
             token_ids=token_ids,
@@ -219,20 +221,9 @@ def token_matches(
             by=by,
             limit=limit,
         )
-        found.extend(
-            TokenMatch(
-                layer=v.layer,
-                key=v.key,
-                direction=direction,
-                rank=v.rank,
-                token=texts[v.token_id],
-                token_id=v.token_id,
-                logit=v.logit,
-                prob=v.prob,
-            )
-            for v in rows
-        )
-    return promote, suppress, "stored", None
+        for direction in (1, -1)
+    }
+    return matches(1, stored[1]), matches(-1, stored[-1]), "stored", None
 
 
 def named_key(model: LanguageModel, q: str) -> tuple[int, int] | None:
