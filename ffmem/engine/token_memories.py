@@ -23,12 +23,9 @@ from ffmem.engine.adapters.base import resolve
 from ffmem.engine.loading import LoadedModel
 from ffmem.engine.projection import readout_input
 
-LISTS = (("logit", 1), ("logit", -1), ("prob", 1), ("prob", -1))  # (ranked by, direction), stored order
-
-
-def list_index(by: str, direction: int) -> int:
-    """Where the list of (`by`, `direction`) lies among a token's `LISTS`."""
-    return LISTS.index((by, direction))
+# (ranked by, direction) in stored order; the store, which may not import torch, names the same order
+# memory_lists.TOKEN_LISTS (a test holds them equal).
+LISTS = (("logit", 1), ("logit", -1), ("prob", 1), ("prob", -1))
 
 
 def token_table(
@@ -62,8 +59,9 @@ def token_table(
             logits = (embedding[start:stop] @ read.T).float()  # [block, memories]
             if bias is not None:
                 logits += bias[start:stop, None].float()
+            ranked_by = {"logit": logits, "prob": logits - log_z}  # [block, memories] each
             for index, (by, direction) in enumerate(LISTS):
-                ranked = logits if by == "logit" else logits - log_z  # [block, memories]
+                ranked = ranked_by[by]
                 top, where = ranked.topk(k, dim=1, largest=direction == 1)  # [block, k] each
                 memories[start:stop, index, :k] = where.to(torch.int32).cpu()
                 scores[start:stop, index, :k] = top.cpu()

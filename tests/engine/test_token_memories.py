@@ -13,7 +13,8 @@ from test_adapters import CASES, _tiny
 from ffmem.engine.adapters import adapter_for
 from ffmem.engine.loading import LoadedModel
 from ffmem.engine.projection import READOUTS, project_layer, value_logits
-from ffmem.engine.token_memories import LISTS, list_index, token_table
+from ffmem.engine.token_memories import LISTS, token_table
+from ffmem.store.memory_lists import TOKEN_LISTS
 
 
 def _loaded(model, name: str) -> LoadedModel:
@@ -54,7 +55,8 @@ def test_every_token_list_equals_the_brute_force_ranking(loaded, readout, depth,
     memories, scores = _table(loaded, readout, depth, block)  # [vocab, lists, depth] each
     assert memories.shape == scores.shape == (loaded.model.config.vocab_size, len(LISTS), depth)
     for (by, direction), (order, expected) in _brute_force(loaded, readout).items():
-        listed, listed_scores = memories[:, list_index(by, direction)], scores[:, list_index(by, direction)]
+        index = LISTS.index((by, direction))
+        listed, listed_scores = memories[:, index], scores[:, index]
         # The best `depth` scores, each the listed memory's own; the same memories as the brute force's
         # but where float32 and float64 order two near-equal scores apart.
         np.testing.assert_allclose(listed_scores, expected[:, :depth], rtol=1e-5, atol=1e-5)
@@ -76,3 +78,7 @@ def test_a_depth_past_the_memories_leaves_empty_slots(loaded):
     )
     for row in memories[:, :, :n].reshape(-1, n):
         assert sorted(row.tolist()) == list(range(n)), "every memory once in every list"
+
+
+def test_the_store_packs_the_lists_in_the_order_the_engine_computes_them():
+    assert TOKEN_LISTS == LISTS
