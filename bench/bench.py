@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.corpus import read_corpus, tokenize  # noqa: E402
+from ffmem.engine.corpus import read_corpus, shard_size, tokenize  # noqa: E402
 from ffmem.engine.loading import load_model  # noqa: E402
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
 from ffmem.engine.projection import project_layer  # noqa: E402
@@ -41,13 +41,15 @@ def batches_of(loaded, sentences: list[str], settings):
     tokenized = tokenize(sentences, loaded.tokenizer, settings.max_sentence_tokens)
     ids = [s.token_ids for s in tokenized]
     first = [s.first_position for s in tokenized]
+    size = shard_size(settings.shard_sentences, memories=loaded.n_layers * loaded.n_keys,
+                      corpus_tokens=sum(map(len, ids)), corpus_sentences=len(ids))  # fmt: skip
     batches = []
-    for shard in range(-(-len(ids) // settings.shard_sentences)):
+    for shard in range(-(-len(ids) // size)):
         batches += shard_batches(
             ids,
             first,
             shard=shard,
-            shard_sentences=settings.shard_sentences,
+            shard_sentences=size,
             batch_tokens=settings.batch_tokens,
             pad_id=loaded.tokenizer.eos_token_id or 0,
         )

@@ -52,7 +52,6 @@ sys.path.insert(0, str(ROOT))
 
 # ffmem.config's defaults (importing it needs pydantic-settings, absent on the device machine).
 BATCH_TOKENS = 4096
-SHARD_SENTENCES = 2048
 TOP_K = 50
 MAX_SENTENCE_TOKENS = 128
 FORBIDDEN = ("pydantic", "pydantic_settings", "sqlalchemy", "fastapi")  # must not be imported
@@ -63,13 +62,15 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 CORPUS_FILE = "summaries_en-us.json"
+# .gpu/ where it was made; else the wheelhouse's tokenizer (`make wheelhouse`), the rest from bench/shapes.py
+ASSETS = ROOT / ".gpu" if (ROOT / ".gpu").is_dir() else ROOT / ".whl" / "tokenizer"
 MISMATCH_SHARE = 0.005  # FAIL above this share of differing top-T slots, band samples or histogram counts
 COEFFICIENT_REL = 1e-4  # FAIL above this |Δ coefficient| / the largest |coefficient|
 WARM_BATCHES = 16  # batches of the mining warm-up (the bare warm-up runs them all)
 
 
 from ffmem.engine import corpus  # noqa: E402
-from ffmem.engine.corpus import Batch, tokenize  # noqa: E402
+from ffmem.engine.corpus import Batch, shard_size, tokenize  # noqa: E402
 from ffmem.engine.hooks import capture  # noqa: E402
 from ffmem.engine.loading import LoadedModel, load_model  # noqa: E402
 from ffmem.engine.mined_layer import EMPTY_SAMPLE, SIGNS  # noqa: E402
@@ -147,9 +148,14 @@ def tiny_models(folder: Path) -> dict[str, Path]:
 
 
 def real_size_model(assets: Path, folder: Path) -> Path:
-    """SmolLM2-135M's architecture (assets' config.json) with random weights (seed 0) and its tokenizer."""
+    """SmolLM2-135M's architecture with random weights (seed 0) and its tokenizer: the assets' config.json,
+    or, where the assets are the wheelhouse's tokenizer folder (`.whl/tokenizer`), bench/shapes.py's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not (assets / "config.json").is_file():
+        from shapes import write_shape  # bench/shapes.py, beside this script (as `bench` is bench/bench.py)
+
+        return write_shape("smollm2-135m", folder, "float32", tokenizer=assets)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets)).to(torch.float32)
     model.save_pretrained(folder)
@@ -169,18 +175,23 @@ def random_sentences(vocab: int, n: int = 200) -> tuple[list[list[int]], list[in
 
 
 def corpus_sentences(assets: Path, limit: int) -> list[str]:
-    """The bundled corpus's sentences as ffmem reads them (read_corpus on the assets' copy of the file)."""
+    """The bundled corpus's sentences as ffmem reads them (read_corpus on the assets' copy of the file, or
+    on the installed corpus package's where the assets hold none)."""
     path = assets / CORPUS_FILE
+    if not path.is_file():
+        return corpus.read_corpus("wiki-vital", limit or None).sentences
     with mock.patch.object(corpus, "package_file", lambda *_: path):
         return corpus.read_corpus("wiki-vital", limit or None).sentences
 
 
-def index_batches(ids: list[list[int]], first: list[int], batch_tokens: int, pad_id: int) -> list[Batch]:
-    """The index's batches (bench/bench.py's batches_of): shards of SHARD_SENTENCES, length-bucketed."""
+def index_batches(ids: list[list[int]], first: list[int], batch_tokens: int, pad_id: int, memories: int):
+    """The index's batches (bench/bench.py's batches_of): shards sized by the model (its default
+    `shard_sentences` 0: ffmem.engine.corpus.shard_size), length-bucketed."""
+    size = shard_size(0, memories=memories, corpus_tokens=sum(map(len, ids)), corpus_sentences=len(ids))
     batches = []
-    for shard in range(-(-len(ids) // SHARD_SENTENCES)):
+    for shard in range(-(-len(ids) // size)):
         batches += shard_batches(
-            ids, first, shard=shard, shard_sentences=SHARD_SENTENCES, batch_tokens=batch_tokens, pad_id=pad_id
+            ids, first, shard=shard, shard_sentences=size, batch_tokens=batch_tokens, pad_id=pad_id
         )
     return batches
 
@@ -315,7 +326,8 @@ def parity(
     """Mine the same batches with the model on the CPU (compiled fold) and on `device` (torch fold)."""
     reference = load_model(str(folder), device="cpu", dtype="float32")
     other = load_model(str(folder), device=str(device), dtype="float32")  # a copy of its own on a CPU too
-    batches = index_batches(ids, first, batch_tokens, pad_id=reference.tokenizer.eos_token_id or 0)
+    pad_id, memories = reference.tokenizer.eos_token_id or 0, reference.n_layers * reference.n_keys
+    batches = index_batches(ids, first, batch_tokens, pad_id, memories)
     states = []
     for loaded, fold in ((reference, MiningState), (other, TorchFold)):
         start = time.perf_counter()
@@ -426,7 +438,7 @@ def time_config(loaded: LoadedModel, batches: list[Batch], rounds: int, deadline
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--assets", type=Path, default=ROOT / ".gpu", help="config, tokenizer, corpus")
+    parser.add_argument("--assets", type=Path, default=ASSETS, help="config, tokenizer, corpus")
     parser.add_argument("--sentences", type=int, default=0, help="corpus sentences timed; 0: all")
     parser.add_argument(
         "--parity-sentences", type=int, help="of the real-size parity (default 256 on a GPU, 16 on a CPU)"
@@ -538,8 +550,10 @@ def speed(results: dict, folder: Path, device: torch.device, ids, first, pad_id:
     """Part 2: each dtype, then each batch size, timed by time_config into results["speed"]."""
     deadline = START + args.budget_s
     sizes = (args.batch_tokens, 4 * args.batch_tokens)
-    batches = {size: index_batches(ids, first, size, pad_id) for size in sizes}
-    for dtype in args.dtypes.split(","):
+    config = json.loads((folder / "config.json").read_text())
+    memories = config["num_hidden_layers"] * config["intermediate_size"]
+    batches = {size: index_batches(ids, first, size, pad_id, memories) for size in sizes}
+    for dtype in filter(None, args.dtypes.split(",")):  # "": parity only
         loaded = None
         for size in sizes:
             row = {"dtype": dtype, "batch_tokens": size}

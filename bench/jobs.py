@@ -1,8 +1,9 @@
 """Index jobs (a benchmark, not a test): `make bench` runs it after bench.py and web.py.
 
 - Checkpoint overhead: the mining loop of a shard (worker/index.IndexPipeline.mine_shard) with its database
-  checkpoints every `checkpoint_batches` batches over the same loop with progress updates only, on
-  the same batches of the default model (interleaved, best of 3). Target ≥ 0.95.
+  checkpoints when `Checkpoints` says (the run's first shard's early one, then by time) over the same loop
+  with progress updates only, on the same batches of the default model (interleaved, best of 3).
+  Target ≥ 0.95.
 - Two workers over one: one prepared run on Postgres, its shards mined by one `ffmem worker`, then
   (shards reset) by two, on this machine, each worker's torch given cores / workers threads; mining
   wall time from the first shard claimed to the last one merged.
@@ -30,7 +31,7 @@ from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa
 from ffmem.store import jobs, shards  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.store.models import Job, MinedLayerRow, Run, Shard  # noqa: E402
-from ffmem.worker.index import IndexOptions, _layers, _pad_id  # noqa: E402
+from ffmem.worker.index import Checkpoints, IndexOptions, _layers, _pad_id  # noqa: E402
 from ffmem.worker.loop import Worker  # noqa: E402
 
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -79,18 +80,22 @@ def checkpoint_overhead(worker: Worker, run_id: int) -> dict:
         batch_tokens=worker.options.spec.batch_tokens,
         pad_id=_pad_id(loaded),
     )
-    every = worker.options.checkpoint_batches
+    count = [0]  # checkpoints taken in the last pass
     with worker.sessions() as session:
         shard = session.scalars(select(Shard).where(Shard.run_id == run_id, Shard.index == 0)).one()
         session.execute(update(Shard).where(Shard.run_id == run_id).values(worker=worker.name))
         session.commit()
 
-    def mine(checkpoints: bool) -> float:
+    def mine(checkpointed: bool) -> float:
         state = MiningState(loaded.n_layers, loaded.n_keys, worker.options.spec.top_k)
+        count[0] = 0
         start = time.perf_counter()
+        checkpoints = Checkpoints(worker.options.checkpoint_batches, worker.options.checkpoint_seconds, start)
         for number, batch in enumerate(batches, start=1):
             mine_batches(loaded, [batch], state)
-            layers = _layers(state) if checkpoints and number % every == 0 else None
+            due = checkpointed and number < len(batches) and checkpoints.due(number, first=True)
+            begun = time.perf_counter()
+            layers = _layers(state) if due else None
             with worker.sessions() as session:
                 shards.checkpoint_shard(
                     session=session,
@@ -103,6 +108,9 @@ def checkpoint_overhead(worker: Worker, run_id: int) -> dict:
                     layers=layers,
                 )
                 session.commit()
+            if due:
+                checkpoints.taken(begun)
+                count[0] += 1
         return time.perf_counter() - start
 
     plain, checkpointed = [], []
@@ -118,8 +126,9 @@ def checkpoint_overhead(worker: Worker, run_id: int) -> dict:
         "sentences": len(ids),
         "tokens": tokens,
         "batches": len(batches),
-        "checkpoint_every_batches": every,
-        "checkpoints": len(batches) // every,
+        "checkpoint_batches": worker.options.checkpoint_batches,
+        "checkpoint_seconds": worker.options.checkpoint_seconds,
+        "checkpoints": count[0],
         "without_tokens_per_s": tokens / min(plain),
         "with_tokens_per_s": tokens / min(checkpointed),
         "ratio": min(plain) / min(checkpointed),

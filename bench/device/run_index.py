@@ -107,6 +107,7 @@ class Stages:
     stages: dict[str, Stage] = field(default_factory=dict)
     open: list[tuple[str, float]] = field(default_factory=list)
     pipeline: object = None  # the worker's IndexPipeline, seen through its `timed`
+    loaded: object = None  # the LoadedModel the command loaded ("loading"), for the mining ratio
 
     def _fold(self) -> None:
         gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -166,7 +167,10 @@ class Stages:
     def _measured(self, name: str, function):
         def measured(*args, **kwargs):
             with self.stage(name, "bench"):
-                return function(*args, **kwargs)
+                result = function(*args, **kwargs)
+            if name == "loading":
+                self.loaded = result
+            return result
 
         return measured
 
@@ -249,6 +253,17 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
     write_shape(name, folder, args.dtype, tokenizer=tokenizer, device=args.device)
     result["write_seconds"] = time.perf_counter() - start
     result["folder_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
+    if args.ratio_only:  # no index: load the model as the worker does, then measure mining alone
+        from ffmem.engine.loading import load_model
+
+        start = time.perf_counter()
+        loaded = load_model(str(folder), device=args.device, dtype=args.dtype)
+        result["load_seconds"] = time.perf_counter() - start
+        log(f"{name}: loaded in {result['load_seconds']:.1f} s")
+        measure_mining(loaded, name, args, result)
+        del loaded
+        shutil.rmtree(folder, ignore_errors=True)
+        return result
     tokenizer_ids = len(AutoTokenizer.from_pretrained(folder))  # the ids past it are padding
     sentences = min(CORPUS_SENTENCES, max(1, math.ceil(tokens / TOKENS_PER_SENTENCE)))
     url = f"sqlite:///{database}"
@@ -281,9 +296,91 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
     result["database_bytes"] = database.stat().st_size if database.exists() else 0
     if result["exit_code"] == 0:
         result["stored"] = stored(url, tokenizer_ids)
+    pipeline, stages.pipeline = stages.pipeline, None  # its model reference goes with it
+    del pipeline
+    if args.ratio_sentences and stages.loaded is not None:
+        measure_mining(stages.loaded, name, args, result)
+    stages.loaded = None
     if not args.keep:
         shutil.rmtree(folder, ignore_errors=True)
     return result
+
+
+def measure_mining(loaded, name: str, args, result: dict) -> None:
+    """Mining over the bare forward, then (`--profile`) a profile of mining, into `result`."""
+    try:
+        batches = ratio_batches(loaded, args.ratio_sentences)
+        result["mining_ratio"] = mining_ratio(loaded, batches, args.ratio_rounds, args.ratio_budget_s)
+        if args.profile:
+            path = (args.out.parent if args.out else args.work) / f"profile-{name}.txt"
+            result["profile"] = profile_mining(loaded, batches, path)
+    except Exception:
+        traceback.print_exc()
+        result.setdefault("mining_ratio", {})["error"] = traceback.format_exc().strip().splitlines()[-1]
+
+
+def ratio_batches(loaded, sentences: int) -> list:
+    """The index's own batches (default settings) of the corpus's first `sentences` sentences, on the
+    model's device."""
+    from ffmem.config import get_settings
+    from ffmem.engine.corpus import mined_from, read_corpus, shard_size, tokenize
+    from ffmem.engine.mining import shard_batches
+    from ffmem.worker.index import _pad_id
+
+    settings = get_settings()
+    tokenized = tokenize(read_corpus("wiki-vital", sentences).sentences, loaded.tokenizer,
+                         settings.max_sentence_tokens)  # fmt: skip
+    ids = [s.token_ids for s in tokenized]
+    first = mined_from([s.first_position for s in tokenized], first_position=settings.first_position)
+    size = shard_size(settings.shard_sentences, memories=loaded.n_layers * loaded.n_keys,
+                      corpus_tokens=sum(map(len, ids)), corpus_sentences=len(ids))  # fmt: skip
+    batches = []
+    for shard in range(-(-len(ids) // size)):
+        batches += shard_batches(ids, first, shard=shard, shard_sentences=size,
+                                 batch_tokens=settings.batch_tokens, pad_id=_pad_id(loaded))  # fmt: skip
+    return [b.to(loaded.device) for b in batches]
+
+
+def mining_ratio(loaded, batches: list, rounds: int, budget_s: float) -> dict:
+    """Mining over the bare backbone forward on the model the index loaded (bench/gpu.py's `time_config`:
+    interleaved, after a warm-up), over the index's own batches: issue 28's figure, on the same card as
+    the index's stage times."""
+    from bench.gpu import time_config
+
+    tokens = sum(b.real_tokens for b in batches)
+    log(f"  mining ratio: {len(batches)} batches, {tokens:,} tokens, {rounds} rounds")
+    return time_config(loaded, batches, rounds, time.monotonic() + budget_s)
+
+
+def profile_mining(loaded, batches: list, path: Path, n: int = 8) -> dict:
+    """torch.profiler over mining `n` batches after two: the kernels by device time and by host time, and
+    the host's waits on the device (what keeps mining from the forward pass's speed), into `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ffmem.engine.mining import MiningState, mine_batches
+
+    state = MiningState(loaded.n_layers, loaded.n_keys, 50, device=loaded.device)
+    mine_batches(loaded, batches[:2], state)
+    part = batches[2 : 2 + n]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loaded.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        mine_batches(loaded, part, state)
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize(loaded.device)
+    averages = prof.key_averages()
+    tables = []
+    for key in ("device_time_total", "cpu_time_total"):
+        try:
+            tables.append(f"-- by {key}\n" + averages.table(sort_by=key, row_limit=30))
+        except Exception as error:  # an older torch names it cuda_time_total
+            tables.append(f"-- by {key}: {error}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{len(part)} batches, {sum(b.real_tokens for b in part):,} tokens\n" + "\n".join(tables))
+    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item", "aten::nonzero",
+             "aten::_local_scalar_dense", "cudaMemcpyAsync", "cudaLaunchKernel")  # fmt: skip
+    counts = {e.key: e.count for e in averages if e.key in waits}
+    log(f"  profile of {len(part)} batches: {counts} (tables in {path})")
+    return {"batches": len(part), "calls": counts}
 
 
 def verdict(result: dict) -> str:
@@ -339,6 +436,22 @@ def print_table(result: dict) -> None:
             f"  {name:<20} {by:<8} {seconds:>9.1f} {seconds / total:>6.1%} {size(gpu):>10} {size(host):>10}"
         )
     print(f"  {'ffmem index':<20} {'':<8} {total:>9.1f} {1:>6.1%}", flush=True)
+    print_ratio(result)
+
+
+def print_ratio(result: dict) -> None:
+    """The mining ratio's line (or why there is none)."""
+    ratio = result.get("mining_ratio") or {}
+    if ratio.get("mining_over_bare"):
+        print(
+            f"  mining over the bare forward: {ratio['mining_over_bare']:.3f} (median "
+            f"{ratio['median_mining_over_bare']:.3f}); bare {ratio['bare_tokens_per_s']:,.0f} tok/s, mining "
+            f"{ratio['mining_tokens_per_s']:,.0f} tok/s over {ratio['tokens']:,} tokens; checks "
+            f"{ratio['checks']}",
+            flush=True,
+        )
+    elif ratio:
+        print(f"  mining ratio: {ratio.get('error') or ratio.get('stopped')}", flush=True)
 
 
 def main() -> None:
@@ -350,6 +463,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/ffmem-device"), help="models and databases")
     parser.add_argument("--keep", action="store_true", help="keep each model folder after its run")
     parser.add_argument("--out", type=Path, help="write every figure here as JSON")
+    parser.add_argument("--ratio-sentences", type=int, default=4000, help="mining ratio's sentences; 0: none")
+    parser.add_argument("--ratio-rounds", type=int, default=3, help="interleaved rounds of the ratio")
+    parser.add_argument("--ratio-budget-s", type=float, default=60.0, help="no ratio pass starts after it")
+    parser.add_argument("--ratio-only", action="store_true", help="no index: the mining ratio alone")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler of mining, after the ratio")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     shapes = parse_shapes(args.shapes)
@@ -372,6 +490,8 @@ def main() -> None:
         results["shapes"].append(result)
         if "stages" in result:
             print_table(result)
+        elif args.ratio_only and "error" not in result:
+            print_ratio(result)
         else:
             print(f"\n{name}: FAILED ({result['error']})", flush=True)
         if args.out:
@@ -380,7 +500,8 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    passed = [r for r in results["shapes"] if "stages" in r and verdict(r) == "OK"]
+    passed = [r for r in results["shapes"] if ("stages" in r and verdict(r) == "OK") or
+              (args.ratio_only and (r.get("mining_ratio") or {}).get("mining_over_bare"))]  # fmt: skip
     log(f"{len(passed)}/{len(shapes)} shapes indexed and checked")
     sys.exit(0 if len(passed) == len(shapes) else 1)
 

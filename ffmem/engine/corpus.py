@@ -150,6 +150,24 @@ def held_out_sentences(n_sentences: int, held_out_every: int) -> list[int]:
     return list(range(held_out_every - 1, n_sentences, held_out_every)) if held_out_every else []
 
 
+MIN_SHARD_SENTENCES = 2048  # an automatic shard's least size (the default before shards were sized)
+SHARD_TOKENS_PER_MEMORY = 16  # an automatic shard holds at least this many tokens a memory of the model
+
+
+def shard_size(shard_sentences: int, *, memories: int, corpus_tokens: int, corpus_sentences: int) -> int:
+    """Sentences a shard of a run: `shard_sentences` where given; 0 sizes it by the model: at least
+    MIN_SHARD_SENTENCES, and as many as hold SHARD_TOKENS_PER_MEMORY tokens a memory at the corpus's mean
+    sentence length. A finished shard is merged into the run's snapshot, a cost that grows with the
+    model's memories (~20 s at Llama-3.1-8B's 458,752 on one CPU core: 1.2 GB of top-T lists), while a
+    GPU mines 2,048 sentences of 8B in ~2 s: a shard's mining must outweigh its merge. SmolLM2-135M's
+    46,080 memories: 25,641 sentences of the default corpus a shard (2 shards); 8B: one per 7.3M tokens."""
+    if shard_sentences:
+        return shard_sentences
+    tokens = SHARD_TOKENS_PER_MEMORY * memories  # a shard's least, in tokens; in sentences of the mean length
+    sentences = -(-tokens * corpus_sentences // corpus_tokens) if corpus_tokens else tokens
+    return max(MIN_SHARD_SENTENCES, sentences)
+
+
 def shard_members(mined: list[int], shard: int, shard_sentences: int) -> list[int]:
     """The sentences of shard number `shard`: every n-th mined sentence from the shard-th (n, the number of
     shards), so that each shard — the first checkpoint the pages show too — is spread over the corpus."""

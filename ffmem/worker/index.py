@@ -3,9 +3,10 @@ shard (checkpointed in the database) and finish (shade → store the layers → 
 
 A worker (ffmem.worker.loop) takes each stage up as a step of the run's job: it prepares a queued
 job's run, mines any run's open shards and finishes runs whose shards are all done. Several workers on
-one Postgres share the shards (ffmem.store.shards); each shard's running top-T is checkpointed in its
-row every `checkpoint_batches` batches, so a killed worker loses at most that much, and the shards
-merge exactly into the single-worker result.
+one Postgres share the shards (ffmem.store.shards), sized by the model (ffmem.engine.corpus.shard_size);
+each shard's running top-T is checkpointed in its row every `checkpoint_seconds` (or `checkpoint_batches`
+batches), so a killed worker loses at most that much, and the shards merge exactly into the
+single-worker result.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import mined_from, mined_sentences, read_corpus, tokenize
+from ffmem.engine.corpus import mined_from, mined_sentences, read_corpus, shard_size, tokenize
 from ffmem.engine.loading import LoadedModel
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
@@ -41,7 +42,7 @@ from ffmem.worker.layer_results import following_tokens, next_token_ids, store_l
 from ffmem.worker.leases import Heartbeat
 from ffmem.worker.provenance import provenance, store_model
 
-FIRST_CHECKPOINT = 2  # batches: a shard's first checkpoint, before every `checkpoint_batches`
+FIRST_CHECKPOINT = 2  # batches: the run's first shard's first checkpoint, so its pages show triggers early
 
 
 @dataclass
@@ -54,6 +55,7 @@ class IndexOptions:
     cache_dir: Path
     progress: bool
     checkpoint_batches: int
+    checkpoint_seconds: float
     lease_seconds: float
     max_attempts: int
 
@@ -68,6 +70,7 @@ class IndexOptions:
             cache_dir=Path(settings.cache_dir),
             progress=progress,
             checkpoint_batches=settings.checkpoint_batches,
+            checkpoint_seconds=settings.checkpoint_seconds,
             lease_seconds=settings.lease_seconds,
             max_attempts=settings.max_attempts,
         )
@@ -170,6 +173,7 @@ class IndexPipeline:
                     sentences=((s.text, s.token_ids, s.offsets, s.first_position) for s in tokenized),
                 )
             lease.check(session)
+            shard_sentences = run_shard_size(spec, loaded, corpus)
             run = runs.create_run(
                 session=session,
                 model_id=model_row.id,
@@ -180,7 +184,7 @@ class IndexPipeline:
                 dtype=str(loaded.dtype).removeprefix("torch."),
                 device=str(loaded.device),
                 package_version=version("ffmem"),
-                provenance=provenance(loaded, corpus, spec),
+                provenance=provenance(loaded, corpus, spec, shard_sentences),
                 histogram_edges=histogram_edges(),
                 started_at=job.started_at,
             )
@@ -188,7 +192,7 @@ class IndexPipeline:
                 session=session,
                 run_id=run.id,
                 n_sentences=run.n_sentences,
-                shard_sentences=spec.shard_sentences,
+                shard_sentences=shard_sentences,
             )
             self.project_values(session, lease, run.id, loaded, spec)
             session.get(Job, job.id).run_id = run.id
@@ -255,6 +259,7 @@ class IndexPipeline:
         with self.sessions() as session:
             run = session.get(Run, job.run_id)
             corpus_id, total = run.corpus_id, run.n_sentences
+            shard_sentences = run_shard_size(spec, loaded, run.corpus)
             saved, batches_done = shards.load_checkpoint(
                 session=session, run_id=shard.run_id, index=shard.index
             )
@@ -271,7 +276,7 @@ class IndexPipeline:
             token_ids,
             first_positions,
             shard=shard.index,
-            shard_sentences=spec.shard_sentences,
+            shard_sentences=shard_sentences,
             batch_tokens=spec.batch_tokens,
             pad_id=_pad_id(loaded),
             held_out_every=spec.held_out_every,
@@ -287,6 +292,7 @@ class IndexPipeline:
         )
         started = time.perf_counter()
         mined_tokens = 0
+        checkpoints = Checkpoints(self.options.checkpoint_batches, self.options.checkpoint_seconds, started)
         with bar, self.timed("mining"):
             for number, batch in enumerate(batches[batches_done:], start=batches_done + 1):
                 with loaded.lock:  # one forward pass at a time on the shared model (live traces wait)
@@ -296,9 +302,8 @@ class IndexPipeline:
                 mined_tokens += batch.real_tokens
                 self.padding[0] += batch.real_tokens
                 self.padding[1] += batch.computed_tokens
-                # The first checkpoint comes early, so the pages show provisional triggers within seconds.
-                due = number % self.options.checkpoint_batches == 0 or number == FIRST_CHECKPOINT
-                checkpoint = due and number < len(batches)
+                checkpoint = number < len(batches) and checkpoints.due(number, first=shard.index == 0)
+                begun = time.perf_counter()
                 with self.sessions() as session:
                     lease.check(session)
                     shards.checkpoint_shard(
@@ -312,6 +317,8 @@ class IndexPipeline:
                         layers=_layers(state) if checkpoint else None,
                     )
                     session.commit()
+                if checkpoint:
+                    checkpoints.taken(begun)
                 elapsed = time.perf_counter() - started
                 bar.set_postfix_str(
                     f"{mined_tokens / max(elapsed, 1e-9):,.0f} tok/s, "
@@ -525,6 +532,37 @@ class IndexPipeline:
 
 def _layers(state: MiningState) -> list[bytes]:
     return [state.layer(layer).to_bytes() for layer in range(state.n_layers)]
+
+
+def run_shard_size(spec: RunSpec, loaded: LoadedModel, corpus) -> int:
+    """Sentences a shard of the run (`spec.shard_sentences`, 0: sized by the model and the corpus)."""
+    return shard_size(spec.shard_sentences, memories=loaded.n_layers * loaded.n_keys,
+                      corpus_tokens=corpus.n_tokens, corpus_sentences=corpus.n_sentences)  # fmt: skip
+
+
+@dataclass
+class Checkpoints:
+    """When a shard's running top-T is checkpointed: every `batches` batches; or, with `batches` 0, once
+    `seconds` have passed since the last checkpoint (the shard's start) and ten times as long as that one
+    took, so that checkpoints (1.2 GB at 8B) take at most a tenth of the mining. The run's first shard
+    checkpoints at FIRST_CHECKPOINT as well, so its pages show provisional triggers within seconds."""
+
+    batches: int
+    seconds: float
+    last: float  # when the last checkpoint ended (time.perf_counter; first, the shard's start)
+    cost: float = 0.0  # seconds the last one took
+
+    def due(self, number: int, *, first: bool) -> bool:
+        if first and number == FIRST_CHECKPOINT:
+            return True
+        if self.batches:
+            return number % self.batches == 0
+        return time.perf_counter() - self.last >= max(self.seconds, 10 * self.cost)
+
+    def taken(self, begun: float) -> None:
+        """A checkpoint begun at `begun` (time.perf_counter) is stored."""
+        self.last = time.perf_counter()
+        self.cost = self.last - begun
 
 
 def _state(layers: list[bytes], device) -> MiningState:

@@ -16,8 +16,9 @@ from ffmem.store import runs, vocabularies
 from ffmem.store.specs import RunSpec
 
 
-def provenance(loaded: LoadedModel, corpus, spec: RunSpec) -> dict:
-    """How a run of `spec` over the stored `corpus` with `loaded` is made (its `provenance` column)."""
+def provenance(loaded: LoadedModel, corpus, spec: RunSpec, shard_sentences: int) -> dict:
+    """How a run of `spec` over the stored `corpus` with `loaded`, in shards of `shard_sentences`, is made
+    (its `provenance` column)."""
     return {
         "model_source": loaded.source,
         "model_revision": loaded.revision,
@@ -33,7 +34,7 @@ def provenance(loaded: LoadedModel, corpus, spec: RunSpec) -> dict:
         "first_position": spec.first_position,
         "mined_positions": _mined_positions(loaded, spec.first_position),
         "batch_tokens": spec.batch_tokens,
-        "shard_sentences": spec.shard_sentences,
+        "shard_sentences": shard_sentences,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -200,3 +200,16 @@ def test_each_shard_spans_the_corpus_and_the_shards_partition_it():
     shards = [shard_members(mined, shard, 256) for shard in range(4)]
     assert sorted(sum(shards, [])) == mined and all(len(s) <= 256 for s in shards)
     assert shards[0][:3] == [0, 4, 8] and shards[0][-1] > 990  # the first shard reaches the end
+
+
+def test_a_shard_is_sized_by_the_model_unless_given():
+    from ffmem.engine.corpus import MIN_SHARD_SENTENCES, SHARD_TOKENS_PER_MEMORY, shard_size
+
+    corpus = {"corpus_tokens": 1_050_056, "corpus_sentences": 36_518}  # the default corpus: 28.75 tokens each
+    assert shard_size(8, memories=458_752, **corpus) == 8  # given: as given
+    assert shard_size(0, memories=3 * 48, **corpus) == MIN_SHARD_SENTENCES  # a tiny model: the least size
+    smollm2 = shard_size(0, memories=30 * 1536, **corpus)
+    assert smollm2 == 25_641 and 16 * 46_080 <= smollm2 * 1_050_056 / 36_518 < 16 * 46_080 + 29  # 2 shards
+    llama_8b = shard_size(0, memories=32 * 14_336, **corpus)
+    assert llama_8b == 255_266 and llama_8b * 1_050_056 / 36_518 >= SHARD_TOKENS_PER_MEMORY * 458_752
+    assert shard_size(0, memories=46_080, corpus_tokens=0, corpus_sentences=0) == 16 * 46_080  # no corpus yet

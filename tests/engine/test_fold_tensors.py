@@ -212,3 +212,14 @@ def test_the_fold_of_a_batch_never_reads_a_value_back_to_the_host():
     assert {"aten.topk.default", "aten.scatter_reduce_.two", "aten.index_add_.default"} <= operators.names
     assert not operators.names & SYNCING
     assert state.top[1].order.shape == (n_layers, n_keys, top_k)
+
+
+def test_the_first_of_a_stable_sort_by_comparisons_equals_torch_sort():
+    from ffmem.engine.mining import _first_of_stable_sort
+
+    rng = np.random.default_rng(5)
+    for n, k in ((4, 2), (6, 3), (1, 1), (8, 8)):
+        values = torch.from_numpy(rng.integers(0, 4, size=(50, 7, n)))  # [rows, cells, n]: many ties
+        values[0, 0] = EMPTY  # every entry the empty key: the kept ones stay first
+        expected = values.sort(dim=-1, stable=True).indices[..., :k]  # [rows, cells, k]
+        assert torch.equal(_first_of_stable_sort(values, k), expected)

@@ -28,7 +28,7 @@ RUN = {
     "max_sentence_tokens": 128,
     "first_position": False,
     "batch_tokens": 4096,
-    "shard_sentences": 2048,
+    "shard_sentences": 0,
     "value_tokens": 30,
     "token_memories": 32,
 }

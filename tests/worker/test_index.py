@@ -289,3 +289,39 @@ def test_a_vocabulary_padded_past_the_tokenizer_is_indexed_whole(db_url, corpus_
         )
         for listed in last[padded - 1]["memory"]:  # the depth's 32 of the 48 memories in each list
             assert len(set(listed.tolist())) == 32 and 0 <= listed.min() and listed.max() < 2 * 24
+
+
+def test_checkpoints_come_by_batches_or_by_time_and_take_at_most_a_tenth_of_mining(monkeypatch):
+    from ffmem.worker import index
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(index.time, "perf_counter", lambda: clock["now"])
+    by_batches = index.Checkpoints(batches=4, seconds=60, last=1000.0)
+    assert [n for n in range(1, 13) if by_batches.due(n, first=False)] == [4, 8, 12]
+    assert [n for n in range(1, 6) if by_batches.due(n, first=True)] == [index.FIRST_CHECKPOINT, 4]
+
+    by_time = index.Checkpoints(batches=0, seconds=60, last=1000.0)  # the shard started at 1000
+    assert by_time.due(index.FIRST_CHECKPOINT, first=True)  # the run's first shard: early, whatever the time
+    assert not by_time.due(index.FIRST_CHECKPOINT, first=False) and not by_time.due(5, first=False)
+    clock["now"] = 1059.9
+    assert not by_time.due(6, first=False)
+    clock["now"] = 1060.0
+    assert by_time.due(7, first=False)
+    by_time.taken(begun=1050.0)  # that one took 10 s (an 8B model's 1.2 GB): the next waits 100 s, not 60
+    assert (by_time.last, by_time.cost) == (1060.0, 10.0)
+    clock["now"] = 1060.0 + 99.0
+    assert not by_time.due(8, first=False)
+    clock["now"] = 1060.0 + 100.0
+    assert by_time.due(9, first=False)
+
+
+def test_a_run_without_a_shard_size_gets_the_models(db_url, tiny, tiny_model_dir, corpus_file, tmp_path):
+    sessions = make_sessionmaker(make_engine(db_url))
+    summary = build_index(
+        options(tiny_model_dir, corpus_file, tmp_path, shard_sentences=0), sessions, loaded=tiny
+    )
+    with sessions() as session:
+        run = session.get(Run, summary.run_id)
+        assert run.provenance["shard_sentences"] == 2048  # 144 memories: the least automatic size
+        assert session.scalar(select(func.count()).where(Shard.run_id == run.id)) == 1
+        assert summary.sentences == 21 and run.status == RunStatus.done
