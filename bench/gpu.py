@@ -90,11 +90,12 @@ def sync(device: torch.device) -> None:
 
 
 class TorchFold(MiningState):
-    """A MiningState that folds with the torch code on every device: on a CUDA device what `update` does
-    anyway; on a CPU it makes the dry run's parity compare the torch fold with the compiled one."""
+    """A MiningState that folds with the torch code on every device (layers gathered into groups, as
+    `update` does on every device but the CPU): on a CUDA device what `update` does anyway; on a CPU it
+    makes the dry run's parity compare the torch fold with the compiled one."""
 
     def update(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
-        self.fold_tensors(layer, coefficients.float().contiguous(), batch)  # [batch, pos, keys]
+        self._gather(layer, coefficients, batch)  # [batch, pos, keys]
 
 
 # -- models ---------------------------------------------------------------------------------------------

@@ -44,6 +44,10 @@ CODES = 512  # a float32's sign and biased exponent bits, as the number (bits >>
 # A key's counters in the one bincount of all keys: one more than CODES, so that keys do not lie 4 KiB
 # apart (keys next to each other in memory would then share cache sets: twice as slow on a CPU).
 CODE_STRIDE = CODES + 1
+# The torch fold takes consecutive layers of a batch together, as many as fit this many bytes of float32
+# coefficients: one launch of each of its ~150 kernels for them all (a GPU's launches, not its arithmetic,
+# bound SmolLM2's mining), in a copy the fold may overwrite.
+FOLD_BYTES = 2**30
 
 
 def _code_values() -> torch.Tensor:
@@ -123,6 +127,10 @@ class MiningState:
         shifted = torch.arange(CODES) ^ (CODES // 2)  # [CODES]: each shifted code's (sign, exponent) code
         self._code_bins = code_bins[shifted].long().to(device)  # [CODES]: its bin
         self._workspace: dict[str, torch.Tensor] = {}
+        self._pending: list[int] = []  # layers of `_pending_batch` copied into `_buffer`, not yet folded
+        self._pending_batch: Batch | None = None
+        self._buffer: torch.Tensor | None = None  # [group, batch, pos, keys] float32
+        self._group = 1
         self.sentences = 0
 
     # -- update ---------------------------------------------------------------------------------
@@ -130,12 +138,13 @@ class MiningState:
         """Fold one layer's coefficients for one batch into the state.
 
         On a CPU, one compiled pass (ffmem.engine.mining_cpu); elsewhere the vectorised torch fold
-        (`fold_tensors`), which gives the same state. `coefficients` may be overwritten.
+        (`fold_tensors`), which gives the same state, of consecutive layers together (`_gather`: the
+        last layer, or a full group, folds them). `coefficients` may be overwritten.
         """
-        c = coefficients.float().contiguous()  # [batch, pos, keys] (no copy when already float32)
-        if c.device.type != "cpu":
-            self.fold_tensors(layer, c, batch)
+        if coefficients.device.type != "cpu":
+            self._gather(layer, coefficients, batch)
             return
+        c = coefficients.float().contiguous()  # [batch, pos, keys] (no copy when already float32)
         threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(threads)
         arrays = (
@@ -152,82 +161,127 @@ class MiningState:
             threads,
         )
 
-    def fold_tensors(self, layer: int, c: torch.Tensor, batch: Batch) -> None:
-        """`update` in torch operations on any device; `c` [batch, pos, keys] float32 is overwritten.
+    def _gather(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
+        """Copy one layer's coefficients into the group of the batch's consecutive layers (float32, in
+        the workspace), folding the group when it is full or holds the last layer."""
+        pending = self._pending
+        if pending and (pending[-1] != layer - 1 or self._pending_batch is not batch):
+            self._fold_pending()
+        if not pending:
+            per_layer = coefficients.numel() * 4
+            self._group = max(1, min(self.n_layers - layer, FOLD_BYTES // max(per_layer, 1)))
+            shape = (self._group, *coefficients.shape)  # [group, batch, pos, keys]
+            self._buffer = _scratch(self._workspace, "group", shape, torch.float32, coefficients.device)
+            self._pending_batch = batch
+        self._buffer[len(pending)].copy_(coefficients)  # [batch, pos, keys], as float32
+        pending.append(layer)
+        if len(pending) == self._group or layer == self.n_layers - 1:
+            self._fold_pending()
 
-        Every operation has a shape fixed by (batch, pos, keys, T, bins, SAMPLES): no `nonzero`, no
-        boolean indexing, no value read back to the host. On a GPU a batch's folds of every layer are
-        then enqueued without waiting for one to finish. Passes over the whole [batch, pos, keys]
-        tensor: the fill of unmined positions, the maximum and the minimum with their positions, the
-        zeroing, the sum, the codes and their count; the top-T and the band samples then work on
-        [signs, batch, keys], both signs at once.
+    def _fold_pending(self) -> None:
+        layers = slice(self._pending[0], self._pending[-1] + 1)
+        self.fold_tensors(layers, self._buffer[: len(self._pending)], self._pending_batch)
+        self._pending.clear()
+        self._pending_batch = self._buffer = None
+
+    def fold_tensors(self, layers: int | slice, c: torch.Tensor, batch: Batch) -> None:
+        """`update` in torch operations on any device, for one layer (`c` [batch, pos, keys]) or
+        consecutive ones (a slice, `c` [layers, batch, pos, keys]); `c`, float32, is overwritten.
+
+        Every operation has a shape fixed by (layers, batch, pos, keys, T, bins, SAMPLES): no `nonzero`,
+        no boolean indexing, no value read back to the host. On a GPU a batch's folds of every layer are
+        then enqueued without waiting for one to finish. Passes over the whole [layers, batch, pos,
+        keys] tensor: the fill of unmined positions, the maximum and the minimum with their positions,
+        the zeroing, the sum, the codes and their count; the top-T and the band samples then work on
+        [signs, layers, batch, keys], both signs at once.
         """
-        mined = batch.mined[:, :, None]  # [batch, pos, 1]
+        if isinstance(layers, int):
+            layers, c = slice(layers, layers + 1), c[None]
+        n_layers, n_keys = c.shape[0], self.n_keys
+        mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
         anchor, has_mined = batch.anchor  # [batch] each: the first mined position, whether there is one
         # Unmined positions first hold their row's first mined coefficient, which changes neither its
         # maximum nor its minimum. Where an extreme's first occurrence is such a copy, its first mined
         # occurrence is the anchor: the anchor holds that value and no mined position comes before it.
-        first = c.gather(1, anchor[:, None, None].expand(-1, 1, c.shape[2]))  # [batch, 1, keys]
+        first = c.gather(
+            2, anchor[None, :, None, None].expand(n_layers, -1, 1, n_keys)
+        )  # [layers, batch, 1, keys]
         torch.where(mined, c, first, out=c)
-        (high, high_at), (low, low_at) = c.max(dim=1), c.min(dim=1)  # [batch, keys] each
-        extreme = torch.stack([high, low])  # [signs, batch, keys]: the maximum (s = +1), the minimum (−1)
-        at = torch.stack([high_at, low_at])  # [signs, batch, keys]: where each first is (torch.max's rule)
-        at_mined = batch.mined.expand(len(SIGNS), -1, -1).gather(2, at)  # [signs, batch, keys]
-        at = torch.where(at_mined, at, anchor[:, None])  # [signs, batch, keys]: its first mined occurrence
+        (high, high_at), (low, low_at) = c.max(dim=2), c.min(dim=2)  # [layers, batch, keys] each
+        extreme = torch.stack([high, low])  # [signs, layers, batch, keys]: the maximum (+1), the minimum (−1)
+        at = torch.stack(
+            [high_at, low_at]
+        )  # [signs, layers, batch, keys]: where each first is (torch.max's rule)
+        at_mined = batch.mined.expand(len(SIGNS), n_layers, -1, -1).gather(
+            3, at
+        )  # [signs, layers, batch, keys]
+        at = torch.where(
+            at_mined, at, anchor[:, None]
+        )  # [signs, layers, batch, keys]: first mined occurrence
         # best: s·extreme. A sentence with no mined position has best −inf; its sentence −1 then gives
         # it the empty slot's order key (and position 0: its anchor), so it never ranks above an empty slot.
-        best = torch.stack([high, low.neg()]).masked_fill_(~has_mined[None, :, None], float("-inf"))
+        best = torch.stack([high, low.neg()]).masked_fill_(~has_mined[:, None], float("-inf"))
         sentence = batch.sentence_index.masked_fill(~has_mined, -1)  # [batch]
         # Statistics with unmined positions set to +0.0: they add nothing to the sum, and their
         # histogram bin (ZERO_BIN) is corrected by their number, counted on the device.
         c.masked_fill_(~mined, 0.0)
-        self.total[layer] += c.sum(dim=(0, 1), dtype=torch.float64)
-        self.histogram[layer] += self._histogram(c, batch.mined.numel() - batch.mined.sum())
-        self._enter_top(layer, best, at, sentence)
-        sample_key = (
-            _priority(batch.sentence_index, layer, self.n_keys) << 32 | batch.sentence_index
-        )  # [keys, batch]
-        self._sample(layer, extreme, best, at, sample_key)
+        self.total[layers] += c.sum(dim=(1, 2), dtype=torch.float64)  # [layers, keys]
+        self.histogram[layers] += self._histogram(c, batch.mined.numel() - batch.mined.sum())
+        self._enter_top(layers, best, at, sentence)
+        priority = _priority(batch.sentence_index, layers, n_keys)  # [layers, keys, batch]
+        self._sample(layers, extreme, best, at, priority << 32 | batch.sentence_index)
 
     def _histogram(self, c: torch.Tensor, unmined: torch.Tensor) -> torch.Tensor:
-        """[keys, bins] counts of one batch's coefficients (`unmined`, a 0-dim tensor, of them are padding
-        set to +0.0).
+        """[layers, keys, bins] counts of one batch's coefficients `c` [layers, batch, pos, keys]
+        (`unmined`, a 0-dim tensor, of each layer's are padding set to +0.0).
 
-        Each float's sign and exponent (a code) is counted per key with one scatter-add (torch.bincount
-        would read its input's maximum back to the host), then the codes are folded into the histogram's
-        bins: two cheap passes over the coefficients, not ten.
+        Each float's sign and exponent (a code) is counted per layer and key with one scatter-add
+        (torch.bincount would read its input's maximum back to the host), then the codes are folded into
+        the histogram's bins: two cheap passes over the coefficients, not ten.
         """
-        codes = _scratch(self._workspace, "codes", c.shape, torch.int32, c.device)  # [batch, pos, keys]
+        n_layers, n_keys = c.shape[0], self.n_keys
+        codes = _scratch(
+            self._workspace, "codes", c.shape, torch.int32, c.device
+        )  # [layers, batch, pos, keys]
         torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes)  # −256 … 255
-        codes = codes.view(-1, self.n_keys).add_(self._key_offsets)  # [batch·pos, keys]: 0 … keys·CODE_STRIDE
-        ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(codes.numel())  # [batch·pos·keys]
-        by_code = torch.zeros(self.n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
-        by_code.index_add_(0, codes.view(-1), ones)  # [keys · CODE_STRIDE]
-        by_code = by_code.view(self.n_keys, CODE_STRIDE)[:, :CODES].long()  # [keys, CODES]
-        counts = torch.zeros((self.n_keys, N_BINS), dtype=torch.long, device=c.device)
-        counts.index_add_(1, self._code_bins, by_code)  # [keys, bins]
-        counts[:, ZERO_BIN] -= unmined
+        offsets = self._key_offsets + (
+            torch.arange(n_layers, dtype=torch.int32, device=c.device)[:, None] * (n_keys * CODE_STRIDE)
+        )  # [layers, keys]: each layer's keys after the last's
+        codes = codes.view(n_layers, -1, n_keys).add_(offsets[:, None])  # [layers, batch·pos, keys]
+        ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(
+            codes.numel()
+        )  # [layers·batch·pos·keys]
+        by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
+        by_code.index_add_(0, codes.view(-1), ones)  # [layers · keys · CODE_STRIDE]
+        by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
+        counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=c.device)
+        counts.index_add_(2, self._code_bins, by_code)  # [layers, keys, bins]
+        counts[..., ZERO_BIN] -= unmined
         return counts
 
-    def _enter_top(self, layer: int, best: torch.Tensor, at: torch.Tensor, sentence: torch.Tensor) -> None:
-        """Merge a batch's sentences into the top-T of both signs: `best` [signs, batch, keys] is s·m's
-        maximum per sentence, `at` [signs, batch, keys] where it first is, `sentence` [batch] the
-        sentences (−1: none mined). One topk over every key's kept and new order keys; order keys are
-        unique but for the empty slot's, whose position is 0 wherever it is, so ties do not change the
-        state."""
-        kept_order = torch.stack([self.top[sign].order[layer] for sign in SIGNS])  # [signs, keys, T]
-        kept_position = torch.stack([self.top[sign].position[layer] for sign in SIGNS])  # [signs, keys, T]
-        new = _order_key(best.transpose(1, 2), sentence)  # [signs, keys, batch]
-        merged = torch.cat([kept_order, new], dim=2)  # [signs, keys, T + batch]
-        kept, index = merged.topk(self.top_k, dim=2)  # [signs, keys, T] each, best first
-        position = torch.cat([kept_position, at.transpose(1, 2)], dim=2).gather(2, index)  # [signs, keys, T]
+    def _enter_top(self, layers: slice, best: torch.Tensor, at: torch.Tensor, sentence: torch.Tensor) -> None:
+        """Merge a batch's sentences into the top-T of both signs: `best` [signs, layers, batch, keys] is
+        s·m's maximum per sentence, `at` [signs, layers, batch, keys] where it first is, `sentence`
+        [batch] the sentences (−1: none mined). One topk over every key's kept and new order keys; order
+        keys are unique but for the empty slot's, whose position is 0 wherever it is, so ties do not
+        change the state."""
+        kept_order = torch.stack([self.top[sign].order[layers] for sign in SIGNS])  # [signs, layers, keys, T]
+        kept_position = torch.stack(
+            [self.top[sign].position[layers] for sign in SIGNS]
+        )  # [signs, layers, keys, T]
+        new = _order_key(best.transpose(2, 3), sentence)  # [signs, layers, keys, batch]
+        merged = torch.cat([kept_order, new], dim=3)  # [signs, layers, keys, T + batch]
+        kept, index = merged.topk(self.top_k, dim=3)  # [signs, layers, keys, T] each, best first
+        position = torch.cat([kept_position, at.transpose(2, 3)], dim=3).gather(
+            3, index
+        )  # [signs, layers, keys, T]
         for i, sign in enumerate(SIGNS):
-            self.top[sign].order[layer] = kept[i]
-            self.top[sign].position[layer] = position[i]
+            self.top[sign].order[layers] = kept[i]
+            self.top[sign].position[layers] = position[i]
 
     def _sample(
         self,
-        layer: int,
+        layers: slice,
         extreme: torch.Tensor,
         best: torch.Tensor,
         at: torch.Tensor,
@@ -236,47 +290,61 @@ class MiningState:
         """Fold a batch's sentence extremes into the band samples (MinedLayer.sample_order).
 
         `extreme`, `best` (s·extreme, −inf for a sentence with no mined position) and `at` (where the
-        extreme first is): [signs, batch, keys]; `sample_key`: [keys, batch] each sentence's order key.
-        A maximum above 0 and a minimum below 0 lie in different bins, so both signs are the candidates
-        of one pass. The candidates' lowest per key and bin are found with SAMPLES rounds of a scatter-min
-        (each round also scatters the candidate that holds them), then every cell is merged with its kept
-        samples by one stable sort of [keys, bins, 2·SAMPLES].
+        extreme first is): [signs, layers, batch, keys]; `sample_key`: [layers, keys, batch] each
+        sentence's order key. A maximum above 0 and a minimum below 0 lie in different bins, so both
+        signs are the candidates of one pass. The candidates' lowest per key and bin are found with
+        SAMPLES rounds of a scatter-min (each round also scatters the candidate that holds them), then
+        every cell is merged with its kept samples (`_first_of_stable_sort` of [.., bins, 2·SAMPLES]).
         """
-        n_bins, n_keys = N_BINS, self.n_keys
-        useful = (best > 0) & torch.isfinite(best)  # [signs, batch, keys]: not −inf (nothing mined), NaN
-        useful = useful.view(-1, n_keys).T  # [keys, signs·batch]
-        bins = histogram_bins(extreme).long().view(-1, n_keys).T  # [keys, signs·batch]
-        bins = bins.masked_fill(~useful, n_bins)  # n_bins: no bin
-        order = torch.where(useful, sample_key.repeat(1, len(SIGNS)), EMPTY_SAMPLE)  # [keys, signs·batch]
-        candidates = torch.arange(order.shape[1], device=order.device)  # [signs·batch]
-        candidates = candidates.expand(n_keys, -1)  # [keys, signs·batch]
-        found, found_at = [], []  # per round: [keys, bins] each
+        n_bins, n_layers, n_keys = N_BINS, extreme.shape[1], self.n_keys
+
+        def by_key(
+            x: torch.Tensor,
+        ) -> torch.Tensor:  # [signs, layers, batch, keys] → [layers, keys, signs·batch]
+            return x.permute(1, 3, 0, 2).reshape(n_layers, n_keys, -1)
+
+        useful = by_key((best > 0) & torch.isfinite(best))  # not −inf (nothing mined), not NaN
+        bins = by_key(histogram_bins(extreme).long()).masked_fill(~useful, n_bins)  # n_bins: no bin
+        order = torch.where(
+            useful, sample_key.repeat(1, 1, len(SIGNS)), EMPTY_SAMPLE
+        )  # [layers, keys, signs·batch]
+        candidates = torch.arange(order.shape[2], device=order.device)  # [signs·batch]
+        candidates = candidates.expand(n_layers, n_keys, -1)  # [layers, keys, signs·batch]
+        found, found_at = [], []  # per round: [layers, keys, bins] each
         for _ in range(SAMPLES):
-            lowest = torch.full((n_keys, n_bins + 1), EMPTY_SAMPLE, dtype=torch.long, device=order.device)
-            lowest.scatter_reduce_(1, bins, order, "amin")  # [keys, bins + 1]
-            hit = order == lowest.gather(1, bins)  # [keys, signs·batch]: each cell's lowest (or none left)
-            which = torch.zeros((n_keys, n_bins + 1), dtype=torch.long, device=order.device)
-            which.scatter_(1, torch.where(hit, bins, n_bins), candidates)  # [keys, bins + 1]
-            found.append(lowest[:, :n_bins])
-            found_at.append(which[:, :n_bins])
-            order = order.masked_fill(hit, EMPTY_SAMPLE)  # [keys, signs·batch]
-        found = torch.stack(found, dim=-1)  # [keys, bins, S], lowest first
-        which = torch.stack(found_at, dim=-1).view(n_keys, n_bins * SAMPLES)  # [keys, bins·S]
-        position = at.view(-1, n_keys).T.gather(1, which).view(found.shape)  # [keys, bins, S]
-        coefficient = extreme.view(-1, n_keys).T.gather(1, which).view(found.shape)  # [keys, bins, S]
+            lowest = torch.full(
+                (n_layers, n_keys, n_bins + 1), EMPTY_SAMPLE, dtype=torch.long, device=order.device
+            )
+            lowest.scatter_reduce_(2, bins, order, "amin")  # [layers, keys, bins + 1]
+            hit = order == lowest.gather(
+                2, bins
+            )  # [layers, keys, signs·batch]: each cell's lowest (or none left)
+            which = torch.zeros((n_layers, n_keys, n_bins + 1), dtype=torch.long, device=order.device)
+            which.scatter_(2, torch.where(hit, bins, n_bins), candidates)  # [layers, keys, bins + 1]
+            found.append(lowest[..., :n_bins])
+            found_at.append(which[..., :n_bins])
+            order = order.masked_fill(hit, EMPTY_SAMPLE)  # [layers, keys, signs·batch]
+        found = torch.stack(found, dim=-1)  # [layers, keys, bins, S], lowest first
+        which = torch.stack(found_at, dim=-1).view(
+            n_layers, n_keys, n_bins * SAMPLES
+        )  # [layers, keys, bins·S]
+        position = by_key(at).gather(2, which).view(found.shape)  # [layers, keys, bins, S]
+        coefficient = by_key(extreme).gather(2, which).view(found.shape)  # [layers, keys, bins, S]
         # Stable: among empty entries the kept ones come first, so an empty slot keeps what it held (a
         # found empty entry, whose candidate means nothing, is never among the first SAMPLES), as in the
         # compiled fold, which never writes an empty slot.
-        orders = torch.cat([self.sample_order[layer], found], dim=-1)  # [keys, bins, 2S]
-        slot = _first_of_stable_sort(orders, SAMPLES)  # [keys, bins, S]: 0 … S − 1 kept, S … 2S − 1 found
-        positions = torch.cat([self.sample_position[layer], position.to(torch.int16)], dim=-1)
-        coefficients = torch.cat([self.sample_coefficient[layer], coefficient], dim=-1)
-        self.sample_order[layer] = orders.gather(-1, slot)  # [keys, bins, S]
-        self.sample_position[layer] = positions.gather(-1, slot)  # [keys, bins, S]
-        self.sample_coefficient[layer] = coefficients.gather(-1, slot)  # [keys, bins, S]
+        orders = torch.cat([self.sample_order[layers], found], dim=-1)  # [layers, keys, bins, 2S]
+        slot = _first_of_stable_sort(orders, SAMPLES)  # [layers, keys, bins, S]: 0 … S − 1 kept, S … found
+        positions = torch.cat([self.sample_position[layers], position.to(torch.int16)], dim=-1)
+        coefficients = torch.cat([self.sample_coefficient[layers], coefficient], dim=-1)
+        self.sample_order[layers] = orders.gather(-1, slot)  # [layers, keys, bins, S]
+        self.sample_position[layers] = positions.gather(-1, slot)  # [layers, keys, bins, S]
+        self.sample_coefficient[layers] = coefficients.gather(-1, slot)  # [layers, keys, bins, S]
 
     def count(self, batch: Batch) -> None:
         """Count a batch's positions and sentences once (after its layers were folded in)."""
+        if self._pending:
+            self._fold_pending()
         self.positions += int(batch.mined.sum())
         self.sentences += len(batch.sentence_index)
 
@@ -376,12 +444,15 @@ def _unpack(order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, torch.where(tie == 0, -1, 0xFFFFFFFF - tie)
 
 
-def _priority(sentence: torch.Tensor, layer: int, n_keys: int) -> torch.Tensor:
-    """A pseudo-random 31-bit number per (key, sentence) of `layer`: [keys, n] int64, the same in every
-    batch, shard and device, so the band samples do not depend on how the corpus was split. A
-    multiply–xorshift hash in int64 arithmetic that never overflows."""
-    memory = torch.arange(n_keys, device=sentence.device) + layer * n_keys  # [keys]
-    x = (sentence[None, :] * 2654435761 % 2**32) ^ (memory[:, None] * 2246822519 % 2**32)  # [keys, n]
+def _priority(sentence: torch.Tensor, layers: int | slice, n_keys: int) -> torch.Tensor:
+    """A pseudo-random 31-bit number per (key, sentence) of a layer ([keys, n] int64) or of consecutive
+    layers ([layers, keys, n]), the same in every batch, shard and device, so the band samples do not
+    depend on how the corpus was split. A multiply–xorshift hash in int64 arithmetic that never overflows."""
+    if isinstance(layers, int):
+        return _priority(sentence, slice(layers, layers + 1), n_keys)[0]
+    memory = torch.arange(layers.start * n_keys, layers.stop * n_keys, device=sentence.device)
+    memory = memory.view(-1, n_keys)  # [layers, keys]
+    x = (sentence * 2654435761 % 2**32) ^ (memory[..., None] * 2246822519 % 2**32)  # [layers, keys, n]
     x = x ^ (x >> 16)
     x = x * 0x45D9F3B % 2**32
     x = x ^ (x >> 16)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ffmem.engine import mining
 from ffmem.engine.corpus import Batch
 from ffmem.engine.mining import MiningState
 
@@ -52,13 +53,23 @@ def as_batch(mined: np.ndarray, sentence: np.ndarray) -> Batch:
     return Batch(ids, torch.from_numpy(mined).long(), torch.from_numpy(mined), torch.from_numpy(sentence))
 
 
+class Grouped(MiningState):
+    """The state of a GPU on the CPU: each layer gathered into groups of consecutive layers (`_gather`,
+    what `update` does on every device but the CPU), a group folded at once by the torch fold."""
+
+    def update(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
+        self._gather(layer, coefficients, batch)
+
+
 def mine(batches, n_layers: int, n_keys: int, top_k: int, fold: str) -> MiningState:
-    """Every batch's layers through `fold`: "update" (compiled, on a CPU) or "fold_tensors" (torch)."""
-    state = MiningState(n_layers, n_keys, top_k)
+    """Every batch's layers through `fold`: "update" (compiled, on a CPU), "fold_tensors" (torch, a layer
+    at a time) or "grouped" (torch, the layers that fit mining.FOLD_BYTES at a time)."""
+    state = (Grouped if fold == "grouped" else MiningState)(n_layers, n_keys, top_k)
+    method = "update" if fold == "grouped" else fold
     for coefficients, mined, sentence in batches:
         batch = as_batch(mined, sentence)
         for layer in range(n_layers):
-            getattr(state, fold)(layer, torch.from_numpy(coefficients[layer]).clone(), batch)
+            getattr(state, method)(layer, torch.from_numpy(coefficients[layer]).clone(), batch)
         state.count(batch)
     return state
 
@@ -161,13 +172,19 @@ def test_the_torch_fold_equals_brute_force(case):
     assert state.sentences == sum(len(sentences) for _, _, sentences in batches)
 
 
+@pytest.mark.parametrize("group_bytes", [None, 1, 2000, 2**30])
 @pytest.mark.parametrize("case", CASES)
-def test_the_torch_fold_gives_the_compiled_folds_state(case):
+def test_the_torch_fold_gives_the_compiled_folds_state(case, group_bytes, monkeypatch):
     """Bit for bit: the same order keys (so sentences and coefficients), positions, histogram and band
-    samples as `update` on a CPU (mining_cpu.fold); the sums up to their order of addition."""
+    samples as `update` on a CPU (mining_cpu.fold); the sums up to their order of addition. A layer at a
+    time (None) and grouped: one layer a group (1 byte), groups of as many as fit 2,000 bytes (each batch's
+    shape its own: 1 to all layers, a last group shorter), or every layer of a batch at once (2^30)."""
     seed, n_layers, n_keys, top_k, n_batches = CASES[case]
     batches = random_batches(seed + 100, n_layers, n_keys, n_batches)
-    compiled, tensors = (mine(batches, n_layers, n_keys, top_k, fold) for fold in ("update", "fold_tensors"))
+    if group_bytes is not None:
+        monkeypatch.setattr(mining, "FOLD_BYTES", group_bytes)
+    torch_fold = "fold_tensors" if group_bytes is None else "grouped"
+    compiled, tensors = (mine(batches, n_layers, n_keys, top_k, fold) for fold in ("update", torch_fold))
     for sign in (1, -1):
         assert torch.equal(compiled.top[sign].order, tensors.top[sign].order), sign
         assert torch.equal(compiled.top[sign].position, tensors.top[sign].position), sign
