@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, func, literal_column, or_, select
+from sqlalchemy import text as sa_text
 from sqlalchemy.orm import Session
 
 from ffmem.store.bulk import bulk_insert
@@ -110,17 +111,32 @@ def get_explanation(*, session: Session, run_id: int, layer: int, key: int) -> E
 
 
 def search_explanations(*, session: Session, run_id: int, text: str, limit: int) -> list[Explanation]:
-    """Explanations whose text contains `text` (any case), the best scored first (unscored last)."""
+    """Explanations whose text contains `text` (any case), the best scored first (unscored last). On
+    SQLite a needle of 3 characters or more is looked up in the trigram index (EXPLANATION_TEXT,
+    migration 0021) first; on Postgres `LIKE` reads the trigram index of lower(text) by itself."""
     needle = stored_text(text).lower()
-    query = (
-        select(Explanation)
-        .where(Explanation.run_id == run_id, func.lower(Explanation.text).contains(needle, autoescape=True))
-        .order_by(
-            or_(Explanation.score.is_(None)), Explanation.score.desc(), Explanation.layer, Explanation.key
-        )
-        .limit(limit)
+    query = select(Explanation).where(
+        Explanation.run_id == run_id, func.lower(Explanation.text).contains(needle, autoescape=True)
     )
-    return list(session.scalars(query))
+    if len(needle) >= 3 and _has_text_index(session):
+        phrase = '"' + needle.replace('"', '""') + '"'  # FTS5: the needle as one phrase, its trigrams
+        found = sa_text(f"SELECT rowid FROM {EXPLANATION_TEXT} WHERE {EXPLANATION_TEXT} MATCH :phrase")
+        query = query.where(literal_column("explanations.rowid").in_(found.bindparams(phrase=phrase)))
+    query = query.order_by(
+        or_(Explanation.score.is_(None)), Explanation.score.desc(), Explanation.layer, Explanation.key
+    )
+    return list(session.scalars(query.limit(limit)))
+
+
+EXPLANATION_TEXT = "explanation_text"  # SQLite's FTS5 trigram table over explanations.text (migration 0021)
+
+
+def _has_text_index(session: Session) -> bool:
+    """Whether this SQLite database has the trigram table (an SQLite without FTS5's trigram has none)."""
+    if session.get_bind().dialect.name != "sqlite":
+        return False
+    exists = sa_text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :name")
+    return session.scalar(exists, {"name": EXPLANATION_TEXT}) is not None
 
 
 def explanation_summary(*, session: Session, run_id: int) -> dict:

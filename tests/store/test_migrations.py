@@ -40,10 +40,16 @@ def _schema(url: str) -> tuple[str | None, list[tuple[str, list, list]]]:
     return revision, tables
 
 
+def _modelled(name, type_, parent_names) -> bool:
+    """Whether the models describe a database object: not the text search's (migration 0021: SQLite's FTS5
+    table over explanations and the tables it keeps, Postgres's trigram index), which only SQL makes."""
+    return not (name or "").startswith("explanation_text") and name != "ix_explanations_text_trigram"
+
+
 def test_migrations_match_the_models(db_url):
     engine = make_engine(db_url)
     with engine.connect() as connection:
-        options = {"compare_type": True, "compare_server_default": True}
+        options = {"compare_type": True, "compare_server_default": True, "include_name": _modelled}
         context = MigrationContext.configure(connection, opts=options)
         differences = compare_metadata(context, Base.metadata)
     engine.dispose()
@@ -53,7 +59,8 @@ def test_migrations_match_the_models(db_url):
 def test_upgrade_reaches_head_and_twice_is_a_no_op(db_url):
     revision, tables = _schema(db_url)
     assert revision == _head()
-    assert {name for name, _, _ in tables} == set(Base.metadata.tables) | {"alembic_version"}
+    modelled = {name for name, _, _ in tables if _modelled(name, "table", {})}
+    assert modelled == set(Base.metadata.tables) | {"alembic_version"}
     upgrade(db_url)
     assert _schema(db_url) == (revision, tables)
 

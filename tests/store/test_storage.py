@@ -393,3 +393,58 @@ def test_deleting_a_model_cascades_to_its_runs(session, model, run):
     session.delete(session.get(LanguageModel, model.id))
     reread(session)
     assert _counts(session) == (0, 0, 0, 0)
+
+
+EXPLAINED = {  # (layer, key): an explanation's text, with LIKE's wildcards, quotes, short and non-ASCII texts
+    (0, 0): "ends in “Paris” 100%",
+    (0, 1): "ends in ' Berlin' after 'capital of'",
+    (0, 2): 'quotes "x" and 50% of _under_scores',
+    (1, 0): "PARISIAN café",
+    (1, 1): "ab",
+    (1, 2): "values: ' paris', ' Rome'",
+}
+
+
+def test_explanations_are_found_by_any_piece_of_their_text_as_by_a_scan(session, run, db_url):
+    from ffmem.store import composition
+
+    rows = [(layer, key, "heuristic", text, 0.1 * key, {}, {}) for (layer, key), text in EXPLAINED.items()]
+    composition.store_explanations(session=session, run_id=run.id, rows=rows)
+    reread(session)
+    dialect = session.get_bind().dialect.name
+    if dialect == "sqlite":  # the trigram table (migration 0021), kept in step by its triggers
+        assert composition._has_text_index(session)
+        matched = text(
+            f"SELECT rowid FROM {composition.EXPLANATION_TEXT} WHERE {composition.EXPLANATION_TEXT} MATCH :q"
+        )
+        assert len(session.scalars(matched, {"q": '"paris"'}).all()) == 3
+    else:  # the trigram index of lower(text), which LIKE reads
+        indexes = session.scalars(
+            text("SELECT indexname FROM pg_indexes WHERE tablename = 'explanations'")
+        ).all()
+        assert "ix_explanations_text_trigram" in indexes
+    for needle in (
+        "paris",
+        "PARIS",
+        "ends in",
+        '"x"',
+        "50%",
+        "_under_",
+        "café",
+        "ab",
+        "b",
+        "' r",
+        "zzz",
+        "%",
+        "_",
+    ):
+        found = composition.search_explanations(session=session, run_id=run.id, text=needle, limit=10)
+        scan = [memory for memory, body in EXPLAINED.items() if needle.lower() in body.lower()]
+        scan.sort(key=lambda memory: (-0.1 * memory[1], memory))  # the best scored first, then by memory
+        assert [(e.layer, e.key) for e in found] == scan, needle
+    assert [(e.layer, e.key) for e in composition.search_explanations(
+        session=session, run_id=run.id, text="paris", limit=2)] == [(1, 2), (0, 0)]  # fmt: skip
+    runs.delete_run(session=session, run_id=run.id)
+    reread(session)
+    if dialect == "sqlite":  # a deleted run's explanations leave the index too
+        assert session.scalars(matched, {"q": '"paris"'}).all() == []
