@@ -448,3 +448,27 @@ def test_explanations_are_found_by_any_piece_of_their_text_as_by_a_scan(session,
     reread(session)
     if dialect == "sqlite":  # a deleted run's explanations leave the index too
         assert session.scalars(matched, {"q": '"paris"'}).all() == []
+
+
+@pytest.mark.parametrize("far", [False, True])
+def test_the_keys_promoting_a_token_are_those_whose_value_lists_hold_it(session, run, far):
+    """The byte search keeps candidates only: a logit whose bytes hold the id's (3.14159 is D0 0F 49 40,
+    so id 0x4049 as two bytes) is no hit; ids past 65,535 are stored in four bytes."""
+    shift = 0x10000 if far else 0  # far: a layer of 4-byte ids
+    target, other = 0x4049 + shift, 7 + shift
+    token_ids = np.array(
+        [[other, target], [other, other + 1], [target, other], [other + 2, other]]
+    )  # [keys, n]
+    logits = np.array([[5.0, 2.0], [3.14159, 1.0], [2.0, 1.0], [0.5, 0.25]], dtype=np.float32)
+    memory_writes.store_value_tokens(
+        session=session, run_id=run.id, layer=1, readout="raw", direction=1,
+        token_ids=token_ids, logits=logits, log_z=np.zeros(4, np.float32),
+    )  # fmt: skip
+    reread(session)
+    keys = memory_reads.promoting_keys
+    assert keys(session=session, run_id=run.id, layer=1, token_ids=[target]) == [0, 2]
+    assert keys(session=session, run_id=run.id, layer=1, token_ids=[target, other + 2]) == [0, 2, 3]
+    assert keys(session=session, run_id=run.id, layer=1, token_ids=[other + 3]) == []
+    assert keys(session=session, run_id=run.id, layer=0, token_ids=[target]) == []  # another layer
+    assert keys(session=session, run_id=run.id, layer=1, token_ids=[]) == []
+    assert keys(session=session, run_id=run.id, layer=1, token_ids=[target], readout="norm") == []
