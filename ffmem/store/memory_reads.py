@@ -233,7 +233,9 @@ def layer_keys(
         where.append(KeyStats.key.in_(keys))
     total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
     column = getattr(KeyStats, sort)
-    ordering = [column.is_(None), column.desc() if descending else column.asc(), KeyStats.key.asc()]
+    ordering = [column.desc() if descending else column.asc()]  # by key: the primary key's order, no sort
+    if sort != "key":  # a statistic: NULLs last (`IS NULL` sorts false first on both databases), ties by key
+        ordering = [column.is_(None), *ordering, KeyStats.key.asc()]
     query = select(KeyStats).where(*where).order_by(*ordering).offset(offset).limit(limit)
     return total, list(session.scalars(query))
 
