@@ -64,12 +64,13 @@ def test_start_a_run_from_the_browser(client, tmp_path):
         "max_sentence_tokens": 128,
         "first_position": False,
         "batch_tokens": 4096,
-        "shard_sentences": 2048,
+        "shard_sentences": 0,
         "value_tokens": 30,
         "token_memories": 32,
     }
     page = client.get("/jobs/1").text
     assert 'hx-trigger="every 1s"' in page and "waiting for a worker" in page
+    assert "<dt>sentences a shard</dt><dd>sized by the model</dd>" in page
     assert start(client).headers["location"] == "/jobs/1"  # the same run is not queued twice
     home = client.get("/.json").json()
     assert [j["id"] for j in home["jobs"]] == [1]
