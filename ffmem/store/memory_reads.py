@@ -247,12 +247,29 @@ def layer_keys(
         )
         where.append(KeyStats.key.in_(keys))
     total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
+    # A page nearer the end is read from the other end in the reverse order: the database's sort of a
+    # page keeps offset + limit rows (a late page of 14,336 keys: all of them), from the end only the few.
+    from_end = offset > total - offset - limit
+    if from_end:
+        offset, limit = max(total - offset - limit, 0), max(min(limit, total - offset), 0)
+    query = select(KeyStats).where(*where).order_by(*_key_order(sort, descending, reverse=from_end))
+    page = list(session.scalars(query.offset(offset).limit(limit)))
+    return total, page[::-1] if from_end else page
+
+
+def _key_order(sort: str, descending: bool, *, reverse: bool) -> list:
+    """The layer table's order (`reverse`: backwards): by key, the primary key's (no sort); by a
+    statistic, NULLs last (`IS NULL` sorts false first on both databases), then it, then the key."""
     column = getattr(KeyStats, sort)
-    ordering = [column.desc() if descending else column.asc()]  # by key: the primary key's order, no sort
-    if sort != "key":  # a statistic: NULLs last (`IS NULL` sorts false first on both databases), ties by key
-        ordering = [column.is_(None), *ordering, KeyStats.key.asc()]
-    query = select(KeyStats).where(*where).order_by(*ordering).offset(offset).limit(limit)
-    return total, list(session.scalars(query))
+    ordering = [column.desc() if descending != reverse else column.asc()]
+    if sort != "key":
+        nulls = column.is_(None)
+        ordering = [
+            nulls.desc() if reverse else nulls,
+            *ordering,
+            KeyStats.key.desc() if reverse else KeyStats.key,
+        ]
+    return ordering
 
 
 def promoting_keys(

@@ -472,3 +472,34 @@ def test_the_keys_promoting_a_token_are_those_whose_value_lists_hold_it(session,
     assert keys(session=session, run_id=run.id, layer=0, token_ids=[target]) == []  # another layer
     assert keys(session=session, run_id=run.id, layer=1, token_ids=[]) == []
     assert keys(session=session, run_id=run.id, layer=1, token_ids=[target], readout="norm") == []
+
+
+def test_every_page_of_a_layer_in_every_order_from_either_end(session, run):
+    """Pages past the middle are read backwards from the end: each page equals a slice of the full order
+    (NULLs last, ties by key), on both databases."""
+    rng = np.random.default_rng(2)
+    n = 11
+    stats = {name: np.resize(values, n) for name, values in three_key_stats().items()}
+    stats["histogram"] = np.zeros((n, 2), dtype=np.int64)
+    stats["max_coefficient"] = rng.choice([1.0, 2.0, np.nan], size=n)  # ties and NULLs
+    stats["positive_share"] = rng.random(n)
+    memory_writes.store_key_stats(session=session, run_id=run.id, layer=0, **stats)
+    reread(session)
+    for sort in ("key", "max_coefficient", "positive_share"):
+        value = np.arange(n, dtype=float) if sort == "key" else stats[sort]
+        for descending in (False, True):
+            missing = np.isnan(value)
+            primary = np.where(missing, 0.0, -value if descending else value)
+            expected = np.lexsort((np.arange(n), primary, missing)).tolist()
+            for per_page in (1, 3, 4, 11, 20):
+                for offset in range(0, n + per_page, per_page):
+                    total, page = memory_reads.layer_keys(
+                        session=session, run_id=run.id, layer=0, sort=sort, descending=descending,
+                        offset=offset, limit=per_page,
+                    )  # fmt: skip
+                    assert total == n
+                    assert [s.key for s in page] == expected[offset : offset + per_page], (
+                        sort,
+                        per_page,
+                        offset,
+                    )

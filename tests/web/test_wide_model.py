@@ -157,6 +157,21 @@ def test_the_layer_page_sorts_every_column_past_its_first_pages(client, last_lay
         assert [row["key"] for row in page["keys"]] == expected[100:150], (sort, order)
     last = json_of(client, f"{M}/layers/{LAST}.json", sort=sort, order="desc", page=SHAPE.n_keys // 50)
     assert [row["key"] for row in last["keys"]] == expected_order(last_layer.stats, sort, True)[-50:]
+    # pages past the middle are read from the other end: a short last page and the one before it
+    per_page = 37
+    pages = -(-SHAPE.n_keys // per_page)
+    for order in ("asc", "desc"):
+        expected = expected_order(last_layer.stats, sort, order == "desc")
+        for number in (pages - 1, pages):
+            page = json_of(
+                client, f"{M}/layers/{LAST}.json", sort=sort, order=order, page=number, per_page=per_page
+            )
+            start = (number - 1) * per_page
+            assert [row["key"] for row in page["keys"]] == expected[start : start + per_page], (
+                sort,
+                order,
+                number,
+            )
 
 
 def test_the_layer_page_filtered_by_a_token_near_the_vocabulary_end(client, last_layer):
