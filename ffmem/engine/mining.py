@@ -203,21 +203,15 @@ class MiningState:
         # Unmined positions first hold their row's first mined coefficient, which changes neither its
         # maximum nor its minimum. Where an extreme's first occurrence is such a copy, its first mined
         # occurrence is the anchor: the anchor holds that value and no mined position comes before it.
-        first = c.gather(
-            2, anchor[None, :, None, None].expand(n_layers, -1, 1, n_keys)
-        )  # [layers, batch, 1, keys]
+        at_anchor = anchor[None, :, None, None].expand(n_layers, -1, 1, n_keys)  # [layers, batch, 1, keys]
+        first = c.gather(2, at_anchor)  # [layers, batch, 1, keys]
         torch.where(mined, c, first, out=c)
         (high, high_at), (low, low_at) = c.max(dim=2), c.min(dim=2)  # [layers, batch, keys] each
-        extreme = torch.stack([high, low])  # [signs, layers, batch, keys]: the maximum (+1), the minimum (−1)
-        at = torch.stack(
-            [high_at, low_at]
-        )  # [signs, layers, batch, keys]: where each first is (torch.max's rule)
-        at_mined = batch.mined.expand(len(SIGNS), n_layers, -1, -1).gather(
-            3, at
-        )  # [signs, layers, batch, keys]
-        at = torch.where(
-            at_mined, at, anchor[:, None]
-        )  # [signs, layers, batch, keys]: first mined occurrence
+        # [signs, layers, batch, keys] each: the maximum (+1) and the minimum (−1), where each first is
+        # (torch.max's rule), whether that is a mined position, and so its first mined occurrence
+        extreme, at = torch.stack([high, low]), torch.stack([high_at, low_at])
+        at_mined = batch.mined.expand(len(SIGNS), n_layers, -1, -1).gather(3, at)
+        at = torch.where(at_mined, at, anchor[:, None])
         # best: s·extreme. A sentence with no mined position has best −inf; its sentence −1 then gives
         # it the empty slot's order key (and position 0: its anchor), so it never ranks above an empty slot.
         best = torch.stack([high, low.neg()]).masked_fill_(~has_mined[:, None], float("-inf"))
@@ -240,17 +234,12 @@ class MiningState:
         the histogram's bins: two cheap passes over the coefficients, not ten.
         """
         n_layers, n_keys = c.shape[0], self.n_keys
-        codes = _scratch(
-            self._workspace, "codes", c.shape, torch.int32, c.device
-        )  # [layers, batch, pos, keys]
+        codes = _scratch(self._workspace, "codes", c.shape, torch.int32, c.device)  # like c
         torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes)  # −256 … 255
-        offsets = self._key_offsets + (
-            torch.arange(n_layers, dtype=torch.int32, device=c.device)[:, None] * (n_keys * CODE_STRIDE)
-        )  # [layers, keys]: each layer's keys after the last's
+        layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=c.device) * (n_keys * CODE_STRIDE)
+        offsets = self._key_offsets + layer_offsets[:, None]  # [layers, keys]: each layer after the last
         codes = codes.view(n_layers, -1, n_keys).add_(offsets[:, None])  # [layers, batch·pos, keys]
-        ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(
-            codes.numel()
-        )  # [layers·batch·pos·keys]
+        ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(codes.numel())  # [codes]
         by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
         by_code.index_add_(0, codes.view(-1), ones)  # [layers · keys · CODE_STRIDE]
         by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
@@ -266,15 +255,12 @@ class MiningState:
         keys are unique but for the empty slot's, whose position is 0 wherever it is, so ties do not
         change the state."""
         kept_order = torch.stack([self.top[sign].order[layers] for sign in SIGNS])  # [signs, layers, keys, T]
-        kept_position = torch.stack(
-            [self.top[sign].position[layers] for sign in SIGNS]
-        )  # [signs, layers, keys, T]
+        kept_position = torch.stack([self.top[sign].position[layers] for sign in SIGNS])  # like kept_order
         new = _order_key(best.transpose(2, 3), sentence)  # [signs, layers, keys, batch]
         merged = torch.cat([kept_order, new], dim=3)  # [signs, layers, keys, T + batch]
         kept, index = merged.topk(self.top_k, dim=3)  # [signs, layers, keys, T] each, best first
-        position = torch.cat([kept_position, at.transpose(2, 3)], dim=3).gather(
-            3, index
-        )  # [signs, layers, keys, T]
+        positions = torch.cat([kept_position, at.transpose(2, 3)], dim=3)  # [signs, layers, keys, T + batch]
+        position = positions.gather(3, index)  # [signs, layers, keys, T]
         for i, sign in enumerate(SIGNS):
             self.top[sign].order[layers] = kept[i]
             self.top[sign].position[layers] = position[i]
@@ -298,36 +284,27 @@ class MiningState:
         """
         n_bins, n_layers, n_keys = N_BINS, extreme.shape[1], self.n_keys
 
-        def by_key(
-            x: torch.Tensor,
-        ) -> torch.Tensor:  # [signs, layers, batch, keys] → [layers, keys, signs·batch]
-            return x.permute(1, 3, 0, 2).reshape(n_layers, n_keys, -1)
+        def by_key(x: torch.Tensor) -> torch.Tensor:
+            return x.permute(1, 3, 0, 2).reshape(n_layers, n_keys, -1)  # [layers, keys, signs·batch]
 
         useful = by_key((best > 0) & torch.isfinite(best))  # not −inf (nothing mined), not NaN
         bins = by_key(histogram_bins(extreme).long()).masked_fill(~useful, n_bins)  # n_bins: no bin
-        order = torch.where(
-            useful, sample_key.repeat(1, 1, len(SIGNS)), EMPTY_SAMPLE
-        )  # [layers, keys, signs·batch]
+        order = torch.where(useful, sample_key.repeat(1, 1, len(SIGNS)), EMPTY_SAMPLE)  # like useful
         candidates = torch.arange(order.shape[2], device=order.device)  # [signs·batch]
         candidates = candidates.expand(n_layers, n_keys, -1)  # [layers, keys, signs·batch]
         found, found_at = [], []  # per round: [layers, keys, bins] each
         for _ in range(SAMPLES):
-            lowest = torch.full(
-                (n_layers, n_keys, n_bins + 1), EMPTY_SAMPLE, dtype=torch.long, device=order.device
-            )
+            cells = (n_layers, n_keys, n_bins + 1)
+            lowest = torch.full(cells, EMPTY_SAMPLE, dtype=torch.long, device=order.device)
             lowest.scatter_reduce_(2, bins, order, "amin")  # [layers, keys, bins + 1]
-            hit = order == lowest.gather(
-                2, bins
-            )  # [layers, keys, signs·batch]: each cell's lowest (or none left)
-            which = torch.zeros((n_layers, n_keys, n_bins + 1), dtype=torch.long, device=order.device)
+            hit = order == lowest.gather(2, bins)  # like order: each cell's lowest (or none left)
+            which = torch.zeros(cells, dtype=torch.long, device=order.device)
             which.scatter_(2, torch.where(hit, bins, n_bins), candidates)  # [layers, keys, bins + 1]
             found.append(lowest[..., :n_bins])
             found_at.append(which[..., :n_bins])
             order = order.masked_fill(hit, EMPTY_SAMPLE)  # [layers, keys, signs·batch]
         found = torch.stack(found, dim=-1)  # [layers, keys, bins, S], lowest first
-        which = torch.stack(found_at, dim=-1).view(
-            n_layers, n_keys, n_bins * SAMPLES
-        )  # [layers, keys, bins·S]
+        which = torch.stack(found_at, dim=-1).view(n_layers, n_keys, -1)  # [layers, keys, bins·S]
         position = by_key(at).gather(2, which).view(found.shape)  # [layers, keys, bins, S]
         coefficient = by_key(extreme).gather(2, which).view(found.shape)  # [layers, keys, bins, S]
         # Stable: among empty entries the kept ones come first, so an empty slot keeps what it held (a
