@@ -55,3 +55,32 @@ def test_a_wrong_count_of_sentences_is_refused(arrays, read, lengths):
 def test_more_tokens_than_stored_are_refused(arrays):
     with pytest.raises(ValueError, match="does not match these sentences"):
         stored(arrays).sample_shading([100, 1, 1])
+
+
+def one_sentence_at_a_time(sentences) -> bytes:
+    """encode_shading's bytes as written out sentence by sentence (steps, then codes, deflated)."""
+    import zlib
+
+    steps, codes = [], []
+    for values in sentences:
+        values = np.asarray(values, np.float32)
+        mined = ~np.isnan(values)
+        step = np.float32((float(np.abs(values[mined]).max()) if mined.any() else 0.0) / 127)
+        scaled = [np.rint(v / step) if m and step > 0 else 0.0 for v, m in zip(values, mined, strict=True)]
+        codes += [int(np.clip(s, -127, 127)) if m else -128 for s, m in zip(scaled, mined, strict=True)]
+        steps.append(step)
+    return zlib.compress(np.array(steps, np.float32).tobytes() + np.array(codes, np.int8).tobytes())
+
+
+def test_the_shading_of_many_sentences_at_once_equals_one_at_a_time():
+    rng = np.random.default_rng(4)
+    sentences = [
+        rng.normal(scale=10.0 ** rng.integers(-3, 3), size=n).astype(np.float32)
+        for n in rng.integers(0, 9, 60)
+    ]
+    sentences[3] = np.full(4, np.nan, np.float32)  # nothing mined
+    sentences[5] = np.zeros(0, np.float32)  # empty, between others
+    sentences[7][::2] = np.nan
+    sentences[9] = np.zeros(3, np.float32)  # nothing to shade
+    for part in (sentences, sentences[:1], [np.zeros(0, np.float32)], []):
+        assert encode_shading(part) == one_sentence_at_a_time(part)
