@@ -62,6 +62,21 @@ def encode_bands(samples: Sequence[BandSample]) -> bytes:
     return np.array([(s.bin, s.sentence_index, s.position, s.coefficient) for s in samples], BAND).tobytes()
 
 
+def layer_bands(mined: MinedLayer) -> list[bytes]:
+    """Every key's band samples as encode_bands packs them (by bin, then slot), the layer at once."""
+    sentence = mined.sample_sentence  # [keys, bins, S]
+    present = sentence >= 0  # [keys, bins, S]
+    _, bins, _ = np.nonzero(present)  # row-major: by key, bin, slot, as boolean indexing reads them
+    records = np.empty(len(bins), BAND)  # [samples]
+    records["bin"], records["sentence_index"] = bins, sentence[present]
+    records["position"], records["coefficient"] = (
+        mined.sample_position[present],
+        mined.sample_coefficient[present],
+    )
+    counts = present.reshape(len(present), -1).sum(axis=1)  # [keys]
+    return [part.tobytes() for part in np.split(records, np.cumsum(counts)[:-1])]
+
+
 def decode_bands(data: bytes) -> list[BandSample]:
     """The band samples a `bands` blob holds, in order."""
     return [BandSample(int(b), int(s), int(p), float(c)) for b, s, p, c in np.frombuffer(data, BAND).tolist()]
@@ -126,13 +141,11 @@ def store_key_examples(
     len(positive[key]) positive and len(negative[key]) negative triggers and of each sample (arrays, one
     per sentence, in samples_of's order; encode_shading packs them). Returns the shading's bytes."""
     rows, size = [], 0
-    sentence = mined.sample_sentence  # [keys, bins, S]
-    for key in range(mined.histogram.shape[0]):
-        found = _samples(mined, key, sentence[key])
-        assert len(samples[key]) == len(found), "one shading per band sample"
+    for key, bands in enumerate(layer_bands(mined)):
+        assert len(samples[key]) * BAND.itemsize == len(bands), "one shading per band sample"
         shading = encode_shading([*positive[key], *negative[key], *samples[key]])
         size += len(shading)
-        rows.append((key, encode_bands(found), len(positive[key]), len(negative[key]), shading))
+        rows.append((key, bands, len(positive[key]), len(negative[key]), shading))
     columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading")
     bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
     return size

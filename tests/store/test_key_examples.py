@@ -84,3 +84,28 @@ def test_the_shading_of_many_sentences_at_once_equals_one_at_a_time():
     sentences[9] = np.zeros(3, np.float32)  # nothing to shade
     for part in (sentences, sentences[:1], [np.zeros(0, np.float32)], []):
         assert encode_shading(part) == one_sentence_at_a_time(part)
+
+
+def test_a_layers_band_samples_packed_at_once_equal_each_keys_packed_alone():
+    from ffmem.engine.mined_layer import EMPTY_SAMPLE, MinedLayer
+    from ffmem.store.key_examples import encode_bands, layer_bands, samples_of
+
+    rng = np.random.default_rng(3)
+    keys, bins, slots = 6, 43, 2
+    order = rng.integers(0, 2**31, (keys, bins, slots)) << 32 | rng.integers(0, 10**6, (keys, bins, slots))
+    order[rng.random((keys, bins, slots)) < 0.7] = EMPTY_SAMPLE  # most cells empty
+    order[2] = EMPTY_SAMPLE  # a key with no sample at all
+    mined = MinedLayer(
+        coefficient={s: np.zeros((keys, 1), np.float32) for s in (1, -1)},
+        sentence={s: np.full((keys, 1), -1) for s in (1, -1)},
+        position={s: np.zeros((keys, 1), np.int64) for s in (1, -1)},
+        histogram=np.zeros((keys, bins), np.int64),
+        total=np.zeros(keys),
+        positions=0,
+        sentences=0,
+        sample_order=order,
+        sample_position=rng.integers(0, 300, (keys, bins, slots)).astype(np.int16),
+        sample_coefficient=rng.normal(size=(keys, bins, slots)).astype(np.float32),
+    )
+    packed = layer_bands(mined)
+    assert packed == [encode_bands(samples_of(mined, key)) for key in range(keys)] and packed[2] == b""
