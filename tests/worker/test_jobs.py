@@ -113,7 +113,8 @@ def test_a_failed_run_keeps_its_error_and_a_retry_finishes_it(
 @pytest.mark.slow
 def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_model_dir, big_corpus):
     url = f"sqlite:///{tmp_path / 'killed.db'}"
-    env = env_for(tmp_path, checkpoint_batches=2, shard_sentences=64)  # 7 shards of ~16 batches
+    # 4 shards of ~32 batches: the kill must land while a shard is part-way, a window of ~30 batches
+    env = env_for(tmp_path, checkpoint_batches=2, shard_sentences=128)
     command = [
         "index",
         "--model",
@@ -160,7 +161,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_m
         assert len(session.scalars(select(Run)).all()) == 1
         result = stored_rows(session, 1)
     engine.dispose()
-    same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus, shard_sentences=64))
+    same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus, shard_sentences=128))
     again = cli(*command, env=env, timeout=300)
     assert "already indexes" in again.stdout and "--again" in again.stdout
 
