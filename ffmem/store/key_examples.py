@@ -33,12 +33,7 @@ class BandSample:
 
 def samples_of(mined: MinedLayer, key: int) -> list[BandSample]:
     """A key's band samples in a mined layer, by bin then slot."""
-    return _samples(mined, key, mined.sample_sentence[key])
-
-
-def _samples(mined: MinedLayer, key: int, sentence: np.ndarray) -> list[BandSample]:
-    """A key's band samples, given its row of the layer's sample_sentence ([bins, S]): a layer's rows are
-    read off one sample_sentence (a property over every key), not one per key."""
+    sentence = mined.sample_sentence[key]  # [bins, S]
     bins, slots = np.nonzero(sentence >= 0)  # row-major: by bin, then slot
     return [
         BandSample(
@@ -57,13 +52,9 @@ NOT_MINED = -128  # the int8 code of NaN (a position the run does not mine); the
 STEPS = 127  # codes on each side of 0: a sentence's step is its largest |m| / 127
 
 
-def encode_bands(samples: Sequence[BandSample]) -> bytes:
-    """Band samples as BAND records, in their order."""
-    return np.array([(s.bin, s.sentence_index, s.position, s.coefficient) for s in samples], BAND).tobytes()
-
-
 def layer_bands(mined: MinedLayer) -> list[bytes]:
-    """Every key's band samples as encode_bands packs them (by bin, then slot), the layer at once."""
+    """Every key's band samples as BAND records (by bin, then slot; decode_bands reads them), the layer
+    at once."""
     sentence = mined.sample_sentence  # [keys, bins, S]
     present = sentence >= 0  # [keys, bins, S]
     _, bins, _ = np.nonzero(present)  # row-major: by key, bin, slot, as boolean indexing reads them
