@@ -250,6 +250,13 @@ class KeyStats(Base):
     first_token_change: Mapped[float | None] = mapped_column(Float)
     last_token_change: Mapped[float | None] = mapped_column(Float)
     shallowness: Mapped[float | None] = mapped_column(Float)
+    # Added in 0022, gated FFs only (NULL otherwise): the share of mined positions in each sign quadrant of
+    # (gate act(x·g), input x·u), p: ≥ 0, n: < 0, the gate's sign first; the largest's number (0 … 3).
+    quadrant_pp: Mapped[float | None] = mapped_column(Float)
+    quadrant_pn: Mapped[float | None] = mapped_column(Float)
+    quadrant_np: Mapped[float | None] = mapped_column(Float)
+    quadrant_nn: Mapped[float | None] = mapped_column(Float)
+    dominant_quadrant: Mapped[int | None] = mapped_column(SmallInteger)
 
 
 class Job(Base):
@@ -422,6 +429,20 @@ class KeyExamples(Base):
     positive: Mapped[int] = mapped_column(SmallInteger)  # shaded positive triggers (ranks 0 … n−1)
     negative: Mapped[int] = mapped_column(SmallInteger)  # shaded negative triggers
     shading: Mapped[bytes] = mapped_column(LargeBinary)
+    # Added in 0022, gated FFs only: the top examples of each sign quadrant (key_examples.QUADRANT_EXAMPLE).
+    quadrants: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class ValueHistogram(Base):
+    """A memory's value v_i read over the whole vocabulary: the histogram of its logits v_i·E under each
+    readout (ffmem.store.value_histograms packs both; revision 0022), what the key page's statistics draw."""
+
+    __tablename__ = "value_histograms"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
 
 
 class Neighbours(Base):
