@@ -4,9 +4,11 @@
     python bench/mining_ratio.py --primed 2000 --sentences 500 --repeats 3
 
 Per round: the bare backbone forward, mining with `ffmem/engine/mining.py` as of git revision `--against`,
-and mining with the working tree's, in alternating order on the same batches; prints each round and the
-medians (wall and process CPU time), after one uncounted bare forward. On a shared machine only such
-interleaved ratios mean anything. With `--primed N`, each mining run starts from the state of the
+mining with the working tree's, and — for a gated model — the working tree's with the sign quadrants
+(`quadrants`; its time over `now`'s is what they cost, target ≤ 1.10), in alternating order on the same
+batches; prints each round and the medians (wall and process CPU time), after one uncounted bare forward.
+On a shared machine only such interleaved ratios mean anything. With `--primed N`, each mining run starts
+from the state of the
 corpus's first N sentences (mined once per bookkeeping, not timed) and mines the next `--sentences`:
 the steady state that most of a whole-corpus run is, where few sentences still enter a key's top-T.
 `--against` defaults to 2e3824d, the last torch bookkeeping on a CPU (today's runs the compiled fold,
@@ -61,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sentences", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--against", default="2e3824d", help="git revision of the older mining.py")
+    parser.add_argument("--against", default="2e3824d", help='git revision of the older mining.py ("": none)')
     parser.add_argument("--primed", type=int, default=0, help="sentences mined before, not timed")
     args = parser.parse_args()
     settings = get_settings()
@@ -78,7 +80,6 @@ def main() -> None:
         f"{len(batches)} batches, {tokens} tokens after {len(primer)} batches of {args.primed} primed "
         f"sentences, {torch.get_num_threads()} threads"
     )
-    then = mining_at(args.against)
 
     def bare() -> None:
         with torch.inference_mode():
@@ -87,8 +88,10 @@ def main() -> None:
                     input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False
                 )
 
-    def miner(module):
-        primed = module.MiningState(loaded.n_layers, loaded.n_keys, settings.top_k, device=loaded.device)
+    def miner(module, **gated):
+        primed = module.MiningState(
+            loaded.n_layers, loaded.n_keys, settings.top_k, device=loaded.device, **gated
+        )
         module.mine_batches(loaded, primer, primed)
 
         def run() -> None:
@@ -96,7 +99,11 @@ def main() -> None:
 
         return run
 
-    runs = {"bare": bare, "then": miner(then), "now": miner(mining)}
+    runs = {"bare": bare, "now": miner(mining)}
+    if args.against:
+        runs["then"] = miner(mining_at(args.against))
+    if loaded.adapter.gates is not None:
+        runs["quadrants"] = miner(mining, gated=True)
     bare()  # warm-up, not counted: the first forward after loading is much slower
     wall = {name: [] for name in runs}
     cpu = {name: [] for name in runs}
@@ -110,18 +117,24 @@ def main() -> None:
         print(
             f"round {round_}: "
             + ", ".join(f"{name} {t:.2f} s" for name, t in last.items())
-            + f"; over bare: then {last['bare'] / last['then']:.3f}, now {last['bare'] / last['now']:.3f}"
+            + "; over bare: "
+            + ", ".join(f"{name} {last['bare'] / t:.3f}" for name, t in last.items() if name != "bare")
+            + (f"; quadrants over now {last['quadrants'] / last['now']:.3f}" if "quadrants" in last else "")
         )
     figures = {"against": args.against, "primed": args.primed, "batches": len(batches), "tokens": tokens}
     for label, times in (("wall", wall), ("cpu", cpu)):
         m = {name: statistics.median(t) for name, t in times.items()}
         print(
-            f"median {label}: bare {m['bare']:.2f} s, then {m['then']:.2f} s, now {m['now']:.2f} s; "
-            f"mining over the bare backbone forward: then {m['bare'] / m['then']:.3f}, "
-            f"now {m['bare'] / m['now']:.3f}"
+            f"median {label}: "
+            + ", ".join(f"{name} {t:.2f} s" for name, t in m.items())
+            + "; mining over the bare backbone forward: "
+            + ", ".join(f"{name} {m['bare'] / t:.3f}" for name, t in m.items() if name != "bare")
         )
         figures[label] = {name: round(seconds, 2) for name, seconds in m.items()}
-        figures[f"{label}_ratio"] = {name: round(m["bare"] / m[name], 3) for name in ("then", "now")}
+        figures[f"{label}_ratio"] = {name: round(m["bare"] / m[name], 3) for name in runs if name != "bare"}
+        if "quadrants" in m:
+            print(f"quadrants: {m['quadrants'] / m['now']:.3f}× the mining without them ({label})")
+            figures[f"{label}_quadrants_cost"] = round(m["quadrants"] / m["now"], 3)
     record("mining_steady" if args.primed else "mining_filling", figures)
 
 

@@ -5,6 +5,8 @@ Per layer ℓ, after one forward pass inside the block:
 - captured.ff_output[ℓ]     y = m·V (+ b): the FF output                   [batch, pos, d]
 - captured.residual[ℓ]      r: the residual stream the FF adds to          [batch, pos, d]
 - captured.layer_output[ℓ]  o = r + y: the block's output                  [batch, pos, d]
+- captured.inputs[ℓ]        x·u: a gated FF's input (up) projection        [batch, pos, d_ff]
+                            (m = act(x·g)·(x·u)); only for gated FFs
 For parallel blocks (GPT-J, Pythia) r is the residual plus attention, i.e. o − y.
 Hooks are removed when the block exits, also after an exception.
 """
@@ -19,8 +21,9 @@ import torch
 from torch import nn
 
 from ffmem.engine.adapters import Adapter
+from ffmem.engine.adapters.base import resolve
 
-FIELDS = ("coefficients", "ff_output", "residual", "layer_output")
+FIELDS = ("coefficients", "ff_output", "residual", "layer_output", "inputs")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Captured:
     ff_output: dict[int, torch.Tensor] = field(default_factory=dict)
     residual: dict[int, torch.Tensor] = field(default_factory=dict)
     layer_output: dict[int, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def clear(self) -> None:
         for name in FIELDS:
@@ -51,7 +55,8 @@ def capture(
 
     With `on_coefficients`, each layer's coefficients are handed to it as soon as the block has
     run, instead of being kept: one layer's [batch, pos, d_ff] is alive at a time, and the callee
-    may overwrite the tensor (the forward pass no longer needs it).
+    may overwrite the tensor (the forward pass no longer needs it). A gated FF's `inputs` of the layer,
+    where captured, are in `captured.inputs` while it runs (and dropped after).
     """
     fields = set(fields)
     unknown = fields - set(FIELDS)
@@ -74,6 +79,9 @@ def capture(
                 )
             if need_y:
                 handles.append(projection.register_forward_hook(_store_output(captured.ff_output, layer)))
+            if "inputs" in fields and adapter.gates is not None:
+                keys = resolve(block, adapter.keys)
+                handles.append(keys.register_forward_hook(_store_output(captured.inputs, layer)))
             norm = adapter.residual_norm(model, block)
             if "residual" in fields and norm is not None:
                 handles.append(norm.register_forward_pre_hook(_store_input(captured.residual, layer)))
@@ -103,7 +111,7 @@ def _store_block_output(
 ):
     def hook(module, inputs, output):
         o = _first(output)  # [batch, pos, d]
-        for store in (captured.coefficients, captured.ff_output, captured.residual):
+        for store in (captured.coefficients, captured.ff_output, captured.residual, captured.inputs):
             if layer in store:  # OPT runs its FF on [batch·pos, ·] rows
                 store[layer] = store[layer].reshape(*o.shape[:-1], -1)  # [batch, pos, d_ff or d]
         if keep_output:
@@ -112,6 +120,7 @@ def _store_block_output(
             captured.residual[layer] = o - captured.ff_output[layer]
         if on_coefficients is not None and layer in captured.coefficients:
             on_coefficients(layer, captured.coefficients.pop(layer))
+            captured.inputs.pop(layer, None)
 
     return hook
 

@@ -21,9 +21,15 @@ SAMPLES = 2  # band samples kept per key and histogram bin
 # A band sample's order key is priority << 32 | sentence (priority: a 31-bit hash of sentence, layer and
 # key); the lowest keys of a bin are kept. An empty slot holds the largest int64, above every real key.
 EMPTY_SAMPLE = np.iinfo(np.int64).max
+# A gated memory's coefficient m = act(x·g)·(x·u) has a gate act(x·g) and an input x·u: its four sign
+# quadrants, the gate's sign first (p: ≥ 0, n: < 0). A position's quadrant number is 2·(gate < 0) + (input
+# < 0); m's sign in each is the product's: + in pp and nn, − in pn and np (so |m| ranks them all).
+QUADRANTS = ("pp", "pn", "np", "nn")
+QUADRANT_SIGNS = (1, -1, -1, 1)
+QUADRANT_EXAMPLES = 8  # top sentences kept per key and quadrant, by |m| there
 # The stored format: one version byte, then an .npz archive. Bump it when the arrays change; a row
 # written before the byte existed starts with the zip signature (b"PK") and is read as version 0.
-FORMAT_VERSION = 2  # 2: band samples
+FORMAT_VERSION = 3  # 2: band samples; 3: gated quadrants
 _ZIP_SIGNATURE = b"PK"
 
 
@@ -82,11 +88,27 @@ class MinedLayer:
     sample_order: np.ndarray  # [keys, bins, SAMPLES] int64, EMPTY_SAMPLE where empty
     sample_position: np.ndarray  # [keys, bins, SAMPLES] int16: where the extreme is
     sample_coefficient: np.ndarray  # [keys, bins, SAMPLES] float32: the extreme
+    # Gated FFs only (None otherwise): per key and quadrant (QUADRANTS) the positions mined in it, and its
+    # top QUADRANT_EXAMPLES sentences by their largest |m| among the quadrant's positions (|m| descending,
+    # then sentence ascending; sentence −1 and coefficient 0 where empty), with the input x·u there.
+    quadrant_count: np.ndarray | None = None  # [keys, 4] int64
+    quadrant_coefficient: np.ndarray | None = None  # [keys, 4, E] float32: m (signed)
+    quadrant_sentence: np.ndarray | None = None  # [keys, 4, E] int32
+    quadrant_position: np.ndarray | None = None  # [keys, 4, E] int16
+    quadrant_input: np.ndarray | None = None  # [keys, 4, E] float32: x·u (the gate is m / (x·u))
 
     @property
     def sample_sentence(self) -> np.ndarray:
         """[keys, bins, SAMPLES] int64: each band sample's sentence, −1 where empty."""
         return np.where(self.sample_order == EMPTY_SAMPLE, -1, self.sample_order & 0xFFFFFFFF)
+
+    @property
+    def gated(self) -> bool:
+        return self.quadrant_count is not None
+
+    def quadrant_shares(self) -> np.ndarray:
+        """[keys, 4]: the share of mined positions in each quadrant (gated layers only)."""
+        return self.quadrant_count / max(self.positions, 1)
 
     @property
     def top_k(self) -> int:
@@ -105,6 +127,8 @@ class MinedLayer:
             arrays[f"coefficient{sign:+d}"] = self.coefficient[sign]
             arrays[f"sentence{sign:+d}"] = self.sentence[sign]
             arrays[f"position{sign:+d}"] = self.position[sign]
+        if self.gated:
+            arrays.update({name: getattr(self, name) for name in QUADRANT_ARRAYS})
         buffer = io.BytesIO()
         buffer.write(bytes([FORMAT_VERSION]))
         np.savez(buffer, **arrays)
@@ -114,8 +138,8 @@ class MinedLayer:
     def from_bytes(cls, data: bytes) -> MinedLayer:
         if data[:2] == _ZIP_SIGNATURE:
             archive = data  # version 0: no version byte, the arrays of version 1
-        elif data[:1] in (b"\x01", bytes([FORMAT_VERSION])):
-            archive = data[1:]  # version 1: no band samples (read as empty)
+        elif data[:1] in (b"\x01", b"\x02", bytes([FORMAT_VERSION])):
+            archive = data[1:]  # version 1: no band samples (read as empty); 2: no quadrants (None)
         else:
             version = data[0] if data else None
             raise MinedFormatError(
@@ -139,6 +163,7 @@ class MinedLayer:
                 positions=positions,
                 sentences=sentences,
                 **samples,
+                **{name: arrays[name] for name in QUADRANT_ARRAYS if name in arrays},
             )
 
     @classmethod
@@ -156,6 +181,7 @@ class MinedLayer:
             coefficient[sign] = sign * np.take_along_axis(values, order, axis=1)
             sentence[sign] = np.take_along_axis(sentences, order, axis=1)
             position[sign] = np.take_along_axis(positions, order, axis=1)
+        quadrants = _merge_quadrants(parts) if first.gated else {}
         sample_order = np.concatenate([p.sample_order for p in parts], axis=-1)  # [keys, bins, Σ S]
         kept = np.argsort(sample_order, axis=-1, kind="stable")[..., :SAMPLES]  # [keys, bins, S]
         return cls(
@@ -173,6 +199,7 @@ class MinedLayer:
                 )
                 for name in ("sample_position", "sample_coefficient")
             },
+            **quadrants,
         )
 
     def mean(self) -> np.ndarray:
@@ -183,6 +210,38 @@ class MinedLayer:
 
     def density(self) -> np.ndarray:
         return density(self.histogram, self.positions)  # [keys]
+
+
+QUADRANT_ARRAYS = (
+    "quadrant_count", "quadrant_coefficient", "quadrant_sentence", "quadrant_position", "quadrant_input"
+)  # fmt: skip
+
+
+def _merge_quadrants(parts: list[MinedLayer]) -> dict[str, np.ndarray]:
+    """The quadrant arrays of merged parts: counts add up; per key and quadrant the top examples of all
+    parts by |m| descending, then sentence ascending, empty slots last."""
+    joined = {
+        name: np.concatenate([getattr(p, name) for p in parts], axis=-1)  # [keys, 4, Σ E]
+        for name in QUADRANT_ARRAYS[1:]
+    }
+    sentence = joined["quadrant_sentence"]
+    tie = np.where(sentence < 0, np.iinfo(np.int64).max, sentence)  # [keys, 4, Σ E]
+    magnitude = np.where(sentence < 0, -1.0, np.abs(joined["quadrant_coefficient"]))  # [keys, 4, Σ E]
+    order = np.lexsort((tie, -magnitude), axis=-1)[..., :QUADRANT_EXAMPLES]  # [keys, 4, E]
+    merged = {name: np.take_along_axis(a, order, axis=-1) for name, a in joined.items()}
+    return {"quadrant_count": sum(p.quadrant_count for p in parts), **merged}
+
+
+def empty_quadrants(keys: int) -> dict[str, np.ndarray]:
+    """The quadrant arrays of a gated layer with nothing mined."""
+    shape = (keys, len(QUADRANTS), QUADRANT_EXAMPLES)
+    return {
+        "quadrant_count": np.zeros((keys, len(QUADRANTS)), dtype=np.int64),
+        "quadrant_coefficient": np.zeros(shape, dtype=np.float32),
+        "quadrant_sentence": np.full(shape, -1, dtype=np.int32),
+        "quadrant_position": np.zeros(shape, dtype=np.int16),
+        "quadrant_input": np.zeros(shape, dtype=np.float32),
+    }
 
 
 def empty_samples(keys: int) -> dict[str, np.ndarray]:

@@ -32,6 +32,9 @@ from ffmem.engine.loading import LoadedModel
 from ffmem.engine.mined_layer import (
     EMPTY_SAMPLE,
     N_BINS,
+    QUADRANT_EXAMPLES,
+    QUADRANT_SIGNS,
+    QUADRANTS,
     SAMPLES,
     SIGNS,
     ZERO_BIN,
@@ -98,8 +101,10 @@ class TopK:
 class MiningState:
     """Everything mined so far: per sign a TopK, and the per-key statistics."""
 
-    def __init__(self, n_layers: int, n_keys: int, top_k: int, device: torch.device | str = "cpu"):
-        self.n_layers, self.n_keys, self.top_k = n_layers, n_keys, top_k
+    def __init__(
+        self, n_layers: int, n_keys: int, top_k: int, device: torch.device | str = "cpu", gated: bool = False
+    ):
+        self.n_layers, self.n_keys, self.top_k, self.gated = n_layers, n_keys, top_k, gated
         shape = (n_layers, n_keys, top_k)
         empty = _order_key(torch.tensor(float("-inf")), torch.tensor(-1))  # ranks below every entry
         self.top = {
@@ -117,6 +122,14 @@ class MiningState:
         self.sample_position = torch.zeros(shape, dtype=torch.int16, device=device)
         self.sample_coefficient = torch.zeros(shape, dtype=torch.float32, device=device)
         self.total = torch.zeros((n_layers, n_keys), dtype=torch.float64, device=device)
+        # Gated FFs: per quadrant the positions mined in it, and its top sentences by |m| (order keys of
+        # |m|, as the triggers'), where in the sentence, and the input x·u there ([layers, keys, 4] and
+        # [layers, keys, 4, E]; empty where not gated).
+        quadrants = (n_layers, n_keys, len(QUADRANTS), QUADRANT_EXAMPLES) if gated else (0, 0, 0, 0)
+        self.quadrant_count = torch.zeros(quadrants[:3], dtype=torch.long, device=device)
+        self.quadrant_order = torch.full(quadrants, int(empty), dtype=torch.long, device=device)
+        self.quadrant_position = torch.zeros(quadrants, dtype=torch.long, device=device)
+        self.quadrant_input = torch.zeros(quadrants, dtype=torch.float32, device=device)
         self.positions = 0  # mined positions (the denominator of every share)
         # A key's codes in the bincount (see _histogram): (bits >> 23) + CODES / 2 + key · CODE_STRIDE.
         offsets = torch.arange(n_keys, dtype=torch.int32, device=device) * CODE_STRIDE + CODES // 2  # [keys]
@@ -130,21 +143,34 @@ class MiningState:
         self._pending: list[int] = []  # layers of `_pending_batch` copied into `_buffer`, not yet folded
         self._pending_batch: Batch | None = None
         self._buffer: torch.Tensor | None = None  # [group, batch, pos, keys] float32
+        self._input_buffer: torch.Tensor | None = None  # [group, batch, pos, keys] float32 (gated)
         self._group = 1
         self.sentences = 0
 
     # -- update ---------------------------------------------------------------------------------
-    def update(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
-        """Fold one layer's coefficients for one batch into the state.
+    def update(
+        self, layer: int, coefficients: torch.Tensor, batch: Batch, inputs: torch.Tensor | None = None
+    ) -> None:
+        """Fold one layer's coefficients for one batch into the state (and, for a gated state, the
+        inputs x·u of the same positions, [batch, pos, keys]).
 
         On a CPU, one compiled pass (ffmem.engine.mining_cpu); elsewhere the vectorised torch fold
         (`fold_tensors`), which gives the same state, of consecutive layers together (`_gather`: the
         last layer, or a full group, folds them). `coefficients` may be overwritten.
         """
+        if self.gated and inputs is None:
+            raise ValueError("a gated mining state needs each layer's inputs x·u beside its coefficients")
         if coefficients.device.type != "cpu":
-            self._gather(layer, coefficients, batch)
+            self._gather(layer, coefficients, batch, inputs)
             return
         c = coefficients.float().contiguous()  # [batch, pos, keys] (no copy when already float32)
+        u = inputs.float().contiguous() if self.gated else _NO_INPUTS  # [batch, pos, keys]
+        quadrants = (
+            (self.quadrant_count[layer], self.quadrant_order[layer], self.quadrant_position[layer])
+            + (self.quadrant_input[layer],)
+            if self.gated
+            else _NO_QUADRANTS
+        )
         threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(threads)
         arrays = (
@@ -158,35 +184,48 @@ class MiningState:
             layer * self.n_keys,
             self._code_bins_by_code,
             *(array[layer].numpy() for array in arrays),
+            u.numpy(),
+            self.gated,
+            *(array.numpy() for array in quadrants),
             threads,
         )
 
-    def _gather(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
-        """Copy one layer's coefficients into the group of the batch's consecutive layers (float32, in
-        the workspace), folding the group when it is full or holds the last layer."""
+    def _gather(
+        self, layer: int, coefficients: torch.Tensor, batch: Batch, inputs: torch.Tensor | None
+    ) -> None:
+        """Copy one layer's coefficients (and inputs, gated) into the group of the batch's consecutive
+        layers (float32, in the workspace), folding the group when it is full or holds the last layer."""
         pending = self._pending
         if pending and (pending[-1] != layer - 1 or self._pending_batch is not batch):
             self._fold_pending()
         if not pending:
-            per_layer = coefficients.numel() * 4
+            per_layer = coefficients.numel() * 4 * (2 if self.gated else 1)
             self._group = max(1, min(self.n_layers - layer, FOLD_BYTES // max(per_layer, 1)))
             shape = (self._group, *coefficients.shape)  # [group, batch, pos, keys]
             self._buffer = _scratch(self._workspace, "group", shape, torch.float32, coefficients.device)
+            if self.gated:
+                self._input_buffer = _scratch(self._workspace, "inputs", shape, torch.float32, inputs.device)
             self._pending_batch = batch
         self._buffer[len(pending)].copy_(coefficients)  # [batch, pos, keys], as float32
+        if self.gated:
+            self._input_buffer[len(pending)].copy_(inputs)  # [batch, pos, keys], as float32
         pending.append(layer)
         if len(pending) == self._group or layer == self.n_layers - 1:
             self._fold_pending()
 
     def _fold_pending(self) -> None:
-        layers = slice(self._pending[0], self._pending[-1] + 1)
-        self.fold_tensors(layers, self._buffer[: len(self._pending)], self._pending_batch)
+        layers, n = slice(self._pending[0], self._pending[-1] + 1), len(self._pending)
+        inputs = self._input_buffer[:n] if self.gated else None
+        self.fold_tensors(layers, self._buffer[:n], self._pending_batch, inputs)
         self._pending.clear()
-        self._pending_batch = self._buffer = None
+        self._pending_batch = self._buffer = self._input_buffer = None
 
-    def fold_tensors(self, layers: int | slice, c: torch.Tensor, batch: Batch) -> None:
+    def fold_tensors(
+        self, layers: int | slice, c: torch.Tensor, batch: Batch, inputs: torch.Tensor | None = None
+    ) -> None:
         """`update` in torch operations on any device, for one layer (`c` [batch, pos, keys]) or
-        consecutive ones (a slice, `c` [layers, batch, pos, keys]); `c`, float32, is overwritten.
+        consecutive ones (a slice, `c` [layers, batch, pos, keys]); `c`, float32, is overwritten. A gated
+        state takes the `inputs` x·u of the same shape (read, not overwritten).
 
         Every operation has a shape fixed by (layers, batch, pos, keys, T, bins, SAMPLES): no `nonzero`,
         no boolean indexing, no value read back to the host. On a GPU a batch's folds of every layer are
@@ -197,8 +236,11 @@ class MiningState:
         """
         if isinstance(layers, int):
             layers, c = slice(layers, layers + 1), c[None]
+            inputs = None if inputs is None else inputs[None]
         n_layers, n_keys = c.shape[0], self.n_keys
         mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
+        if self.gated:
+            self._fold_quadrants(layers, c, inputs, batch)
         anchor, has_mined = batch.anchor  # [batch] each: the first mined position, whether there is one
         # Unmined positions first hold their row's first mined coefficient, which changes neither its
         # maximum nor its minimum. Where an extreme's first occurrence is such a copy, its first mined
@@ -224,6 +266,34 @@ class MiningState:
         self._enter_top(layers, best, at, sentence)
         priority = _priority(batch.sentence_index, layers, n_keys)  # [layers, keys, batch]
         self._sample(layers, extreme, best, at, priority << 32 | batch.sentence_index)
+
+    def _fold_quadrants(self, layers: slice, c: torch.Tensor, u: torch.Tensor, batch: Batch) -> None:
+        """Fold a batch's sign quadrants (before `c` [layers, batch, pos, keys] is overwritten; `u` the
+        inputs x·u, like `c`): the positions in each, and per sentence its largest |m| in each quadrant (a
+        NaN coefficient ranks nowhere), first where it is, entered into the quadrant's top examples."""
+        mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
+        input_negative = u < 0  # [layers, batch, pos, keys]
+        gate_negative = ((c < 0) & (u > 0)) | ((c > 0) & input_negative)  # the gate's sign: m / u
+        quadrant = gate_negative.to(torch.int8).mul_(2).add_(input_negative)  # [layers, batch, pos, keys]
+        magnitude = c.abs().masked_fill_(torch.isnan(c) | ~mined, -1.0)  # -1: ranks nowhere
+        sentence = batch.sentence_index  # [batch]
+        for q in range(len(QUADRANTS)):
+            inside = quadrant == q  # [layers, batch, pos, keys]
+            self.quadrant_count[layers, :, q] += (inside & mined).sum(dim=(1, 2))  # [layers, keys]
+            best, at = torch.where(inside, magnitude, -1.0).max(dim=2)  # [layers, batch, keys] each
+            found = best >= 0  # [layers, batch, keys]
+            best = best.masked_fill(~found, float("-inf"))
+            entered = torch.where(found, sentence[:, None], -1)  # [layers, batch, keys]: −1 ranks as empty
+            new = _order_key(best, entered).transpose(1, 2)  # [layers, keys, batch]
+            at = at.masked_fill(~found, 0)  # [layers, batch, keys]
+            read = u.gather(2, at[:, :, None]).squeeze(2).masked_fill(~found, 0.0)  # [layers, batch, keys]
+            merged = torch.cat([self.quadrant_order[layers, :, q], new], dim=2)  # [layers, keys, E + batch]
+            kept, index = merged.topk(QUADRANT_EXAMPLES, dim=2)  # [layers, keys, E] each
+            positions = torch.cat([self.quadrant_position[layers, :, q], at.transpose(1, 2)], dim=2)
+            values = torch.cat([self.quadrant_input[layers, :, q], read.transpose(1, 2)], dim=2)
+            self.quadrant_order[layers, :, q] = kept
+            self.quadrant_position[layers, :, q] = positions.gather(2, index)  # [layers, keys, E]
+            self.quadrant_input[layers, :, q] = values.gather(2, index)  # [layers, keys, E]
 
     def _histogram(self, c: torch.Tensor, unmined: torch.Tensor) -> torch.Tensor:
         """[layers, keys, bins] counts of one batch's coefficients `c` [layers, batch, pos, keys]
@@ -344,13 +414,27 @@ class MiningState:
             sample_order=self.sample_order[layer].cpu().numpy(),
             sample_position=self.sample_position[layer].cpu().numpy(),
             sample_coefficient=self.sample_coefficient[layer].cpu().numpy(),
+            **(self._quadrant_arrays(layer) if self.gated else {}),
         )
+
+    def _quadrant_arrays(self, layer: int) -> dict[str, np.ndarray]:
+        """A layer's quadrant state as MinedLayer's arrays (m signed by its quadrant, 0 where empty)."""
+        magnitude, sentence = _unpack(self.quadrant_order[layer])  # [keys, 4, E] each
+        empty = torch.isinf(magnitude)  # [keys, 4, E]
+        signs = torch.tensor(QUADRANT_SIGNS, dtype=torch.float32, device=magnitude.device)[:, None]  # [4, 1]
+        return {
+            "quadrant_count": self.quadrant_count[layer].cpu().numpy(),
+            "quadrant_coefficient": (magnitude * signs).masked_fill(empty, 0.0).cpu().numpy(),
+            "quadrant_sentence": sentence.masked_fill(empty, -1).cpu().numpy().astype(np.int32),
+            "quadrant_position": self.quadrant_position[layer].cpu().numpy().astype(np.int16),
+            "quadrant_input": self.quadrant_input[layer].cpu().numpy(),
+        }
 
     @classmethod
     def from_layers(cls, layers: list[MinedLayer], device: torch.device | str = "cpu") -> MiningState:
         """The state whose `layer(l)` gives back `layers[l]`."""
         first = layers[0]
-        state = cls(len(layers), first.histogram.shape[0], first.top_k, device=device)
+        state = cls(len(layers), first.histogram.shape[0], first.top_k, device=device, gated=first.gated)
         for index, layer in enumerate(layers):
             for sign in SIGNS:
                 values = torch.from_numpy(sign * layer.coefficient[sign]).to(device)  # [keys, T]; −inf: empty
@@ -362,6 +446,14 @@ class MiningState:
             state.sample_order[index] = torch.from_numpy(layer.sample_order).to(device)
             state.sample_position[index] = torch.from_numpy(layer.sample_position).to(device)
             state.sample_coefficient[index] = torch.from_numpy(layer.sample_coefficient).to(device)
+            if state.gated:
+                sentence = torch.from_numpy(layer.quadrant_sentence).long()  # [keys, 4, E]
+                magnitude = torch.from_numpy(np.abs(layer.quadrant_coefficient))  # [keys, 4, E]
+                magnitude = magnitude.masked_fill(sentence < 0, -np.inf)
+                state.quadrant_order[index] = _order_key(magnitude, sentence).to(device)
+                state.quadrant_count[index] = torch.from_numpy(layer.quadrant_count).to(device)
+                state.quadrant_position[index] = torch.from_numpy(layer.quadrant_position).to(device).long()
+                state.quadrant_input[index] = torch.from_numpy(layer.quadrant_input).to(device)
         state.positions, state.sentences = first.positions, first.sentences
         return state
 
@@ -383,6 +475,15 @@ class MiningState:
     def density(self, layer: int) -> torch.Tensor:
         """Share of positions with |m| within 3 octaves of the key's peak (mined_layer.density): [keys]."""
         return torch.from_numpy(mined.density(self.histogram[layer].cpu().numpy(), self.positions))
+
+
+_NO_INPUTS = torch.zeros((1, 1, 1), dtype=torch.float32)  # the compiled fold's inputs of an ungated layer
+_NO_QUADRANTS = (
+    torch.zeros((1, 4), dtype=torch.long),
+    torch.zeros((1, 4, 1), dtype=torch.long),
+    torch.zeros((1, 4, 1), dtype=torch.long),
+    torch.zeros((1, 4, 1), dtype=torch.float32),
+)  # and its quadrant arrays
 
 
 def _first_of_stable_sort(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -445,13 +546,14 @@ def mine_batches(
     """Run each batch through the model (no unembedding) and fold every layer's coefficients in."""
     backbone = loaded.model.base_model
     current: list[Batch] = []
+    fields = ("coefficients", "inputs") if state.gated else ("coefficients",)
 
-    def fold(layer: int, coefficients: torch.Tensor) -> None:
-        state.update(layer, coefficients, current[0])  # coefficients: [batch, pos, keys]
+    def fold(layer: int, coefficients: torch.Tensor) -> None:  # coefficients: [batch, pos, keys]
+        state.update(layer, coefficients, current[0], captured.inputs.get(layer))
 
     with (
         torch.inference_mode(),
-        capture(loaded.model, loaded.adapter, fields=("coefficients",), on_coefficients=fold),
+        capture(loaded.model, loaded.adapter, fields=fields, on_coefficients=fold) as captured,
     ):
         for batch in batches:  # counted on the host copy: reading a device tensor back would wait for it
             current[:] = [batch.to(loaded.device)]

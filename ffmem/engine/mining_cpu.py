@@ -7,6 +7,10 @@ one, it is inserted into the key's top-T of that sign or into its band samples, 
 extreme's position looked up (its first occurrence). The state is the one ffmem.engine.mining's torch
 fold (other devices) gives, tested equal: the same order keys and ties, the same positions.
 
+A gated layer's sign quadrants (mined_layer.QUADRANTS) come in the same loop: each position's quadrant
+from the signs of m and of its input x·u, counted, and per sentence the largest |m| in each quadrant,
+entered into the quadrant's top examples as a trigger is.
+
 Order keys and priorities are mining._order_key's and mining._priority's, restated for one entry.
 """
 
@@ -64,6 +68,38 @@ def _enter_sample(order, position, coefficient, key, band, entry, where, value):
 
 
 @numba.njit(inline="always")
+def _quadrant(m, u):
+    """A position's quadrant number: 2·(gate < 0) + (input < 0), the gate's sign being m / u's."""
+    gate_negative = (m < 0 and u > 0) or (m > 0 and u < 0)
+    return 2 * np.int64(gate_negative) + np.int64(u < 0)
+
+
+@numba.njit(inline="always")
+def _enter_quadrant(order, position, inputs, key, q, entry, where, value):
+    """Insert order key `entry` (at `where`, input `value`), above the last one, into key's top examples
+    of quadrant q, kept descending."""
+    slot = order.shape[2] - 1
+    while slot > 0 and order[key, q, slot - 1] < entry:
+        order[key, q, slot] = order[key, q, slot - 1]
+        position[key, q, slot] = position[key, q, slot - 1]
+        inputs[key, q, slot] = inputs[key, q, slot - 1]
+        slot -= 1
+    order[key, q, slot] = entry
+    position[key, q, slot] = where
+    inputs[key, q, slot] = value
+
+
+@numba.njit(inline="always")
+def _first_in_quadrant(c, u, mined, row, key, q, magnitude):
+    """The first mined position of `row` in quadrant q where key's |m| is `magnitude`."""
+    for p in range(c.shape[1]):
+        m, x = c[row, p, key], u[row, p, key]
+        if mined[row, p] and abs(m) == magnitude and _quadrant(m, x) == q:
+            return p
+    return -1
+
+
+@numba.njit(inline="always")
 def _first_position(c, mined, row, key, value):
     """The first mined position of `row` where key's coefficient is `value` (NaN: the first NaN)."""
     for p in range(c.shape[1]):
@@ -89,12 +125,19 @@ def fold(
     sample_order,  # [keys, bins, S] int64, lowest first
     sample_position,  # [keys, bins, S] int16
     sample_coefficient,  # [keys, bins, S] float32
+    u,  # [batch, pos, keys] float32: a gated layer's inputs x·u (else unread)
+    gated,  # bool: fold the quadrants too
+    quadrant_count,  # [keys, 4] int64
+    quadrant_order,  # [keys, 4, E] int64: order keys of |m|, best first
+    quadrant_position,  # [keys, 4, E] int64
+    quadrant_input,  # [keys, 4, E] float32: x·u there
     blocks,  # int: key blocks, one per thread
 ):
     """Fold one layer's coefficients for one batch into the layer's state (all arrays in place)."""
     n_rows, n_positions, n_keys = c.shape
     bits = c.view(np.int32)  # [batch, pos, keys]
     n_bins = histogram.shape[1]
+    n_quadrants = quadrant_count.shape[1]
     for block in numba.prange(blocks):
         first, stop = block * n_keys // blocks, (block + 1) * n_keys // blocks
         width = stop - first
@@ -103,6 +146,9 @@ def fold(
         nan = np.empty(width, np.bool_)
         counts = np.zeros((n_bins, width), np.int32)  # [bins, width]: this batch's histogram of the block
         sums = np.zeros(width, np.float64)
+        in_quadrant = np.zeros((n_quadrants, width), np.int64)  # [4, width]: this batch's positions
+        largest = np.empty((n_quadrants, width), np.float32)  # [4, width]: the row's largest |m| (−1: none)
+        largest_bits = largest.view(np.int32)
         for row in range(n_rows):
             start = -1
             for p in range(n_positions):
@@ -114,6 +160,7 @@ def fold(
                     high[:] = value
                     low[:] = value
                     nan[:] = False
+                    largest[:] = -1.0
                 for k in range(width):  # vectorised: no branch, no scatter
                     v = value[k]
                     high[k] = v if v > high[k] else high[k]
@@ -122,6 +169,14 @@ def fold(
                     sums[k] += v
                 for k in range(width):
                     counts[code_bin[(code[k] >> 23) & 511], k] += 1
+                if gated:
+                    for k in range(width):
+                        m, x = value[k], u[row, p, first + k]
+                        q = _quadrant(m, x)
+                        in_quadrant[q, k] += 1
+                        a = abs(m)
+                        if a > largest[q, k]:  # a NaN never is
+                            largest[q, k] = a
             if start < 0:
                 continue  # nothing mined in this sentence: no trigger, no sample
             s = sentence[row]
@@ -155,7 +210,23 @@ def fold(
                                 where,
                                 value,
                             )
+            if gated:
+                for k in range(width):
+                    key = first + k
+                    for q in range(n_quadrants):
+                        if largest[q, k] < 0:
+                            continue
+                        entry = _order_key(np.int64(largest_bits[q, k]), s)
+                        if entry > quadrant_order[key, q, -1]:
+                            where = _first_in_quadrant(c, u, mined, row, key, q, largest[q, k])
+                            read = u[row, where, key]
+                            _enter_quadrant(
+                                quadrant_order, quadrant_position, quadrant_input, key, q, entry, where, read
+                            )
         for k in range(width):
             total[first + k] += sums[k]
+            if gated:
+                for q in range(n_quadrants):
+                    quadrant_count[first + k, q] += in_quadrant[q, k]
             for b in range(n_bins):
                 histogram[first + k, b] += counts[b, k]

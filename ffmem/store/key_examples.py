@@ -1,5 +1,6 @@
-"""A key's examples beyond its top-T: band samples across its coefficient range, and its coefficient at every
-token of the sentences its page shows (the `key_examples` table, one row per key; numpy, no torch).
+"""A key's examples beyond its top-T: band samples across its coefficient range, its coefficient at every
+token of the sentences its page shows, and a gated key's top examples per sign quadrant (the `key_examples`
+table, one row per key; numpy, no torch).
 
 While a run mines, the band samples come from its mined layers (MinedLayer.sample_order) and nothing is
 shaded yet; a finished run stores both.
@@ -15,7 +16,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ffmem.engine.mined_layer import MinedLayer
+from ffmem.engine.mined_layer import QUADRANTS, MinedLayer
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.models import KeyExamples
 
@@ -44,6 +45,78 @@ def samples_of(mined: MinedLayer, key: int) -> list[BandSample]:
         )
         for b, s in zip(bins, slots, strict=True)
     ]
+
+
+@dataclass(frozen=True)
+class QuadrantExample:
+    """A sentence among a gated key's top examples of one sign quadrant (mined_layer.QUADRANTS): its
+    largest |m| among the quadrant's positions, `coefficient` m at token `position`, where the input x·u
+    is `input` (so the gate act(x·g) is m / input)."""
+
+    quadrant: int
+    sentence_index: int
+    position: int
+    coefficient: float
+    input: float
+
+    @property
+    def gate(self) -> float | None:
+        """act(x·g) = m / (x·u); None where the input is 0 (then m is 0 whatever the gate)."""
+        return self.coefficient / self.input if self.input else None
+
+
+# A quadrant example as stored: `quadrants` holds a key's, by quadrant then rank (15 B each).
+QUADRANT_EXAMPLE = np.dtype(
+    [
+        ("quadrant", "u1"),
+        ("sentence_index", "<i4"),
+        ("position", "<i2"),
+        ("coefficient", "<f4"),
+        ("input", "<f4"),
+    ]
+)
+
+
+def layer_quadrant_examples(mined: MinedLayer) -> list[bytes] | None:
+    """Every key's quadrant examples as QUADRANT_EXAMPLE records (by quadrant, then rank); None for an
+    ungated layer."""
+    if not mined.gated:
+        return None
+    sentence = mined.quadrant_sentence  # [keys, 4, E]
+    present = sentence >= 0  # [keys, 4, E]
+    _, quadrant, _ = np.nonzero(present)  # row-major: by key, quadrant, rank
+    records = np.empty(len(quadrant), QUADRANT_EXAMPLE)  # [examples]
+    records["quadrant"], records["sentence_index"] = quadrant, sentence[present]
+    records["position"] = mined.quadrant_position[present]
+    records["coefficient"] = mined.quadrant_coefficient[present]
+    records["input"] = mined.quadrant_input[present]
+    counts = present.reshape(len(present), -1).sum(axis=1)  # [keys]
+    return [part.tobytes() for part in np.split(records, np.cumsum(counts)[:-1])]
+
+
+def decode_quadrant_examples(data: bytes) -> list[QuadrantExample]:
+    """The quadrant examples a `quadrants` blob holds, in order."""
+    rows = np.frombuffer(data, QUADRANT_EXAMPLE).tolist()
+    return [QuadrantExample(int(q), int(s), int(p), float(c), float(u)) for q, s, p, c, u in rows]
+
+
+def quadrant_examples_of(mined: MinedLayer, key: int) -> list[QuadrantExample] | None:
+    """A key's quadrant examples in a mined layer, by quadrant then rank; None for an ungated layer."""
+    if not mined.gated:
+        return None
+    found = []
+    for quadrant in range(len(QUADRANTS)):
+        for rank in np.flatnonzero(mined.quadrant_sentence[key, quadrant] >= 0).tolist():
+            found.append(
+                QuadrantExample(
+                    quadrant=quadrant,
+                    sentence_index=int(mined.quadrant_sentence[key, quadrant, rank]),
+                    position=int(mined.quadrant_position[key, quadrant, rank]),
+                    coefficient=float(mined.quadrant_coefficient[key, quadrant, rank]),
+                    input=float(mined.quadrant_input[key, quadrant, rank]),
+                )
+            )
+    return found
 
 
 # A band sample as stored: `bands` holds a key's samples as consecutive records (12 B each).
@@ -132,12 +205,14 @@ def store_key_examples(
     len(positive[key]) positive and len(negative[key]) negative triggers and of each sample (arrays, one
     per sentence, in samples_of's order; encode_shading packs them). Returns the shading's bytes."""
     rows, size = [], 0
+    quadrants = layer_quadrant_examples(mined)
     for key, bands in enumerate(layer_bands(mined)):
         assert len(samples[key]) * BAND.itemsize == len(bands), "one shading per band sample"
         shading = encode_shading([*positive[key], *negative[key], *samples[key]])
         size += len(shading)
-        rows.append((key, bands, len(positive[key]), len(negative[key]), shading))
-    columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading")
+        examples = None if quadrants is None else quadrants[key]
+        rows.append((key, bands, len(positive[key]), len(negative[key]), shading, examples))
+    columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading", "quadrants")
     bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
     return size
 
@@ -151,6 +226,7 @@ class StoredExamples:
     positive: int
     negative: int
     data: bytes
+    quadrants: list[QuadrantExample] | None = None  # a gated key's; None: ungated, or stored before 0022
 
     def shading(self, lengths: Sequence[int]) -> list[np.ndarray]:
         """The stored arrays cut at these sentence lengths (positive triggers', negative's, samples')."""
@@ -192,5 +268,9 @@ def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> Stor
     if row is None:
         return None
     return StoredExamples(
-        samples=decode_bands(row.bands), positive=row.positive, negative=row.negative, data=row.shading
+        samples=decode_bands(row.bands),
+        positive=row.positive,
+        negative=row.negative,
+        data=row.shading,
+        quadrants=None if row.quadrants is None else decode_quadrant_examples(row.quadrants),
     )

@@ -18,7 +18,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from ffmem.store import memory_lists
 from ffmem.store.cache import ProcessCache, database_of
 from ffmem.store.memory_lists import TRIGGERS, Lists, SentenceTrigger, Trigger, ValueToken
-from ffmem.store.models import KeyStats, MemoryList, Run, RunStatus, SentenceTriggers
+from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, MemoryList, Run, RunStatus, SentenceTriggers
 
 
 def _list(session: Session, run_id: int, kind: str, sign: int, layer: int, key: int) -> bytes | None:
@@ -180,6 +180,8 @@ KEY_SORTS = (
     "max_prob",
     "next_token_rank",
     "value_norm",
+    "dominant_quadrant",
+    *QUADRANT_COLUMNS,
 )
 
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from ffmem.store import memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import TRIGGERS
-from ffmem.store.models import KeyStats, MemoryList, SentenceTriggers
+from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, MemoryList, SentenceTriggers
 
 
 def store_triggers(
@@ -71,6 +71,16 @@ def store_value_tokens(
 LIST_COLUMNS = ("run_id", "kind", "sign", "layer", "key", "data")
 
 
+def _quadrant_columns(shares: np.ndarray | None, n_keys: int) -> list[list]:
+    """The quadrant shares as columns [4 × keys] and the dominant quadrant's [keys] (NULL: ungated)."""
+    if shares is None:
+        return [[None] * n_keys] * (len(QUADRANT_COLUMNS) + 1)
+    shares = np.asarray(shares, dtype=float)
+    if shares.shape != (n_keys, len(QUADRANT_COLUMNS)):
+        raise ValueError(f"quadrant_shares has shape {shares.shape}; expected [{n_keys}, 4]")
+    return [*shares.T.tolist(), shares.argmax(axis=1).tolist()]
+
+
 def store_key_stats(
     *,
     session: Session,
@@ -86,8 +96,10 @@ def store_key_stats(
     max_prob: np.ndarray,
     agreement: np.ndarray,
     next_token_rank: np.ndarray,
+    quadrant_shares: np.ndarray | None = None,
 ) -> None:
-    """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]).
+    """Store one layer's key statistics ([n_keys]; histogram [n_keys, n_bins]; a gated layer's
+    quadrant_shares [n_keys, 4], with the largest's number as the dominant quadrant).
 
     NaN or ±inf max/min → NULL; a next-token rank of −1 (no token after the top trigger) → NULL.
     """
@@ -122,6 +134,7 @@ def store_key_stats(
         max_prob.tolist(),
         agreement.astype(int).tolist(),
         [None if rank < 0 else rank for rank in next_token_rank.astype(int).tolist()],
+        *_quadrant_columns(quadrant_shares, mean.shape[0]),
     )
     columns = (
         "run_id",
@@ -137,6 +150,8 @@ def store_key_stats(
         "max_prob",
         "agreement",
         "next_token_rank",
+        *QUADRANT_COLUMNS,
+        "dominant_quadrant",
     )
     bulk_insert(session, KeyStats.__table__, columns, rows)
 

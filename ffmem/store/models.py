@@ -223,6 +223,9 @@ class MemoryList(Base):
     data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+QUADRANT_COLUMNS = ("quadrant_pp", "quadrant_pn", "quadrant_np", "quadrant_nn")  # mined_layer.QUADRANTS
+
+
 class KeyStats(Base):
     """Per-key statistics over every mined position of the run."""
 

@@ -22,9 +22,9 @@ from sqlalchemy.orm import Session
 
 from ffmem.engine.mined_layer import MinedLayer
 from ffmem.store import corpora, jobs, key_examples, memory_lists, memory_reads, models, shards
-from ffmem.store.key_examples import BandSample, StoredExamples
+from ffmem.store.key_examples import BandSample, QuadrantExample, StoredExamples
 from ffmem.store.memory_lists import TRIGGERS, Trigger, ValueToken
-from ffmem.store.models import Job, KeyStats, Run, RunStatus
+from ffmem.store.models import QUADRANT_COLUMNS, Job, KeyStats, Run, RunStatus
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,15 @@ class LayerFigures:
     agreement_rate: float | None  # share of keys whose value's top token follows their top trigger
     agreeing_keys: int | None  # keys with at least one trigger followed by a top value token
     value_norm: float | None
+
+
+@dataclass(frozen=True)
+class Quadrants:
+    """A gated key's sign quadrants (mined_layer.QUADRANTS order): the share of mined positions in each,
+    and each one's top examples (by quadrant, then rank)."""
+
+    shares: list[float]
+    examples: list[QuadrantExample]
 
 
 class RunResults(Protocol):
@@ -84,6 +93,9 @@ class RunResults(Protocol):
     def sample_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray] | None:
         """The band samples' coefficients at every token of their sentences, as `trigger_shading`; None
         when they are not shaded (while the run mines, and for runs stored before 0011)."""
+
+    def quadrants(self, layer: int, key: int) -> Quadrants | None:
+        """A gated key's sign quadrants; None for an ungated model (or a run stored before them)."""
 
     def layer_figures(self) -> list[LayerFigures]:
         """One row per layer for the model page."""
@@ -151,6 +163,12 @@ class StoredResults:
     def sample_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray] | None:
         found = self._key_examples(layer, key)
         return found.sample_shading(lengths) if found else None
+
+    def quadrants(self, layer: int, key: int) -> Quadrants | None:
+        stats, found = self.key_stats(layer, key), self._key_examples(layer, key)
+        if stats is None or stats.dominant_quadrant is None or found is None or found.quadrants is None:
+            return None
+        return Quadrants(shares=quadrant_shares(stats), examples=found.quadrants)
 
     def layer_figures(self) -> list[LayerFigures]:
         figures = []
@@ -231,6 +249,9 @@ class MiningResults:
             "next_token_rank": unknown,
             "value_norm": unknown,
         }
+        shares = mined.quadrant_shares() if mined.gated else np.full((n_keys, 4), np.nan)  # [keys, 4]
+        columns.update(zip(QUADRANT_COLUMNS, shares.T, strict=True))
+        columns["dominant_quadrant"] = shares.argmax(axis=1).astype(float) if mined.gated else unknown
         if sort not in columns:
             raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(memory_reads.KEY_SORTS)}")
         keys = np.arange(n_keys)
@@ -264,6 +285,13 @@ class MiningResults:
     def sample_shading(self, layer: int, key: int, lengths: Sequence[int]) -> list[np.ndarray] | None:
         return None
 
+    def quadrants(self, layer: int, key: int) -> Quadrants | None:
+        mined = self.mined(layer)
+        if mined is None or not mined.gated:
+            return None
+        shares = mined.quadrant_shares()[key].tolist()
+        return Quadrants(shares=shares, examples=key_examples.quadrant_examples_of(mined, key))
+
     def key_stats(self, layer: int, key: int) -> KeyStats | None:
         """What is known so far; agreement over every positive trigger so far (no next-token rank or
         value norm until the run is stored)."""
@@ -285,6 +313,7 @@ class MiningResults:
 
     def _key_stats(self, mined: MinedLayer, layer: int, key: int, max_prob: float) -> KeyStats:
         high, low = (float(x[key]) for x in extremes(mined))
+        shares = mined.quadrant_shares()[key].tolist() if mined.gated else [None] * 4
         return KeyStats(
             run_id=self.run.id,
             layer=layer,
@@ -299,6 +328,8 @@ class MiningResults:
             max_prob=None if math.isnan(max_prob) else float(max_prob),
             agreement=None,
             next_token_rank=None,
+            **dict(zip(QUADRANT_COLUMNS, shares, strict=True)),
+            dominant_quadrant=int(np.argmax(shares)) if mined.gated else None,
         )
 
     def _max_probs(self, layer: int, n_keys: int) -> np.ndarray:
@@ -383,6 +414,11 @@ def _aware(moment: datetime) -> datetime:
 def has_results(session: Session, run: Run) -> bool:
     """Whether the run has anything the pages can show: stored, or mined so far."""
     return run.status == RunStatus.done or shards.has_layers(session=session, run_id=run.id)
+
+
+def quadrant_shares(stats: KeyStats) -> list[float]:
+    """A stored key's four quadrant shares, in mined_layer.QUADRANTS order."""
+    return [getattr(stats, column) for column in QUADRANT_COLUMNS]
 
 
 def extremes(mined: MinedLayer) -> tuple[np.ndarray, np.ndarray]:

@@ -58,6 +58,11 @@ def store_layer(
         )
     top, _, _ = state.triggers(layer, 1)
     bottom, _, _ = state.triggers(layer, -1)
+    shares = (
+        (state.quadrant_count[layer].double() / max(state.positions, 1)).cpu().numpy()
+        if state.gated
+        else None
+    )
     memory_writes.store_key_stats(
         session=session,
         run_id=run_id,
@@ -72,5 +77,6 @@ def store_layer(
         max_prob=top_probs[:, 0],
         agreement=(agrees & (next_tokens >= 0)).sum(dim=-1).numpy(),
         next_token_rank=ranks.numpy(),
+        quadrant_shares=shares,
     )
     return stored

@@ -57,8 +57,8 @@ class Grouped(MiningState):
     """The state of a GPU on the CPU: each layer gathered into groups of consecutive layers (`_gather`,
     what `update` does on every device but the CPU), a group folded at once by the torch fold."""
 
-    def update(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
-        self._gather(layer, coefficients, batch)
+    def update(self, layer: int, coefficients: torch.Tensor, batch: Batch, inputs=None) -> None:
+        self._gather(layer, coefficients, batch, inputs)
 
 
 def mine(batches, n_layers: int, n_keys: int, top_k: int, fold: str) -> MiningState:

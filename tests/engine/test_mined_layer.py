@@ -41,8 +41,14 @@ def _same(a: MinedLayer, b: MinedLayer) -> None:
 def test_stored_layers_start_with_the_format_version_and_read_back():
     layer = _layer()
     data = layer.to_bytes()
-    assert data[0] == FORMAT_VERSION == 2
+    assert data[0] == FORMAT_VERSION == 3
     _same(MinedLayer.from_bytes(data), layer)
+
+
+def test_a_version_2_row_of_an_ungated_layer_still_reads():
+    layer = _layer()
+    assert not layer.gated
+    _same(MinedLayer.from_bytes(b"\x02" + layer.to_bytes()[1:]), layer)
 
 
 def _without_samples(layer: MinedLayer) -> bytes:
@@ -65,6 +71,6 @@ def test_rows_written_before_the_version_byte_or_the_samples_still_read():
 
 def test_an_unknown_version_is_refused_with_what_to_do():
     data = bytes([FORMAT_VERSION + 1]) + _layer().to_bytes()[1:]
-    refused = r"format version 3; this ffmem reads versions 0 to 2\. Upgrade"
+    refused = r"format version 4; this ffmem reads versions 0 to 3\. Upgrade"
     with pytest.raises(MinedFormatError, match=refused):
         MinedLayer.from_bytes(data)

@@ -56,7 +56,7 @@ def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_pat
     # What shard 0 alone mines, computed directly, from the positions the run mines (not position 0).
     first = mined_from(first_positions, first_position=False)
     assert set(first) == {1}
-    alone = MiningState(3, 48, 4)
+    alone = MiningState(3, 48, 4, gated=True)
     mine_batches(
         tiny, shard_batches(ids, first, shard=0, shard_sentences=8, batch_tokens=64, pad_id=0), alone
     )
@@ -72,6 +72,13 @@ def test_pages_fill_in_while_the_run_mines(db_url, tiny, tiny_model_dir, tmp_pat
         assert key["stats"]["positive_share"] == pytest.approx(float(alone.positive_share(1)[5]))
         assert key["stats"]["density"] == pytest.approx(float(alone.density(1)[5]))
         assert key["histogram"]["counts"] == alone.histogram[1, 5].tolist()
+        mined_layer = alone.layer(1)
+        shares = [q["share"] for q in key["quadrants"]["quadrants"]]
+        assert shares == pytest.approx(mined_layer.quadrant_shares()[5].tolist())
+        nn = client.get(f"/m/{slug}/layers/1/keys/5/quadrants/nn.json").json()
+        assert nn["provisional"] == pytest.approx(0.25)
+        kept = mined_layer.quadrant_sentence[5, 3]
+        assert [e["sentence_index"] for e in nn["examples"]] == kept[kept >= 0].tolist()
         assert key["value"]["raw"]["top"], "values are projected before mining starts"
         banner = client.get(f"/m/{slug}/layers/1/keys/5").text
         assert "provisional — 25.0% of the corpus</strong> in these results" in banner

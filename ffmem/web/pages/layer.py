@@ -6,10 +6,11 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ffmem.store import corpora, memory_labels, memory_reads, vocabularies
-from ffmem.store.models import LanguageModel, Run
+from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, LanguageModel, Run
 from ffmem.store.results import results_for
 from ffmem.web import urls
 from ffmem.web.errors import AppError
+from ffmem.web.pages.quadrants import QUADRANTS
 from ffmem.web.pages.search import token_candidates
 from ffmem.web.views import (
     LabelView,
@@ -42,6 +43,10 @@ class KeyRow(BaseModel):
         description="The top trigger's next token's rank in the value's logits."
     )
     value_norm: float | None = Field(description="‖v‖.")
+    dominant_quadrant: str | None = Field(
+        None, description="Gated FFs: the sign quadrant (gate, input; p: ≥ 0, n: < 0) most positions are in."
+    )
+    dominant_share: float | None = Field(None, description="The share of mined positions in it.")
     label: LabelView | None = Field(None, description="The memory's label (its newest).")
 
 
@@ -62,6 +67,7 @@ class LayerContext(ModelPage):
     total: int = Field(description="Keys that pass the filter.")
     pages: int
     keys: list[KeyRow]
+    gated: bool = Field(description="Whether the model's FF has a gate (its keys have sign quadrants).")
     provisional: Provisional = None
 
 
@@ -120,6 +126,7 @@ def layer_page(
             max_prob=s.max_prob,
             next_token_rank=s.next_token_rank,
             value_norm=s.value_norm,
+            **_dominant(s),
             label=label_view(current[s.key]) if s.key in current else None,
         )
         for s in stats
@@ -140,5 +147,14 @@ def layer_page(
         total=total,
         pages=pages,
         keys=rows,
+        gated=model.gated,
         provisional=results.coverage(layer),
     )
+
+
+def _dominant(stats: KeyStats) -> dict:
+    """A gated key's dominant quadrant and its share (both None for an ungated one)."""
+    if stats.dominant_quadrant is None:
+        return {}
+    column = QUADRANT_COLUMNS[stats.dominant_quadrant]
+    return {"dominant_quadrant": QUADRANTS[stats.dominant_quadrant], "dominant_share": getattr(stats, column)}

@@ -19,6 +19,7 @@ from ffmem.web.lookups import run_or_404
 from ffmem.web.pages import try_text
 from ffmem.web.pages.key import KeyContext, key_page
 from ffmem.web.pages.labels import LabelAnswer, LabelDeleted
+from ffmem.web.pages.quadrants import QuadrantContext, quadrant_page
 from ffmem.web.pages.related import RelatedContext, related_page
 from ffmem.web.pages.samples import SamplesContext, samples_page
 from ffmem.web.ratelimit import LiveBudget, LiveTextBudget
@@ -120,6 +121,24 @@ def samples(
     """One memory's examples across its coefficient range: a few sentences from each band of its histogram."""
     ctx = samples_page(session, model, run, layer, key)
     return render(request, "samples.html", ctx, fragment="samples")
+
+
+@page(router, "/m/{model}/layers/{layer}/keys/{key}/quadrants/{quadrant}", "key_quadrant", QuadrantContext)
+def quadrant(
+    request: Request,
+    session: SessionDep,
+    model: ModelDep,
+    layer: LayerDep,
+    key: KeyDep,
+    run: RunDep,
+    quadrant: Annotated[
+        Literal["pp", "pn", "np", "nn"],
+        Path(description="The gate's sign, then the input's (p: ≥ 0, n: < 0)."),
+    ],
+):
+    """A gated memory's top examples in one sign quadrant of gate act(x·g) and input x·u."""
+    ctx = quadrant_page(session, model, run, layer, key, quadrant)
+    return render(request, "quadrant.html", ctx)
 
 
 @page(router, "/m/{model}/layers/{layer}/keys/{key}/related", "key_related", RelatedContext)
