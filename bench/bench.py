@@ -71,7 +71,10 @@ def mining_over_forward(loaded, batches, repeats: int) -> dict:
                 for batch in batches:
                     module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
             times.append(time.perf_counter() - start)
-        state = MiningState(loaded.n_layers, loaded.n_keys, get_settings().top_k, device=loaded.device)
+        gated = loaded.adapter.gates is not None  # with the sign quadrants, as `ffmem index` mines
+        state = MiningState(
+            loaded.n_layers, loaded.n_keys, get_settings().top_k, device=loaded.device, gated=gated
+        )
         start = time.perf_counter()
         mine_batches(loaded, batches, state)
         mining.append(time.perf_counter() - start)
@@ -99,7 +102,8 @@ def peak_memory_child(n_sentences: int) -> None:
     settings = get_settings()
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
     batches = batches_for(loaded, n_sentences, settings)
-    mine_batches(loaded, batches, MiningState(loaded.n_layers, loaded.n_keys, settings.top_k))
+    gated = loaded.adapter.gates is not None
+    mine_batches(loaded, batches, MiningState(loaded.n_layers, loaded.n_keys, settings.top_k, gated=gated))
     print(
         json.dumps(
             {

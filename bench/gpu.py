@@ -94,8 +94,8 @@ class TorchFold(MiningState):
     `update` does on every device but the CPU): on a CUDA device what `update` does anyway; on a CPU it
     makes the dry run's parity compare the torch fold with the compiled one."""
 
-    def update(self, layer: int, coefficients: torch.Tensor, batch: Batch) -> None:
-        self._gather(layer, coefficients, batch)  # [batch, pos, keys]
+    def update(self, layer: int, coefficients: torch.Tensor, batch: Batch, inputs=None) -> None:
+        self._gather(layer, coefficients, batch, inputs)  # [batch, pos, keys] each
 
 
 # -- models ---------------------------------------------------------------------------------------------
@@ -230,6 +230,10 @@ def compare(reference: MiningState, other: MiningState) -> dict:
             "histogram_differ",
             "samples",
             "samples_differ",
+            "quadrant_positions",
+            "quadrant_positions_differ",
+            "quadrant_examples",
+            "quadrant_examples_differ",
         ),
         0,
     )
@@ -268,6 +272,14 @@ def compare(reference: MiningState, other: MiningState) -> dict:
         if kept.any():
             delta = np.abs(want.sample_coefficient - got.sample_coefficient)[kept]  # [kept]
             out["sample_coefficient_max_abs"] = max(out["sample_coefficient_max_abs"], float(delta.max()))
+        if want.gated:  # sign quadrants: positions counted, top examples (a near-tie may swap two)
+            out["quadrant_positions"] += int(want.quadrant_count.sum())
+            out["quadrant_positions_differ"] += int(np.abs(want.quadrant_count - got.quadrant_count).sum())
+            sentence = want.quadrant_sentence  # [keys, 4, E]
+            filled = (sentence >= 0) | (got.quadrant_sentence >= 0)  # [keys, 4, E]
+            differ = (got.quadrant_sentence != sentence) | (got.quadrant_position != want.quadrant_position)
+            out["quadrant_examples"] += int(filled.sum())
+            out["quadrant_examples_differ"] += int((filled & differ).sum())
     out["coefficient_rel"] = out["coefficient_max_abs"] / max(out["coefficient_scale"], 1e-30)
     return out
 
@@ -296,9 +308,8 @@ def _unexplained(a, sentence, position, b, other_sentence, other_position) -> in
 
 def verdict(name: str, figures: dict) -> bool:
     """Print the PASS or FAIL line of one model's parity; True on PASS."""
-    share = {
-        kind: figures[f"{kind}_differ"] / max(figures[kind], 1) for kind in ("slots", "samples", "histogram")
-    }
+    kinds = ("slots", "samples", "histogram", "quadrant_positions", "quadrant_examples")
+    share = {kind: figures[f"{kind}_differ"] / max(figures[kind], 1) for kind in kinds}
     share["slots"] = figures["slots_unexplained"] / max(figures["slots"], 1)  # ties between equal values pass
     passed = (
         figures["counts_equal"]
@@ -314,7 +325,9 @@ def verdict(name: str, figures: dict) -> bool:
         f"{figures['histogram']}; total max rel {figures['total_max_rel']:.1e}; band samples "
         f"{figures['samples_differ']}/{figures['samples']} differ (max |Δcoefficient| "
         f"{figures['sample_coefficient_max_abs']:.1e}); captured max |Δm| {figures['capture_max_abs']:.2e} "
-        f"(rel {figures['capture_rel']:.1e}); counts {'equal' if figures['counts_equal'] else 'DIFFER'}",
+        f"(rel {figures['capture_rel']:.1e}); quadrant positions {figures['quadrant_positions_differ']}/"
+        f"{figures['quadrant_positions']} and examples {figures['quadrant_examples_differ']}/"
+        f"{figures['quadrant_examples']} differ; counts {'equal' if figures['counts_equal'] else 'DIFFER'}",
         flush=True,
     )
     figures["passed"] = passed
@@ -332,7 +345,8 @@ def parity(
     states = []
     for loaded, fold in ((reference, MiningState), (other, TorchFold)):
         start = time.perf_counter()
-        state = fold(loaded.n_layers, loaded.n_keys, top_k, device=loaded.device)
+        gated = loaded.adapter.gates is not None
+        state = fold(loaded.n_layers, loaded.n_keys, top_k, device=loaded.device, gated=gated)
         states.append(mine_batches(loaded, batches, state))
         sync(loaded.device)
         log(
@@ -373,7 +387,8 @@ def time_config(loaded: LoadedModel, batches: list[Batch], rounds: int, deadline
                 backbone(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
 
     def mining(part: list[Batch]) -> MiningState:
-        state = MiningState(loaded.n_layers, loaded.n_keys, TOP_K, device=device)
+        gated = loaded.adapter.gates is not None  # the sign quadrants too, as `ffmem index` mines them
+        state = MiningState(loaded.n_layers, loaded.n_keys, TOP_K, device=device, gated=gated)
         return mine_batches(loaded, part, state)
 
     runs = {"bare": bare, "mining": mining}

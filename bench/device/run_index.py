@@ -359,7 +359,8 @@ def profile_mining(loaded, batches: list, path: Path, n: int = 8) -> dict:
 
     from ffmem.engine.mining import MiningState, mine_batches
 
-    state = MiningState(loaded.n_layers, loaded.n_keys, 50, device=loaded.device)
+    gated = loaded.adapter.gates is not None  # with the sign quadrants, as `ffmem index` mines
+    state = MiningState(loaded.n_layers, loaded.n_keys, 50, device=loaded.device, gated=gated)
     mine_batches(loaded, batches[:2], state)
     part = batches[2 : 2 + n]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loaded.device.type == "cuda" else [])

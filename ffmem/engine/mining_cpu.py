@@ -146,9 +146,16 @@ def fold(
         nan = np.empty(width, np.bool_)
         counts = np.zeros((n_bins, width), np.int32)  # [bins, width]: this batch's histogram of the block
         sums = np.zeros(width, np.float64)
-        in_quadrant = np.zeros((n_quadrants, width), np.int64)  # [4, width]: this batch's positions
-        largest = np.empty((n_quadrants, width), np.float32)  # [4, width]: the row's largest |m| (−1: none)
+        # Gated: this batch's positions with a negative gate, a negative input, and both ([width] each: the
+        # four counts follow from them and the positions), and the row's largest |m| in each quadrant
+        # ([4, width], −1: none) — kept apart as vectors, so the loop below has no branch and no scatter.
+        gate_negatives = np.zeros(width, np.int32)
+        input_negatives = np.zeros(width, np.int32)
+        both_negatives = np.zeros(width, np.int32)
+        mined_positions = 0
+        largest = np.empty((n_quadrants, width), np.float32)
         largest_bits = largest.view(np.int32)
+        pp, pn, np_, nn = largest[0], largest[1], largest[2], largest[3]
         for row in range(n_rows):
             start = -1
             for p in range(n_positions):
@@ -170,13 +177,21 @@ def fold(
                 for k in range(width):
                     counts[code_bin[(code[k] >> 23) & 511], k] += 1
                 if gated:
-                    for k in range(width):
-                        m, x = value[k], u[row, p, first + k]
-                        q = _quadrant(m, x)
-                        in_quadrant[q, k] += 1
+                    mined_positions += 1
+                    inputs = u[row, p, first:stop]  # [width]
+                    for k in range(width):  # vectorised, as above; a NaN m is never the largest
+                        m, x = value[k], inputs[k]
                         a = abs(m)
-                        if a > largest[q, k]:  # a NaN never is
-                            largest[q, k] = a
+                        input_negative = x < 0
+                        gate_negative = ((m < 0) & (x > 0)) | ((m > 0) & input_negative)
+                        gate_negatives[k] += gate_negative
+                        input_negatives[k] += input_negative
+                        both_negatives[k] += gate_negative & input_negative
+                        gate_positive, input_positive = not gate_negative, not input_negative
+                        pp[k] = a if gate_positive & input_positive & (a > pp[k]) else pp[k]
+                        pn[k] = a if gate_positive & input_negative & (a > pn[k]) else pn[k]
+                        np_[k] = a if gate_negative & input_positive & (a > np_[k]) else np_[k]
+                        nn[k] = a if gate_negative & input_negative & (a > nn[k]) else nn[k]
             if start < 0:
                 continue  # nothing mined in this sentence: no trigger, no sample
             s = sentence[row]
@@ -226,7 +241,10 @@ def fold(
         for k in range(width):
             total[first + k] += sums[k]
             if gated:
-                for q in range(n_quadrants):
-                    quadrant_count[first + k, q] += in_quadrant[q, k]
+                both, gate, negative = both_negatives[k], gate_negatives[k], input_negatives[k]
+                quadrant_count[first + k, 0] += mined_positions - gate - negative + both
+                quadrant_count[first + k, 1] += negative - both
+                quadrant_count[first + k, 2] += gate - both
+                quadrant_count[first + k, 3] += both
             for b in range(n_bins):
                 histogram[first + k, b] += counts[b, k]
