@@ -36,6 +36,7 @@ bench: install
 	$(PY) bench/load.py
 	$(PY) bench/analysis.py
 	$(PY) bench/weight_graph.py
+	$(PY) bench/circuit.py
 	$(PY) bench/explanations.py
 	$(PY) bench/compare.py
 	$(PY) bench/jobs.py

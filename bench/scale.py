@@ -2,9 +2,9 @@
 shape (tests/synthetic_index.py: written through the store's own writers, no model needed), then its
 storage and its pages' times.
 
-- Build: seconds to write the run, by part (value tokens, triggers, key statistics, key examples,
-  neighbours, links, explanations, the token → memories table); `--runs 2` writes two runs of the shape
-  (their bytes are counted over both runs' memories; the pages read the newest).
+- Build: seconds to write the run, by part (value tokens, value histograms, triggers, key statistics, key
+  examples, neighbours, links, explanations, the token → memories table); `--runs 2` writes two runs of the
+  shape (their bytes are counted over both runs' memories; the pages read the newest).
 - Storage: bytes per memory, every table with its indexes (SQLite: dbstat; Postgres:
   pg_total_relation_size), the vocabulary and corpus included.
 - Pages, with the app's own TestClient, sequentially (wall ms, p50 / p95 over REQUESTS each): the key page

@@ -1,9 +1,9 @@
 """A synthetic index: a finished run of any shape (layers × keys, vocabulary, top-T …) written through the
 store's own writers, as the index build writes one, with no model — random but seeded, with realistic sizes
 and distributions: coefficients of both signs, token ids spread over the whole vocabulary (ids above 65,535
-when it is larger), band samples and shading, statistics with some NULLs, neighbours, the weight graph,
-explanations and the arrays of token search. tests/web/test_wide_model.py checks the pages at a wide
-shape; bench/scale.py times them at the shapes of real models.
+when it is larger), band samples and shading, statistics with some NULLs, each value's logit histogram,
+neighbours, the weight graph, explanations and the arrays of token search. tests/web/test_wide_model.py
+checks the pages at a wide shape; bench/scale.py times them at the shapes of real models.
 
 Every array of a layer comes from `layer_arrays(shape, layer)` (seeded by the shape's seed and the layer),
 so a test can compute what a page must show; the run is written one layer at a time (memory-bounded).
@@ -18,14 +18,32 @@ from dataclasses import dataclass, field
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ffmem.engine.mined_layer import N_BINS, SAMPLES, ZERO_BIN, MinedLayer, density, histogram_edges
+from ffmem.engine.mined_layer import (
+    N_BINS,
+    QUADRANT_EXAMPLES,
+    SAMPLES,
+    ZERO_BIN,
+    MinedLayer,
+    density,
+    histogram_edges,
+)
 from ffmem.engine.mined_layer import positive_share as share_above_zero
-from ffmem.store import composition, corpora, key_examples, memory_search, memory_writes, runs, vocabularies
+from ffmem.store import (
+    composition,
+    corpora,
+    key_examples,
+    memory_search,
+    memory_writes,
+    runs,
+    value_histograms,
+    vocabularies,
+)
 from ffmem.store.memory_lists import TOKEN_LISTS
 
 READOUTS = ("raw", "norm")
 NEIGHBOURS = 10  # per memory and kind, as engine.neighbours.NEIGHBOURS
 LINKS = 10  # per memory and direction, as engine.weight_graph.TOP
+HISTOGRAM_BINS = 32  # per value and readout, as engine.projection.HISTOGRAM_BINS
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,9 @@ class LayerArrays:
     links: dict[
         str, tuple[np.ndarray, np.ndarray, np.ndarray]
     ]  # direction → (layers, keys, scores) [keys, n]
+    histograms: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
+        default_factory=dict
+    )  # readout → (low [keys], high [keys], counts [keys, bins]): each value's logits over the vocabulary
 
 
 def _distinct_ids(rng: np.random.Generator, rows: int, n: int, vocab: int) -> np.ndarray:
@@ -148,6 +169,8 @@ def layer_arrays(shape: Shape, layer: int, lengths: np.ndarray) -> LayerArrays:
         magnitude = np.exp2(octave + rng.random(bins.shape)).astype(np.float32)
         signed = np.where(bins > ZERO_BIN, magnitude, -magnitude)
         sample_coefficient[rows, bins, slot] = np.where(bins == ZERO_BIN, 0.0, signed)  # the zero bin: +0
+    quadrants = _quadrants(shape, layer, lengths, positions)
+    stats["quadrant_shares"] = quadrants["quadrant_count"] / positions
     mined = MinedLayer(
         coefficient={sign: triggers[sign][0] for sign in (1, -1)},
         sentence={sign: triggers[sign][1] for sign in (1, -1)},
@@ -159,6 +182,7 @@ def layer_arrays(shape: Shape, layer: int, lengths: np.ndarray) -> LayerArrays:
         sample_order=order,
         sample_position=sample_position,
         sample_coefficient=sample_coefficient,
+        **quadrants,
     )
     # Neighbours (any layer) and links (earlier layers in, later ones out), strongest first.
     memories = shape.memories
@@ -182,7 +206,48 @@ def layer_arrays(shape: Shape, layer: int, lengths: np.ndarray) -> LayerArrays:
             rng.integers(0, keys, (keys, LINKS)).astype(np.int32),
             scores,
         )
-    return LayerArrays(triggers, values, log_z, stats, mined, neighbours, links)
+    return LayerArrays(
+        triggers, values, log_z, stats, mined, neighbours, links, _histograms(shape, layer, values)
+    )
+
+
+def _quadrants(shape: Shape, layer: int, lengths: np.ndarray, positions: int) -> dict[str, np.ndarray]:
+    """A gated layer's quadrant arrays (MinedLayer's): Dirichlet shares of the positions, and
+    QUADRANT_EXAMPLES sentences a quadrant, |m| descending, the signs of m and the input the quadrant's
+    (its own generator: the layer's other arrays stay as they were)."""
+    rng = np.random.default_rng([shape.seed, 5, layer])
+    keys, e = shape.n_keys, QUADRANT_EXAMPLES
+    count = np.floor(rng.dirichlet([0.8] * 4, keys) * positions).astype(np.int64)  # [keys, 4]
+    sentence = rng.integers(0, shape.sentences, (keys, 4, e)).astype(np.int32)
+    position = (rng.random((keys, 4, e)) * lengths[sentence]).astype(np.int16)
+    magnitude = -np.sort(-rng.lognormal(0.0, 0.7, (keys, 4, e)), axis=2).astype(np.float32)
+    input_sign = np.array([1, -1, 1, -1], np.float32)[:, None]  # [4, 1]
+    gate_sign = np.array([1, 1, -1, -1], np.float32)[:, None]
+    magnitude_in = rng.lognormal(0.0, 0.5, (keys, 4, e)).astype(np.float32)
+    return {
+        "quadrant_count": count,
+        "quadrant_coefficient": magnitude * input_sign * gate_sign,
+        "quadrant_sentence": sentence,
+        "quadrant_position": position,
+        "quadrant_input": magnitude_in * input_sign,
+    }
+
+
+def _histograms(
+    shape: Shape, layer: int, values: dict
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each value's logit histogram per readout: from its bottom token's logit to its top one's, a bell of
+    the whole vocabulary (its own generator: the layer's other arrays stay as they were)."""
+    rng = np.random.default_rng([shape.seed, 4, layer])
+    bell = np.exp(-0.5 * ((np.arange(HISTOGRAM_BINS) - 0.45 * HISTOGRAM_BINS) / (HISTOGRAM_BINS / 8)) ** 2)
+    found = {}
+    for readout in READOUTS:
+        low, high = values[readout, -1][1][:, 0], values[readout, 1][1][:, 0]  # [keys] each
+        counts = rng.multinomial(shape.vocab_size - 2, bell / bell.sum(), size=shape.n_keys)  # [keys, bins]
+        counts[:, 0] += 1  # the bottom token
+        counts[:, -1] += 1  # the top token
+        found[readout] = (low.copy(), high.copy(), counts)
+    return found
 
 
 def _shading(
@@ -297,6 +362,8 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
                 log_z=arrays.log_z[readout],
             )  # fmt: skip
         start = timed("value tokens", start)
+        value_histograms.store_value_histograms(**where, histograms=arrays.histograms)
+        start = timed("value histograms", start)
         for sign, (coefficient, sentence, position) in arrays.triggers.items():
             memory_writes.store_triggers(
                 **where, sign=sign, coefficients=coefficient, sentence_index=sentence, position=position

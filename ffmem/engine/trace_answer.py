@@ -150,3 +150,54 @@ class CoefficientsAnswer(BaseModel):
     max_position: int = Field(description="… and where (the first such token).")
     min: float = Field(description="The smallest m over all tokens…")
     min_position: int = Field(description="… and where (the first such token).")
+
+
+# A circuit's defaults (ffmem.engine.circuit), here for the web process too: hop-0 memories, upstream memories
+# kept per memory, the relative cut, hops.
+CIRCUIT_NODES, CIRCUIT_TOP, CIRCUIT_THRESHOLD, CIRCUIT_HOPS = 10, 5, 0.1, 1
+
+
+class MemoryRefAnswer(BaseModel):
+    layer: int
+    key: int
+
+
+class CircuitNodeAnswer(BaseModel):
+    """One memory of a prompt's circuit (ffmem.engine.circuit)."""
+
+    layer: int
+    key: int
+    coefficient: float = Field(description="m at the position (edited, with interventions).")
+    contribution: float = Field(description="Its direct push on the target's logit, m·(v·e_t) or m·(v·g_t).")
+    hop: int = Field(description="0: pushes the target most; 1: feeds a hop-0 memory; 2: feeds a hop-1 one.")
+    upstream_sum: float | None = Field(
+        description="Σ of every earlier memory's term into it (None: its inputs were not expanded)."
+    )
+
+
+class CircuitEdgeAnswer(BaseModel):
+    """An earlier memory j feeding memory i's coefficient on this prompt."""
+
+    upstream: MemoryRefAnswer = Field(description="j, the earlier memory.")
+    downstream: MemoryRefAnswer = Field(description="i.")
+    term: float = Field(description="m_j·(v_j·ρ_i): the first-order change of m_i that j's write causes.")
+    coefficient: float = Field(description="m_i, the downstream coefficient.")
+
+
+class CircuitAnswer(BaseModel):
+    """POST /circuit: a prompt's memory circuit for one position and target (ffmem.engine.circuit)."""
+
+    token_ids: list[int]
+    position: int
+    readout: Literal["norm", "raw"]
+    target: int = Field(description="The token attributed.")
+    typed: str | None = Field(None, description="The target as asked (None: the prediction).")
+    typed_tokens: list[int] = Field([], description="The tokens it is (the first is attributed).")
+    logit: float = Field(description="The target's logit after the position under the readout.")
+    nodes: list[CircuitNodeAnswer]
+    edges: list[CircuitEdgeAnswer]
+    largest_terms: list[float] = Field(description="Per hop, the largest |term| (the threshold's unit).")
+    threshold: float
+    top: int
+    hops: int
+    interventions: list[EditAnswer] = []

@@ -4,6 +4,7 @@
     sentences.*         index, text (the triggers point into it)
     triggers.*          layer, key, sign, rank, sentence_index, position, coefficient
     value_tokens.*      layer, key, readout, direction, rank, token_id, token, logit, prob
+    value_histograms.*  layer, key, readout, low, high, counts (a value's logits over the vocabulary, binned)
     key_stats.*         layer, key and every statistic (the histogram as a list)
     analyses.*          name, options, data (JSON text), seconds
     labels.*            layer, key, pattern, tag, author, created_at, current (the history too)
@@ -22,7 +23,7 @@ from sqlalchemy import Integer, func, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.errors import FfmemError
-from ffmem.store import memory_reads
+from ffmem.store import memory_reads, value_histograms
 from ffmem.store.models import Analysis, KeyStats, Label, Run, Sentence, Token
 
 FORMATS = ("jsonl", "parquet")
@@ -95,6 +96,17 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
                 "token": texts.get(v.token_id, ""),
                 "logit": v.logit,
                 "prob": v.prob,
+            },
+        ),
+        "value_histograms": (
+            value_histograms.iter_value_histograms(session=session, run_id=run.id),
+            lambda row: {
+                "layer": row[0],
+                "key": row[1],
+                "readout": row[2],
+                "low": row[3].low,
+                "high": row[3].high,
+                "counts": row[3].counts,
             },
         ),
         "key_stats": (

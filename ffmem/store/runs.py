@@ -28,6 +28,7 @@ from ffmem.store.models import (
     Sentence,
     SentenceTriggers,
     TokenMemoryList,
+    ValueHistogram,
     now,
 )
 from ffmem.store.vocabularies import stored_text
@@ -139,6 +140,7 @@ RESULT_TABLES = (
     Sentence,
     SentenceTriggers,
     TokenMemoryList,
+    ValueHistogram,
 )
 
 

@@ -15,7 +15,7 @@ from ffmem.web.display import visible
 from ffmem.web.pages.analysis import AnalysisFigure
 from ffmem.web.pages.compare import LayerChange
 from ffmem.web.pages.composition import WeightGraphView
-from ffmem.web.pages.key import Histogram, ValueReadout
+from ffmem.web.pages.key import Histogram, ValueHistogramView, ValueReadout, histogram_bin
 from ffmem.web.pages.model import LayerSummary
 
 POSITIVE, NEGATIVE, NEUTRAL = "#2b6cb0", "#c05621", "#4a5568"
@@ -59,10 +59,28 @@ def value_bars(value: ValueReadout, readout: str, by: str = "logit") -> dict:
     }
 
 
-def coefficient_histogram(histogram: Histogram) -> dict:
-    """Counts per octave bin of the coefficient, negative bins left, positive right (log counts)."""
+def coefficient_histogram(histogram: Histogram, marker: float | None = None) -> dict:
+    """Counts per octave bin of the coefficient, negative bins left, positive right (log counts); `marker`:
+    a coefficient (a text tried: its max m) marked by a line through its bin."""
     middle = len(histogram.counts) // 2
     colors = [NEGATIVE] * middle + [NEUTRAL] + [POSITIVE] * middle
+    marked = {}
+    if marker is not None:
+        at = histogram_bin(histogram.edges, marker)  # the category axis: x is the bin's index
+        line = {"color": "#1a202c", "width": 2, "dash": "dash"}
+        marked = {
+            "shapes": [{"type": "line", "x0": at, "x1": at, "yref": "paper", "y0": 0, "y1": 1, "line": line}],
+            "annotations": [
+                {
+                    "x": at,
+                    "y": 1,
+                    "yref": "paper",
+                    "text": f"your text: max m {marker:.3g}",
+                    "showarrow": False,
+                    "yanchor": "bottom",
+                }
+            ],
+        }
     return {
         "data": [
             {
@@ -80,6 +98,56 @@ def coefficient_histogram(histogram: Histogram) -> dict:
             "xaxis": {"type": "category", "tickangle": -60, "tickfont": {"size": 9}},
             "margin": {"l": 60, "r": 20, "t": 36, "b": 110},
             "height": 360,
+        }
+        | marked,
+    }
+
+
+def value_histogram(view: ValueHistogramView, readout: str) -> dict:
+    """A value's logits over the whole vocabulary: tokens per equal bin (log counts), its bottom and top
+    tokens marked along the logit axis (the first three named)."""
+    bins = list(zip(view.edges, view.edges[1:], strict=False))  # (from, to) per bin
+    marked = [*view.bottom, *view.top]
+    named = {id(t) for t in (*view.bottom[:3], *view.top[:3])}
+    return {
+        "data": [
+            {
+                "type": "bar",
+                "x": [(a + b) / 2 for a, b in bins],
+                "y": view.counts,
+                "width": [b - a for a, b in bins],
+                "marker": {"color": NEUTRAL},
+                "customdata": bins,
+                "hovertemplate": "logit %{customdata[0]:.3f} to %{customdata[1]:.3f}: %{y} tokens"
+                "<extra></extra>",
+            },
+            {
+                "type": "scatter",
+                "mode": "markers+text",
+                "x": [t.logit for t in marked],
+                "y": [0.6] * len(marked),  # on the log axis, just above its floor: along the logit axis
+                "marker": {
+                    "symbol": "triangle-up",
+                    "size": 9,
+                    "color": [NEGATIVE] * len(view.bottom) + [POSITIVE] * len(view.top),
+                },
+                "text": [label(t.token) if id(t) in named else "" for t in marked],
+                "textposition": "top center",
+                "textfont": {"size": 10},
+                "customdata": [f"{label(t.token)} #{t.token_id}" for t in marked],
+                "hovertemplate": "%{customdata}<br>logit %{x:.3f}<extra></extra>",
+            },
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": f"value → whole vocabulary ({readout})"},
+            "xaxis": {"title": {"text": "logit"}},
+            "yaxis": {
+                "type": "log",
+                "title": {"text": "tokens"},
+                "range": [math.log10(0.4), math.log10(2 * max(view.counts, default=1))],
+            },
+            "bargap": 0,
         },
     }
 

@@ -4,7 +4,8 @@ layers × positions heatmap of a trace and the residual's confidence in the fina
 
 from __future__ import annotations
 
-from ffmem.web.charts import BASE_LAYOUT, NEUTRAL, POSITIVE, label
+from ffmem.web.charts import BASE_LAYOUT, NEGATIVE, NEUTRAL, POSITIVE, label
+from ffmem.web.pages.circuit import CircuitContext, CircuitMemory
 from ffmem.web.pages.trace import TraceContext
 
 # The live view's heatmap modes, in the order of its buttons (the unedited ones only with edits).
@@ -124,5 +125,75 @@ def residual_confidence(ctx: TraceContext) -> dict:
             "height": 260,
             "xaxis": {"title": {"text": "layer"}, "dtick": 1 if len(ctx.layers) <= 16 else 2},
             "yaxis": {"title": {"text": "probability"}, "range": [0, 1]},
+        },
+    }
+
+
+def circuit_graph(ctx: CircuitContext) -> dict:
+    """A prompt's memory circuit, layered: x = layer, the memories of a layer stacked (hop 0 first, then by
+    |contribution|); a node's size is its |contribution| to the target, its colour the contribution's sign
+    (blue promotes, orange suppresses), hop 0 a diamond; an edge's width is its |term|, its colour the
+    term's sign (blue: the upstream memory raised the downstream coefficient here). A click on a node opens
+    its key page (`layout.meta.links`: static/charts.js)."""
+    stacked: dict[int, list[CircuitMemory]] = {}
+    for node in sorted(ctx.nodes, key=lambda n: (n.hop, -abs(n.contribution))):
+        stacked.setdefault(node.layer, []).append(node)
+    where = {
+        (n.layer, n.key): (n.layer, (len(column) - 1) / 2 - row)
+        for column in stacked.values()
+        for row, n in enumerate(column)
+    }
+    strongest = max([abs(e.term) for e in ctx.edges] or [1.0]) or 1.0
+    edges = [
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "x": [where[e.upstream.layer, e.upstream.key][0], where[e.downstream.layer, e.downstream.key][0]],
+            "y": [where[e.upstream.layer, e.upstream.key][1], where[e.downstream.layer, e.downstream.key][1]],
+            "line": {"color": POSITIVE if e.term > 0 else NEGATIVE, "width": 1 + 6 * abs(e.term) / strongest},
+            "hoverinfo": "skip",
+        }
+        for e in ctx.edges
+    ]
+    largest = max([abs(n.contribution) for n in ctx.nodes] or [1.0]) or 1.0
+    nodes = ctx.nodes
+    node_trace = {
+        "type": "scatter",
+        "mode": "markers+text",
+        "x": [where[n.layer, n.key][0] for n in nodes],
+        "y": [where[n.layer, n.key][1] for n in nodes],
+        "text": [f"L{n.layer}K{n.key}" for n in nodes],
+        "textposition": "top center",
+        "textfont": {"size": 10, "shadow": "auto"},
+        "cliponaxis": False,
+        "marker": {
+            "size": [8 + 22 * abs(n.contribution) / largest for n in nodes],
+            "color": [POSITIVE if n.contribution > 0 else NEGATIVE for n in nodes],
+            "symbol": ["diamond" if n.hop == 0 else "circle" for n in nodes],
+            "line": {"color": NEUTRAL, "width": 1},
+        },
+        "customdata": [
+            [
+                n.url,
+                f"{n.coefficient:+.3g}",
+                f"{n.contribution:+.3g}",
+                n.hop,
+                label(n.top_token.token) if n.top_token else "—",
+            ]
+            for n in nodes
+        ],
+        "hovertemplate": "%{text} · hop %{customdata[3]}<br>m %{customdata[1]} · contribution "
+        "%{customdata[2]}<br>own top: %{customdata[4]}<extra></extra>",
+    }
+    rows = max([len(column) for column in stacked.values()] or [1])
+    return {
+        "data": [*edges, node_trace],
+        "layout": BASE_LAYOUT
+        | {
+            "height": 160 + 40 * rows,
+            "margin": {"l": 40, "r": 40, "t": 24, "b": 48},
+            "xaxis": {"title": {"text": "layer"}, "dtick": 1, "zeroline": False},
+            "yaxis": {"visible": False},
+            "meta": {"links": True},
         },
     }

@@ -79,12 +79,23 @@ def trace_url(model: str, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/trace", fmt, **query)
 
 
+def circuit_url(model: str, fmt: str | None = None, **query) -> str:
+    """A prompt's memory circuit in the live view (the trace's query and the circuit's own)."""
+    return _url(f"/m/{quote(model, safe='')}/trace/circuit", fmt, **query)
+
+
 def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/ablation", fmt, **query)
 
 
 def samples_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/samples", fmt, **query)
+
+
+def quadrant_url(model: str, layer: int, key: int, quadrant: str, fmt: str | None = None, **query) -> str:
+    """A gated key's examples of one sign quadrant (pp, pn, np, nn)."""
+    key_path = f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}"
+    return _url(f"{key_path}/quadrants/{quote(quadrant, safe='')}", fmt, **query)
 
 
 def related_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:

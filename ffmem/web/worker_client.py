@@ -9,7 +9,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ffmem.engine.trace_answer import AblationAnswer, CoefficientsAnswer, TraceAnswer
+from ffmem.engine.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
 from ffmem.web.errors import AppError, sentence
 
 Answer = TypeVar("Answer", bound=BaseModel)
@@ -33,6 +33,9 @@ class LiveWorker:
 
     def trace(self, payload: dict) -> TraceAnswer:
         return self._parse(TraceAnswer, self._post("/trace", payload))
+
+    def circuit(self, payload: dict) -> CircuitAnswer:
+        return self._parse(CircuitAnswer, self._post("/circuit", payload))
 
     def coefficients(self, payload: dict) -> CoefficientsAnswer:
         return self._parse(CoefficientsAnswer, self._post("/coefficients", payload))

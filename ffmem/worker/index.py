@@ -33,7 +33,16 @@ from ffmem.engine.neighbours import memory_baselines, memory_neighbours
 from ffmem.engine.projection import project_layer, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
 from ffmem.engine.token_memories import token_table
-from ffmem.store import corpora, jobs, key_examples, memory_search, memory_writes, runs, shards
+from ffmem.store import (
+    corpora,
+    jobs,
+    key_examples,
+    memory_search,
+    memory_writes,
+    runs,
+    shards,
+    value_histograms,
+)
 from ffmem.store.memory_lists import READOUTS, TRIGGERS
 from ffmem.store.models import Job, Run, Shard, ShardStatus
 from ffmem.store.specs import RunSpec, fingerprint
@@ -202,9 +211,9 @@ class IndexPipeline:
     def project_values(
         self, session: Session, lease: Heartbeat, run_id: int, loaded: LoadedModel, spec: RunSpec
     ) -> None:
-        """Every value's top and bottom tokens under both readouts: they need no corpus, so the pages
-        show them while the run is still mining; then the token → memories table of full-vocabulary
-        token search, which needs every value's log Z."""
+        """Every value's top and bottom tokens and logit histogram under both readouts: they need no
+        corpus, so the pages show them while the run is still mining; then the token → memories table of
+        full-vocabulary token search, which needs every value's log Z."""
         log_z = {readout: [] for readout in READOUTS}  # readout → per layer [keys]
         for layer in tqdm(
             range(loaded.n_layers), desc="projecting values", unit="layer", disable=not self.options.progress
@@ -225,6 +234,15 @@ class IndexPipeline:
                         logits=p.logits.numpy(),
                         log_z=p.log_z.numpy(),
                     )
+                histograms = (p.histogram for p in projected if p.direction == 1)  # one per readout
+                value_histograms.store_value_histograms(
+                    session=session,
+                    run_id=run_id,
+                    layer=layer,
+                    histograms={
+                        h.readout: (h.low.numpy(), h.high.numpy(), h.counts.numpy()) for h in histograms
+                    },
+                )
                 lease.check(session)
         if not spec.token_memories:
             return
@@ -271,7 +289,8 @@ class IndexPipeline:
         if saved:
             state = _state(saved, loaded.device)
         else:
-            state = MiningState(loaded.n_layers, loaded.n_keys, spec.top_k, device=loaded.device)
+            gated = loaded.adapter.gates is not None
+            state = MiningState(loaded.n_layers, loaded.n_keys, spec.top_k, device=loaded.device, gated=gated)
         batches = shard_batches(
             token_ids,
             first_positions,

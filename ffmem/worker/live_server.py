@@ -26,12 +26,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from ffmem.engine.attribution_terms import target_tokens
+from ffmem.engine.circuit import HOPS, NODES, THRESHOLD, TOP, circuit
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.interventions import parse_interventions
+from ffmem.engine.interventions import Intervention, parse_interventions
 from ffmem.engine.key_coefficients import key_coefficients
 from ffmem.engine.loading import LoadedModel, ModelLoadError, shared_model
 from ffmem.engine.trace import ablation, trace
-from ffmem.engine.trace_answer import AblationAnswer, CoefficientsAnswer, TraceAnswer
+from ffmem.engine.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
 
 log = logging.getLogger("ffmem.worker")
 Answer = TypeVar("Answer")
@@ -61,6 +62,23 @@ class TraceRequest(BaseModel):
         max_length=10_000,
         description="The token to attribute: text (its first token) or #id (None: the prediction).",
     )
+
+
+class CircuitRequest(BaseModel):
+    """A prompt's memory circuit (ffmem.engine.circuit): the prompt and target as a trace takes them."""
+
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    text: str = Field(description="The prompt.")
+    position: int | None = Field(None, ge=0, description="Token position (default: the last).")
+    readout: Literal["norm", "raw"] = "norm"
+    interventions: str = Field("", max_length=4000, description="L12K345, L12K345*0.5, L12K345=3.2, …")
+    target: str | None = Field(
+        None, max_length=10_000, description="Text (its first token) or #id (None: the prediction)."
+    )
+    nodes: int = Field(NODES, ge=1, le=50, description="Memories that push the target most (hop 0).")
+    top: int = Field(TOP, ge=1, le=20, description="Upstream memories kept per memory, by |term|.")
+    threshold: float = Field(THRESHOLD, ge=0, le=1, description="Keep |term| ≥ this × its hop's largest.")
+    hops: int = Field(HOPS, ge=1, le=2, description="1: who feeds the hop-0 memories; 2: and who feeds them.")
 
 
 class AblationRequest(BaseModel):
@@ -178,7 +196,10 @@ class Live:
                 field="text",
             )
 
-    def trace(self, loaded: LoadedModel, request: TraceRequest) -> TraceAnswer:
+    def _prompt(
+        self, loaded: LoadedModel, request: TraceRequest | CircuitRequest
+    ) -> tuple[list[int], list[Intervention], list[int]]:
+        """A trace's or circuit's prompt checked: (its token ids, the interventions, the target's tokens)."""
         token_ids = loaded.tokenizer(request.text).input_ids
         self._checked(token_ids, request.text)
         if request.position is not None and request.position >= len(token_ids):
@@ -189,6 +210,10 @@ class Live:
             )
         interventions = parse_interventions(request.interventions, loaded.n_layers, loaded.n_keys)
         typed_tokens = target_tokens(loaded.tokenizer, loaded.model.config.vocab_size, request.target)
+        return token_ids, interventions, typed_tokens
+
+    def trace(self, loaded: LoadedModel, request: TraceRequest) -> TraceAnswer:
+        token_ids, interventions, typed_tokens = self._prompt(loaded, request)
         result = trace(
             loaded,
             token_ids,
@@ -208,6 +233,22 @@ class Live:
             generated_text=loaded.tokenizer.decode(result.generated),
             generated_edited_text=loaded.tokenizer.decode(result.generated_edited),
         )
+
+    def circuit(self, loaded: LoadedModel, request: CircuitRequest) -> CircuitAnswer:
+        token_ids, interventions, typed_tokens = self._prompt(loaded, request)
+        result = circuit(
+            loaded,
+            token_ids,
+            request.position,
+            target=typed_tokens[0] if typed_tokens else None,
+            readout=request.readout,
+            interventions=interventions,
+            nodes=request.nodes,
+            top=request.top,
+            threshold=request.threshold,
+            hops=request.hops,
+        )
+        return CircuitAnswer(**asdict(result), typed=request.target, typed_tokens=typed_tokens)
 
     def coefficients(self, loaded: LoadedModel, request: CoefficientsRequest) -> CoefficientsAnswer:
         _check_memory(loaded, request.layer, request.key)
@@ -250,7 +291,7 @@ def _check_memory(loaded: LoadedModel, layer: int, key: int) -> None:
 
 
 def create_live_app(live: Live) -> FastAPI:
-    """The worker's HTTP face: GET /health, POST /trace, POST /coefficients, POST /ablation."""
+    """The worker's HTTP face: GET /health, POST /trace, /circuit, /coefficients, /ablation."""
     app = FastAPI(title="ffmem live worker", version="0.1.0")
     app.state.live = live
 
@@ -263,6 +304,11 @@ def create_live_app(live: Live) -> FastAPI:
     async def trace_prompt(request: TraceRequest) -> TraceAnswer:
         """Trace one prompt (see ffmem.engine.trace)."""
         return await live.run(request.model, lambda loaded: live.trace(loaded, request))
+
+    @app.post("/circuit")
+    async def memory_circuit(request: CircuitRequest) -> CircuitAnswer:
+        """A prompt's memory circuit for one position and target (see ffmem.engine.circuit)."""
+        return await live.run(request.model, lambda loaded: live.circuit(loaded, request))
 
     @app.post("/coefficients")
     async def coefficients(request: CoefficientsRequest) -> CoefficientsAnswer:

@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from ffmem.cli import cli
-from ffmem.store import memory_reads, runs
+from ffmem.store import memory_reads, runs, value_histograms
 from ffmem.store.models import KeyStats, Label, Run
 
 
@@ -88,6 +88,13 @@ def test_export_writes_every_table(explorer_db, db, tmp_path, fmt):
         assert {"layer", "key", "readout", "direction", "rank", "token_id", "token", "logit", "prob"} == set(
             values[0]
         )
+        histograms = read(out / f"value_histograms.{fmt}")
+        assert len(histograms) == 2 * run.model.n_layers * run.model.n_keys  # both readouts of every value
+        stored = value_histograms.value_histogram(session=db, run_id=run.id, layer=0, key=1)
+        assert histograms[2:4] == [
+            {"layer": 0, "key": 1, "readout": r, "low": h.low, "high": h.high, "counts": h.counts}
+            for r, h in stored.items()
+        ]
         stats = read(out / f"key_stats.{fmt}")
         assert len(stats) == db.scalar(
             select(func.count()).select_from(KeyStats).where(KeyStats.run_id == run.id)

@@ -109,6 +109,8 @@ def valid(db, slug) -> dict[str, str]:
         # a label, and deleting one
         "pattern": "capital cities",
         "label_id": "1",
+        # a gated key's sign quadrant
+        "quadrant": "nn",
         # a corpus upload (sent as a form field, not a file: refused however it is filled)
         "file": "corpus.txt",
         "tag": "semantic",

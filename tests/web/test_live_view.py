@@ -483,7 +483,7 @@ def test_a_slow_worker_is_a_504_in_the_error_shape(explorer_db, slug):
 
 ATTRIBUTION_FIELDS = {
     "target", "typed", "note", "other", "other_url", "readout", "logit", "scale", "total", "largest_residual",
-    "vetoes", "layers", "promoters", "suppressors",
+    "vetoes", "layers", "promoters", "suppressors", "circuit_url",
 }  # fmt: skip
 ATTRIBUTION_LAYER_FIELDS = {"layer", "memories", "memories_sum", "bias", "direct", "change", "residual"}
 ATTRIBUTED_FIELDS = {"layer", "key", "coefficient", "value_logit", "contribution", "top_token", "veto", "url"}

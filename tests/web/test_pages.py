@@ -150,8 +150,11 @@ def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
         "max_prob",
         "next_token_rank",
         "value_norm",
+        "dominant_quadrant",
+        "dominant_share",
         "label",
     }
+    assert body["gated"] is True and row["dominant_quadrant"] in ("pp", "pn", "np", "nn")
     top = memory_reads.get_triggers(session=db, run_id=run.id, layer=1, key=row["key"], sign=1)[0]
     assert row["top_trigger"]["coefficient"] == pytest.approx(top.coefficient)
     assert row["top_trigger"]["sentence_index"] == top.sentence_index

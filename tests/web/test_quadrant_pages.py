@@ -8,12 +8,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from fastapi.testclient import TestClient
 from markupsafe import escape
-from sqlalchemy import select
+from sqlalchemy import func, select
+from tiny_models import TRAINING_TEXT, tiny_tokenizer
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from ffmem.config import Settings
 from ffmem.engine.corpus import mined_sentences
 from ffmem.store import corpora
-from ffmem.store.models import Corpus, Job
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Corpus, Job, KeyExamples, KeyStats, LanguageModel
+from ffmem.web.main import create_app
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import build_index
 
 LAYER = 1
 NAMES = ("pp", "pn", "np", "nn")
@@ -138,3 +146,43 @@ def test_an_unknown_quadrant_is_refused_in_the_error_shape(client, slug):
     }
     page = client.get(f"/m/{slug}/layers/{LAYER}/keys/5/quadrants/px")
     assert page.status_code == 400 and "Input should be" in page.text
+
+
+def test_a_model_without_a_gate_has_no_quadrants_anywhere(tmp_path):
+    """A tiny GELU GPT-2 indexed end to end: no quadrant stored, no panel, no column, and its quadrant page
+    is a 404 that says why."""
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(2)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=16, n_layer=2, n_head=2, n_positions=64,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TRAINING_TEXT) + "\n")
+    url = f"sqlite:///{tmp_path / 'ffmem.db'}"
+    upgrade(url)
+    settings = dict(held_out_every=0, top_k=3, device="cpu", dtype="float32", batch_tokens=64)
+    options = IndexOptions.from_settings(
+        Settings(model=str(folder), corpus=str(corpus), sentences=None, cache_dir=tmp_path, **settings),
+        progress=False,
+    )
+    sessions = make_sessionmaker(make_engine(url))
+    build_index(options, sessions)
+    with sessions() as session:
+        assert session.scalar(select(func.count()).where(KeyStats.dominant_quadrant.is_not(None))) == 0
+        assert session.scalar(select(func.count()).where(KeyExamples.quadrants.is_not(None))) == 0
+        slug = session.scalars(select(LanguageModel.slug)).one()
+    app = create_app(Settings(database_url=url))
+    with TestClient(app) as client:
+        assert client.get(f"/m/{slug}/layers/1/keys/3.json").json()["quadrants"] is None
+        assert 'id="quadrants"' not in client.get(f"/m/{slug}/layers/1/keys/3").text
+        layer = client.get(f"/m/{slug}/layers/1.json").json()
+        assert layer["gated"] is False and all(k["dominant_quadrant"] is None for k in layer["keys"])
+        refused = client.get(f"/m/{slug}/layers/1/keys/3/quadrants/pp.json")
+        assert refused.status_code == 404 and refused.json()["error"] == (
+            f"{slug}'s feed-forward layers have no gate, so its memories have no sign quadrants."
+        )
+    app.state.engine.dispose()

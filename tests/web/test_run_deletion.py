@@ -19,7 +19,7 @@ def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tm
     from tiny_models import TRAINING_TEXT
 
     from ffmem.store.db import make_engine, make_sessionmaker
-    from ffmem.store.models import KeyExamples, KeyStats, LanguageModel, MemoryList
+    from ffmem.store.models import KeyExamples, KeyStats, LanguageModel, MemoryList, ValueHistogram
     from ffmem.worker.index import IndexOptions
     from ffmem.worker.loop import build_index
 
@@ -55,7 +55,7 @@ def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tm
         answer = client.post(f"/m/{slug}/runs/{run_id}/delete.json")
         assert answer.status_code == 200
         assert [m["runs"] for m in answer.json()["models"]] == [[]] and answer.json()["jobs"] == []
-        for table in (Run, MemoryList, KeyStats, KeyExamples, Job):
+        for table in (Run, MemoryList, KeyStats, KeyExamples, ValueHistogram, Job):
             assert session.scalar(select(func.count()).select_from(table)) == 0, table.__name__
         again = client.post(f"/m/{slug}/runs/{run_id}/delete.json")
         assert (again.status_code, again.json()["error"]) == (404, f"Model {slug!r} has no run {run_id}.")

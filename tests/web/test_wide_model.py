@@ -18,6 +18,7 @@ from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.memory_lists import TOKEN_LISTS
 from ffmem.store.memory_reads import KEY_SORTS
+from ffmem.store.models import QUADRANT_COLUMNS
 from ffmem.web.main import create_app
 
 SHAPE = Shape(
@@ -142,7 +143,10 @@ def test_its_samples_and_related_memories(client, last_layer):
 def expected_order(stats: dict, sort: str, descending: bool, keys: np.ndarray | None = None) -> list[int]:
     """The layer table's order: NULLs last, then the column, then the key ascending."""
     keys = np.arange(SHAPE.n_keys) if keys is None else keys
-    value = keys.astype(float) if sort == "key" else np.asarray(stats[sort], float)[keys]
+    quadrants = {"dominant_quadrant": stats["quadrant_shares"].argmax(axis=1)}  # [keys] each
+    quadrants.update(zip(QUADRANT_COLUMNS, stats["quadrant_shares"].T, strict=True))
+    column = quadrants[sort] if sort in quadrants else None if sort == "key" else stats[sort]
+    value = keys.astype(float) if sort == "key" else np.asarray(column, float)[keys]
     missing = value < 0 if sort == "next_token_rank" else np.isnan(value)  # −1 is stored as NULL
     primary = np.where(missing, 0.0, -value if descending else value)
     return keys[np.lexsort((keys, primary, missing))].tolist()

@@ -77,6 +77,9 @@ class AttributionView(BaseModel):
     layers: list[AttributionLayer]
     promoters: list[AttributedMemory] = Field(description="The largest contributions overall.")
     suppressors: list[AttributedMemory] = Field(description="The most negative overall.")
+    circuit_url: str = Field(
+        description="The memory circuit of this target here: who fed the memories that push it."
+    )
 
 
 def attributed(attribution: AttributionAnswer) -> list[ContributionAnswer]:
@@ -129,10 +132,12 @@ def attribution_view(
     value_tokens: dict,
     ref: Callable[[int], TokenRef],
     other: int | None,
+    circuit_url: str,
 ) -> AttributionView:
     """The attribution named with the index: each memory's own top token (the first of its signed value
     tokens), the veto marks (ffmem.engine.attribution_terms.is_veto), which token a typed target is and
-    its `other` spelling (`retarget`: the same trace with another token as its target)."""
+    its `other` spelling (`retarget`: the same trace with another token as its target); `circuit_url`: its
+    memory circuit."""
     sums = {layer.layer: layer.memories_sum for layer in answer.layers}
     largest = {
         layer.layer: max((abs(c.contribution) for c in layer.memories), default=0.0)
@@ -180,6 +185,7 @@ def attribution_view(
         layers=rows,
         promoters=[memory(m) for m in answer.promoters],
         suppressors=[memory(m) for m in answer.suppressors],
+        circuit_url=circuit_url,
     )
 
 

@@ -9,12 +9,13 @@ import random
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from ffmem.store import corpora, memory_labels, vocabularies
+from ffmem.store import corpora, memory_labels, value_histograms, vocabularies
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
 from ffmem.web import patterns, urls
 from ffmem.web.pages.composition import ExplanationView, key_explanation
+from ffmem.web.pages.quadrants import QuadrantPanel, quadrant_panel
 from ffmem.web.pages.try_text import TryText
 from ffmem.web.patterns import PatternHints
 from ffmem.web.shading import key_scale, stored_shading
@@ -88,6 +89,38 @@ class Histogram(BaseModel):
     counts: list[int] = Field(description="Positions per bin.")
 
 
+MARKED_TOKENS = 10  # a value's top and bottom tokens marked on its logit histogram
+
+
+class ValueHistogramView(BaseModel):
+    """A value's logits over the whole vocabulary under one readout, in equal bins
+    (ffmem.store.value_histograms)."""
+
+    edges: list[float] = Field(
+        description="The bins' edges, from its lowest logit to its highest (bins + 1)."
+    )
+    counts: list[int] = Field(
+        description="Tokens per bin (the highest logit in the last bin); they sum to the vocabulary size."
+    )
+    top: list[TokenScore] = Field(description="Its first top tokens, marked on the logit axis.")
+    bottom: list[TokenScore] = Field(description="Its first bottom tokens, marked on the logit axis.")
+
+
+class KeyStatistics(BaseModel):
+    """The statistics panel: the key's coefficient over the run (a text tried, `try_text.max`, is marked in
+    its histogram) and its value over the whole vocabulary."""
+
+    activation: Histogram | None = Field(description="The coefficient histogram (null: no statistics yet).")
+    density: float | None = Field(
+        description="The share of mined positions where |m| is within 3 octaves (1/8) of the key's peak |m|: "
+        "how often the memory fires near its strongest."
+    )
+    value_histograms: dict[str, ValueHistogramView] | None = Field(
+        description="Readout (raw: v·E; norm: lm_head(final_norm(v))) → the value's logit histogram; null: "
+        "the run stores none (built before they were)."
+    )
+
+
 class Links(BaseModel):
     """The key page's links."""
 
@@ -136,6 +169,10 @@ class KeyContext(ModelPage):
     try_text: TryText | None = Field(
         None, description='"Try your own text": the box, and the answer for `?text=`.'
     )
+    quadrants: QuadrantPanel | None = Field(
+        None, description="A gated memory's sign quadrants of gate and input (null: the FF has no gate)."
+    )
+    statistics: KeyStatistics | None = Field(None, description="The statistics panel.")
 
 
 def key_page(
@@ -204,6 +241,8 @@ def key_page(
         label_history=[label_view(label) for label in history[1:]],
         label_url=urls.label_url(slug, layer, key),
         explanation=key_explanation(session, run, layer, key),
+        quadrants=quadrant_panel(results, slug, run, layer, key),
+        statistics=key_statistics(session, run, layer, key, histogram, stats, value),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -220,6 +259,45 @@ def key_page(
             related=urls.related_url(slug, layer, key, **pinned),
         ),
     )
+
+
+def key_statistics(
+    session: Session,
+    run: Run,
+    layer: int,
+    key: int,
+    histogram: Histogram | None,
+    stats: KeyStatsView | None,
+    value: dict[str, ValueReadout],
+) -> KeyStatistics:
+    """The statistics panel from the page's histogram, statistics and value tokens, and the value's stored
+    logit histograms."""
+    stored = value_histograms.value_histogram(session=session, run_id=run.id, layer=layer, key=key)
+    views = None
+    if stored is not None:
+        views = {
+            readout: ValueHistogramView(
+                edges=h.edges,
+                counts=h.counts,
+                top=value[readout].top[:MARKED_TOKENS],
+                bottom=value[readout].bottom[:MARKED_TOKENS],
+            )
+            for readout, h in stored.items()
+        }
+    density = None if stats is None else stats.density
+    return KeyStatistics(activation=histogram, density=density, value_histograms=views)
+
+
+def histogram_bin(edges: list[float], m: float) -> int:
+    """The bin of the coefficient histogram (`edges`: mining's) that holds m: its negative bins by magnitude
+    up to the middle one (+0 exactly), then its positive ones; a value on an edge goes to the larger
+    magnitude."""
+    middle = len(edges) // 2  # the +0 bin
+    if m > 0:
+        return middle + 1 + sum(0 < e <= m for e in edges)
+    if m < 0:
+        return middle - 1 - sum(m <= e < 0 for e in edges)
+    return middle
 
 
 def bin_labels(edges: list[float]) -> list[str]:

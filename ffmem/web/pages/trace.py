@@ -317,7 +317,13 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         if unedited
         else None,
         attribution=attribution_view(
-            q.model.slug, lambda token: q.url(target=f"#{token}"), attribution, value_tokens, ref, other
+            q.model.slug,
+            lambda token: q.url(target=f"#{token}"),
+            attribution,
+            value_tokens,
+            ref,
+            other,
+            q.circuit_url(position=position),
         )
         if attribution
         else None,

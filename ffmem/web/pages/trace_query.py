@@ -12,12 +12,19 @@ from ffmem.engine.interventions import (
     format_interventions,
     parse_interventions,
 )
+from ffmem.engine.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls
 from ffmem.web.errors import AppError, sentence
 from ffmem.web.worker_client import text_max_length
 
 DEFAULTS = {"readout": "norm", "memories": 10, "generate": 0}  # left out of the URL
+CIRCUIT_DEFAULTS = {
+    "nodes": CIRCUIT_NODES,
+    "top": CIRCUIT_TOP,
+    "threshold": CIRCUIT_THRESHOLD,
+    "hops": CIRCUIT_HOPS,
+}
 
 
 class TraceQuery:
@@ -47,6 +54,21 @@ class TraceQuery:
         } | changes
         kept = {k: v for k, v in values.items() if v is not None and DEFAULTS.get(k) != v}
         return urls.trace_url(self.model.slug, fmt, **kept)
+
+    def circuit_url(self, fmt: str | None = None, **options) -> str:
+        """This trace's memory circuit (its prompt, position, edits, readout and target) with `options`
+        (nodes, top, threshold, hops; left out of the URL at their defaults)."""
+        values = {
+            "text": self.text,
+            "position": self.position,
+            "intervene": format_interventions(self.interventions) or None,
+            "readout": self.readout,
+            "target": self.target,
+        } | options
+        kept = {
+            k: v for k, v in values.items() if v is not None and CIRCUIT_DEFAULTS.get(k, DEFAULTS.get(k)) != v
+        }
+        return urls.circuit_url(self.model.slug, fmt, **kept)
 
     def share_link(self, max_query_bytes: int) -> str | None:
         """The trace's URL, its share link; None when its query is longer than the server accepts."""

@@ -9,10 +9,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Form, Query, Request
 from pydantic import BaseModel, Field
 
+from ffmem.engine.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
 from ffmem.store.models import LanguageModel
 from ffmem.web.deps import KeyDep, LayerDep, ModelDep, RunDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError
 from ffmem.web.pages.ablation import AblationContext, ablation_page
+from ffmem.web.pages.circuit import CircuitContext, CircuitOptions, circuit_form, circuit_page
 from ffmem.web.pages.trace import TraceContext, trace_form, trace_page
 from ffmem.web.pages.trace_query import TraceQuery
 from ffmem.web.ratelimit import LiveBudget
@@ -98,6 +100,55 @@ def _trace(request: Request, session, settings, refused, model: LanguageModel, f
 
         return render_unanswered(request, error, "trace.html", "trace", unanswered)
     return render(request, "trace.html", ctx.model_copy(update=shown), fragment="trace")
+
+
+class CircuitForm(BaseModel):
+    """A memory circuit: the trace's prompt, position, edits, readout and target, and how much is kept."""
+
+    text: str | None = Field(None, max_length=100_000, description="The prompt (the URL is the share link).")
+    position: int | None = Field(None, ge=0, le=2**31 - 1, description="Token position (default: the last).")
+    intervene: str | None = Field(None, max_length=4000, description="Memories edited, as in the live view.")
+    readout: Literal["norm", "raw"] = Field("norm", description="norm: the model's final norm; raw: r·E.")
+    target: str | None = Field(
+        None, max_length=10_000, description="The token (text or #id); default: the prediction."
+    )
+    nodes: int = Field(CIRCUIT_NODES, ge=1, le=50, description="Memories that push the target most (hop 0).")
+    top: int = Field(CIRCUIT_TOP, ge=1, le=20, description="Upstream memories kept per memory, by |term|.")
+    threshold: float = Field(
+        CIRCUIT_THRESHOLD,
+        ge=0,
+        le=1,
+        description="Keep an edge when |term| ≥ this × its hop's largest |term|.",
+    )
+    hops: int = Field(
+        CIRCUIT_HOPS, ge=1, le=2, description="1: who feeds the hop-0 memories; 2: and who feeds those."
+    )
+
+
+@page(router, "/m/{model}/trace/circuit", "circuit", CircuitContext, live=True)
+def circuit(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    refused: LiveBudget,
+    model: ModelDep,
+    form: Annotated[CircuitForm, Query()],
+):
+    """A prompt's memory circuit: who pushes the target here, and which earlier memories fed them."""
+    f = form
+    q = TraceQuery(model, f.text, f.position, f.readout, 10, 0, f.intervene, f.target)
+    options = CircuitOptions(nodes=f.nodes, top=f.top, threshold=f.threshold, hops=f.hops)
+    try:
+        if refused:
+            raise refused
+        ctx = circuit_page(session, request.app.state.live, q, options, settings.max_prompt_tokens)
+    except AppError as error:
+
+        def unanswered(notice: str, field: str | None) -> CircuitContext:
+            return circuit_form(q, options, settings.max_prompt_tokens, notice=notice, notice_field=field)
+
+        return render_unanswered(request, error, "circuit.html", "circuit", unanswered)
+    return render(request, "circuit.html", ctx, fragment="circuit")
 
 
 @page(router, "/m/{model}/layers/{layer}/keys/{key}/ablation", "ablation", AblationContext, live=True)

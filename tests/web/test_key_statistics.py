@@ -1,0 +1,213 @@
+"""The key page's statistics panel (issue 30): its JSON twin carries exactly what a synthetic run wrote — the
+coefficient histogram, the density and each readout's value histogram with its first top and bottom tokens —
+and its page draws them with every token text escaped; a memory without a stored value histogram (a run from
+before them) still renders, saying so. With "try your own text" (the tiny index, its live worker) the panel's
+coefficient histogram marks the bin of the text's max m: on the page, and to htmx out of band."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import delete, update
+from synthetic_index import HISTOGRAM_BINS, Shape, layer_arrays, sentence_tokens, write_run
+
+from ffmem.config import Settings
+from ffmem.engine.mined_layer import histogram_edges
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Token, ValueHistogram
+from ffmem.web.charts import label
+from ffmem.web.main import create_app
+from ffmem.web.pages.key import MARKED_TOKENS, bin_labels, histogram_bin
+from ffmem.web.worker_client import LiveWorker
+from ffmem.worker.live_server import Live, create_live_app
+
+SHAPE = Shape(
+    slug="stats",
+    n_layers=2,
+    n_keys=30,
+    vocab_size=400,
+    d_model=16,
+    top_k=5,
+    value_tokens=12,
+    sentences=40,
+    sentence_tokens=10,
+    shaded_triggers=2,
+    band_bins=2,
+    token_memories=0,
+)
+LAYER, KEY, UNSTORED = 1, 7, 3  # UNSTORED: its value histogram row deleted, as in a run from before them
+HOSTILE = '<img src=x onerror=alert(1)>&"'
+M = f"/m/{SHAPE.slug}"
+pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
+
+
+@pytest.fixture(scope="module")
+def arrays():
+    """What the synthetic run holds in LAYER."""
+    return layer_arrays(SHAPE, LAYER, np.array([len(ids) for ids in sentence_tokens(SHAPE)]))
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def client(request, tmp_path_factory, arrays):
+    """The explorer over the synthetic run; KEY's top raw token renamed to HOSTILE, UNSTORED's value
+    histograms deleted."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('stats') / 'ffmem.db'}"
+    else:
+        from conftest import _clean_postgres
+
+        url = request.getfixturevalue("postgres_url")
+        _clean_postgres(url)
+    upgrade(url)
+    engine = make_engine(url)
+    with make_sessionmaker(engine)() as session:
+        run_id = write_run(session, SHAPE).run_id
+        top = int(arrays.values["raw", 1][0][KEY, 0])
+        session.execute(update(Token).where(Token.token_id == top).values(text=HOSTILE))
+        session.execute(
+            delete(ValueHistogram).where(
+                ValueHistogram.run_id == run_id, ValueHistogram.layer == LAYER, ValueHistogram.key == UNSTORED
+            )
+        )
+        session.commit()
+    engine.dispose()
+    app = create_app(Settings(database_url=url))
+    with TestClient(app) as test_client:
+        yield test_client
+    app.state.engine.dispose()
+
+
+def key_json(client: TestClient, key: int) -> dict:
+    response = client.get(f"{M}/layers/{LAYER}/keys/{key}.json")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_the_json_twin_carries_the_panel_as_written(client, arrays):
+    page = key_json(client, KEY)
+    edges = histogram_edges()
+    expected_value = {}
+    for readout in ("raw", "norm"):
+        low, high, counts = (a[KEY] for a in arrays.histograms[readout])
+        low, high = float(low), float(high)
+        expected_value[readout] = {
+            "edges": [low + (high - low) * b / HISTOGRAM_BINS for b in range(HISTOGRAM_BINS + 1)],
+            "counts": counts.tolist(),
+            "top": page["value"][readout]["top"][:MARKED_TOKENS],
+            "bottom": page["value"][readout]["bottom"][:MARKED_TOKENS],
+        }
+        ids = {
+            part: arrays.values[readout, d][0][KEY, :MARKED_TOKENS].tolist()
+            for part, d in (("top", 1), ("bottom", -1))
+        }
+        shown = page["statistics"]["value_histograms"][readout]
+        assert {part: [t["token_id"] for t in shown[part]] for part in ids} == ids
+        assert sum(shown["counts"]) == SHAPE.vocab_size
+    assert page["statistics"] == {
+        "activation": {
+            "edges": edges,
+            "labels": bin_labels(edges),
+            "counts": arrays.stats["histogram"][KEY].tolist(),
+        },
+        "density": page["stats"]["density"],
+        "value_histograms": expected_value,
+    }
+    assert page["statistics"]["density"] == pytest.approx(float(arrays.stats["density"][KEY]))
+    assert page["statistics"]["value_histograms"]["raw"]["top"][0]["token"] == HOSTILE
+
+
+def test_the_page_draws_the_panel_with_token_texts_escaped(client, arrays):
+    response = client.get(f"{M}/layers/{LAYER}/keys/{KEY}")
+    assert response.status_code == 200
+    text = response.text
+    for element in ("statistics", "activation-histogram", "histogram-chart", "activation-density"):
+        assert f'id="{element}"' in text, element
+    assert text.count('id="histogram-chart"') == 1  # the panel's, not also the value section's
+    assert "activation density <" not in text and "value-histograms-missing" not in text
+    density = f"{100 * float(arrays.stats['density'][KEY]):.2f}%"
+    assert f'<strong class="num">{density}</strong>' in text
+    assert "<img src=x" not in text  # the hostile token text: escaped everywhere
+    figures = {}
+    for readout in ("raw", "norm"):
+        found = re.search(rf'id="value-histogram-{readout}" data-figure="([^"]*)"', text)
+        assert found, readout
+        figures[readout] = json.loads(html.unescape(found.group(1)))
+    bars, marks = figures["raw"]["data"]
+    low, high, counts = (a[KEY] for a in arrays.histograms["raw"])
+    assert bars["y"] == counts.tolist() and figures["raw"]["layout"]["yaxis"]["type"] == "log"
+    assert bars["x"][0] - bars["width"][0] / 2 == pytest.approx(float(low))
+    ids, logits = (a[KEY, :MARKED_TOKENS] for a in arrays.values["raw", 1])
+    assert marks["x"][-MARKED_TOKENS:] == pytest.approx(logits.tolist())  # the top tokens, on the logit axis
+    assert (
+        marks["text"][MARKED_TOKENS] == label(HOSTILE) == '&lt;img␣src=x␣onerror=alert(1)&gt;&amp;"'
+    )  # as text
+    assert marks["customdata"][MARKED_TOKENS] == f"{label(HOSTILE)} #{ids[0]}"
+
+
+def test_a_memory_without_a_stored_value_histogram_still_renders(client, arrays):
+    page = key_json(client, UNSTORED)
+    assert page["statistics"]["value_histograms"] is None
+    assert page["statistics"]["activation"]["counts"] == arrays.stats["histogram"][UNSTORED].tolist()
+    response = client.get(f"{M}/layers/{LAYER}/keys/{UNSTORED}")
+    assert response.status_code == 200
+    assert 'id="value-histograms-missing"' in response.text and 'id="histogram-chart"' in response.text
+    assert 'id="value-histogram-raw"' not in response.text
+
+
+# ---- "try your own text" marks the panel's coefficient histogram (the tiny index, its live worker) --------
+
+
+@pytest.fixture(scope="module")
+def live_client(explorer_db, tiny, tiny_model_dir):
+    live = Live(device="cpu", max_tokens=56, queue=4)
+    live.models[str(tiny_model_dir)] = tiny
+    worker = TestClient(create_live_app(live), base_url="http://worker")
+    app = create_app(Settings(database_url=explorer_db, trace_rate_limit="0"))
+    app.state.live = LiveWorker("http://worker", 30, client=worker)
+    with TestClient(app) as client:
+        yield client
+    app.state.engine.dispose()
+
+
+def _marked(fragment: str) -> dict:
+    """The coefficient histogram's figure in an HTML fragment."""
+    found = re.search(r'id="histogram-chart" data-figure="([^"]*)"', fragment)
+    assert found
+    return json.loads(html.unescape(found.group(1)))
+
+
+def test_try_text_marks_where_its_max_falls(live_client, slug):
+    url = f"/m/{slug}/layers/1/keys/4"
+    text = "The capital of France is Paris."
+    body = live_client.get(f"{url}.json", params={"text": text}).json()
+    m = body["try_text"]["max"]["coefficient"]
+    at = histogram_bin(body["statistics"]["activation"]["edges"], m)
+    page = live_client.get(url, params={"text": text})
+    assert page.status_code == 200
+    figure = _marked(page.text)
+    assert [(s["x0"], s["x1"]) for s in figure["layout"]["shapes"]] == [(at, at)]
+    assert figure["layout"]["annotations"][0]["text"] == f"your text: max m {m:.3g}"
+    assert body["statistics"]["activation"]["labels"][at] == figure["data"][0]["x"][at]
+    untried = _marked(live_client.get(url).text)
+    assert "shapes" not in untried["layout"]  # no text: no marker
+    headers = {"HX-Request": "true", "HX-Target": "try_text"}
+    fragment = live_client.get(url, params={"text": text}, headers=headers).text
+    assert fragment.lstrip().startswith(
+        '<div id="try_text"'
+    )  # the answer, then the panel's chart out of band
+    assert '<div id="activation-histogram" hx-swap-oob="true">' in fragment
+    assert _marked(fragment)["layout"]["shapes"] == figure["layout"]["shapes"]
+
+
+@pytest.mark.parametrize(
+    ("m", "expected"),
+    [(0.0, 21), (1e-4, 22), (2.0**-9, 23), (1.5, 32), (2.0**10, 42), (1e6, 42), (-1e-4, 20), (-(2.0**-9), 19),
+     (-1.5, 10), (-1e6, 0)],
+)  # fmt: skip
+def test_a_coefficient_falls_in_the_bin_mining_counts_it_in(m, expected):
+    assert histogram_bin(histogram_edges(), m) == expected
