@@ -15,7 +15,7 @@ from ffmem.web.display import visible
 from ffmem.web.pages.analysis import AnalysisFigure
 from ffmem.web.pages.compare import LayerChange
 from ffmem.web.pages.composition import WeightGraphView
-from ffmem.web.pages.key import Histogram, ValueHistogramView, ValueReadout, histogram_bin
+from ffmem.web.pages.key import MARKED_TOKENS, Histogram, ValueHistogramView, ValueReadout, histogram_bin
 from ffmem.web.pages.model import LayerSummary
 
 POSITIVE, NEGATIVE, NEUTRAL = "#2b6cb0", "#c05621", "#4a5568"
@@ -103,12 +103,13 @@ def coefficient_histogram(histogram: Histogram, marker: float | None = None) -> 
     }
 
 
-def value_histogram(view: ValueHistogramView, readout: str) -> dict:
-    """A value's logits over the whole vocabulary: tokens per equal bin (log counts), its bottom and top
-    tokens marked along the logit axis (the first three named)."""
+def value_histogram(view: ValueHistogramView, tokens: ValueReadout, readout: str) -> dict:
+    """A value's logits over the whole vocabulary: tokens per equal bin (log counts), its first
+    MARKED_TOKENS bottom and top tokens (`tokens`) marked along the logit axis (the first three named)."""
     bins = list(zip(view.edges, view.edges[1:], strict=False))  # (from, to) per bin
-    marked = [*view.bottom, *view.top]
-    named = {id(t) for t in (*view.bottom[:3], *view.top[:3])}
+    bottom, top = tokens.bottom[:MARKED_TOKENS], tokens.top[:MARKED_TOKENS]
+    marked = [*bottom, *top]
+    named = {id(t) for t in (*bottom[:3], *top[:3])}
     return {
         "data": [
             {
@@ -129,7 +130,7 @@ def value_histogram(view: ValueHistogramView, readout: str) -> dict:
                 "marker": {
                     "symbol": "triangle-up",
                     "size": 9,
-                    "color": [NEGATIVE] * len(view.bottom) + [POSITIVE] * len(view.top),
+                    "color": [NEGATIVE] * len(bottom) + [POSITIVE] * len(top),
                 },
                 "text": [label(t.token) if id(t) in named else "" for t in marked],
                 "textposition": "top center",

@@ -1,6 +1,6 @@
-"""The key page's statistics panel (issue 30): its JSON twin carries exactly what a synthetic run wrote — the
-coefficient histogram, the density and each readout's value histogram with its first top and bottom tokens —
-and its page draws them with every token text escaped; a memory without a stored value histogram (a run from
+"""The key page's statistics panel (issue 30): its JSON twin carries exactly what a synthetic run wrote — each
+readout's value histogram beside the page's coefficient histogram, density and value tokens — and its page
+draws them (the first top and bottom tokens marked on the value's) with every token text escaped; a memory without a stored value histogram (a run from
 before them) still renders, saying so. With "try your own text" (the tiny index, its live worker) the panel's
 coefficient histogram marks the bin of the text's max m: on the page, and to htmx out of band."""
 
@@ -89,36 +89,27 @@ def key_json(client: TestClient, key: int) -> dict:
 
 
 def test_the_json_twin_carries_the_panel_as_written(client, arrays):
+    """The value histograms as written; the panel's coefficient histogram, density and marked tokens are the
+    page's own `histogram`, `stats.density` and `value` (not repeated)."""
     page = key_json(client, KEY)
-    edges = histogram_edges()
-    expected_value = {}
+    expected = {}
     for readout in ("raw", "norm"):
         low, high, counts = (a[KEY] for a in arrays.histograms[readout])
         low, high = float(low), float(high)
-        expected_value[readout] = {
+        expected[readout] = {
             "edges": [low + (high - low) * b / HISTOGRAM_BINS for b in range(HISTOGRAM_BINS + 1)],
             "counts": counts.tolist(),
-            "top": page["value"][readout]["top"][:MARKED_TOKENS],
-            "bottom": page["value"][readout]["bottom"][:MARKED_TOKENS],
         }
-        ids = {
-            part: arrays.values[readout, d][0][KEY, :MARKED_TOKENS].tolist()
-            for part, d in (("top", 1), ("bottom", -1))
-        }
-        shown = page["statistics"]["value_histograms"][readout]
-        assert {part: [t["token_id"] for t in shown[part]] for part in ids} == ids
-        assert sum(shown["counts"]) == SHAPE.vocab_size
-    assert page["statistics"] == {
-        "activation": {
-            "edges": edges,
-            "labels": bin_labels(edges),
-            "counts": arrays.stats["histogram"][KEY].tolist(),
-        },
-        "density": page["stats"]["density"],
-        "value_histograms": expected_value,
+        assert sum(page["value_histograms"][readout]["counts"]) == SHAPE.vocab_size
+    assert page["value_histograms"] == expected
+    edges = histogram_edges()
+    assert page["histogram"] == {
+        "edges": edges,
+        "labels": bin_labels(edges),
+        "counts": arrays.stats["histogram"][KEY].tolist(),
     }
-    assert page["statistics"]["density"] == pytest.approx(float(arrays.stats["density"][KEY]))
-    assert page["statistics"]["value_histograms"]["raw"]["top"][0]["token"] == HOSTILE
+    assert page["stats"]["density"] == pytest.approx(float(arrays.stats["density"][KEY]))
+    assert "statistics" not in page
 
 
 def test_the_page_draws_the_panel_with_token_texts_escaped(client, arrays):
@@ -151,8 +142,8 @@ def test_the_page_draws_the_panel_with_token_texts_escaped(client, arrays):
 
 def test_a_memory_without_a_stored_value_histogram_still_renders(client, arrays):
     page = key_json(client, UNSTORED)
-    assert page["statistics"]["value_histograms"] is None
-    assert page["statistics"]["activation"]["counts"] == arrays.stats["histogram"][UNSTORED].tolist()
+    assert page["value_histograms"] is None
+    assert page["histogram"]["counts"] == arrays.stats["histogram"][UNSTORED].tolist()
     response = client.get(f"{M}/layers/{LAYER}/keys/{UNSTORED}")
     assert response.status_code == 200
     assert 'id="value-histograms-missing"' in response.text and 'id="histogram-chart"' in response.text
@@ -186,13 +177,13 @@ def test_try_text_marks_where_its_max_falls(live_client, slug):
     text = "The capital of France is Paris."
     body = live_client.get(f"{url}.json", params={"text": text}).json()
     m = body["try_text"]["max"]["coefficient"]
-    at = histogram_bin(body["statistics"]["activation"]["edges"], m)
+    at = histogram_bin(body["histogram"]["edges"], m)
     page = live_client.get(url, params={"text": text})
     assert page.status_code == 200
     figure = _marked(page.text)
     assert [(s["x0"], s["x1"]) for s in figure["layout"]["shapes"]] == [(at, at)]
     assert figure["layout"]["annotations"][0]["text"] == f"your text: max m {m:.3g}"
-    assert body["statistics"]["activation"]["labels"][at] == figure["data"][0]["x"][at]
+    assert body["histogram"]["labels"][at] == figure["data"][0]["x"][at]
     untried = _marked(live_client.get(url).text)
     assert "shapes" not in untried["layout"]  # no text: no marker
     headers = {"HX-Request": "true", "HX-Target": "try_text"}

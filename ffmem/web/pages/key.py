@@ -94,30 +94,13 @@ MARKED_TOKENS = 10  # a value's top and bottom tokens marked on its logit histog
 
 class ValueHistogramView(BaseModel):
     """A value's logits over the whole vocabulary under one readout, in equal bins
-    (ffmem.store.value_histograms)."""
+    (ffmem.store.value_histograms); the page marks its first MARKED_TOKENS top and bottom tokens (`value`)."""
 
     edges: list[float] = Field(
         description="The bins' edges, from its lowest logit to its highest (bins + 1)."
     )
     counts: list[int] = Field(
         description="Tokens per bin (the highest logit in the last bin); they sum to the vocabulary size."
-    )
-    top: list[TokenScore] = Field(description="Its first top tokens, marked on the logit axis.")
-    bottom: list[TokenScore] = Field(description="Its first bottom tokens, marked on the logit axis.")
-
-
-class KeyStatistics(BaseModel):
-    """The statistics panel: the key's coefficient over the run (a text tried, `try_text.max`, is marked in
-    its histogram) and its value over the whole vocabulary."""
-
-    activation: Histogram | None = Field(description="The coefficient histogram (null: no statistics yet).")
-    density: float | None = Field(
-        description="The share of mined positions where |m| is within 3 octaves (1/8) of the key's peak |m|: "
-        "how often the memory fires near its strongest."
-    )
-    value_histograms: dict[str, ValueHistogramView] | None = Field(
-        description="Readout (raw: v·E; norm: lm_head(final_norm(v))) → the value's logit histogram; null: "
-        "the run stores none (built before they were)."
     )
 
 
@@ -172,7 +155,11 @@ class KeyContext(ModelPage):
     quadrants: QuadrantPanel | None = Field(
         None, description="A gated memory's sign quadrants of gate and input (null: the FF has no gate)."
     )
-    statistics: KeyStatistics | None = Field(None, description="The statistics panel.")
+    value_histograms: dict[str, ValueHistogramView] | None = Field(
+        None,
+        description="The statistics panel's: readout (raw: v·E; norm: lm_head(final_norm(v))) → the value's "
+        "logit histogram over the whole vocabulary; null: the run stores none (built before they were).",
+    )
 
 
 def key_page(
@@ -242,7 +229,7 @@ def key_page(
         label_url=urls.label_url(slug, layer, key),
         explanation=key_explanation(session, run, layer, key),
         quadrants=quadrant_panel(results, slug, run, layer, key),
-        statistics=key_statistics(session, run, layer, key, histogram, stats, value),
+        value_histograms=value_histogram_views(session, run, layer, key),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -261,31 +248,14 @@ def key_page(
     )
 
 
-def key_statistics(
-    session: Session,
-    run: Run,
-    layer: int,
-    key: int,
-    histogram: Histogram | None,
-    stats: KeyStatsView | None,
-    value: dict[str, ValueReadout],
-) -> KeyStatistics:
-    """The statistics panel from the page's histogram, statistics and value tokens, and the value's stored
-    logit histograms."""
+def value_histogram_views(
+    session: Session, run: Run, layer: int, key: int
+) -> dict[str, ValueHistogramView] | None:
+    """The value's stored logit histograms, per readout; None where the run stores none."""
     stored = value_histograms.value_histogram(session=session, run_id=run.id, layer=layer, key=key)
-    views = None
-    if stored is not None:
-        views = {
-            readout: ValueHistogramView(
-                edges=h.edges,
-                counts=h.counts,
-                top=value[readout].top[:MARKED_TOKENS],
-                bottom=value[readout].bottom[:MARKED_TOKENS],
-            )
-            for readout, h in stored.items()
-        }
-    density = None if stats is None else stats.density
-    return KeyStatistics(activation=histogram, density=density, value_histograms=views)
+    if stored is None:
+        return None
+    return {readout: ValueHistogramView(edges=h.edges, counts=h.counts) for readout, h in stored.items()}
 
 
 def histogram_bin(edges: list[float], m: float) -> int:
