@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,10 +58,19 @@ def page_times(url: str, slug: str, n_layers: int, n_keys: int, samples: int) ->
     return {name: {"p50_ms": round(statistics.median(t), 1), "n": len(t)} for name, t in times.items()}
 
 
+def quartiles(values) -> list[float] | None:
+    """[first quartile, median, third quartile] of some scores, rounded; None without any."""
+    values = np.fromiter(values, dtype=np.float64)
+    return [round(float(q), 3) for q in np.quantile(values, [0.25, 0.5, 0.75])] if values.size else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--db", help="database URL (default: the settings')")
-    parser.add_argument("--pages", type=int, default=100, help="key pages timed")
+    parser.add_argument("--pages", type=int, default=100, help="key pages timed (0: none)")
+    parser.add_argument(
+        "--record", action=argparse.BooleanOptionalAction, default=True, help="write bench-results.json"
+    )
     args = parser.parse_args()
     settings = get_settings()
     url = args.db or settings.database_url
@@ -93,6 +103,8 @@ def main() -> None:
     thirds = [
         [s for layer, s, _ in rows if s is not None and layer * 3 // n_layers == third] for third in range(3)
     ]
+    by_layer = [[s for layer, s, _ in rows if layer == at] for at in range(n_layers)]
+    aurocs = [[d["auroc"] for layer, _, d in rows if layer == at] for at in range(n_layers)]
     results = {
         "memories": len(rows),
         "threads": torch.get_num_threads(),
@@ -105,13 +117,19 @@ def main() -> None:
         "score_above_0.3": round(sum(s > 0.3 for s in scores) / max(1, len(scores)), 3),
         "score_median_by_depth_third": [round(statistics.median(t), 3) if t else None for t in thirds],
         "auroc_median": None if summary["median_auroc"] is None else round(summary["median_auroc"], 3),
+        "score_median_unscored_as_0": round(statistics.median(s or 0.0 for _, s, _ in rows), 3),
+        "score_quartiles_by_layer": [quartiles(s for s in layer if s is not None) for layer in by_layer],
+        "scored_by_layer": [sum(s is not None for s in layer) for layer in by_layer],
+        "auroc_quartiles_by_layer": [quartiles(a for a in layer if a is not None) for layer in aurocs],
         "examples": examples,
         "target_seconds": 600,
     }
     print(results, flush=True)
-    results["pages"] = page_times(url, slug, n_layers, n_keys, args.pages)
-    print(results["pages"], flush=True)
-    record("explanations", results)
+    if args.pages:
+        results["pages"] = page_times(url, slug, n_layers, n_keys, args.pages)
+        print(results["pages"], flush=True)
+    if args.record:
+        record("explanations", results)
 
 
 if __name__ == "__main__":

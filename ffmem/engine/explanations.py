@@ -1,61 +1,66 @@
 """Explanations without an API key: a short description of each memory read off its index, and a score
 for how well that description predicts the key on text the run never mined.
 
-**The description** (`describe`) comes from what the index holds about a memory:
-- how its top positive trigger prefixes end: the final tokens that end at least `FINAL_SHARE` of them
-  (at most `MAX_FINAL`), and the commonest final n-gram (2–4 tokens) that at least `NGRAM_SHARE` share;
-- the words that set its prefixes apart from the corpus: tokens (with a letter or digit) before the
-  trigger in at least `CONTEXT_SHARE` of its prefixes and at least `CONTEXT_LIFT` times as often as in
-  the corpus's sentences, by share × log(lift) (at most `MAX_CONTEXT`);
-- its value's top tokens (what it promotes) and its shallowness where the analyses measured it.
+**The pattern** (`fit_pattern`) is a token table fitted on what the index holds about a memory: the
+coefficient at every token of its shaded sentences (its top triggers of each sign and its band samples:
+ffmem.store.key_examples), never on held-out text. The memory's *sign* is the side of its larger
+|coefficient| in the mined corpus (−1 where its strongest triggers are negative); the pattern predicts
+sign · m. Each token's *weight* is its mean sign · m over the shaded positions it ends, shrunk towards the
+mean of all of them by `PRIOR` positions' worth, less that mean: how far above (or below) the memory's
+typical value the token puts it. The pattern keeps the `MAX_TOKENS` tokens that matter most — by their
+count in the corpus × weight², those with at least `LEAST_IMPORTANCE` of the first's — and the
+`MAX_PAIRS` (previous token, token) pairs whose own weight (shrunk towards their token's) differs most
+from their token's, by the same measure.
 
-**The pattern** is the input side of the description, three parts a position may match: its token is
-one of the final tokens; the tokens ending there are the n-gram; one of the context words occurs in
-the sentence up to there. A position's *match* is the share of the description's parts it matches
-(0, ⅓, ½, ⅔ or 1; a pattern with no parts matches nothing).
+A position's **match** is the weight of its pair (its token after the previous one) where the pattern
+lists it, else the weight of its token, else 0: the sign · m it expects there, above the typical value.
+
+**The description** (`describe`) names the pattern, each weight in m's units (sign · weight, to three
+significant digits as stored): where the memory is strongest (m > 0, or m < 0 for sign −1: the tokens
+that move it furthest that way), the pairs ("after “ of”: “ Paris” +1.2"), the tokens that move it the
+opposite way, how many more it weighs; then its value's top tokens (what it promotes) and its
+shallowness where the analyses measured it.
 
 **The score** (`PatternScores`) is the Pearson correlation, over every position of the held-out
-sentences (from the first mined position on, never position 0), between the match and the key's
-coefficient m there: 1 when m rises exactly with the pattern, 0 when the pattern tells nothing. It is
-the "simulate and score" of automatic interpretability with the pattern as the simulator. Kept beside
-it (`details`): the positions, how many matched at all, and the AUROC of the match for telling apart
-the positions where the key *fires* (m ≥ half its largest coefficient in the mined corpus) from the
-rest (0.5: chance), None where it never fires there. Both are computed in one pass from running sums,
-one layer's coefficients at a time, so no [positions, memories] matrix is ever held.
+sentences (from the first mined position on, never position 0), between the match and sign · m there:
+1 when the coefficient rises exactly with the pattern, 0 when the pattern tells nothing. It is the
+"simulate and score" of automatic interpretability with the token table as the simulator. Kept beside
+it (`details`): the positions, how many the pattern lists a token or pair of, and the AUROC of the
+match for telling apart the positions where the key *fires* (sign · m ≥ half its largest on that side
+in the mined corpus) from the rest (0.5: chance; ties count half), None where it never fires there, as
+Neuronpedia's detection scorers rank firing against not. Both are computed in one pass from running
+sums, one layer's coefficients at a time, so no [positions, memories] matrix is ever held.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import chain
 
 import numpy as np
 import torch
 
 from ffmem.engine.token_display import visible
 
-FINAL_SHARE, MAX_FINAL = 0.1, 3
-NGRAM_SHARE, LONGEST = 0.2, 4
-CONTEXT_SHARE, CONTEXT_LIFT, MAX_CONTEXT = 0.3, 3.0, 3
-MIN_TRIGGERS = 2  # a final token, n-gram or context word must be shared by at least this many prefixes
-MAX_LEVEL = 3  # parts a pattern may have
+MAX_TOKENS, MAX_PAIRS = 64, 16  # tokens and (previous token, token) pairs a pattern weighs
+PRIOR = 3.0  # shaded positions' worth of the memory's mean a weight is shrunk towards
+LEAST_IMPORTANCE = 0.01  # a token or pair kept matters at least this share of the first (count × weight²)
+SHOWN_RAISE, SHOWN_LOWER, SHOWN_PAIRS = 6, 3, 3  # tokens and pairs the description names
 VALUE_TOKENS = 3  # promoted tokens named in the description
+MAX_LEVEL = MAX_TOKENS + MAX_PAIRS  # a position's match level: 0 none, then each token, then each pair
+START = -1  # the previous token of a sentence's first
 
 
 @dataclass
 class Pattern:
-    """The token ids a description's pattern matches (see the module docstring)."""
+    """A memory's token table (see the module docstring)."""
 
-    final: list[int] = field(default_factory=list)  # the position's token is one of these
-    ngram: list[int] = field(default_factory=list)  # the tokens ending at the position (≥ 2, or none)
-    context: list[int] = field(default_factory=list)  # one of these occurs in the sentence up to it
-
-    @property
-    def parts(self) -> int:
-        return bool(self.final) + bool(self.ngram) + bool(self.context)
+    sign: int = 1  # +1: the pattern predicts m; −1: −m
+    final: list[int] = field(default_factory=list)  # the position's token is one of these…
+    weights: list[float] = field(default_factory=list)  # …and the match is its weight
+    pairs: list[list[int]] = field(default_factory=list)  # [previous token (START: none), token]…
+    pair_weights: list[float] = field(default_factory=list)  # …whose weight wins over the token's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,70 +76,99 @@ class Description:
 class PatternScore:
     """How well one pattern predicts its key on held-out positions (see the module docstring)."""
 
-    correlation: float | None  # Pearson r of the match with m; None: the match or m never varies
+    correlation: float | None  # Pearson r of the match with sign · m; None: either never varies
     auroc: float | None  # the match telling apart positions where the key fires; None: it never fires
     positions: int  # held-out positions scored
-    matches: int  # positions the pattern matched at least in part
+    matches: int  # positions whose token or pair the pattern lists
 
     def details(self) -> dict:
         return {"positions": self.positions, "matches": self.matches, "auroc": self.auroc}
 
 
-def document_frequency(token_ids: Sequence[Sequence[int]], vocab_size: int) -> np.ndarray:
-    """The share of sentences that contain each token: [vocab] float64."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for ids in token_ids:
-        counts[np.unique(np.asarray(ids, dtype=np.int64))] += 1
-    return counts / max(1, len(token_ids))
+@dataclass
+class CorpusCounts:
+    """How often each token and each (previous token, token) pair occurs in the mined corpus."""
+
+    tokens: np.ndarray  # [vocab] int64
+    pairs: np.ndarray  # [distinct pairs] int64 pair codes (pair_code), sorted
+    pair_counts: np.ndarray  # [distinct pairs] int64
+
+    @classmethod
+    def of(cls, token_ids: Sequence[Sequence[int]], vocab_size: int) -> CorpusCounts:
+        ids = [np.asarray(s, dtype=np.int64) for s in token_ids if len(s)]
+        tokens = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        codes = np.concatenate([pair_code(previous_tokens(s), s) for s in ids]) if ids else tokens
+        pairs, counts = np.unique(codes, return_counts=True)
+        return cls(np.bincount(tokens, minlength=vocab_size), pairs, counts)
+
+    def of_pairs(self, codes: np.ndarray) -> np.ndarray:
+        """[codes] int64: each pair's count (0 where it never occurs)."""
+        if not len(self.pairs):
+            return np.zeros(len(codes), np.int64)
+        row = np.searchsorted(self.pairs, codes).clip(max=len(self.pairs) - 1)
+        return np.where(self.pairs[row] == codes, self.pair_counts[row], 0)
 
 
-def word_like(texts: Sequence[str]) -> np.ndarray:
-    """Which tokens may be named as context words: those with a letter or a digit. [vocab] bool."""
-    return np.array([any(ch.isalnum() for ch in text) for text in texts], dtype=bool)
+def previous_tokens(ids: np.ndarray) -> np.ndarray:
+    """[len] each position's previous token, START at the first."""
+    return np.concatenate([[START], ids[:-1]]).astype(np.int64)
 
 
-def find_pattern(
-    prefixes: Sequence[Sequence[int]], frequency: np.ndarray, words: np.ndarray
-) -> tuple[Pattern, dict[str, list[float]]]:
-    """The pattern of a key's top trigger prefixes (token ids up to and including the trigger token,
-    the strongest first) and the share of prefixes each part holds for: (pattern, {"final": [share per
-    token], "ngram": [share], "context": [share per word]})."""
-    prefixes = [list(ids) for ids in prefixes if len(ids)]
-    if not prefixes:
-        return Pattern(), {"final": [], "ngram": [], "context": []}
-    total = len(prefixes)
-    finals = [
-        (token, count)
-        for token, count in Counter(ids[-1] for ids in prefixes).most_common(MAX_FINAL)
-        if count >= MIN_TRIGGERS and count / total >= FINAL_SHARE
-    ]
-    ngram, ngram_count = [], 0
-    for n in range(2, LONGEST + 1):  # the longer one when it is as common
-        grams = Counter(tuple(ids[-n:]) for ids in prefixes if len(ids) >= n)
-        if grams:
-            gram, count = min(grams.items(), key=lambda item: (-item[1], item[0]))
-            if count >= max(MIN_TRIGGERS, ngram_count, NGRAM_SHARE * total):
-                ngram, ngram_count = list(gram), count
-    final_ids = {token for token, _ in finals}
-    seen = Counter(chain.from_iterable(set(ids[:-1]) for ids in prefixes))  # prefixes holding each token
-    least = max(MIN_TRIGGERS, CONTEXT_SHARE * total)
-    context = []
-    for token in [token for token, count in seen.items() if count >= least]:
-        share = seen[token] / total
-        lift = share / max(float(frequency[token]), 1.0 / len(frequency))
-        if lift >= CONTEXT_LIFT and words[token] and token not in final_ids:
-            context.append((share * math.log(lift), token, share))
-    context.sort(key=lambda item: (-item[0], item[1]))
-    context = context[:MAX_CONTEXT]
-    pattern = Pattern(
-        final=[token for token, _ in finals], ngram=ngram, context=[token for _, token, _ in context]
+def pair_code(previous, token):
+    """One int64 for a (previous token, token) pair (START allowed), numpy or torch alike."""
+    return (previous + 1) * 2**32 + token
+
+
+def dominant_sign(largest: float | None, smallest: float | None) -> int:
+    """A memory's sign from its largest and smallest coefficients in the mined corpus (None: unknown): −1
+    where the smallest is negative and larger in size than the largest, else +1."""
+    return -1 if smallest is not None and -smallest > (largest if largest is not None else 0.0) else 1
+
+
+def _significant(value: float) -> float:
+    return float(f"{value:.3g}")
+
+
+def fit_pattern(
+    tokens: np.ndarray, previous: np.ndarray, m: np.ndarray, sign: int, counts: CorpusCounts
+) -> Pattern:
+    """The pattern fitted on some mined positions of a memory: their tokens, previous tokens (START at a
+    sentence's start) and coefficients ([positions] each), with the memory's sign and the corpus's counts."""
+    if not len(m):
+        return Pattern(sign=sign)
+    m = sign * np.asarray(m, dtype=np.float64)  # [positions]
+    mean = m.mean()
+    distinct, row = np.unique(np.asarray(tokens, np.int64), return_inverse=True)  # [tokens], [positions]
+    fitted = _shrunk(row, m, mean) - mean  # [tokens]
+    final = _most_important(counts.tokens[distinct] * fitted**2, MAX_TOKENS)
+    weights = np.zeros(len(distinct))  # [tokens] as the pattern has them: 0 where it lists none
+    weights[final] = [_significant(w) for w in fitted[final]]
+    codes, row = np.unique(pair_code(np.asarray(previous, np.int64), distinct[row]), return_inverse=True)
+    alone = weights[np.searchsorted(distinct, codes % 2**32)]  # [pairs] their token's weight
+    own = _shrunk(row, m, mean + alone) - mean  # [pairs]
+    pairs = _most_important(counts.of_pairs(codes) * (own - alone) ** 2, MAX_PAIRS)
+    return Pattern(
+        sign=sign,
+        final=distinct[final].tolist(),
+        weights=weights[final].tolist(),
+        pairs=[[int(c // 2**32) - 1, int(c % 2**32)] for c in codes[pairs]],
+        pair_weights=[_significant(w) for w in own[pairs]],
     )
-    shares = {
-        "final": [count / total for _, count in finals],
-        "ngram": [ngram_count / total] if ngram else [],
-        "context": [share for _, _, share in context],
-    }
-    return pattern, shares
+
+
+def _shrunk(row: np.ndarray, m: np.ndarray, towards) -> np.ndarray:
+    """Each group's mean of m (`row`: each position's group), shrunk towards `towards` (per group or one
+    value) by PRIOR positions' worth."""
+    return (np.bincount(row, weights=m) + PRIOR * towards) / (np.bincount(row) + PRIOR)
+
+
+def _most_important(importance: np.ndarray, most: int) -> np.ndarray:
+    """The rows of the `most` largest importances, largest first (ties by row), that are above 0 and at
+    least LEAST_IMPORTANCE of the largest."""
+    order = np.argsort(-importance, kind="stable")[:most]
+    if not len(order) or importance[order[0]] <= 0:
+        return order[:0]
+    return order[importance[order] >= LEAST_IMPORTANCE * importance[order[0]]]
 
 
 def quoted(text: str) -> str:
@@ -144,27 +178,35 @@ def quoted(text: str) -> str:
 
 
 def describe(
-    prefixes: Sequence[Sequence[int]],
-    value_tokens: Sequence[int],
-    shallowness: float | None,
-    frequency: np.ndarray,
-    words: np.ndarray,
-    texts: Sequence[str],
+    pattern: Pattern, value_tokens: Sequence[int], shallowness: float | None, texts: Sequence[str]
 ) -> Description:
-    """A memory's description from its top trigger prefixes (strongest first), its value's top tokens
-    (strongest first), its shallowness (or None) and the corpus's `document_frequency`; `texts` names
-    every token id (as the pages do: a byte-level token as its bytes, ⟨0x80⟩)."""
-    pattern, shares = find_pattern(prefixes, frequency, words)
+    """A memory's description: its pattern, its value's top tokens (strongest first) and its shallowness
+    (or None); `texts` names every token id (as the pages do: a byte-level token as its bytes, ⟨0x80⟩)."""
+    weighed = sorted(zip(pattern.weights, pattern.final, strict=True), key=lambda item: (-item[0], item[1]))
+    raise_, lower = [i for i in weighed if i[0] > 0], [i for i in weighed[::-1] if i[0] < 0]
+    pairs = sorted(
+        zip(pattern.pair_weights, pattern.pairs, strict=True), key=lambda item: (-abs(item[0]), item[1])
+    )
+
+    def named(items) -> str:  # each weight in m's units: sign · weight
+        return ", ".join(f"{quoted(texts[t])} {pattern.sign * w:+.3g}" for w, t in items)
+
     parts = []
-    if pattern.final:
-        named = [f"{quoted(texts[t])} {s:.0%}" for t, s in zip(pattern.final, shares["final"], strict=True)]
-        parts.append("ends in " + ", ".join(named))
-    if pattern.ngram:
-        parts.append(f"ends with {quoted(''.join(texts[t] for t in pattern.ngram))} {shares['ngram'][0]:.0%}")
-    if pattern.context:
-        parts.append("after " + ", ".join(quoted(texts[t]) for t in pattern.context))
+    if raise_:
+        parts.append(f"strongest (m {'>' if pattern.sign > 0 else '<'} 0) at " + named(raise_[:SHOWN_RAISE]))
+    for weight, (before, token) in pairs[:SHOWN_PAIRS]:
+        after = "the start" if before == START else quoted(texts[before])
+        parts.append(f"after {after}: {named([(weight, token)])}")
+    if lower:
+        parts.append("opposite at " + named(lower[:SHOWN_LOWER]))
+    more = sum(
+        max(0, len(items) - shown)
+        for items, shown in ((raise_, SHOWN_RAISE), (lower, SHOWN_LOWER), (pairs, SHOWN_PAIRS))
+    )
+    if more:
+        parts.append(f"{more} more weighed")
     if not parts:
-        parts.append("no shared ending or word among its top triggers")
+        parts.append("no token sets it apart in its shaded sentences")
     if value_tokens:
         parts.append("promotes " + ", ".join(quoted(texts[t]) for t in list(value_tokens)[:VALUE_TOKENS]))
     if shallowness is not None:
@@ -174,7 +216,7 @@ def describe(
 
 # ---- scoring on held-out text -------------------------------------------------------------------
 
-_ABSENT = torch.iinfo(torch.long).max  # a code no token, n-gram or word has: ends every sorted lookup
+_ABSENT = torch.iinfo(torch.long).max  # a code no token or pair has: ends every sorted lookup
 
 
 def _lookup(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -184,112 +226,87 @@ def _lookup(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.where(codes[row] == values, row, last)
 
 
-def _table(codes: Iterable[int], keys: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A lookup table: (`codes` sorted and ending in _ABSENT, [codes + 1, keys] uint8: 1 where the
-    code's row is among `keys[key]`, the codes each key matches; the _ABSENT row matches no key)."""
-    codes = sorted(codes)
+def _table(levels: Sequence[dict[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lookup table: (every code some key gives a level, sorted and ending in _ABSENT; [codes + 1, keys]
+    uint8: the level `levels[key]` gives each code, 0 where none, as in the _ABSENT row)."""
+    codes = sorted({code for given in levels for code in given})
     row = {code: i for i, code in enumerate(codes)}
-    marked = [(row[code], key) for key, matched in enumerate(keys) for code in matched]
-    table = torch.zeros(len(codes) + 1, len(keys), dtype=torch.uint8)
-    table[[r for r, _ in marked], [key for _, key in marked]] = 1
+    marked = [(row[code], key, level) for key, given in enumerate(levels) for code, level in given.items()]
+    table = torch.zeros(len(codes) + 1, len(levels), dtype=torch.uint8)
+    if marked:
+        rows, keys, values = zip(*marked, strict=True)
+        table[list(rows), list(keys)] = torch.tensor(values, dtype=torch.uint8)
     return torch.tensor([*codes, _ABSENT], dtype=torch.long, device=device), table.to(device)
 
 
 class LayerPatterns:
     """The patterns of one layer's keys as lookup tables, for matching every key at once.
 
-    A position's token picks the row of `final` that marks the keys it ends. Its n-gram parts walk a
-    trie of the n-grams read backwards: the token j − 1 before the position (−2 before the sentence's
-    start) extends the state reached at j − 1 tokens, and `ngrams[j − 1]` marks the keys whose n-gram
-    of j tokens that state spells. A key's context part matches from the first position in the
-    sentence where one of its words occurs.
+    A position's *level* for a key names its match: 0 none, 1 + i the pattern's i-th token, 1 + MAX_TOKENS
+    + i its i-th pair. The position's token picks the row of `final` that holds each key's token level,
+    its pair (the previous token, START at a sentence's start, then it) the row of `pairs`, which wins
+    where it is not 0. `values` [levels, keys] holds each level's match, `sign` [keys] each key's sign.
     """
 
     def __init__(self, patterns: Sequence[Pattern], device: torch.device | str = "cpu"):
         self.final_codes, self.final = _table(
-            {t for p in patterns for t in p.final}, [p.final for p in patterns], device
+            [{token: 1 + i for i, token in enumerate(p.final)} for p in patterns], device
         )
-        # the trie's codes: state · (width + 1) + token, a token ≥ width (none of an n-gram's) as width
-        self.width = max((t + 1 for p in patterns for t in p.ngram), default=0)
-        self.ngrams, state = [], {(): 0}
-        for length in range(1, max((len(p.ngram) for p in patterns), default=0) + 1):
-            spelled = sorted({tuple(p.ngram[::-1][:length]) for p in patterns if len(p.ngram) >= length})
-            code = {s: state[s[:-1]] * (self.width + 1) + s[-1] for s in spelled}
-            self.ngrams.append(
-                _table(
-                    code.values(),
-                    [[code[tuple(p.ngram[::-1])]] if len(p.ngram) == length else [] for p in patterns],
-                    device,
-                )
-            )
-            state = {s: i for i, s in enumerate(sorted(spelled, key=code.get))}  # a state: its code's row
-        self.context_words = sorted({t for p in patterns for t in p.context})
-        column = {token: i for i, token in enumerate(self.context_words)}
-        words = len(self.context_words)  # the column of no word
-        self.context_codes = torch.tensor([*self.context_words, _ABSENT], dtype=torch.long, device=device)
-        self.context = torch.tensor(  # [keys, MAX_CONTEXT] the columns of each key's words
-            [[column[t] for t in p.context] + [words] * (MAX_CONTEXT - len(p.context)) for p in patterns],
-            dtype=torch.long,
-            device=device,
-        ).view(len(patterns), MAX_CONTEXT)
-        parts = torch.tensor([p.parts for p in patterns], dtype=torch.float32)  # [keys]
-        # [levels, keys] on the CPU: the match share of each number of parts matched, divided in float32
-        self.share = (torch.arange(MAX_LEVEL + 1, dtype=torch.float32)[:, None] / parts.clamp(min=1)).double()
+        self.pair_codes, self.pairs = _table(
+            [{pair_code(*pair): 1 + MAX_TOKENS + i for i, pair in enumerate(p.pairs)} for p in patterns],
+            device,
+        )
+        self.values = torch.zeros(MAX_LEVEL + 1, len(patterns), dtype=torch.float64)  # [levels, keys], CPU
+        for key, p in enumerate(patterns):
+            self.values[1 : 1 + len(p.weights), key] = torch.tensor(p.weights, dtype=torch.float64)
+            pairs = slice(1 + MAX_TOKENS, 1 + MAX_TOKENS + len(p.pair_weights))
+            self.values[pairs, key] = torch.tensor(p.pair_weights, dtype=torch.float64)
+        self.sign = torch.tensor([float(p.sign) for p in patterns], device=device)  # [keys]
 
     def match(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """How many parts of each key's pattern each valid position matches: [Q, keys] uint8, the
-        positions being `input_ids[valid]` ([batch, pos] each, one sentence a row from its start)."""
-        batch, width = input_ids.shape
+        """Each valid position's level for each key: [Q, keys] uint8, the positions being
+        `input_ids[valid]` ([batch, pos] each, one sentence a row from its start)."""
         rows, positions = valid.nonzero(as_tuple=True)  # [Q] each, in the order of input_ids[valid]
-        count = self.final.index_select(0, _lookup(self.final_codes, input_ids[rows, positions]))  # [Q, keys]
-        state = None
-        for back, (codes, table) in enumerate(self.ngrams):
-            before = positions - back
-            token = torch.where(before >= 0, input_ids[rows, before.clamp(min=0)], -2)
-            token = torch.where((token >= 0) & (token < self.width), token, self.width)
-            state = _lookup(codes, token if state is None else state * (self.width + 1) + token)
-            count += table.index_select(0, state)
-        if self.context_words:
-            pos = torch.arange(width, device=input_ids.device)
-            word = _lookup(self.context_codes, input_ids)  # [batch, pos] its column; len(context_words): none
-            first = torch.full((batch, len(self.context_words) + 1), width, device=input_ids.device)
-            first.scatter_reduce_(1, word, pos.expand(batch, -1), "amin")  # [batch, words + 1]
-            first[:, -1] = width  # no word never occurs
-            since = first[:, self.context[:, 0]]  # [batch, keys]: where one of a key's words first occurs
-            for columns in self.context[:, 1:].T:
-                since = torch.minimum(since, first[:, columns])
-            count += (since[:, None, :] <= pos[:, None])[valid]
-        return count
+        token = input_ids[rows, positions]  # [Q]
+        level = self.final.index_select(0, _lookup(self.final_codes, token))  # [Q, keys]
+        if len(self.pair_codes) > 1:
+            previous = torch.where(positions > 0, input_ids[rows, (positions - 1).clamp(min=0)], START)  # [Q]
+            pair = self.pairs.index_select(
+                0, _lookup(self.pair_codes, pair_code(previous, token))
+            )  # [Q, keys]
+            level = torch.where(pair > 0, pair, level)
+        return level
 
 
 class PatternScores:
     """Running sums for the score of every key's pattern over held-out positions (module docstring):
-    per layer, the positions, how many of them match each number of parts where the key fires and
-    where it does not, and Σm and Σm² by number of parts; the correlation's sums follow from them.
+    per layer, the positions, how many of them are at each level where the key fires and where it does
+    not, Σ sign · m by level and Σ m²; the correlation's sums follow from them and the levels' values.
 
     `update(layer, coefficients, input_ids, valid)` with one batch's [batch, pos, keys] coefficients;
     `scores(layer)` gives each key's PatternScore.
     """
 
     def __init__(self, patterns: Sequence[Sequence[Pattern]], fires_at: torch.Tensor, device="cpu"):
-        """`patterns[layer][key]`; `fires_at` [layers, keys]: the coefficient from which a key fires
-        (NaN: never)."""
+        """`patterns[layer][key]`; `fires_at` [layers, keys]: the sign · m from which a key fires (NaN:
+        never)."""
         self.layers = [LayerPatterns(layer, device) for layer in patterns]
         self.fires_at = fires_at.to(device)
         n_layers, n_keys = fires_at.shape
         self.key_index = torch.arange(n_keys, dtype=torch.int32, device=device)
         self.n = torch.zeros(n_layers, dtype=torch.float64)
-        self.levels = torch.zeros(n_layers, 2, MAX_LEVEL + 1, n_keys, dtype=torch.float64)  # [fires?, parts]
-        self.m_sums = torch.zeros(n_layers, MAX_LEVEL + 1, n_keys, dtype=torch.float64)  # Σm by parts
+        self.levels = torch.zeros(n_layers, 2, MAX_LEVEL + 1, n_keys, dtype=torch.float64)  # [fires?, level]
+        self.m_sums = torch.zeros(n_layers, MAX_LEVEL + 1, n_keys, dtype=torch.float64)  # Σ sign · m by level
         self.m_squares = torch.zeros(n_layers, n_keys, dtype=torch.float64)  # Σm²
 
     def update(self, layer: int, coefficients: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor):
-        parts = self.layers[layer].match(input_ids, valid)  # [Q, keys] uint8
-        m = coefficients[valid]  # [Q, keys]
+        patterns = self.layers[layer]
+        level = patterns.match(input_ids, valid)  # [Q, keys] uint8
+        m = coefficients[valid] * patterns.sign  # [Q, keys] sign · m
         fires = m >= self.fires_at[layer][None]  # [Q, keys] (NaN thresholds: never)
         n_keys, levels = m.shape[1], MAX_LEVEL + 1
-        # one bin per key, fired or not and parts matched: (fires · levels + parts) · keys + key
-        bins = torch.add(parts, fires, alpha=levels).int().mul_(n_keys).add_(self.key_index).view(-1)
+        # one bin per key, fired or not and level: (fires · levels + level) · keys + key
+        bins = torch.add(level, fires, alpha=levels).int().mul_(n_keys).add_(self.key_index).view(-1)
         m = m.double()
         counts = torch.bincount(bins, minlength=2 * levels * n_keys).view(2, levels, n_keys)
         sums = torch.bincount(bins, weights=m.view(-1), minlength=2 * levels * n_keys).view(2, levels, n_keys)
@@ -302,17 +319,17 @@ class PatternScores:
         n = self.n[layer].item()
         if n == 0:
             return [PatternScore(None, None, 0, 0) for _ in range(self.m_squares.shape[1])]
-        share = self.layers[layer].share  # [levels, keys]
+        value = self.layers[layer].values  # [levels, keys]
         positions = self.levels[layer].sum(0)  # [levels, keys]
-        p, p2 = (positions * share).sum(0), (positions * share * share).sum(0)
-        m, m2, pm = self.m_sums[layer].sum(0), self.m_squares[layer], (self.m_sums[layer] * share).sum(0)
+        p, p2 = (positions * value).sum(0), (positions * value * value).sum(0)
+        m, m2, pm = self.m_sums[layer].sum(0), self.m_squares[layer], (self.m_sums[layer] * value).sum(0)
         matches = positions[1:].sum(0)
         var_p = (p2 / n - (p / n) ** 2).clamp(min=0)
         var_m = (m2 / n - (m / n) ** 2).clamp(min=0)
         covariance = pm / n - (p / n) * (m / n)
         defined = (var_p > 1e-12) & (var_m > 1e-12)
         correlation = torch.where(defined, covariance / (var_p * var_m).sqrt().clamp(min=1e-30), torch.nan)
-        auroc = _auroc(self.levels[layer, 1], self.levels[layer, 0])  # [keys]
+        auroc = _auroc(self.levels[layer, 1], self.levels[layer, 0], value)  # [keys]
         return [
             PatternScore(
                 correlation=_number(correlation[k]),
@@ -324,12 +341,14 @@ class PatternScores:
         ]
 
 
-def _auroc(positive: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """AUROC of an ordinal predictor from its level counts among positives and negatives ([levels, keys]
-    each): P(level of a positive > level of a negative) + ½ P(equal). NaN without both."""
+def _auroc(positive: torch.Tensor, negative: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """AUROC of the match from its level counts among positives and negatives and each level's match
+    ([levels, keys] each): P(match of a positive > match of a negative) + ½ P(equal). NaN without both."""
     n_pos, n_neg = positive.sum(0), negative.sum(0)  # [keys]
-    below = torch.cumsum(negative, 0) - negative  # negatives at a lower level, per level
-    wins = (positive * (below + 0.5 * negative)).sum(0)  # [keys]
+    wins = torch.zeros_like(n_pos)
+    for keys in torch.arange(len(n_pos)).split(512):  # [levels, levels, 512] at a time
+        beats = (torch.sign(value[:, None, keys] - value[None, :, keys]) + 1) / 2  # 1, ½ or 0
+        wins[keys] = torch.einsum("ak,abk,bk->k", positive[:, keys], beats, negative[:, keys])
     return torch.where((n_pos > 0) & (n_neg > 0), wins / (n_pos * n_neg).clamp(min=1), torch.nan)
 
 

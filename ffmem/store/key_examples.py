@@ -274,3 +274,17 @@ def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> Stor
         data=row.shading,
         quadrants=None if row.quadrants is None else decode_quadrant_examples(row.quadrants),
     )
+
+
+def layer_shading(*, session: Session, run_id: int, layer: int) -> dict[int, StoredExamples]:
+    """A finished run's stored examples of every key of a layer, by key, without their quadrant examples
+    (the explanations fit on the shading: ffmem.worker.explanations); none for runs before 0011."""
+    query = select(
+        KeyExamples.key, KeyExamples.bands, KeyExamples.positive, KeyExamples.negative, KeyExamples.shading
+    ).where(KeyExamples.run_id == run_id, KeyExamples.layer == layer)
+    return {
+        key: StoredExamples(
+            samples=decode_bands(bands), positive=positive, negative=negative, data=shading, quadrants=None
+        )
+        for key, bands, positive, negative, shading in session.execute(query)
+    }

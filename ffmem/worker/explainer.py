@@ -1,7 +1,8 @@
 """An optional local model that writes the memories' descriptions (ffmem.worker.explanations): with
 `explainer_url` set, a model behind that OpenAI-compatible URL gets the same evidence as the heuristic
-description, answers in JSON with the tokens its pattern matches, and is scored the same way; a key it
-fails on keeps the heuristic description. Nothing is sent anywhere unless the setting is set.
+description, answers in JSON with the endings its pattern matches (a one-token ending weighs 1 at that
+token, a longer one 1 at its last two tokens, ffmem.engine.explanations.Pattern), and is scored the same
+way; a key it fails on keeps the heuristic description. Nothing is sent anywhere unless the setting is set.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from ffmem.engine.explanations import LONGEST, MAX_CONTEXT, MAX_FINAL, Description, Pattern
+from ffmem.engine.explanations import MAX_PAIRS, MAX_TOKENS, Description, Pattern
 
 
 @dataclass
@@ -21,19 +22,18 @@ class Evidence:
 
     layer: int
     key: int
-    prefixes: list[list[int]]  # top positive trigger prefixes, the strongest first
+    prefixes: list[list[int]]  # top trigger prefixes of its sign (the heuristic pattern's), strongest first
     value_tokens: list[int]  # the value's top tokens (norm readout), the strongest first
     shallowness: float | None
     heuristic: Description  # read off the rest (ffmem.engine.explanations.describe)
 
 
 PROMPT = """You describe one memory of a transformer language model's feed-forward layer.
-Its key fires most on the last token of these text prefixes (the trigger token is in ⟦ ⟧):
+Its key fires most strongly on the last token of these text prefixes (the trigger token is in ⟦ ⟧):
 {prefixes}
 Automatic summary: {heuristic}
 Answer in JSON only: {{"description": "<at most 15 words: what the prefixes have in common>", \
-"ends_with": ["<tokens or short phrases the prefixes end with>"], "context": ["<words earlier in the \
-prefixes that mark the pattern>"]}}"""
+"ends_with": ["<tokens or short phrases the prefixes end with>"]}}"""
 
 
 class LocalExplainer:
@@ -71,19 +71,21 @@ class LocalExplainer:
             return None
         if not text:
             return None
-        final, ngram = [], []
+        final, pairs = [], []
         for phrase in _strings(found.get("ends_with")):
             ids = self._ids(phrase)
-            if len(ids) == 1 and len(final) < MAX_FINAL and ids[0] not in final:
+            if len(ids) == 1 and len(final) < MAX_TOKENS and ids[0] not in final:
                 final.append(ids[0])
-            elif len(ids) > 1 and not ngram:
-                ngram = ids[-LONGEST:]
-        context = []
-        for word in _strings(found.get("context")):
-            ids = self._ids(word)
-            if ids and len(context) < MAX_CONTEXT and ids[0] not in context:
-                context.append(ids[0])
-        return Description(text=text[:500], pattern=Pattern(final=final, ngram=ngram, context=context))
+            elif len(ids) > 1 and len(pairs) < MAX_PAIRS and ids[-2:] not in pairs:
+                pairs.append(ids[-2:])
+        pattern = Pattern(
+            sign=evidence.heuristic.pattern.sign,
+            final=final,
+            weights=[1.0] * len(final),
+            pairs=pairs,
+            pair_weights=[1.0] * len(pairs),
+        )
+        return Description(text=text[:500], pattern=pattern)
 
     def _ids(self, phrase: str) -> list[int]:
         """The phrase's token ids as the prefixes would hold it: with a leading space when it fits in fewer

@@ -1,7 +1,8 @@
 """The memories' explanations, computed once per run by `compose` (ffmem.worker.composition): for every
-memory a short description read off the index (ffmem.engine.explanations.describe: how its top triggers
-end, the words that set them apart, its value's top tokens, its shallowness), or written by a local model
-when `explainer_url` is set (ffmem.worker.explainer), scored on the run's held-out sentences
+memory a token table fitted on its shaded sentences (ffmem.engine.explanations.fit_pattern; on its top
+triggers alone for runs stored before the shading) and a short description of it (`describe`: the tokens
+and pairs that move its coefficient, its value's top tokens, its shallowness), or one written by a local
+model when `explainer_url` is set (ffmem.worker.explainer), scored on the run's held-out sentences
 (ffmem.worker.held_out), the same ones the census analysis samples (worker/analysis_jobs.py),
 `explain_sentences` of them, and stored (ffmem.store.composition). A run with none held out leaves the
 explanations unscored.
@@ -15,16 +16,26 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 import torch
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
 from ffmem.engine.corpus import length_bucketed_batches
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.explanations import Pattern, PatternScores, describe, document_frequency, word_like
+from ffmem.engine.explanations import (
+    START,
+    CorpusCounts,
+    Pattern,
+    PatternScores,
+    describe,
+    dominant_sign,
+    fit_pattern,
+    previous_tokens,
+)
 from ffmem.engine.hooks import capture
 from ffmem.engine.loading import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
+from ffmem.store.key_examples import StoredExamples, layer_shading
 from ffmem.store.models import Run
 from ffmem.worker.explainer import Evidence, LocalExplainer
 from ffmem.worker.held_out import held_out
@@ -79,28 +90,42 @@ def store_explanations(
         shown = vocabularies.vocabulary(session=session, model_id=run.model_id)  # byte tokens as ⟨0x80⟩
         names = [shown.get(i, text) for i, text in enumerate(texts)]
         stats = memory_reads.run_key_stats(
-            session=session, run_id=run_id, columns=("layer", "key", "max_coefficient", "shallowness")
+            session=session,
+            run_id=run_id,
+            columns=("layer", "key", "max_coefficient", "min_coefficient", "shallowness"),
         )
+        signs = np.ones((n_layers, n_keys), dtype=np.int64)
         fires_at = torch.full((n_layers, n_keys), float("nan"))
         shallowness = {}
-        for layer, key, largest, shallow in stats:
-            if largest is not None and largest > 0:
-                fires_at[layer, key] = largest / 2
+        for layer, key, largest, smallest, shallow in stats:
+            signs[layer, key] = sign = dominant_sign(largest, smallest)
+            strongest = largest if sign > 0 else smallest
+            if strongest is not None and sign * strongest > 0:
+                fires_at[layer, key] = sign * strongest / 2
             shallowness[layer, key] = shallow
-        frequency = document_frequency(sentences, len(texts))
-        words = word_like(texts)
+        counts = CorpusCounts.of(sentences, len(texts))
         evidence: list[list[Evidence]] = []
         for layer in tqdm(range(n_layers), desc="describing", unit="layer", disable=not options.progress):
-            prefixes = _layer_prefixes(session, run_id, layer, n_keys, sentences)
+            triggers = {
+                sign: memory_reads.layer_triggers(session=session, run_id=run_id, layer=layer, sign=sign)
+                for sign in (1, -1)
+            }
+            shaded = layer_shading(session=session, run_id=run_id, layer=layer)
             value_ids, _ = memory_reads.layer_value_tokens(
                 session=session, run_id=run_id, layer=layer, readout="norm", direction=1, n=5
             )
+            by_key = {sign: _by_key(found, n_keys) for sign, found in triggers.items()}
             row = []
             for key in range(n_keys):
+                sign = int(signs[layer, key])
+                found = {s: by_key[s][key] for s in (1, -1)}
+                positions = _fitting_positions(shaded.get(key), found, sentences)
+                pattern = fit_pattern(*positions, sign, counts)
                 values = value_ids[key].tolist() if key < len(value_ids) else []
                 shallow = shallowness.get((layer, key))
-                heuristic = describe(prefixes[key], values, shallow, frequency, words, names)
-                row.append(Evidence(layer, key, prefixes[key], values, shallow, heuristic))
+                prefixes = [sentences[s][: p + 1] for s, p, _ in found[sign]]
+                heuristic = describe(pattern, values, shallow, names)
+                row.append(Evidence(layer, key, prefixes, values, shallow, heuristic))
             evidence.append(row)
     timings["describe_seconds"] = time.perf_counter() - start
 
@@ -173,20 +198,50 @@ def store_explanations(
     )
 
 
-def _layer_prefixes(
-    session: Session, run_id: int, layer: int, n_keys: int, sentences: list[list[int]]
-) -> list[list[list[int]]]:
-    """Each key's top positive trigger prefixes (token ids), the strongest first."""
-    found = memory_reads.layer_triggers(session=session, run_id=run_id, layer=layer, sign=1)
-    prefixes: list[list[list[int]]] = [[] for _ in range(n_keys)]
-    for key, sentence, position in zip(
+def _by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
+    """A layer's triggers of one sign as (sentence, position, coefficient) per key, the strongest first."""
+    triggers: list[list[tuple[int, int, float]]] = [[] for _ in range(n_keys)]
+    for key, sentence, position, coefficient in zip(
         found.key.tolist(),
         found.entries["sentence_index"].tolist(),
         found.entries["position"].tolist(),
+        found.entries["coefficient"].tolist(),
         strict=True,
-    ):  # by key, the strongest first
-        prefixes[key].append(sentences[sentence][: position + 1])
-    return prefixes
+    ):
+        triggers[key].append((sentence, position, coefficient))
+    return triggers
+
+
+def _fitting_positions(
+    stored: StoredExamples | None, triggers: dict[int, list], sentences: list[list[int]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, previous tokens, coefficients) of the mined positions a memory's pattern is fitted on:
+    every mined token of its shaded sentences (its first positive and negative triggers', its band
+    samples'; each sentence once), or — for a run stored before the shading — its top triggers of both
+    signs alone."""
+    if stored is None:
+        found = [(s, p, c) for sign in (1, -1) for s, p, c in triggers[sign]]
+        tokens = np.array([sentences[s][p] for s, p, _ in found], dtype=np.int64)
+        previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in found], dtype=np.int64)
+        return tokens, previous, np.array([c for _, _, c in found], dtype=np.float64)
+    shown = [s for s, _, _ in triggers[1][: stored.positive]] + [
+        s for s, _, _ in triggers[-1][: stored.negative]
+    ]
+    shown += [sample.sentence_index for sample in stored.samples]
+    arrays = stored.shading([len(sentences[s]) for s in shown])
+    tokens, previous, m, seen = [], [], [], set()
+    for sentence, values in zip(shown, arrays, strict=True):
+        if sentence in seen:
+            continue
+        seen.add(sentence)
+        ids = np.asarray(sentences[sentence], dtype=np.int64)
+        mined = ~np.isnan(values)  # [len]
+        tokens.append(ids[mined])
+        previous.append(previous_tokens(ids)[mined])
+        m.append(values[mined].astype(np.float64))
+    if not m:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    return np.concatenate(tokens), np.concatenate(previous), np.concatenate(m)
 
 
 def score_patterns(

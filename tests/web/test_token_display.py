@@ -4,11 +4,10 @@ the bytes its raw piece stands for, ⟨0x80⟩, as they name other invisible cha
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from sqlalchemy import select
 
-from ffmem.engine.explanations import describe, document_frequency, quoted, word_like
+from ffmem.engine.explanations import Pattern, describe, quoted
 from ffmem.engine.token_display import byte_alphabet, byte_form, piece_bytes, visible
 from ffmem.store import vocabularies
 from ffmem.store.models import LanguageModel, Token
@@ -91,19 +90,15 @@ def test_the_vocabulary_names_byte_tokens_by_their_bytes(db, client, slug):
 
 def test_an_explanation_names_a_byte_token_by_its_bytes(db, slug):
     """describe() with the names the worker passes it (vocabularies.vocabulary, as ffmem.worker.explanations
-    reads them): a key whose triggers all end in the byte token says so as ⟨0x..⟩, never "�"."""
+    reads them): a key whose pattern weighs the byte token says so as ⟨0x..⟩, never "�"."""
     token = lone_continuation_byte(db)
     model = db.scalars(select(LanguageModel).where(LanguageModel.slug == slug)).one()
     named = vocabularies.vocabulary(session=db, model_id=model.id)
     names = [named.get(i, "") for i in range(max(named) + 1)]
-    raw = [
-        t.text for t in db.scalars(select(Token).where(Token.model_id == model.id).order_by(Token.token_id))
-    ]
-    prefixes = [[5, token.token_id]] * 4
-    frequency = document_frequency([[1, 2, 3]] * 10, len(names))
-    described = describe(prefixes, [token.token_id], None, frequency, word_like(raw), names)
+    pattern = Pattern(final=[token.token_id], weights=[1.5], pairs=[[5, token.token_id]], pair_weights=[2.0])
+    described = describe(pattern, [token.token_id], None, names)
     shown = f"⟨0x{piece_bytes(token.piece)[0]:02X}⟩"
-    assert described.text.startswith(f"ends in “{shown}” 100%")
+    first = f"strongest (m > 0) at “{shown}” +1.5; after {quoted(names[5])}: “{shown}” +2"
+    assert described.text.startswith(first)
     assert described.text.endswith(f"promotes “{shown}”")
     assert "\ufffd" not in described.text
-    assert not np.any(word_like(raw)[[token.token_id]])  # "�" is no word: not named as context either

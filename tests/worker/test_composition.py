@@ -129,8 +129,8 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
     with sessions() as session:
         found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
         assert found.source == "heuristic"
-        assert found.text.startswith("ends in “Paris” 100%"), found.text
-        assert found.pattern["final"] == [_paris(planted)]
+        assert found.text.startswith("strongest (m > 0) at “Paris” +"), found.text
+        assert found.pattern["final"] == [_paris(planted)] and found.pattern["sign"] == 1
         # the held-out sentences (18 of them, 8 with "Paris") were never mined
         assert found.details["positions"] > 100 and found.details["matches"] == len(PARIS)
         assert found.score > 0.9 and found.details["auroc"] > 0.95

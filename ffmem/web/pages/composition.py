@@ -40,13 +40,13 @@ class ExplanationView(BaseModel):
     text: str
     source: str = Field(description="heuristic | llm:<model>.")
     score: float | None = Field(
-        description='Pearson r of "the pattern occurs" with m over held-out positions.'
+        description="Pearson r of the pattern's match with m (−m: a negative memory) on held-out positions."
     )
     auroc: float | None = Field(
-        description="The pattern telling apart positions where the key fires (≥ half its max)."
+        description="The match telling apart positions where the key fires (past half its largest)."
     )
     positions: int = Field(description="Held-out positions scored.")
-    matches: int = Field(description="Positions where the pattern occurs at least in part.")
+    matches: int = Field(description="Positions whose token (or pair) the pattern weighs.")
 
 
 class ExplanationHit(ExplanationView):
