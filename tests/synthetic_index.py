@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from sqlalchemy.orm import Session
 
+from ffmem.engine.explanations import MAX_PAIRS, MAX_TOKENS
 from ffmem.engine.mined_layer import (
     N_BINS,
     QUADRANT_EXAMPLES,
@@ -447,19 +448,33 @@ def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tu
 
 
 def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
-    """One explanation per memory: (layer, key, source, text, score, pattern, details)."""
+    """One explanation per memory: (layer, key, source, text, score, pattern, details); the pattern a token
+    table of the explainer's size (explanations.MAX_TOKENS tokens, MAX_PAIRS pairs; weights to 3 digits)."""
     rng = np.random.default_rng([shape.seed, 4])
+    n, pairs = MAX_TOKENS, MAX_PAIRS
     for layer in range(shape.n_layers):
-        finals = rng.integers(0, shape.vocab_size, (shape.n_keys, 2)).tolist()
+        finals = rng.integers(0, shape.vocab_size, (shape.n_keys, n)).tolist()
+        weights = rng.normal(0.0, 0.5, (shape.n_keys, n + pairs))
+        before = rng.integers(0, shape.vocab_size, (shape.n_keys, pairs)).tolist()
         scores = rng.uniform(-0.1, 0.9, shape.n_keys).tolist()
         for key, (final, score) in enumerate(zip(finals, scores, strict=True)):
+            rounded = [float(f"{w:.3g}") for w in weights[key].tolist()]
+            shown = ", ".join(
+                f"“{token_text(t).strip()}” {w:+.3g}" for t, w in zip(final[:6], rounded, strict=False)
+            )
             yield (
                 layer,
                 key,
                 "heuristic",
-                f"ends with {token_text(final[0]).strip()} or {token_text(final[1]).strip()}",
+                f"strongest (m > 0) at {shown}; {n - 6} more weighed; promotes “{token_text(final[-1])}”",
                 None if key % 10 == 0 else score,
-                {"final": final, "ngram": [], "context": []},
+                {
+                    "sign": 1 if key % 2 else -1,
+                    "final": final,
+                    "weights": rounded[:n],
+                    "pairs": [[b, t] for b, t in zip(before[key], final[:pairs], strict=True)],
+                    "pair_weights": rounded[n:],
+                },
                 {"positions": int(lengths.sum()) // 10, "matches": 40, "auroc": 0.7},
             )
 

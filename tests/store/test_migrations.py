@@ -407,8 +407,8 @@ def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp
 
 
 def test_json_columns_read_back_what_was_stored_nan_too(tmp_path):
-    """JSON columns are read with orjson, and with the standard library where only it can: the NaN that
-    json.dumps writes."""
+    """JSON columns are written compact and read with orjson, and with the standard library where only it
+    can: the NaN that json.dumps writes."""
     from ffmem.store.models import Corpus
 
     url = f"sqlite:///{tmp_path / 'json.db'}"
@@ -427,4 +427,7 @@ def test_json_columns_read_back_what_was_stored_nan_too(tmp_path):
         found = [session.get(Corpus, id).skipped for id in ids]
     assert found[0] == {"empty": 2, "é": [1, 2.5]}
     assert list(found[1]) == ["nan"] and found[1]["nan"] != found[1]["nan"]  # NaN
+    with engine.connect() as connection:  # written without the spaces after separators
+        stored = connection.exec_driver_sql("SELECT skipped FROM corpora ORDER BY id").scalars().all()
+    assert stored == ['{"empty":2,"\\u00e9":[1,2.5]}', '{"nan":NaN}']
     engine.dispose()
