@@ -53,16 +53,22 @@ def _clean_postgres(url: str) -> None:
     engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request, tmp_path) -> str:
-    """URL of an empty database migrated to head, on each backend."""
+def migrated_url(request, folder) -> str:
+    """URL of an empty database migrated to head on the backend `request.param` names: SQLite, a file in
+    `folder`; Postgres, the test schema emptied."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'ffmem.db'}"
+        url = f"sqlite:///{folder / 'ffmem.db'}"
     else:
         url = request.getfixturevalue("postgres_url")
         _clean_postgres(url)
     upgrade(url)
     return url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path) -> str:
+    """URL of an empty database migrated to head, on each backend."""
+    return migrated_url(request, tmp_path)
 
 
 @pytest.fixture

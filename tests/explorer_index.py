@@ -10,7 +10,7 @@ from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web.main import create_app
 from ffmem.worker.index import IndexOptions
@@ -26,15 +26,10 @@ EXPLORER_SENTENCES = [*TRAINING_TEXT, *HOSTILE]
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def explorer_db(request, tmp_path_factory, tiny, tiny_model_dir) -> str:
     """URL of a database holding one finished index run of the tiny model (top-T 6)."""
-    folder = tmp_path_factory.mktemp("explorer")
-    if request.param == "sqlite":
-        url = f"sqlite:///{folder / 'ffmem.db'}"
-    else:
-        from conftest import _clean_postgres
+    from conftest import migrated_url
 
-        url = request.getfixturevalue("postgres_url")
-        _clean_postgres(url)
-    upgrade(url)
+    folder = tmp_path_factory.mktemp("explorer")
+    url = migrated_url(request, folder)
     corpus = folder / "corpus.txt"
     corpus.write_text("\n".join(EXPLORER_SENTENCES * 2) + "\n")
     options = IndexOptions.from_settings(

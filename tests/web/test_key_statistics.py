@@ -1,8 +1,9 @@
-"""The key page's statistics panel (issue 30): its JSON twin carries exactly what a synthetic run wrote — each
-readout's value histogram beside the page's coefficient histogram, density and value tokens — and its page
-draws them (the first top and bottom tokens marked on the value's) with every token text escaped; a memory without a stored value histogram (a run from
-before them) still renders, saying so. With "try your own text" (the tiny index, its live worker) the panel's
-coefficient histogram marks the bin of the text's max m: on the page, and to htmx out of band."""
+"""The key page's statistics panel (issue 30): its JSON twin carries exactly what a synthetic run wrote —
+each readout's value histogram beside the page's coefficient histogram, density and value tokens — and its
+page draws them (the first top and bottom tokens marked on the value's) with every token text escaped; a
+memory without a stored value histogram (a run from before them) still renders, saying so. With "try your
+own text" (the tiny index, its live worker) the panel's coefficient histogram marks the bin of the text's
+max m: on the page, and to htmx out of band."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from synthetic_index import HISTOGRAM_BINS, Shape, layer_arrays, sentence_tokens
 
 from ffmem.config import Settings
 from ffmem.engine.mined_layer import histogram_edges
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Token, ValueHistogram
 from ffmem.web.charts import label
 from ffmem.web.main import create_app
@@ -56,14 +57,9 @@ def arrays():
 def client(request, tmp_path_factory, arrays):
     """The explorer over the synthetic run; KEY's top raw token renamed to HOSTILE, UNSTORED's value
     histograms deleted."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('stats') / 'ffmem.db'}"
-    else:
-        from conftest import _clean_postgres
+    from conftest import migrated_url
 
-        url = request.getfixturevalue("postgres_url")
-        _clean_postgres(url)
-    upgrade(url)
+    url = migrated_url(request, tmp_path_factory.mktemp("stats"))
     engine = make_engine(url)
     with make_sessionmaker(engine)() as session:
         run_id = write_run(session, SHAPE).run_id

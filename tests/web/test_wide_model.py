@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from synthetic_index import Shape, layer_arrays, sentence_tokens, token_table, token_text, write_run
 
 from ffmem.config import Settings
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.memory_lists import TOKEN_LISTS
 from ffmem.store.memory_reads import KEY_SORTS
 from ffmem.store.models import QUADRANT_COLUMNS
@@ -52,14 +52,9 @@ def last_layer(lengths):
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def client(request, tmp_path_factory):
     """The explorer on a database holding the synthetic wide run."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('wide') / 'ffmem.db'}"
-    else:
-        from conftest import _clean_postgres
+    from conftest import migrated_url
 
-        url = request.getfixturevalue("postgres_url")
-        _clean_postgres(url)
-    upgrade(url)
+    url = migrated_url(request, tmp_path_factory.mktemp("wide"))
     engine = make_engine(url)
     with make_sessionmaker(engine)() as session:
         write_run(session, SHAPE)

@@ -61,17 +61,10 @@ def perturbed_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def three_runs(request, tmp_path_factory, tiny, tiny_model_dir, perturbed_dir):
     """(sessions, [run of the tiny model in shards of 8, the same in shards of 3, the perturbed model's])."""
+    from conftest import migrated_url
+
     folder = tmp_path_factory.mktemp("comparison")
-    if request.param == "sqlite":
-        url = f"sqlite:///{folder / 'ffmem.db'}"
-    else:
-        from conftest import _clean_postgres
-
-        url = request.getfixturevalue("postgres_url")
-        _clean_postgres(url)
-    from ffmem.store.db import upgrade
-
-    upgrade(url)
+    url = migrated_url(request, folder)
     corpus = folder / "corpus.txt"
     corpus.write_text("\n".join(EXPLORER_SENTENCES * 2) + "\n")
     engine = make_engine(url)
