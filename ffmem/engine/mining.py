@@ -270,30 +270,45 @@ class MiningState:
     def _fold_quadrants(self, layers: slice, c: torch.Tensor, u: torch.Tensor, batch: Batch) -> None:
         """Fold a batch's sign quadrants (before `c` [layers, batch, pos, keys] is overwritten; `u` the
         inputs x·u, like `c`): the positions in each, and per sentence its largest |m| in each quadrant (a
-        NaN coefficient ranks nowhere), first where it is, entered into the quadrant's top examples."""
+        NaN coefficient ranks nowhere), first where it is, entered into the quadrant's top examples.
+
+        Three counts give the four: the mined positions with a negative gate, a negative input, and both.
+        The largest |m| of the four quadrants take four maxima, one per input sign and sign of m: where the
+        input is ≥ 0, m ≥ 0 is pp and m < 0 np; where it is < 0, m > 0 is nn and m ≤ 0 pn."""
         mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
         input_negative = u < 0  # [layers, batch, pos, keys]
-        gate_negative = ((c < 0) & (u > 0)) | ((c > 0) & input_negative)  # the gate's sign: m / u
-        quadrant = gate_negative.to(torch.int8).mul_(2).add_(input_negative)  # [layers, batch, pos, keys]
-        magnitude = c.abs().masked_fill_(torch.isnan(c) | ~mined, -1.0)  # -1: ranks nowhere
-        sentence = batch.sentence_index  # [batch]
-        for q in range(len(QUADRANTS)):
-            inside = quadrant == q  # [layers, batch, pos, keys]
-            self.quadrant_count[layers, :, q] += (inside & mined).sum(dim=(1, 2))  # [layers, keys]
-            best, at = torch.where(inside, magnitude, -1.0).max(dim=2)  # [layers, batch, keys] each
-            found = best >= 0  # [layers, batch, keys]
-            best = best.masked_fill(~found, float("-inf"))
-            entered = torch.where(found, sentence[:, None], -1)  # [layers, batch, keys]: −1 ranks as empty
-            new = _order_key(best, entered).transpose(1, 2)  # [layers, keys, batch]
-            at = at.masked_fill(~found, 0)  # [layers, batch, keys]
-            read = u.gather(2, at[:, :, None]).squeeze(2).masked_fill(~found, 0.0)  # [layers, batch, keys]
-            merged = torch.cat([self.quadrant_order[layers, :, q], new], dim=2)  # [layers, keys, E + batch]
-            kept, index = merged.topk(QUADRANT_EXAMPLES, dim=2)  # [layers, keys, E] each
-            positions = torch.cat([self.quadrant_position[layers, :, q], at.transpose(1, 2)], dim=2)
-            values = torch.cat([self.quadrant_input[layers, :, q], read.transpose(1, 2)], dim=2)
-            self.quadrant_order[layers, :, q] = kept
-            self.quadrant_position[layers, :, q] = positions.gather(2, index)  # [layers, keys, E]
-            self.quadrant_input[layers, :, q] = values.gather(2, index)  # [layers, keys, E]
+        gate_negative = torch.where(input_negative, c > 0, (c < 0) & (u > 0))  # the gate's sign: m / u
+        gate = (gate_negative & mined).sum(dim=(1, 2))  # [layers, keys]
+        both = (gate_negative.logical_and_(input_negative) & mined).sum(dim=(1, 2))  # [layers, keys]
+        inputs = (input_negative & mined).sum(dim=(1, 2))  # [layers, keys]
+        positions = batch.mined.sum()  # 0-dim: the mined positions of the batch
+        counts = (positions - gate - inputs + both, inputs - both, gate - both, both)  # the four quadrants'
+        self.quadrant_count[layers] += torch.stack(counts, dim=-1)  # [layers, keys, 4]
+        usable = mined & ~torch.isnan(c)  # [layers, batch, pos, keys]
+        positive_input, negative_input = usable & ~input_negative, usable.logical_and_(input_negative)
+        negated = c.neg()  # [layers, batch, pos, keys]
+        sides = (positive_input, c), (negative_input, negated), (positive_input, negated), (negative_input, c)
+        found = [  # per quadrant: s·m's largest where it lies, first where it is ([layers, batch, keys] each)
+            torch.where(where, signed, float("-inf")).max(dim=2) for where, signed in sides
+        ]
+        best = torch.stack([value for value, _ in found])  # [4, layers, batch, keys]: s·m, −inf where none
+        at = torch.stack([where for _, where in found])  # [4, layers, batch, keys]
+        present = torch.stack([best[0] >= 0, best[1] >= 0, best[2] > 0, best[3] > 0])  # pp, pn: m may be 0
+        best = best.abs().masked_fill_(~present, float("-inf"))  # |m| (+0.0 for m = −0.0)
+        entered = torch.where(
+            present, batch.sentence_index[:, None], -1
+        )  # [4, layers, batch, keys]: −1 empty
+        new = _order_key(best, entered).permute(1, 3, 0, 2)  # [layers, keys, 4, batch]
+        at = at.masked_fill_(~present, 0)  # [4, layers, batch, keys]
+        read = torch.stack([u.gather(2, where[:, :, None]).squeeze(2) for where in at])  # like at
+        read = read.masked_fill_(~present, 0.0).permute(1, 3, 0, 2)  # [layers, keys, 4, batch]
+        merged = torch.cat([self.quadrant_order[layers], new], dim=3)  # [layers, keys, 4, E + batch]
+        kept, index = merged.topk(QUADRANT_EXAMPLES, dim=3)  # [layers, keys, 4, E] each
+        where = torch.cat([self.quadrant_position[layers], at.permute(1, 3, 0, 2)], dim=3)  # like merged
+        values = torch.cat([self.quadrant_input[layers], read], dim=3)  # like merged
+        self.quadrant_order[layers] = kept
+        self.quadrant_position[layers] = where.gather(3, index)  # [layers, keys, 4, E]
+        self.quadrant_input[layers] = values.gather(3, index)  # [layers, keys, 4, E]
 
     def _histogram(self, c: torch.Tensor, unmined: torch.Tensor) -> torch.Tensor:
         """[layers, keys, bins] counts of one batch's coefficients `c` [layers, batch, pos, keys]

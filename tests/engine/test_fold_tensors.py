@@ -215,20 +215,24 @@ class Operators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_fold_of_a_batch_never_reads_a_value_back_to_the_host():
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_fold_of_a_batch_never_reads_a_value_back_to_the_host(gated):
     """Every layer of a batch folded on the meta device (shapes, no data), as `update` does on any non-CPU
     device: `nonzero`, boolean indexing, `bincount`, `.item()`, `bool()`, `.tolist()` or `.numpy()` of a
-    tensor raise there, so any host synchronisation that creeps back into the fold fails this test."""
+    tensor raise there, so any host synchronisation that creeps back into the fold fails this test. Gated:
+    with the sign quadrants."""
     n_layers, n_keys, top_k = 3, 11, 4
     coefficients, mined, sentence = random_batches(5, n_layers, n_keys, 1)[0]
     batch = as_batch(mined, sentence).to(torch.device("meta"))
-    state = MiningState(n_layers, n_keys, top_k, device="meta")
+    state = MiningState(n_layers, n_keys, top_k, device="meta", gated=gated)
     with Operators() as operators:
         for layer in range(n_layers):
-            state.update(layer, torch.from_numpy(coefficients[layer]).to("meta"), batch)
+            inputs = torch.from_numpy(coefficients[layer]).to("meta") if gated else None
+            state.update(layer, torch.from_numpy(coefficients[layer]).to("meta"), batch, inputs)
     assert {"aten.topk.default", "aten.scatter_reduce_.two", "aten.index_add_.default"} <= operators.names
     assert not operators.names & SYNCING
     assert state.top[1].order.shape == (n_layers, n_keys, top_k)
+    assert state.quadrant_order.shape == ((n_layers, n_keys, 4, 8) if gated else (0, 0, 0, 0))
 
 
 def test_the_first_of_a_stable_sort_by_comparisons_equals_torch_sort():
