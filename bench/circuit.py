@@ -7,8 +7,10 @@ validation and a benchmark on the real model, not a test): `make bench` runs it.
    sampled per prompt. For each edge j → i, memory j is switched off (m_j = 0 at every position,
    ffmem.engine.edited_forward) and the change of m_i at the position is compared with the term's
    prediction, −sign(term); for a random memory of the same layer as j (and the same i), the same with
-   its own term m_j'·(v_j'·ρ_i). The two rates of agreement (a meaningless term would put both at 50%) and
-   the size of the change (|Δm_i| / |m_i|, medians). The ablation is the whole model's answer: attention
+   its own term m_j'·(v_j'·ρ_i). The two rates of agreement (a meaningless term would put both at 50%), the
+   rates of a change that agrees and is at least `MEANINGFUL` of |m_i| (a first-order term predicts the sign
+   of a negligible change well too: this rate says which edges matter), and the size of the change
+   (|Δm_i| / |m_i|, medians). The ablation is the whole model's answer: attention
    paths and the blocks between move too, which the term leaves out.
 2. Cost: the live worker's app in this process (no sockets), the 32-token prompt of bench/trace.py, its
    last position and prediction: POST /trace (the live view's trace) and POST /circuit, interleaved; p50 /
@@ -50,6 +52,7 @@ from ffmem.worker.live_server import Live, create_live_app  # noqa: E402
 
 ROUNDS = 30
 TARGET_RATIO = 1.5
+MEANINGFUL = 0.01  # a change of m_i of at least 1 % of |m_i|
 
 
 def _sign(x: float) -> int:
@@ -111,6 +114,7 @@ def validate(loaded, prompts: list[list[int]], edges_per_prompt: int, seed: int)
         summary[name] = {
             "edges": len(found),
             "direction_agrees": round(sum(a for a, _ in found) / max(1, len(found)), 4),
+            "agrees_by_1pct": round(sum(a and r >= MEANINGFUL for a, r in found) / max(1, len(found)), 4),
             "median_relative_change": round(statistics.median(r for _, r in found), 5) if found else None,
         }
     summary["edges_per_circuit"] = edges_found

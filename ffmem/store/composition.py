@@ -93,17 +93,63 @@ def has_links(*, session: Session, run_id: int) -> bool:
 
 
 def store_explanations(*, session: Session, run_id: int, rows: Iterable[tuple]) -> None:
-    """Store explanations: rows of (layer, key, source, text, score or None, pattern dict, details dict)."""
-    columns = ("run_id", "layer", "key", "source", "text", "score", "pattern", "details")
+    """Store explanations: rows of (layer, key, source, text, score or None, pattern dict, details dict);
+    the pattern (ffmem.engine.explanations.Pattern.to_dict) packed as TOKEN_TABLE bytes."""
+    columns = ("run_id", "layer", "key", "source", "text", "score", "token_table", "details")
     bulk_insert(
         session,
         Explanation.__table__,
         columns,
         (
-            (run_id, int(layer), int(key), source, stored_text(text), score, pattern, details)
-            for layer, key, source, text, score, pattern, details in rows
+            (run_id, int(layer), int(key), source, stored_text(text), score, pack_token_table(table), details)
+            for layer, key, source, text, score, table, details in rows
         ),
     )
+
+
+# An explanation's pattern as stored: a header (the sign it predicts, +1: m, −1: −m; its tokens; its pairs),
+# then the token ids and their weights, then the (previous token, token) pairs and their weights.
+TOKEN_TABLE_HEADER = np.dtype([("sign", "i1"), ("tokens", "<u2"), ("pairs", "<u2")])
+
+
+def pack_token_table(pattern: dict) -> bytes:
+    """A pattern dict ({"sign", "final", "weights", "pairs", "pair_weights"}) as TOKEN_TABLE bytes."""
+    header = np.array([(pattern["sign"], len(pattern["final"]), len(pattern["pairs"]))], TOKEN_TABLE_HEADER)
+    return b"".join(
+        (
+            header.tobytes(),
+            np.asarray(pattern["final"], "<i4").tobytes(),
+            np.asarray(pattern["weights"], "<f4").tobytes(),
+            np.asarray(pattern["pairs"], "<i4").reshape(-1, 2).tobytes(),
+            np.asarray(pattern["pair_weights"], "<f4").tobytes(),
+        )
+    )
+
+
+def unpack_token_table(data: bytes) -> dict:
+    """pack_token_table's bytes as the pattern dict (weights to float32's precision)."""
+    header = np.frombuffer(data, TOKEN_TABLE_HEADER, count=1)[0]
+    n, p = int(header["tokens"]), int(header["pairs"])
+    at = TOKEN_TABLE_HEADER.itemsize
+    parts = []
+    for dtype, count in (("<i4", n), ("<f4", n), ("<i4", 2 * p), ("<f4", p)):
+        parts.append(np.frombuffer(data, dtype, count=count, offset=at))
+        at += parts[-1].nbytes
+    final, weights, pairs, pair_weights = parts
+    return {
+        "sign": int(header["sign"]),
+        "final": final.tolist(),
+        "weights": [float(f"{w:.7g}") for w in weights.tolist()],
+        "pairs": pairs.reshape(-1, 2).tolist(),
+        "pair_weights": [float(f"{w:.7g}") for w in pair_weights.tolist()],
+    }
+
+
+def explanation_pattern(explanation: Explanation) -> dict:
+    """A stored explanation's pattern: its token table, or the JSON of a run explained before 0023."""
+    if explanation.token_table is not None:
+        return unpack_token_table(explanation.token_table)
+    return explanation.pattern
 
 
 def get_explanation(*, session: Session, run_id: int, layer: int, key: int) -> Explanation | None:

@@ -501,7 +501,9 @@ class Explanation(Base):
     corpus, its value's top tokens) or written by a local model (`source`); `score`, how well its
     pattern predicts the key's coefficient on held-out sentences (the correlation over their positions of
     "the pattern occurs here" with m; NULL when the run has no held-out sentences or it never occurs).
-    `pattern`: the token ids it matches, {"final": [...], "ngram": [...], "context": [...]}; `details`:
+    `token_table`: the pattern, a table of token weights packed as bytes (ffmem.store.composition.TOKEN_TABLE;
+    `composition.explanation_pattern` reads either column); `pattern`: the JSON of runs explained before
+    revision 0023, {"final": [...], "ngram": [...], "context": [...]} (NULL since); `details`:
     {"positions", "matches", "auroc"} (ffmem.engine.explanations.PatternScore)."""
 
     __tablename__ = "explanations"
@@ -512,8 +514,9 @@ class Explanation(Base):
     source: Mapped[str] = mapped_column(String(100))  # heuristic | llm:<model name>
     text: Mapped[str] = mapped_column(Text)
     score: Mapped[float | None] = mapped_column(Float)
-    pattern: Mapped[dict] = mapped_column(JSON)
+    pattern: Mapped[dict | None] = deferred(mapped_column(JSON))
     details: Mapped[dict] = mapped_column(JSON)
+    token_table: Mapped[bytes | None] = deferred(mapped_column(LargeBinary))
 
 
 class Comparison(Base):

@@ -392,6 +392,56 @@ def test_0019_indexes_an_older_runs_positive_triggers_by_sentence_as_the_worker_
     assert "sentence_triggers" not in {name for name, _, _ in _schema(empty_url)[1]}
 
 
+def test_0023_packs_new_token_tables_keeps_old_patterns_and_their_text_search(empty_url):
+    """Issue 30: an explanation's pattern is packed bytes from 0023 on; one stored before keeps its JSON,
+    and free-text search finds both (SQLite: the full-text triggers survive the table's rebuild)."""
+    import sqlalchemy as sa
+
+    from ffmem.store import composition
+    from ffmem.store.db import make_sessionmaker
+
+    _migrate(empty_url, "0022")
+    engine = make_engine(empty_url)
+    old_pattern = {"final": [7], "ngram": [], "context": []}
+    with engine.begin() as connection:
+        _old_run(connection)
+        columns = ("run_id", "layer", "key", "source", "text", "score")
+        explanations = sa.table(
+            "explanations", *map(sa.column, columns), *map(sa.column, ("pattern", "details"), [sa.JSON] * 2)
+        )
+        connection.execute(sa.insert(explanations).values(
+            run_id=1, layer=0, key=1, source="heuristic", text="ends with Paris", score=0.5,
+            pattern=old_pattern, details={"positions": 9},
+        ))  # fmt: skip
+    engine.dispose()
+    _migrate(empty_url, "head")
+    engine = make_engine(empty_url)
+    table = {
+        "sign": -1,
+        "final": [3, 70_000],
+        "weights": [1.25, -0.0547],
+        "pairs": [[3, 4]],
+        "pair_weights": [2.5],
+    }
+    with make_sessionmaker(engine)() as session:
+        rows = [(1, 2, "heuristic", "strongest at Parisian", 0.25, table, {"positions": 9})]
+        composition.store_explanations(session=session, run_id=1, rows=rows)
+        session.commit()
+        old = composition.get_explanation(session=session, run_id=1, layer=0, key=1)
+        new = composition.get_explanation(session=session, run_id=1, layer=1, key=2)
+        assert composition.explanation_pattern(old) == old_pattern and old.token_table is None
+        assert composition.explanation_pattern(new) == table and new.pattern is None
+        assert len(new.token_table) == 5 + 8 * 2 + 12 * 1
+        found = composition.search_explanations(session=session, run_id=1, text="paris", limit=5)
+        assert sorted((e.layer, e.key) for e in found) == [(0, 1), (1, 2)]
+    engine.dispose()
+    _migrate(empty_url, "0022", down=True)  # the packed row cannot go back: it is dropped, the old one kept
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        assert connection.execute(sa.text("SELECT layer, key FROM explanations")).all() == [(0, 1)]
+    engine.dispose()
+
+
 def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp_path):
     """Large pages pack a key's examples row (~2.3 KB) with others: storage per key ≤ 8 KB on the whole
     default corpus (docs/benchmarks.md). A database made before keeps its 4 KiB pages, still in WAL mode."""

@@ -120,7 +120,8 @@ def _rows(sessions, run_id):
             .order_by(Explanation.layer, Explanation.key)
         )
         return [
-            (e.layer, e.key, e.source, e.text, e.score, e.pattern, e.details) for e in session.scalars(query)
+            (e.layer, e.key, e.source, e.text, e.score, composition.explanation_pattern(e), e.details)
+            for e in session.scalars(query)
         ]
 
 
@@ -130,7 +131,11 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
         found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
         assert found.source == "heuristic"
         assert found.text.startswith("strongest (m > 0) at “Paris” +"), found.text
-        assert found.pattern["final"] == [_paris(planted)] and found.pattern["sign"] == 1
+        pattern = composition.explanation_pattern(found)
+        assert pattern["final"] == [_paris(planted)] and pattern["sign"] == 1
+        assert found.pattern is None and len(found.token_table) == 5 + 8 * len(pattern["final"]) + 12 * len(
+            pattern["pairs"]
+        )  # packed: 5 B of header, 8 B a token, 12 a pair
         # the held-out sentences (18 of them, 8 with "Paris") were never mined
         assert found.details["positions"] > 100 and found.details["matches"] == len(PARIS)
         assert found.score > 0.9 and found.details["auroc"] > 0.95
@@ -201,7 +206,7 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
         with sessions() as session:
             found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
             assert (found.source, found.text) == ("llm:tiny-explainer", "the city of Paris")
-            assert found.pattern["final"] == [_paris(planted)] and found.score > 0.9
+            assert composition.explanation_pattern(found)["final"] == [_paris(planted)] and found.score > 0.9
             other = composition.get_explanation(session=session, run_id=run_id, layer=1, key=0)
             assert other.source == "heuristic"  # the server failed on it: the heuristic one stays
             data = session.get(Analysis, (run_id, "explanations")).data
