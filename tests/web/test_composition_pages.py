@@ -10,7 +10,7 @@ from html import unescape
 
 from sqlalchemy import select
 
-from ffmem.store import composition
+from ffmem.store import composition, vocabularies
 from ffmem.store.models import Explanation
 from ffmem.web import charts, urls
 from ffmem.web.pages.composition import LinkView, WeightGraphView
@@ -92,6 +92,8 @@ def test_layer_zero_reads_no_earlier_memory(client, slug):
 def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     stored = db.get(Explanation, (run.id, 2, 3))
     body = client.get(f"/m/{slug}/layers/2/keys/3.json").json()
+    pattern = composition.explanation_pattern(stored)
+    texts = vocabularies.vocabulary(session=db, model_id=run.model_id)
     assert body["explanation"] == {
         "text": stored.text,
         "source": "heuristic",
@@ -99,10 +101,31 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
         "auroc": stored.details["auroc"],
         "positions": stored.details["positions"],
         "matches": stored.details["matches"],
+        "table": {  # the whole pattern the score measured, with its tokens' texts
+            "sign": pattern["sign"],
+            "tokens": [
+                {"token_id": t, "token": texts[t], "previous_id": None, "previous": None, "weight": w}
+                for t, w in zip(pattern["final"], pattern["weights"], strict=True)
+            ],
+            "pairs": [
+                {
+                    "token_id": t,
+                    "token": texts[t],
+                    "previous_id": p,
+                    "previous": texts.get(p, ""),
+                    "weight": w,
+                }
+                for (p, t), w in zip(pattern["pairs"], pattern["pair_weights"], strict=True)
+            ],
+        },
     }
+    assert body["explanation"]["table"]["tokens"], "the tiny index's memory weighs some token"
     assert stored.details["positions"] > 0
     page = client.get(f"/m/{slug}/layers/2/keys/3").text
     assert page.index('id="label"') < page.index('id="explanation"')
+    assert '<details id="explanation-table">' in page and page.count(
+        "<tr>", page.index("explanation-table")
+    ) >= len(pattern["final"])
     shown = re.search(r'id="explanation-text"><strong>(.*?)</strong>', page, re.S).group(1)
     assert unescape(shown) == stored.text
     held = f"{stored.details['positions']:,} held-out positions"

@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ffmem.store import composition
+from ffmem.store import composition, vocabularies
 from ffmem.store.models import Explanation, Run
 from ffmem.web import urls
 
@@ -49,6 +49,33 @@ class ExplanationView(BaseModel):
     matches: int = Field(description="Positions whose token (or pair) the pattern weighs.")
 
 
+class WeightedToken(BaseModel):
+    """A token (or a pair: the token after `previous`) the explanation's pattern weighs."""
+
+    token_id: int
+    token: str
+    previous_id: int | None = Field(None, description="A pair's previous token (−1: the sentence's start).")
+    previous: str | None = Field(None, description="Its text (empty at the sentence's start).")
+    weight: float = Field(description="The match at a position with this token (or pair), in units of m.")
+
+
+class TokenTable(BaseModel):
+    """The pattern the score measures: a position's match is its pair's weight where listed, else its
+    token's, else 0 (ffmem.engine.explanations)."""
+
+    sign: int = Field(description="+1: the match predicts m; −1: −m (the memory's strong side is negative).")
+    tokens: list[WeightedToken]
+    pairs: list[WeightedToken]
+
+
+class KeyExplanation(ExplanationView):
+    """The key page's explanation, with the whole pattern it was scored by."""
+
+    table: TokenTable | None = Field(
+        None, description="Its token table (null: an explanation stored before patterns were tables)."
+    )
+
+
 class ExplanationHit(ExplanationView):
     """A memory whose automatic explanation matches a search."""
 
@@ -57,10 +84,31 @@ class ExplanationHit(ExplanationView):
     url: str
 
 
-def key_explanation(session: Session, run: Run, layer: int, key: int) -> ExplanationView | None:
-    """The key page's automatic explanation (None where the run has none)."""
+def key_explanation(session: Session, run: Run, layer: int, key: int) -> KeyExplanation | None:
+    """The key page's automatic explanation with its token table (None where the run has none)."""
     found = composition.get_explanation(session=session, run_id=run.id, layer=layer, key=key)
-    return None if found is None else explanation_view(found)
+    if found is None:
+        return None
+    view = KeyExplanation(**explanation_view(found).model_dump())
+    pattern = composition.explanation_pattern(found)
+    if pattern and "weights" in pattern:
+        view.table = token_table(session, run, pattern)
+    return view
+
+
+def token_table(session: Session, run: Run, pattern: dict) -> TokenTable:
+    """A stored token table with its tokens' texts."""
+    ids = [*pattern["final"], *(t for pair in pattern["pairs"] for t in pair)]
+    texts = vocabularies.token_texts(session=session, model_id=run.model_id, token_ids=ids)
+    tokens = [
+        WeightedToken(token_id=t, token=texts.get(t, ""), weight=w)
+        for t, w in zip(pattern["final"], pattern["weights"], strict=True)
+    ]
+    pairs = [
+        WeightedToken(token_id=t, token=texts.get(t, ""), previous_id=p, previous=texts.get(p, ""), weight=w)
+        for (p, t), w in zip(pattern["pairs"], pattern["pair_weights"], strict=True)
+    ]
+    return TokenTable(sign=pattern["sign"], tokens=tokens, pairs=pairs)
 
 
 def weight_graph_view(session: Session, slug: str, run: Run, layer: int, key: int) -> WeightGraphView | None:

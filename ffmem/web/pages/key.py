@@ -14,7 +14,7 @@ from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
 from ffmem.web import patterns, urls
-from ffmem.web.pages.composition import ExplanationView, key_explanation
+from ffmem.web.pages.composition import KeyExplanation, key_explanation
 from ffmem.web.pages.quadrants import QuadrantPanel, quadrant_panel
 from ffmem.web.pages.try_text import TryText
 from ffmem.web.patterns import PatternHints
@@ -146,7 +146,7 @@ class KeyContext(ModelPage):
     label: LabelView | None = Field(None, description="The memory's label (its newest).")
     label_history: list[LabelView] = Field([], description="Its earlier labels, the newest first.")
     label_url: str = Field("", description="Where the label form posts.")
-    explanation: ExplanationView | None = Field(
+    explanation: KeyExplanation | None = Field(
         None, description="Its automatic description (null: none for this run)."
     )
     try_text: TryText | None = Field(
