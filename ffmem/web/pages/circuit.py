@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ffmem.engine.interventions import format_interventions
-from ffmem.engine.trace_answer import CircuitEdgeAnswer
+from ffmem.engine.trace_answer import CircuitEdgeAnswer, CircuitNodeAnswer
 from ffmem.store import memory_reads, vocabularies
 from ffmem.web import urls
 from ffmem.web.pages.trace import PromptToken, value_run
@@ -26,17 +26,9 @@ class CircuitOptions(BaseModel):
     hops: int = Field(description="1: who feeds the hop-0 memories; 2: and who feeds those.")
 
 
-class CircuitMemory(BaseModel):
-    """A memory of the circuit at the selected position."""
+class CircuitMemory(CircuitNodeAnswer):
+    """A memory of the circuit at the selected position: the worker's node, named and linked."""
 
-    layer: int
-    key: int
-    coefficient: float = Field(description="m at the position (edited, with edits).")
-    contribution: float = Field(description="Its direct push on the target's logit (the attribution's c).")
-    hop: int = Field(description="0: pushes the target most; 1: feeds a hop-0 memory; 2: feeds a hop-1 one.")
-    upstream_sum: float | None = Field(
-        description="Σ of every earlier memory's term into it (None: its inputs were not expanded)."
-    )
     top_token: TokenRef | None = Field(
         description="The top token of sign(m)·v under the readout (None: the index has none)."
     )
