@@ -408,7 +408,8 @@ EXPLAINED = {  # (layer, key): an explanation's text, with LIKE's wildcards, quo
 def test_explanations_are_found_by_any_piece_of_their_text_as_by_a_scan(session, run, db_url):
     from ffmem.store import composition
 
-    rows = [(layer, key, "heuristic", text, 0.1 * key, {}, {}) for (layer, key), text in EXPLAINED.items()]
+    table = {"sign": 1, "final": [], "weights": [], "pairs": [], "pair_weights": []}  # an empty pattern
+    rows = [(layer, key, "heuristic", text, 0.1 * key, table, {}) for (layer, key), text in EXPLAINED.items()]
     composition.store_explanations(session=session, run_id=run.id, rows=rows)
     reread(session)
     dialect = session.get_bind().dialect.name
