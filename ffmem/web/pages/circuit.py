@@ -86,17 +86,7 @@ def circuit_page(
     if q.text is None:
         return circuit_form(q, options, max_tokens)
     q.check(max_tokens)
-    answer = live.circuit(
-        {
-            "model": q.model.source,
-            "text": q.text,
-            "position": q.position,
-            "readout": q.readout,
-            "interventions": format_interventions(q.interventions),
-            "target": q.target,
-        }
-        | options.model_dump()
-    )
+    answer = live.circuit(q.worker_request() | options.model_dump())
     run = value_run(session, q.model)
     signed = {(n.layer, n.key, 1 if n.coefficient >= 0 else -1) for n in answer.nodes}
     tops = {}

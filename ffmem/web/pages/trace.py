@@ -186,18 +186,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
     if q.text is None:
         return trace_form(live, q, max_tokens)
     q.check(max_tokens)
-    answer = live.trace(
-        {
-            "model": q.model.source,
-            "text": q.text,
-            "position": q.position,
-            "memories": q.memories,
-            "readout": q.readout,
-            "interventions": format_interventions(q.interventions),
-            "generate": q.generate,
-            "target": q.target,
-        }
-    )
+    answer = live.trace(q.worker_request() | {"memories": q.memories, "generate": q.generate})
     run = value_run(session, q.model)
     attribution = answer.attribution
     traced = {signed(m) for layer in answer.layers for m in layer.memories}

@@ -83,6 +83,18 @@ class TraceQuery:
         kept = [i for i in self.interventions if (i.layer, i.key) != (layer, key)]
         return self.url(intervene=format_interventions(kept) or None)
 
+    def worker_request(self) -> dict:
+        """What every live-worker request of this trace sends (the model, prompt, position, readout, edits
+        and target); a route adds its own fields."""
+        return {
+            "model": self.model.source,
+            "text": self.text,
+            "position": self.position,
+            "readout": self.readout,
+            "interventions": format_interventions(self.interventions),
+            "target": self.target,
+        }
+
     def check(self, max_tokens: int) -> None:
         """Refuse, before the live worker is asked (400, naming the field): a bad edit, an empty prompt or one
         too long to be within `max_tokens`, an empty target or one longer than a token."""
