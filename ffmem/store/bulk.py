@@ -3,12 +3,13 @@ SQLite (about twice as fast as Core's dict rows), Core's portable insert on any 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
 from sqlalchemy import JSON, Table, insert
 from sqlalchemy.orm import Session
+
+from ffmem.store.db import json_dumps
 
 CHUNK_ROWS = 50_000  # rows per executemany
 
@@ -40,7 +41,7 @@ def bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: It
 def _json_encoded(row: tuple, json_columns: list[int]) -> tuple:
     row = list(row)
     for i in json_columns:
-        row[i] = json.dumps(row[i])
+        row[i] = json_dumps(row[i])  # as the engine writes JSON: compact
     return tuple(row)
 
 

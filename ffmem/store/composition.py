@@ -108,40 +108,43 @@ def store_explanations(*, session: Session, run_id: int, rows: Iterable[tuple]) 
 
 
 # An explanation's pattern as stored: a header (the sign it predicts, +1: m, −1: −m; its tokens; its pairs),
-# then the token ids and their weights, then the (previous token, token) pairs and their weights.
+# then the token ids (int32) and their weights (float16), then the (previous token, token) pairs (int32) and
+# their weights (float16): 6 B a token, 10 a pair (revision 0024; float32 weights before, 8 and 12).
 TOKEN_TABLE_HEADER = np.dtype([("sign", "i1"), ("tokens", "<u2"), ("pairs", "<u2")])
+TOKEN_TABLE_PARTS = ("<i4", "<f2", "<i4", "<f2")  # final ids, weights, pairs (two ids each), pair weights
+WEIGHT_LIMIT = float(np.finfo(np.float16).max)  # a weight beyond ±65,504 is stored as that bound
 
 
 def pack_token_table(pattern: dict) -> bytes:
-    """A pattern dict ({"sign", "final", "weights", "pairs", "pair_weights"}) as TOKEN_TABLE bytes."""
+    """A pattern dict ({"sign", "final", "weights", "pairs", "pair_weights"}) as TOKEN_TABLE bytes; the
+    weights to float16's precision (3 significant digits, as the key page shows them)."""
     header = np.array([(pattern["sign"], len(pattern["final"]), len(pattern["pairs"]))], TOKEN_TABLE_HEADER)
-    return b"".join(
-        (
-            header.tobytes(),
-            np.asarray(pattern["final"], "<i4").tobytes(),
-            np.asarray(pattern["weights"], "<f4").tobytes(),
-            np.asarray(pattern["pairs"], "<i4").reshape(-1, 2).tobytes(),
-            np.asarray(pattern["pair_weights"], "<f4").tobytes(),
-        )
-    )
+    parts = (pattern["final"], pattern["weights"], np.reshape(pattern["pairs"], -1), pattern["pair_weights"])
+    packed = [header.tobytes()]
+    for dtype, values in zip(TOKEN_TABLE_PARTS, parts, strict=True):
+        values = np.asarray(values, np.float64 if dtype == "<f2" else None)
+        if dtype == "<f2":
+            values = np.clip(values, -WEIGHT_LIMIT, WEIGHT_LIMIT)
+        packed.append(values.astype(dtype).tobytes())
+    return b"".join(packed)
 
 
 def unpack_token_table(data: bytes) -> dict:
-    """pack_token_table's bytes as the pattern dict (weights to float32's precision)."""
+    """pack_token_table's bytes as the pattern dict (weights as float16 holds them, to 4 digits)."""
     header = np.frombuffer(data, TOKEN_TABLE_HEADER, count=1)[0]
     n, p = int(header["tokens"]), int(header["pairs"])
     at = TOKEN_TABLE_HEADER.itemsize
     parts = []
-    for dtype, count in (("<i4", n), ("<f4", n), ("<i4", 2 * p), ("<f4", p)):
+    for dtype, count in zip(TOKEN_TABLE_PARTS, (n, n, 2 * p, p), strict=True):
         parts.append(np.frombuffer(data, dtype, count=count, offset=at))
         at += parts[-1].nbytes
     final, weights, pairs, pair_weights = parts
     return {
         "sign": int(header["sign"]),
         "final": final.tolist(),
-        "weights": [float(f"{w:.7g}") for w in weights.tolist()],
+        "weights": [float(f"{w:.4g}") for w in weights.tolist()],
         "pairs": pairs.reshape(-1, 2).tolist(),
-        "pair_weights": [float(f"{w:.7g}") for w in pair_weights.tolist()],
+        "pair_weights": [float(f"{w:.4g}") for w in pair_weights.tolist()],
     }
 
 

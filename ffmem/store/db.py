@@ -65,7 +65,7 @@ def make_engine(url: str, retry: Retry | None = None) -> Engine:
                 parsed,
                 pool_pre_ping=True,
                 connect_args=connect_args,
-                json_serializer=_json_dumps,
+                json_serializer=json_dumps,
                 json_deserializer=_json_loads,
             )
         except (NoSuchModuleError, ModuleNotFoundError) as error:
@@ -104,7 +104,7 @@ def upgrade(url: str, retry: Retry | None = None) -> None:
         engine.dispose()
 
 
-def _json_dumps(value) -> str:
+def json_dumps(value) -> str:
     """JSON columns as written: without the spaces after separators (a key's histogram, a sentence's token
     ids and offsets, an explanation's token table: 10–20 % of their bytes), NaN and Infinity kept."""
     return json.dumps(value, separators=(",", ":"))
@@ -131,7 +131,7 @@ def _sqlite_engine(url: URL) -> Engine:
                 f"cannot create the folder {folder} for the database {database}: {error.strerror}. "
                 "Choose a writable path with FFMEM_DATABASE_URL (--db), e.g. sqlite:///data/ffmem.db"
             ) from None
-    engine = create_engine(url, json_serializer=_json_dumps, json_deserializer=_json_loads)
+    engine = create_engine(url, json_serializer=json_dumps, json_deserializer=_json_loads)
 
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, _record) -> None:

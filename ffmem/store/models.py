@@ -28,9 +28,14 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
+from sqlalchemy.dialects.postgresql import REAL
 from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
 
 from ffmem.store.specs import AnalysisSpec, ComparisonSpec, RunSpec
+
+# A statistic of a memory: 4 bytes on Postgres (real; double precision before revision 0024) where a table
+# holds a row per memory; SQLite stores every REAL in 8 bytes whatever the declaration.
+Float32 = Float().with_variant(REAL(), "postgresql")
 
 
 def now() -> datetime:
@@ -234,15 +239,15 @@ class KeyStats(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    mean: Mapped[float] = mapped_column(Float)
-    positive_share: Mapped[float] = mapped_column(Float)  # share of positions with m_i > 0
-    max_coefficient: Mapped[float | None] = mapped_column(Float)
-    min_coefficient: Mapped[float | None] = mapped_column(Float)
-    value_norm: Mapped[float] = mapped_column(Float)  # ‖v_i‖
+    mean: Mapped[float] = mapped_column(Float32)
+    positive_share: Mapped[float] = mapped_column(Float32)  # share of positions with m_i > 0
+    max_coefficient: Mapped[float | None] = mapped_column(Float32)
+    min_coefficient: Mapped[float | None] = mapped_column(Float32)
+    value_norm: Mapped[float] = mapped_column(Float32)  # ‖v_i‖
     histogram: Mapped[list[int]] = mapped_column(JSON)  # counts per bin of Run.histogram_edges
     # Added in 0002; NULL for runs stored before it.
-    density: Mapped[float | None] = mapped_column(Float)  # share of positions near the peak |m|
-    max_prob: Mapped[float | None] = mapped_column(Float)  # the value's top raw probability
+    density: Mapped[float | None] = mapped_column(Float32)  # share of positions near the peak |m|
+    max_prob: Mapped[float | None] = mapped_column(Float32)  # the value's top raw probability
     agreement: Mapped[int | None] = mapped_column(
         Integer
     )  # positive triggers whose next token is a top token
@@ -250,15 +255,15 @@ class KeyStats(Base):
     # Added in 0004, set by `ffmem analyze` for the keys it samples (Fig. 3), else NULL: the mean relative
     # change of the coefficient on the top triggers without their first / last token, and the shallowness
     # (−last, clipped to 0–1: 1 = it all hinges on the last token).
-    first_token_change: Mapped[float | None] = mapped_column(Float)
-    last_token_change: Mapped[float | None] = mapped_column(Float)
-    shallowness: Mapped[float | None] = mapped_column(Float)
+    first_token_change: Mapped[float | None] = mapped_column(Float32)
+    last_token_change: Mapped[float | None] = mapped_column(Float32)
+    shallowness: Mapped[float | None] = mapped_column(Float32)
     # Added in 0022, gated FFs only (NULL otherwise): the share of mined positions in each sign quadrant of
     # (gate act(x·g), input x·u), p: ≥ 0, n: < 0, the gate's sign first; the largest's number (0 … 3).
-    quadrant_pp: Mapped[float | None] = mapped_column(Float)
-    quadrant_pn: Mapped[float | None] = mapped_column(Float)
-    quadrant_np: Mapped[float | None] = mapped_column(Float)
-    quadrant_nn: Mapped[float | None] = mapped_column(Float)
+    quadrant_pp: Mapped[float | None] = mapped_column(Float32)
+    quadrant_pn: Mapped[float | None] = mapped_column(Float32)
+    quadrant_np: Mapped[float | None] = mapped_column(Float32)
+    quadrant_nn: Mapped[float | None] = mapped_column(Float32)
     dominant_quadrant: Mapped[int | None] = mapped_column(SmallInteger)
 
 

@@ -419,7 +419,7 @@ def test_0023_packs_new_token_tables_keeps_old_patterns_and_their_text_search(em
     table = {
         "sign": -1,
         "final": [3, 70_000],
-        "weights": [1.25, -0.0547],
+        "weights": [1.25, -0.5],
         "pairs": [[3, 4]],
         "pair_weights": [2.5],
     }
@@ -431,7 +431,7 @@ def test_0023_packs_new_token_tables_keeps_old_patterns_and_their_text_search(em
         new = composition.get_explanation(session=session, run_id=1, layer=1, key=2)
         assert composition.explanation_pattern(old) == old_pattern and old.token_table is None
         assert composition.explanation_pattern(new) == table and new.pattern is None
-        assert len(new.token_table) == 5 + 8 * 2 + 12 * 1
+        assert len(new.token_table) == 5 + 6 * 2 + 10 * 1  # float16 weights from 0024 on
         found = composition.search_explanations(session=session, run_id=1, text="paris", limit=5)
         assert sorted((e.layer, e.key) for e in found) == [(0, 1), (1, 2)]
     engine.dispose()
@@ -440,6 +440,88 @@ def test_0023_packs_new_token_tables_keeps_old_patterns_and_their_text_search(em
     with engine.connect() as connection:
         assert connection.execute(sa.text("SELECT layer, key FROM explanations")).all() == [(0, 1)]
     engine.dispose()
+
+
+def test_0024_packs_token_tables_with_float16_weights_and_key_statistics_as_real_on_postgres(empty_url):
+    """Issue 29: a token table stored at 0023 (float32 weights) is packed again with float16 weights, the
+    bound of float16 where a weight exceeds it, and back on a downgrade; key_stats' statistics become
+    4-byte reals on Postgres and keep their values to float32's precision."""
+    import numpy as np
+    import sqlalchemy as sa
+
+    _migrate(empty_url, "0023")
+    engine = make_engine(empty_url)
+    weights, pair_weights = [1.25, -0.0547, 1e6], [2.5]
+    old = b"".join(
+        (
+            np.array([(1, 3, 1)], [("sign", "i1"), ("tokens", "<u2"), ("pairs", "<u2")]).tobytes(),
+            np.array([3, 70_000, 9], "<i4").tobytes(),
+            np.array(weights, "<f4").tobytes(),
+            np.array([[3, 4]], "<i4").tobytes(),
+            np.array(pair_weights, "<f4").tobytes(),
+        )
+    )
+    with engine.begin() as connection:
+        _old_run(connection)
+        columns = ("run_id", "layer", "key", "source", "text", "score", "token_table")
+        explanations = sa.table("explanations", *map(sa.column, columns), sa.column("details", sa.JSON))
+        connection.execute(sa.insert(explanations).values(
+            run_id=1, layer=0, key=1, source="heuristic", text="ends with Paris", score=0.5, token_table=old,
+            details={"positions": 9},
+        ))  # fmt: skip
+        columns = ("run_id", "layer", "key", "mean", "positive_share", "value_norm", "max_coefficient")
+        stats = sa.table("key_stats", *map(sa.column, columns), sa.column("histogram", sa.JSON))
+        connection.execute(sa.insert(stats).values(
+            run_id=1, layer=0, key=1, mean=0.1, positive_share=1 / 3, value_norm=2.0, max_coefficient=None,
+            histogram=[1, 2],
+        ))  # fmt: skip
+    engine.dispose()
+    _migrate(empty_url, "0024")
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        stored = bytes(connection.execute(sa.text("SELECT token_table FROM explanations")).scalar_one())
+        mean, share = connection.execute(sa.text("SELECT mean, positive_share FROM key_stats")).one()
+        types = {c["name"]: str(c["type"]) for c in inspect(connection).get_columns("key_stats")}
+        compression = _compression(connection)
+    engine.dispose()
+    assert len(stored) == 5 + 6 * 3 + 10 * 1
+    assert stored[:5] == old[:5] and stored[5:17] == old[5:17] and stored[23:31] == old[29:37]  # ids kept
+    assert np.frombuffer(stored, "<f2", count=3, offset=17).tolist() == [1.25, np.float16(-0.0547), 65504.0]
+    assert np.frombuffer(stored, "<f2", count=1, offset=31).tolist() == pair_weights
+    if empty_url.startswith("postgresql"):
+        assert types["mean"] == "REAL" and types["quadrant_nn"] == "REAL"
+        assert compression == "l"  # lz4 (this server has it)
+        assert (
+            np.float32(mean) == np.float32(0.1) and np.float32(share) == np.float32(1 / 3) and share != 1 / 3
+        )
+    else:
+        assert (mean, share) == (0.1, 1 / 3)
+    _migrate(empty_url, "0023", down=True)
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        back = bytes(connection.execute(sa.text("SELECT token_table FROM explanations")).scalar_one())
+        types = {c["name"]: str(c["type"]) for c in inspect(connection).get_columns("key_stats")}
+        compression = _compression(connection)
+    engine.dispose()
+    assert len(back) == len(old) and back[:17] == old[:17]
+    assert np.frombuffer(back, "<f4", count=3, offset=17).tolist() == [
+        1.25,
+        float(np.float16(-0.0547)),
+        65504.0,
+    ]
+    if empty_url.startswith("postgresql"):
+        assert types["mean"] == "DOUBLE PRECISION" and compression == ""
+
+
+def _compression(connection) -> str | None:
+    """sentence_triggers.data's compression method on Postgres ("l": lz4, "": the default); None elsewhere."""
+    if connection.dialect.name != "postgresql":
+        return None
+    query = (
+        "SELECT attcompression FROM pg_attribute "
+        "WHERE attrelid = 'sentence_triggers'::regclass AND attname = 'data'"
+    )
+    return connection.execute(text(query)).scalar_one()
 
 
 def test_a_new_sqlite_database_has_16_kib_pages_and_an_old_one_keeps_its_own(tmp_path):

@@ -133,9 +133,9 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
         assert found.text.startswith("strongest (m > 0) at “Paris” +"), found.text
         pattern = composition.explanation_pattern(found)
         assert pattern["final"] == [_paris(planted)] and pattern["sign"] == 1
-        assert found.pattern is None and len(found.token_table) == 5 + 8 * len(pattern["final"]) + 12 * len(
+        assert found.pattern is None and len(found.token_table) == 5 + 6 * len(pattern["final"]) + 10 * len(
             pattern["pairs"]
-        )  # packed: 5 B of header, 8 B a token, 12 a pair
+        )  # packed: 5 B of header, 6 B a token, 10 a pair
         # the held-out sentences (18 of them, 8 with "Paris") were never mined
         assert found.details["positions"] > 100 and found.details["matches"] == len(PARIS)
         assert found.score > 0.9 and found.details["auroc"] > 0.95
