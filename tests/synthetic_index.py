@@ -410,15 +410,11 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     )
     session.commit()
     start = timed("neighbours", start)
-    for direction, (layers, keys, scores) in links.items():
-        composition.store_links(
-            session=session,
-            run_id=run.id,
-            direction=direction,
-            layers=np.stack(layers),
-            keys=np.stack(keys),
-            scores=np.stack(scores),
-        )
+    composition.store_links(
+        session=session,
+        run_id=run.id,
+        links={direction: tuple(np.stack(part) for part in parts) for direction, parts in links.items()},
+    )
     session.commit()
     start = timed("links", start)
     composition.store_explanations(session=session, run_id=run.id, rows=_explanations(shape, lengths))

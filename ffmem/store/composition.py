@@ -39,50 +39,53 @@ def delete_explanations(*, session: Session, run_id: int) -> None:
 
 
 def store_links(
-    *,
-    session: Session,
-    run_id: int,
-    direction: str,
-    layers: np.ndarray,
-    keys: np.ndarray,
-    scores: np.ndarray,
-) -> int:
-    """Store every memory's links one way ([n_layers, d_ff, n] arrays: the other memory's layer (−1: an
-    empty slot) and key, and the score, strongest first); memories with no link get no row. Returns
-    rows stored."""
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    layers, keys, scores = same_shape(3, layers=layers, keys=keys, scores=scores)
-    packed = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
-    packed["layer"], packed["key"], packed["score"] = layers, keys, scores
+    *, session: Session, run_id: int, links: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+) -> dict[str, int]:
+    """Store every memory's links, a row a memory with both directions: `links[direction]` ("in", "out")
+    is (layers, keys, scores), [n_layers, d_ff, n] arrays of the other memory's layer (−1: an empty slot)
+    and key and the score, strongest first. A memory with no link either way gets no row. Returns, per
+    direction, the memories with links that way."""
+    if unknown := set(links) - set(DIRECTIONS):
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {sorted(unknown)[0]!r}")
+    packed, kept = {}, {}
+    for direction, (layers, keys, scores) in links.items():
+        layers, keys, scores = same_shape(3, layers=layers, keys=keys, scores=scores)
+        packed[direction] = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
+        packed[direction]["layer"], packed[direction]["key"], packed[direction]["score"] = (
+            layers,
+            keys,
+            scores,
+        )
+        kept[direction] = layers >= 0  # [n_layers, d_ff, n]
+    shape = next(iter(packed.values())).shape[:2] if packed else (0, 0)
     rows = []
-    for layer in range(layers.shape[0]):
-        for key in range(layers.shape[1]):
-            kept = layers[layer, key] >= 0  # [n]
-            if kept.any():
-                rows.append((layer, key, packed[layer, key][kept].tobytes()))
-    columns = ("run_id", "layer", "key", "direction", "data")
-    bulk_insert(
-        session,
-        MemoryLinks.__table__,
-        columns,
-        ((run_id, layer, key, direction, links) for layer, key, links in rows),
-    )
-    return len(rows)
+    for layer, key in np.ndindex(*shape):
+        found = [
+            packed[d][layer, key][kept[d][layer, key]].tobytes()
+            if d in packed and kept[d][layer, key].any()
+            else None
+            for d in DIRECTIONS
+        ]
+        if any(f is not None for f in found):
+            rows.append((run_id, layer, key, *found))
+    bulk_insert(session, MemoryLinks.__table__, ("run_id", "layer", "key", "inbound", "outbound"), rows)
+    return {d: int(kept[d].any(axis=2).sum()) for d in packed}
 
 
 def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[Link]] | None:
     """A memory's links both ways ({"in": [...], "out": [...]}), or None when the run has no weight graph."""
-    rows = session.execute(
-        select(MemoryLinks.direction, MemoryLinks.data).where(
+    row = session.execute(
+        select(MemoryLinks.inbound, MemoryLinks.outbound).where(
             MemoryLinks.run_id == run_id, MemoryLinks.layer == layer, MemoryLinks.key == key
         )
-    ).all()
-    if not rows and not has_links(session=session, run_id=run_id):
+    ).first()
+    if row is None and not has_links(session=session, run_id=run_id):
         return None
     found = {direction: [] for direction in DIRECTIONS}
-    for direction, data in rows:  # scores to 5 significant digits, as shown
-        links = np.frombuffer(data, SCORED_MEMORY).tolist()
+    for direction, data in zip(
+        DIRECTIONS, row or (), strict=False
+    ):  # scores to 5 significant digits, as shown
+        links = np.frombuffer(data or b"", SCORED_MEMORY).tolist()
         found[direction] = [Link(layer, other, float(f"{score:.5g}")) for layer, other, score in links]
     return found
 

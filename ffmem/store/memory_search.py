@@ -73,32 +73,40 @@ def store_neighbours(
     """Store each memory's nearest memories, replacing any the run had: `neighbours[kind]` is (indices,
     cosines), each [layers · keys, k], indices layer-major (layer · n_keys + key); `baselines[kind]`, per
     layer (pairs, mean, p99) of random pairs' |cosine| (ffmem.engine.neighbours.Baseline). Returns rows
-    stored."""
+    stored (one a memory, both kinds in it)."""
+    if unknown := (set(neighbours) | set(baselines or {})) - set(NEIGHBOUR_KINDS):
+        raise ValueError(f"unknown neighbour kind {sorted(unknown)[0]!r}; choose from {NEIGHBOUR_KINDS}")
     session.execute(delete(Neighbours).where(Neighbours.run_id == run_id))
     session.execute(delete(NeighbourBaseline).where(NeighbourBaseline.run_id == run_id))
     for kind, layers in (baselines or {}).items():
-        if kind not in NEIGHBOUR_KINDS:
-            raise ValueError(f"unknown neighbour kind {kind!r}; choose from {NEIGHBOUR_KINDS}")
         rows = [
             dict(run_id=run_id, layer=layer, kind=kind, pairs=int(pairs), mean=float(mean), p99=float(p99))
             for layer, (pairs, mean, p99) in enumerate(layers)
         ]
         if rows:
             session.execute(insert(NeighbourBaseline), rows)
-    stored = 0
+    packed = {}
     for kind, (indices, cosines) in neighbours.items():
-        if kind not in NEIGHBOUR_KINDS:
-            raise ValueError(f"unknown neighbour kind {kind!r}; choose from {NEIGHBOUR_KINDS}")
-        packed = np.empty(np.shape(indices), SCORED_MEMORY)  # [layers · keys, k]
-        packed["layer"], packed["key"] = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
-        packed["score"] = cosines
-        rows = (
-            (run_id, memory // n_keys, memory % n_keys, kind, packed[memory].tobytes())
-            for memory in range(packed.shape[0])
+        packed[kind] = np.empty(np.shape(indices), SCORED_MEMORY)  # [layers · keys, k]
+        packed[kind]["layer"], packed[kind]["key"] = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
+        packed[kind]["score"] = cosines
+    memories = max((len(p) for p in packed.values()), default=0)
+    rows = (
+        (
+            run_id,
+            memory // n_keys,
+            memory % n_keys,
+            *(_record(packed.get(k), memory) for k in NEIGHBOUR_KINDS),
         )
-        bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "kind", "data"), rows)
-        stored += indices.shape[0]
-    return stored
+        for memory in range(memories)
+    )
+    bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "by_key", "by_value"), rows)
+    return memories
+
+
+def _record(packed: np.ndarray | None, memory: int) -> bytes | None:
+    """One memory's packed neighbours of one kind; None where the kind was not computed."""
+    return None if packed is None else packed[memory].tobytes()
 
 
 def get_neighbour_baselines(*, session: Session, run_id: int, layer: int) -> dict[str, NeighbourBaseline]:
@@ -112,12 +120,13 @@ def get_neighbour_baselines(*, session: Session, run_id: int, layer: int) -> dic
 def get_neighbours(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[list[float]]]:
     """kind ("key", "value") → [[layer, key, cosine], …] of one memory, the highest first; {} when the
     run has none (stored before migration 0008, or still mining)."""
-    rows = session.execute(
-        select(Neighbours.kind, Neighbours.data).where(
+    row = session.execute(
+        select(Neighbours.by_key, Neighbours.by_value).where(
             Neighbours.run_id == run_id, Neighbours.layer == layer, Neighbours.key == key
         )
-    ).all()
+    ).first()
     return {
         kind: [[lay, k, round(c, 6)] for lay, k, c in np.frombuffer(data, SCORED_MEMORY).tolist()]
-        for kind, data in rows
+        for kind, data in zip(NEIGHBOUR_KINDS, row or (), strict=False)
+        if data is not None
     }

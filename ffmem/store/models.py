@@ -455,18 +455,18 @@ class ValueHistogram(Base):
 
 class Neighbours(Base):
     """A memory's nearest memories across all layers by cosine, computed once per run (engine.neighbours):
-    `kind` "key" compares keys (for gated FFs the gate and up rows together: the cosine of g·uᵀ, which is
-    cos(g)·cos(u)), "value" compares values. `data`: the neighbours as memory_lists.SCORED_MEMORY records
-    (layer int16, key int32, score = cosine float32: 10 B), the highest first (JSON [[layer, key, cosine], …]
-    before revision 0014)."""
+    `by_key` compares keys (for gated FFs the gate and up rows together: the cosine of g·uᵀ, which is
+    cos(g)·cos(u)), `by_value` compares values. Each holds memory_lists.SCORED_MEMORY records (layer int16,
+    key int32, score = cosine float32: 10 B), the highest first. One row a memory (a row a memory and kind
+    before revision 0025; JSON [[layer, key, cosine], …] before 0014)."""
 
     __tablename__ = "neighbours"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # key | value
-    data: Mapped[bytes] = mapped_column(LargeBinary)
+    by_key: Mapped[bytes | None] = mapped_column(LargeBinary)
+    by_value: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class NeighbourBaseline(Base):
@@ -486,18 +486,19 @@ class NeighbourBaseline(Base):
 
 class MemoryLinks(Base):
     """A memory's strongest links in its run's weight graph (ffmem.engine.weight_graph), computed once per
-    run from the weights: `direction` "in" lists the earlier memories whose values write most into its key,
-    "out" the later keys that read its value most. `data`: memory_lists.SCORED_MEMORY records (layer
-    int16, key int32, score float32: 10 B), the largest |score| first (JSON [[layer, key, score], …]
-    before revision 0015); score > 0: a positive coefficient of the writer raises the reader's coefficient."""
+    run from the weights: `inbound` lists the earlier memories whose values write most into its key,
+    `outbound` the later keys that read its value most (NULL: none that way). Each holds
+    memory_lists.SCORED_MEMORY records (layer int16, key int32, score float32: 10 B), the largest |score|
+    first; score > 0: a positive coefficient of the writer raises the reader's coefficient. One row a
+    memory (a row a memory and direction before revision 0025; JSON before 0015)."""
 
     __tablename__ = "memory_links"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
-    direction: Mapped[str] = mapped_column(String(3), primary_key=True)  # in | out
-    data: Mapped[bytes] = mapped_column(LargeBinary)
+    inbound: Mapped[bytes | None] = mapped_column(LargeBinary)
+    outbound: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class Explanation(Base):

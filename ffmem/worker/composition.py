@@ -57,20 +57,18 @@ def store_weight_graph(sessions: sessionmaker, run_id: int, loaded: LoadedModel)
     computed = time.perf_counter() - start
     with sessions() as session:
         composition.delete_links(session=session, run_id=run_id)
-        rows = {
-            direction: composition.store_links(
-                session=session,
-                run_id=run_id,
-                direction=direction,
-                layers=layers.numpy(),
-                keys=keys.numpy(),
-                scores=scores.numpy(),
-            )
-            for direction, layers, keys, scores in (
-                ("in", graph.inbound_layer, graph.inbound_key, graph.inbound_score),
-                ("out", graph.outbound_layer, graph.outbound_key, graph.outbound_score),
-            )
-        }
+        rows = composition.store_links(
+            session=session,
+            run_id=run_id,
+            links={
+                "in": (graph.inbound_layer.numpy(), graph.inbound_key.numpy(), graph.inbound_score.numpy()),
+                "out": (
+                    graph.outbound_layer.numpy(),
+                    graph.outbound_key.numpy(),
+                    graph.outbound_score.numpy(),
+                ),
+            },
+        )
         session.commit()
     return {
         "rows": rows,
