@@ -40,6 +40,7 @@ from ffmem.engine.adapters.base import resolve
 from ffmem.engine.loading import LoadedModel
 
 TOP = 10  # memories kept each way
+PRODUCT_ELEMENTS = 2**28  # the largest [writers, d_ff] block of scores: 1 GiB of float32 (and its |·|)
 
 
 @dataclass
@@ -130,16 +131,21 @@ def top_per_column(magnitude: torch.Tensor, n: int, group: int = 16) -> torch.Te
 
 
 def weight_graph(
-    loaded: LoadedModel, n: int = TOP, block_layers: int = 8, device: torch.device | str | None = None
+    loaded: LoadedModel,
+    n: int = TOP,
+    block_layers: int | None = None,
+    device: torch.device | str | None = None,
 ) -> WeightGraph:
     """Score every earlier value against every later key and keep the top `n` each way.
 
     Writers are taken `block_layers` layers at a time against one reader layer: one [block·d_ff, d] ×
     [d, d_ff] product, its top `n` per column (inbound) and per row (outbound) merged into the running
-    top `n`. Ids are flat: layer·d_ff + key.
+    top `n`. Ids are flat: layer·d_ff + key. By default as many layers (at most 8) as keep the product
+    within PRODUCT_ELEMENTS: 8 for SmolLM2 (1,536 keys a layer), 4 at 8,192 (Llama-3.2-1B), 1 at 14,336.
     """
     device = torch.device(device) if device is not None else loaded.device
     n_layers, d_ff = loaded.n_layers, loaded.n_keys
+    block_layers = block_layers or max(1, min(8, PRODUCT_ELEMENTS // (d_ff * d_ff)))
     values = torch.stack([value_vectors(loaded, i).to(device) for i in range(n_layers)])  # [L, d_ff, d]
     inbound = [_no_links(d_ff, device)]  # per reader layer: ([d_ff, ≤ n] scores, [d_ff, ≤ n] flat ids)
     outbound = [_no_links(d_ff, device) for _ in range(n_layers)]  # per writer layer, the same

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 from sqlalchemy import delete, func, literal_column, or_, select
 from sqlalchemy import text as sa_text
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import SCORED_MEMORY
@@ -159,7 +159,9 @@ def explanation_pattern(explanation: Explanation) -> dict:
 
 
 def get_explanation(*, session: Session, run_id: int, layer: int, key: int) -> Explanation | None:
-    return session.get(Explanation, (run_id, layer, key))
+    """A memory's explanation with its token table (deferred elsewhere: lists of explanations skip it), in
+    one query."""
+    return session.get(Explanation, (run_id, layer, key), options=[undefer(Explanation.token_table)])
 
 
 def search_explanations(*, session: Session, run_id: int, text: str, limit: int) -> list[Explanation]:

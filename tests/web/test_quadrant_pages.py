@@ -79,7 +79,8 @@ def test_the_key_page_shows_the_shares_of_the_four_quadrants(client, slug, run, 
         page = client.get(f"/m/{slug}/layers/{LAYER}/keys/{key}.json").json()["quadrants"]
         shares = counts[key] / counts[key].sum()
         assert [q["quadrant"] for q in page["quadrants"]] == list(NAMES)
-        assert [q["share"] for q in page["quadrants"]] == pytest.approx(shares.tolist(), abs=1e-12)
+        shown = [q["share"] for q in page["quadrants"]]
+        assert shown == pytest.approx(shares.tolist(), abs=1e-7)  # float32 (a 4-byte real on Postgres)
         assert [(q["gate"], q["input"], q["sign"]) for q in page["quadrants"]] == [
             (1, 1, 1), (1, -1, -1), (-1, 1, -1), (-1, -1, 1)
         ]  # fmt: skip

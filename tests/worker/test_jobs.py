@@ -56,11 +56,12 @@ def reference(tmp_path, tiny, tiny_model_dir, corpus, **changes):
 
 
 def same_result(a: tuple, b: tuple) -> None:
-    """Triggers, histograms, shares and values exactly; means up to float64 rounding (any shard order)."""
+    """Triggers, histograms, shares and values exactly; means up to rounding (any shard order: float64's
+    last bits, which a 4-byte real on Postgres may round either way)."""
     (triggers_a, stats_a, values_a), (triggers_b, stats_b, values_b) = a, b
     assert triggers_a == triggers_b and values_a == values_b
     assert [s[:4] for s in stats_a] == [s[:4] for s in stats_b]
-    assert [s[4] for s in stats_a] == pytest.approx([s[4] for s in stats_b], rel=1e-9, abs=1e-12)
+    assert [s[4] for s in stats_a] == pytest.approx([s[4] for s in stats_b], rel=2e-7, abs=1e-12)
 
 
 def test_the_queue_reuses_unfinished_and_finished_jobs(db_url, tiny, tiny_model_dir, tmp_path):
