@@ -140,21 +140,33 @@ def nearest(
     (one factor: the cosine): (indices [n, k] int64, similarities [n, k] float32, on the CPU), the
     highest first. A zero row has similarity 0 with every row. `report(done, total)` after each block
     pair."""
-    units = [torch.nn.functional.normalize(f.float(), dim=1) for f in factors]  # [n, d_f] each
-    n = units[0].shape[0]
+    # Each factor stays in its dtype; a block's rows are normalized in float32 as the block is read (no
+    # float32 copy of every row: 2 GiB at Llama-3.2-1B's 131,072 memories for a gated key's two factors).
+    n = factors[0].shape[0]
+    norms = [  # [n] each, as torch.nn.functional.normalize divides by them
+        torch.cat(
+            [torch.linalg.vector_norm(f[i : i + block].float(), dim=1) for i in range(0, n, block)]
+        ).clamp_min(1e-12)
+        for f in factors
+    ]
     k = min(k, n - 1)
-    device = units[0].device
+    device = factors[0].device
     best = torch.full((n, k), float("-inf"), device=device)
     best_index = torch.full((n, k), -1, dtype=torch.long, device=device)
     starts = list(range(0, n, block))
     total, done = len(starts) * (len(starts) + 1) // 2, 0
+
+    def unit(f: int, part: slice) -> torch.Tensor:
+        return factors[f][part].float() / norms[f][part, None]  # [b, d_f]: the rows as unit vectors
+
     for i in starts:
         rows = slice(i, min(i + block, n))
+        row_units = [unit(f, rows) for f in range(len(factors))]
         for j in starts[starts.index(i) :]:
             columns = slice(j, min(j + block, n))
-            similarity = units[0][rows] @ units[0][columns].T  # [bi, bj]
-            for unit in units[1:]:
-                similarity *= unit[rows] @ unit[columns].T
+            similarity = row_units[0] @ unit(0, columns).T  # [bi, bj]
+            for f in range(1, len(factors)):
+                similarity *= row_units[f] @ unit(f, columns).T
             if i == j:
                 similarity.fill_diagonal_(float("-inf"))  # not its own neighbour
             _merge(best, best_index, rows, similarity, j, k)

@@ -15,6 +15,9 @@ import httpx
 
 from ffmem.engine.explanations import MAX_PAIRS, MAX_TOKENS, Description, Pattern
 
+PROMPT_PREFIXES = 10  # trigger prefixes a prompt shows
+PROMPT_TOKENS = 12  # the last tokens of each, the trigger token among them
+
 
 @dataclass
 class Evidence:
@@ -22,7 +25,9 @@ class Evidence:
 
     layer: int
     key: int
-    prefixes: list[list[int]]  # top trigger prefixes of its sign (the heuristic pattern's), strongest first
+    # the ends (PROMPT_TOKENS) of its top PROMPT_PREFIXES trigger prefixes of its sign (the heuristic
+    # pattern's), strongest first: what a prompt shows, no more (131,072 memories hold them at once)
+    prefixes: list[list[int]]
     value_tokens: list[int]  # the value's top tokens (norm readout), the strongest first
     shallowness: float | None
     heuristic: Description  # read off the rest (ffmem.engine.explanations.describe)
@@ -51,8 +56,8 @@ class LocalExplainer:
 
     def prompt(self, evidence: Evidence) -> str:
         shown = []
-        for ids in evidence.prefixes[:10]:
-            head = "".join(self.texts[t] for t in ids[-12:-1])
+        for ids in evidence.prefixes[:PROMPT_PREFIXES]:
+            head = "".join(self.texts[t] for t in ids[-PROMPT_TOKENS:-1])
             shown.append(f"- …{head}⟦{self.texts[ids[-1]]}⟧")
         return PROMPT.format(prefixes="\n".join(shown) or "(none)", heuristic=evidence.heuristic.text)
 

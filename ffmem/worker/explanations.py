@@ -37,7 +37,7 @@ from ffmem.engine.loading import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
 from ffmem.store.key_examples import StoredExamples, layer_shading
 from ffmem.store.models import Run
-from ffmem.worker.explainer import Evidence, LocalExplainer
+from ffmem.worker.explainer import PROMPT_PREFIXES, PROMPT_TOKENS, Evidence, LocalExplainer
 from ffmem.worker.held_out import held_out
 
 HEURISTIC = "heuristic"
@@ -123,7 +123,10 @@ def store_explanations(
                 pattern = fit_pattern(*positions, sign, counts)
                 values = value_ids[key].tolist() if key < len(value_ids) else []
                 shallow = shallowness.get((layer, key))
-                prefixes = [sentences[s][: p + 1] for s, p, _ in found[sign]]
+                prefixes = [
+                    sentences[s][max(p + 1 - PROMPT_TOKENS, 0) : p + 1]
+                    for s, p, _ in found[sign][:PROMPT_PREFIXES]
+                ]
                 heuristic = describe(pattern, values, shallow, names)
                 row.append(Evidence(layer, key, prefixes, values, shallow, heuristic))
             evidence.append(row)

@@ -319,7 +319,8 @@ def test_a_run_stored_before_baselines_shows_neighbours_without_one(client, db, 
 
 def test_the_worker_stored_token_tables_and_neighbours_for_every_memory(db, run, tiny):
     n = tiny.n_layers * tiny.n_keys
-    assert db.scalar(select(func.count()).select_from(Neighbours).where(Neighbours.run_id == run.id)) == n  # both kinds a row
+    rows = select(func.count()).select_from(Neighbours).where(Neighbours.run_id == run.id)
+    assert db.scalar(rows) == n  # a row a memory, both kinds in it
     baselines = select(func.count()).select_from(NeighbourBaseline).where(NeighbourBaseline.run_id == run.id)
     assert db.scalar(baselines) == 2 * tiny.n_layers
     tables = db.execute(
