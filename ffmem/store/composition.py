@@ -82,9 +82,8 @@ def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[st
     if row is None and not has_links(session=session, run_id=run_id):
         return None
     found = {direction: [] for direction in DIRECTIONS}
-    for direction, data in zip(
-        DIRECTIONS, row or (), strict=False
-    ):  # scores to 5 significant digits, as shown
+    # scores to 5 significant digits, as shown
+    for direction, data in zip(DIRECTIONS, row or (), strict=False):
         links = np.frombuffer(data or b"", SCORED_MEMORY).tolist()
         found[direction] = [Link(layer, other, float(f"{score:.5g}")) for layer, other, score in links]
     return found
