@@ -253,32 +253,33 @@ def _histograms(
 
 def _shading(
     rng: np.random.Generator, arrays: LayerArrays, lengths: np.ndarray, shaded: int
-) -> dict[str, list[list[np.ndarray]]]:
-    """store_key_examples' `positive`, `negative` and `samples`: per key, each shaded sentence's coefficient
-    at every token (its trigger's or sample's coefficient at its position, smaller ones elsewhere)."""
+) -> key_examples.LayerShading:
+    """store_key_examples' shading: per key, each shaded sentence's coefficient at every token (its
+    trigger's or sample's coefficient at its position, smaller ones elsewhere)."""
     mined = arrays.mined
     keys = mined.histogram.shape[0]
     kept = mined.sample_sentence >= 0  # [keys, bins, SAMPLES]: row-major is samples_of's order
-    parts = {}
-    for sign, name in ((1, "positive"), (-1, "negative")):
+    parts = []  # per kind (positive, negative, samples): counts [keys], then sentence, position, coefficient
+    for sign in (1, -1):
         coefficient, sentence, position = (a[:, :shaded].reshape(-1) for a in arrays.triggers[sign])
-        parts[name] = (np.full(keys, shaded), sentence, position, coefficient)
-    parts["samples"] = (
-        kept.sum(axis=(1, 2)),
-        mined.sample_sentence[kept],
-        mined.sample_position[kept],
-        mined.sample_coefficient[kept],
+        parts.append((np.full(keys, shaded), sentence, position, coefficient))
+    parts.append(
+        (
+            kept.sum(axis=(1, 2)),
+            mined.sample_sentence[kept],
+            mined.sample_position[kept],
+            mined.sample_coefficient[kept],
+        )
     )
-    found = {}
-    for name, (counts, sentence, position, coefficient) in parts.items():
-        spans = lengths[sentence]  # [sentences]
-        ends = np.cumsum(spans)
-        flat = rng.normal(0.0, 0.3, int(ends[-1]) if len(ends) else 0).astype(np.float32)
-        flat[ends - spans + position] = coefficient
-        pieces = np.split(flat, ends[:-1]) if len(ends) else []
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        found[name] = [pieces[start:stop] for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
-    return found
+    counts = np.stack([part[0] for part in parts], axis=1)  # [keys, 3]
+    owner = np.concatenate([np.repeat(np.arange(keys), part[0]) for part in parts])  # [sentences] kind-major
+    order = np.argsort(owner, kind="stable")  # key-major, each key's kinds in order
+    sentence, position, coefficient = (np.concatenate([part[i] for part in parts])[order] for i in (1, 2, 3))
+    spans = lengths[sentence]  # [sentences]
+    offsets = np.concatenate([[0], np.cumsum(spans)])  # [sentences + 1]
+    values = rng.normal(0.0, 0.3, int(offsets[-1])).astype(np.float32)  # [tokens]
+    values[offsets[:-1] + position] = coefficient
+    return key_examples.LayerShading(values, offsets, counts)
 
 
 @dataclass
@@ -377,7 +378,7 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
         start = timed("key stats", start)
         shading = _shading(rng, arrays, lengths, min(shape.shaded_triggers, shape.top_k, shape.sentences))
         start = timed("generating", start)
-        key_examples.store_key_examples(**where, mined=arrays.mined, **shading)
+        key_examples.store_key_examples(**where, mined=arrays.mined, shading=shading)
         session.commit()
         start = timed("key examples", start)
         for kind, (indices, cosines) in arrays.neighbours.items():

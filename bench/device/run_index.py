@@ -12,7 +12,7 @@ indexes it over the first sentences of the bundled corpus, as many as hold about
 (TOKENS_PER_SENTENCE). Then the stored run is checked (finished, every layer's keys stored, the
 vocabulary as large as the model's unembedding, the ids past the tokenizer's stored as `⟨unused N⟩`: a
 shape larger than SmolLM2's 49,152 tokens has a padded vocabulary) and a table printed: each stage's
-seconds, its peak GPU memory and its peak host memory.
+seconds, its peak GPU memory, the host's resident set when it began and its peak host memory.
 
 The stages are the worker's own timed steps (`IndexPipeline.timed`: projection, token table, storing, mining,
 shading, layers, composition, neighbours, closing; seconds read back from the pipeline's `timings`,
@@ -72,11 +72,12 @@ def log(message: str) -> None:
     print(f"[{time.monotonic() - START:6.1f} s] {message}", flush=True)
 
 
-def host_peak() -> int | None:
-    """The process's peak resident set since the last reset, in bytes (VmHWM); None where unknown."""
+def host_memory(field: str = "VmHWM") -> int | None:
+    """The process's peak resident set since the last reset (VmHWM), or its resident set now (VmRSS), in
+    bytes; None where unknown."""
     try:
         with open("/proc/self/status") as status:
-            return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) * 1024
+            return int(re.search(rf"{field}:\s+(\d+) kB", status.read()).group(1)) * 1024
     except (OSError, AttributeError):
         return None
 
@@ -96,6 +97,7 @@ class Stage:
     top_seconds: float = 0.0  # entered outside every other stage (what "other" is the rest of)
     peak_gpu: int = 0
     peak_host: int | None = None
+    start_host: int | None = None  # the resident set when the stage was first entered
 
 
 @dataclass
@@ -111,7 +113,7 @@ class Stages:
 
     def _fold(self) -> None:
         gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        host = host_peak()
+        host = host_memory()
         for name, _ in self.open:
             stage = self.stages[name]
             stage.peak_gpu = max(stage.peak_gpu, gpu)
@@ -123,7 +125,8 @@ class Stages:
 
     @contextmanager
     def stage(self, name: str, by: str):
-        self.stages.setdefault(name, Stage(by))
+        if name not in self.stages:
+            self.stages[name] = Stage(by, start_host=host_memory("VmRSS"))
         self._fold()
         top = not self.open
         self.open.append((name, time.perf_counter()))
@@ -289,6 +292,7 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
             "top_seconds": stage.top_seconds,
             "peak_gpu_bytes": stage.peak_gpu if device.type == "cuda" else None,
             "peak_host_bytes": stage.peak_host,
+            "start_host_bytes": stage.start_host,
         }
         for stage_name, stage in stages.stages.items()
     }
@@ -426,15 +430,19 @@ def print_table(result: dict) -> None:
         flush=True,
     )
     total = result["index_seconds"]
-    print(f"  {'stage':<20} {'timed by':<8} {'seconds':>9} {'share':>6} {'peak GPU':>10} {'peak host':>10}")
+    print(
+        f"  {'stage':<20} {'timed by':<8} {'seconds':>9} {'share':>6} {'peak GPU':>10} {'host before':>11} "
+        f"{'peak host':>10}"
+    )
     rows = [
-        (name, s["by"], s["seconds"], s["peak_gpu_bytes"], s["peak_host_bytes"])
+        (name, s["by"], s["seconds"], s["peak_gpu_bytes"], s.get("start_host_bytes"), s["peak_host_bytes"])
         for name, s in result["stages"].items()
     ]
-    rows.append(("other", "", result["other_seconds"], None, None))
-    for name, by, seconds, gpu, host in rows:
+    rows.append(("other", "", result["other_seconds"], None, None, None))
+    for name, by, seconds, gpu, before, host in rows:
         print(
-            f"  {name:<20} {by:<8} {seconds:>9.1f} {seconds / total:>6.1%} {size(gpu):>10} {size(host):>10}"
+            f"  {name:<20} {by:<8} {seconds:>9.1f} {seconds / total:>6.1%} {size(gpu):>10} "
+            f"{size(before):>11} {size(host):>10}"
         )
     print(f"  {'ffmem index':<20} {'':<8} {total:>9.1f} {1:>6.1%}", flush=True)
     print_ratio(result)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from sqlalchemy import select
@@ -146,16 +147,15 @@ def decode_bands(data: bytes) -> list[BandSample]:
     return [BandSample(int(b), int(s), int(p), float(c)) for b, s, p, c in np.frombuffer(data, BAND).tolist()]
 
 
-def encode_shading(sentences: Sequence[np.ndarray]) -> bytes:
-    """Coefficients at every token of some sentences ([len] float each, NaN where not mined) as int8 codes
-    with one float32 step per sentence: the steps [sentences] then the codes [tokens], sentence after
-    sentence, deflated (zlib: about 0.7 of the bytes). A sentence's step is its largest |m| / 127, so its
-    peak is stored to float32's precision and every value to within half a step (0.4 % of the peak); NaN
-    is the code NOT_MINED. All sentences at once (a layer of 8B stores 14,336 keys × ~50 sentences)."""
-    lengths = np.array([len(values) for values in sentences], dtype=np.int64)  # [sentences]
-    values = np.concatenate(
-        [np.asarray(v, np.float32) for v in sentences] or [np.zeros(0, np.float32)]
-    )  # [tokens]
+def encode_shading(values: np.ndarray, lengths: np.ndarray) -> bytes:
+    """Coefficients at every token of some sentences (`values` [tokens] float32, NaN where not mined, cut
+    into sentences by `lengths` [sentences]) as int8 codes with one float32 step per sentence: the steps
+    [sentences] then the codes [tokens], sentence after sentence, deflated (zlib: about 0.7 of the bytes).
+    A sentence's step is its largest |m| / 127, so its peak is stored to float32's precision and every
+    value to within half a step (0.4 % of the peak); NaN is the code NOT_MINED. All sentences at once (a
+    layer of 8B stores 14,336 keys × ~50 sentences)."""
+    lengths = np.asarray(lengths, np.int64)  # [sentences]
+    values = np.asarray(values, np.float32)  # [tokens]
     mined = ~np.isnan(values)  # [tokens]
     peaks = np.zeros(len(lengths), np.float32)  # [sentences]: largest |m| (0 where nothing is mined)
     filled = lengths > 0
@@ -191,27 +191,43 @@ def _values(steps: np.ndarray, codes: np.ndarray, lengths: Sequence[int]) -> lis
     return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
 
+@dataclass(frozen=True)
+class LayerShading:
+    """One layer's shaded sentences, key after key: each key's first positive triggers, then its first
+    negative triggers, then its band samples (samples_of's order). `values` [tokens] float32 (NaN where not
+    mined) is cut into sentences by `offsets` [sentences + 1]; `counts` [keys, 3] is how many sentences of
+    each kind a key has. One flat array, not an array a sentence: a 1B model shades millions."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+    counts: np.ndarray
+
+    @cached_property
+    def firsts(self) -> np.ndarray:
+        """[keys + 1]: the index of each key's first sentence (and the count of all)."""
+        return np.concatenate([[0], np.cumsum(self.counts.sum(axis=1))])
+
+    def key(self, key: int) -> tuple[np.ndarray, np.ndarray]:
+        """A key's values [its tokens] and sentence lengths [its sentences]: encode_shading's arguments."""
+        bounds = self.offsets[self.firsts[key] : self.firsts[key + 1] + 1]  # [sentences + 1]
+        return self.values[bounds[0] : bounds[-1]], np.diff(bounds)
+
+
 def store_key_examples(
-    *,
-    session: Session,
-    run_id: int,
-    layer: int,
-    mined: MinedLayer,
-    positive: Sequence[Sequence[np.ndarray]],
-    negative: Sequence[Sequence[np.ndarray]],
-    samples: Sequence[Sequence[np.ndarray]],
+    *, session: Session, run_id: int, layer: int, mined: MinedLayer, shading: LayerShading
 ) -> int:
     """Store one layer's rows: per key its band samples (from `mined`) and the shading of its first
-    len(positive[key]) positive and len(negative[key]) negative triggers and of each sample (arrays, one
-    per sentence, in samples_of's order; encode_shading packs them). Returns the shading's bytes."""
+    positive and negative triggers and of each sample (encode_shading packs each key's part). Returns the
+    shading's bytes."""
     rows, size = [], 0
     quadrants = layer_quadrant_examples(mined)
     for key, bands in enumerate(layer_bands(mined)):
-        assert len(samples[key]) * BAND.itemsize == len(bands), "one shading per band sample"
-        shading = encode_shading([*positive[key], *negative[key], *samples[key]])
-        size += len(shading)
+        positive, negative, samples = (int(n) for n in shading.counts[key])
+        assert samples * BAND.itemsize == len(bands), "one shading per band sample"
+        data = encode_shading(*shading.key(key))
+        size += len(data)
         examples = None if quadrants is None else quadrants[key]
-        rows.append((key, bands, len(positive[key]), len(negative[key]), shading, examples))
+        rows.append((key, bands, positive, negative, data, examples))
     columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading", "quadrants")
     bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
     return size

@@ -114,7 +114,7 @@ class IndexSummary:
 class Finishing:
     """What the steps of finishing a run share: its job and lease, its spec and model, the merged mining
     state, the corpus (token ids, first mined positions, following tokens) and, once shaded, each
-    layer's shading (the arguments of key_examples.store_key_examples)."""
+    layer's shading (a key_examples.LayerShading)."""
 
     job: Job
     lease: Heartbeat
@@ -124,7 +124,7 @@ class Finishing:
     token_ids: list[list[int]]
     first_positions: list[int]
     following: torch.Tensor
-    shading: dict = field(default_factory=dict)
+    shading: dict[int, key_examples.LayerShading] = field(default_factory=dict)
 
 
 @dataclass
@@ -385,9 +385,8 @@ class IndexPipeline:
 
     def shade(self, run: Finishing) -> None:
         """The second pass: each key's coefficient at every token of its first `shaded_triggers`
-        triggers of each sign and of its band samples (engine.sentence_coefficients). Per layer, the
-        arguments of key_examples.store_key_examples: {"positive", "negative", "samples"}, per key a
-        list of float32 arrays."""
+        triggers of each sign and of its band samples (engine.sentence_coefficients), a LayerShading
+        per layer: one flat float32 array of all its sentences, key after key."""
         state = run.state
         counts, wanted = {}, {}
         for layer in range(state.n_layers):
@@ -417,13 +416,8 @@ class IndexPipeline:
             report=report,
         )
         bar.close()
-        for layer, arrays in found.items():
-            bounds = np.concatenate([[0], np.cumsum(counts[layer].reshape(-1))])  # per key: +, −, samples
-            parts = [arrays[start:stop] for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
-            run.shading[layer] = {
-                name: [parts[3 * key + i] for key in range(state.n_keys)]
-                for i, name in enumerate(("positive", "negative", "samples"))
-            }
+        for layer, (values, offsets) in found.items():
+            run.shading[layer] = key_examples.LayerShading(values, offsets, counts[layer])
 
     def store_layers(self, run: Finishing) -> None:
         """Each layer's triggers and key statistics (with key–value agreement) and its key examples,
@@ -445,7 +439,7 @@ class IndexPipeline:
                         run_id=run_id,
                         layer=layer,
                         mined=state.layer(layer),
-                        **run.shading.pop(layer),
+                        shading=run.shading.pop(layer),
                     )
                     run.lease.check(session)
                     session.commit()

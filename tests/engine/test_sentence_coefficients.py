@@ -38,14 +38,19 @@ def test_every_token_equals_a_hand_computation_in_any_batch_shape(tiny):
     for batch_tokens in (20, 1000):
         found = sentence_coefficients(tiny, corpus, first, wanted, batch_tokens=batch_tokens, pad_id=0)
         for layer, pairs in wanted.items():
-            for (key, sentence), got in zip(pairs, found[layer], strict=True):
+            values, offsets = found[layer]
+            assert values.dtype == np.float32 and offsets.tolist() == [
+                0,
+                *np.cumsum([len(corpus[s]) for s in pairs[:, 1]]),
+            ]
+            for i, (key, sentence) in enumerate(pairs):
+                got = values[offsets[i] : offsets[i + 1]]
                 expected = down_proj_inputs(tiny, corpus[sentence])[layer][:, key]  # [pos]
-                assert got.dtype == np.float32 and len(got) == len(corpus[sentence])
                 assert np.isnan(got[0])  # not mined
                 np.testing.assert_allclose(got[1:], expected[1:].numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_nothing_wanted_runs_nothing(tiny):
-    assert sentence_coefficients(
-        tiny, [[1, 2]], [0], {0: np.zeros((0, 2), np.int64)}, batch_tokens=9, pad_id=0
-    ) == {0: []}
+    nothing = {0: np.zeros((0, 2), np.int64)}
+    found = sentence_coefficients(tiny, [[1, 2]], [0], nothing, batch_tokens=9, pad_id=0)
+    assert list(found) == [0] and len(found[0][0]) == 0 and found[0][1].tolist() == [0]

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ffmem.store.key_examples import BandSample, StoredExamples, decode_shading, encode_shading
+from ffmem.store import key_examples
+from ffmem.store.key_examples import BandSample, StoredExamples, decode_shading
+
+
+def encode_shading(sentences: list[np.ndarray]) -> bytes:
+    """key_examples.encode_shading of these sentences, laid end to end."""
+    flat = np.concatenate([np.asarray(s, np.float32) for s in sentences] or [np.zeros(0, np.float32)])
+    return key_examples.encode_shading(flat, [len(s) for s in sentences])
+
 
 LENGTHS = [5, 1, 7, 3, 4, 2]  # 2 positive triggers, 1 negative, 3 band samples
 
@@ -110,3 +118,20 @@ def test_a_layers_band_samples_packed_at_once_read_back_as_each_keys():
     packed = layer_bands(mined)
     assert [decode_bands(bands) for bands in packed] == [samples_of(mined, key) for key in range(keys)]
     assert packed[2] == b"" and sum(map(len, packed)) == 12 * int((order != EMPTY_SAMPLE).sum())
+
+
+def test_a_layers_flat_shading_cuts_into_each_keys_sentences():
+    """LayerShading.key: key after key, each key's positive triggers, negative ones and samples."""
+    rng = np.random.default_rng(5)
+    counts = np.array([[2, 1, 3], [0, 0, 0], [1, 0, 2], [0, 2, 0]])  # [keys, 3]; key 1 shades nothing
+    sentences = [rng.normal(size=n).astype(np.float32) for n in rng.integers(0, 6, int(counts.sum()))]
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in sentences])])
+    shading = key_examples.LayerShading(np.concatenate(sentences), offsets, counts)
+    first = 0
+    for key, n in enumerate(counts.sum(axis=1)):
+        values, lengths = shading.key(key)
+        mine = sentences[first : first + n]
+        assert lengths.tolist() == [len(s) for s in mine]
+        np.testing.assert_array_equal(values, np.concatenate(mine or [np.zeros(0, np.float32)]))
+        assert key_examples.encode_shading(values, lengths) == encode_shading(mine)
+        first += n
