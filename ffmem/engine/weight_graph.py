@@ -40,7 +40,7 @@ from ffmem.engine.adapters.base import resolve
 from ffmem.engine.loading import LoadedModel
 
 TOP = 10  # memories kept each way
-PRODUCT_ELEMENTS = 2**27  # the largest [writers, d_ff] block of scores: 512 MiB of float32 (and its |·|)
+PRODUCT_ELEMENTS = 2**26  # the largest [writers, d_ff] block of scores: 256 MiB of float32 (and its |·|)
 
 
 @dataclass
@@ -141,8 +141,8 @@ def weight_graph(
     Writers are taken `block_layers` layers at a time against one reader layer: one [block·d_ff, d] ×
     [d, d_ff] product, its top `n` per column (inbound) and per row (outbound) merged into the running
     top `n`. Ids are flat: layer·d_ff + key. By default as many layers (at most 8) as keep the product
-    within PRODUCT_ELEMENTS: 8 for SmolLM2 (1,536 keys a layer), 2 at 8,192 (Llama-3.2-1B), 1 at 14,336.
-    The values stay in the model's dtype, a block in float32 as it is scored.
+    within PRODUCT_ELEMENTS: 8 for SmolLM2 (1,536 keys a layer), 1 from 8,192 (Llama-3.2-1B) on. The
+    values are the model's own weights, a block copied to float32 as it is scored.
     """
     device = torch.device(device) if device is not None else loaded.device
     n_layers, d_ff = loaded.n_layers, loaded.n_keys
@@ -151,13 +151,13 @@ def weight_graph(
     outbound = [_no_links(d_ff, device) for _ in range(n_layers)]  # per writer layer, the same
     with torch.inference_mode():
         blocks = loaded.adapter.blocks(loaded.model)
-        values = torch.stack([loaded.adapter.value_matrix(b).to(device) for b in blocks])  # [L, d_ff, d]
+        values = [loaded.adapter.value_matrix(b).to(device) for b in blocks]  # L × [d_ff, d]
         for reader in range(1, n_layers):
             reads = read_vectors(loaded, reader).to(device)  # [d_ff, d]
             best_in = _no_links(d_ff, device)
             for start in range(0, reader, block_layers):
                 stop = min(start + block_layers, reader)
-                writers = values[start:stop].reshape(-1, values.shape[-1]).float()  # [(stop − start)·d_ff, d]
+                writers = torch.cat(values[start:stop]).float()  # [(stop − start)·d_ff, d]
                 scores = writers @ reads.T  # [writers, d_ff]
                 magnitude = scores.abs()  # [writers, d_ff]
                 first = start * d_ff
