@@ -26,7 +26,7 @@ class Evidence:
     layer: int
     key: int
     # the ends (PROMPT_TOKENS) of its top PROMPT_PREFIXES trigger prefixes of its sign (the heuristic
-    # pattern's), strongest first: what a prompt shows, no more (131,072 memories hold them at once)
+    # pattern's), strongest first: what a prompt shows, no more
     prefixes: list[list[int]]
     value_tokens: list[int]  # the value's top tokens (norm readout), the strongest first
     shallowness: float | None
