@@ -226,17 +226,51 @@ def _lookup(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.where(codes[row] == values, row, last)
 
 
-def _table(levels: Sequence[dict[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A lookup table: (every code some key gives a level, sorted and ending in _ABSENT; [codes + 1, keys]
-    uint8: the level `levels[key]` gives each code, 0 where none, as in the _ABSENT row)."""
-    codes = sorted({code for given in levels for code in given})
-    row = {code: i for i, code in enumerate(codes)}
-    marked = [(row[code], key, level) for key, given in enumerate(levels) for code, level in given.items()]
-    table = torch.zeros(len(codes) + 1, len(levels), dtype=torch.uint8)
-    if marked:
-        rows, keys, values = zip(*marked, strict=True)
-        table[list(rows), list(keys)] = torch.tensor(values, dtype=torch.uint8)
-    return torch.tensor([*codes, _ABSENT], dtype=torch.long, device=device), table.to(device)
+@dataclass(frozen=True)
+class _LevelTable:
+    """A lookup from a code (a token, or a pair's code) to the level it gives each key, in compressed rows:
+    only the (key, level) entries some pattern holds, ≤ MAX_TOKENS (or MAX_PAIRS) a key. A dense [codes,
+    keys] table would grow with the distinct tokens of a layer's patterns times its keys: ~0.2 GB a layer
+    at 8,192 keys over the whole corpus, its pairs twice that, every layer at once while scoring."""
+
+    codes: torch.Tensor  # [codes + 1] every code some key weighs, sorted, ending in _ABSENT
+    starts: torch.Tensor  # [codes + 2]: row r's entries are [starts[r], starts[r + 1])
+    keys: torch.Tensor  # [entries] the key of each entry, row after row
+    levels: torch.Tensor  # [entries] uint8: the level the row's code gives that key
+    n_keys: int
+
+    @classmethod
+    def of(cls, levels: Sequence[dict[int, int]], device) -> _LevelTable:
+        """The table of `levels[key]` (code → level)."""
+        codes = np.array([code for given in levels for code in given], dtype=np.int64)  # [entries]
+        found = np.array([level for given in levels for level in given.values()], dtype=np.uint8)  # [entries]
+        keys = np.repeat(np.arange(len(levels)), [len(given) for given in levels])  # [entries]
+        order = np.argsort(codes, kind="stable")  # row after row, each row's keys in order
+        distinct, counts = np.unique(codes, return_counts=True)  # [codes] each
+        starts = np.concatenate([[0], np.cumsum(counts), [len(codes)]])  # the _ABSENT row is empty
+        return cls(
+            torch.tensor([*distinct.tolist(), _ABSENT], dtype=torch.long, device=device),
+            torch.from_numpy(starts.astype(np.int64)).to(device),
+            torch.from_numpy(keys[order].astype(np.int64)).to(device),
+            torch.from_numpy(found[order]).to(device),
+            len(levels),
+        )
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def level(self, code: torch.Tensor) -> torch.Tensor:
+        """Each code's level for every key: [Q, keys] uint8, 0 where the key's pattern does not hold it."""
+        rows = _lookup(self.codes, code)  # [Q]
+        first, counts = self.starts[rows], self.starts[rows + 1] - self.starts[rows]  # [Q] each
+        found = torch.zeros(len(code), self.n_keys, dtype=torch.uint8, device=code.device)  # [Q, keys]
+        total = int(counts.sum())
+        if total:
+            position = torch.repeat_interleave(counts, output_size=total)  # [entries]: its row of `code`
+            begun = counts.cumsum(0) - counts  # [Q] where each position's entries start among them all
+            entry = first[position] + torch.arange(total, device=code.device) - begun[position]  # [entries]
+            found[position, self.keys[entry]] = self.levels[entry]
+        return found
 
 
 class LayerPatterns:
@@ -249,10 +283,10 @@ class LayerPatterns:
     """
 
     def __init__(self, patterns: Sequence[Pattern], device: torch.device | str = "cpu"):
-        self.final_codes, self.final = _table(
+        self.final = _LevelTable.of(
             [{token: 1 + i for i, token in enumerate(p.final)} for p in patterns], device
         )
-        self.pair_codes, self.pairs = _table(
+        self.pairs = _LevelTable.of(
             [{pair_code(*pair): 1 + MAX_TOKENS + i for i, pair in enumerate(p.pairs)} for p in patterns],
             device,
         )
@@ -268,12 +302,10 @@ class LayerPatterns:
         `input_ids[valid]` ([batch, pos] each, one sentence a row from its start)."""
         rows, positions = valid.nonzero(as_tuple=True)  # [Q] each, in the order of input_ids[valid]
         token = input_ids[rows, positions]  # [Q]
-        level = self.final.index_select(0, _lookup(self.final_codes, token))  # [Q, keys]
-        if len(self.pair_codes) > 1:
+        level = self.final.level(token)  # [Q, keys]
+        if len(self.pairs) > 1:
             previous = torch.where(positions > 0, input_ids[rows, (positions - 1).clamp(min=0)], START)  # [Q]
-            pair = self.pairs.index_select(
-                0, _lookup(self.pair_codes, pair_code(previous, token))
-            )  # [Q, keys]
+            pair = self.pairs.level(pair_code(previous, token))  # [Q, keys]
             level = torch.where(pair > 0, pair, level)
         return level
 

@@ -162,6 +162,16 @@ def test_match_levels_give_each_positions_weight():
     assert got.tolist() == reference_match(PATTERNS, sentences, valid).tolist()
 
 
+def test_the_lookup_holds_each_patterns_entries_alone():
+    """No [codes, keys] table: one entry for each token and pair a pattern weighs (a layer of 8,192 keys
+    over a whole corpus would hold ~0.6 GB densely); patterns that weigh nothing match nothing."""
+    patterns = LayerPatterns(PATTERNS)
+    assert len(patterns.final.keys) == sum(len(p.final) for p in PATTERNS)
+    assert len(patterns.pairs.keys) == sum(len(p.pairs) for p in PATTERNS)
+    empty = LayerPatterns([Pattern(), Pattern()])
+    assert empty.match(torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool)).tolist() == [[0, 0], [0, 0]]
+
+
 def test_scores_equal_a_reference_computation():
     """Several batches of random tokens and coefficients against numpy on every position at once: pairs at
     a sentence's start, tokens past every pattern's, keys that never match or never fire, both signs."""
