@@ -450,7 +450,7 @@ class IndexPipeline:
                 self.store_sentence_triggers(session, run)
                 run.lease.check(session)
                 session.commit()
-        run.state = None  # all stored: the steps after read the store and the model
+        run.state = state = None  # all stored: the steps after read the store and the model
         release_freed_memory()  # the shading and the state: gigabytes at 131,072 memories
 
     def store_sentence_triggers(self, session: Session, run: Finishing) -> None:
