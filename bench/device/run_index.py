@@ -14,8 +14,9 @@ vocabulary as large as the model's unembedding, the ids past the tokenizer's sto
 shape larger than SmolLM2's 49,152 tokens has a padded vocabulary) and a table printed: each stage's
 seconds, its peak GPU memory, the host's resident set when it began and its peak host memory.
 
-The stages are the worker's own timed steps (`IndexPipeline.timed`: projection, token table, storing, mining,
-shading, layers, composition, neighbours, closing; seconds read back from the pipeline's `timings`,
+The stages are the worker's own timed steps (`IndexPipeline.timed`: projection, which fills the token →
+memories table too since the twentieth session, storing, mining, shading, layers, composition, neighbours,
+closing; seconds read back from the pipeline's `timings`,
 which the worker keeps in memory and stores nowhere) and a few parts of preparing a run that it does not
 time, measured here around the functions it calls (BENCH_STAGES: loading, reading the corpus,
 tokenizing, storing the vocabulary); what neither covers is "other". The worker records no memory at

@@ -6,12 +6,13 @@ Probabilities are a softmax over the full vocabulary. In the same pass, each val
 its logits over the whole vocabulary (HISTOGRAM_BINS equal bins from its lowest logit to its highest;
 on a CPU one compiled loop, elsewhere torch). Work is chunked over keys, on the model's device, so all
 values of a 30-layer model project in one pass without holding [keys, vocab] for more than a chunk at
-a time. The inverse, vocabulary → memories, is ffmem.engine.token_memories.
+a time. The same chunks fill the inverse, vocabulary → memories (ffmem.engine.token_memories), where
+the caller passes its tables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numba
@@ -20,6 +21,7 @@ import torch
 
 from ffmem.engine.adapters.base import resolve
 from ffmem.engine.loading import LoadedModel
+from ffmem.engine.token_memories import TokenMemories
 
 READOUTS = ("raw", "norm")
 HISTOGRAM_BINS = 32  # equal bins of a value's logits, from its lowest to its highest
@@ -106,15 +108,23 @@ def layer_logits(
 
 
 def project_layer(
-    loaded: LoadedModel, layer: int, n: int = 30, chunk: int = 512, bins: int = HISTOGRAM_BINS
+    loaded: LoadedModel,
+    layer: int,
+    n: int = 30,
+    chunk: int = 512,
+    bins: int = HISTOGRAM_BINS,
+    token_memories: Mapping[str, TokenMemories] | None = None,
 ) -> Iterator[ValueTokens]:
-    """Top and bottom `n` tokens of every value of `layer`, for each readout, with its logit histogram."""
+    """Top and bottom `n` tokens of every value of `layer`, for each readout, with its logit histogram;
+    the layer's logits go into `token_memories[readout]` too, where given."""
     for readout in READOUTS:
         parts = {1: [], -1: []}
         log_zs, extremes, counts = [], [], []
-        for _, logits in layer_logits(loaded, layer, readout, chunk):
+        for start, logits in layer_logits(loaded, layer, readout, chunk):
             log_z = logits.logsumexp(dim=-1, keepdim=True)  # [chunk, 1]
             log_zs.append(log_z[:, 0])
+            if token_memories is not None:
+                token_memories[readout].add(layer * loaded.n_keys + start, logits, log_z[:, 0])
             found = {d: logits.topk(n, dim=-1, largest=d == 1) for d in (1, -1)}  # [chunk, n] each
             for direction, (top, ids) in found.items():
                 parts[direction].append((ids, top, (top - log_z).exp()))

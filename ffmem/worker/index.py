@@ -33,7 +33,7 @@ from ffmem.engine.mining import MiningState, mine_batches, shard_batches
 from ffmem.engine.neighbours import memory_baselines, memory_neighbours
 from ffmem.engine.projection import project_layer, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
-from ffmem.engine.token_memories import token_table
+from ffmem.engine.token_memories import TokenMemories
 from ffmem.store import (
     corpora,
     jobs,
@@ -214,18 +214,22 @@ class IndexPipeline:
         self, session: Session, lease: Heartbeat, run_id: int, loaded: LoadedModel, spec: RunSpec
     ) -> None:
         """Every value's top and bottom tokens and logit histogram under both readouts: they need no
-        corpus, so the pages show them while the run is still mining; then the token → memories table of
-        full-vocabulary token search, which needs every value's log Z."""
-        log_z = {readout: [] for readout in READOUTS}  # readout → per layer [keys]
+        corpus, so the pages show them while the run is still mining; with them, from the same logits,
+        the token → memories table of full-vocabulary token search."""
+        token_memories = (
+            {r: TokenMemories.of(loaded, spec.token_memories) for r in READOUTS}
+            if spec.token_memories
+            else None
+        )
         for layer in tqdm(
             range(loaded.n_layers), desc="projecting values", unit="layer", disable=not self.options.progress
         ):
             with self.timed("projection"):
-                projected = list(project_layer(loaded, layer, spec.value_tokens))
+                projected = list(
+                    project_layer(loaded, layer, spec.value_tokens, token_memories=token_memories)
+                )
             with self.timed("storing"):
                 for p in projected:
-                    if p.direction == 1:
-                        log_z[p.readout].append(p.log_z)
                     memory_writes.store_value_tokens(
                         session=session,
                         run_id=run_id,
@@ -246,21 +250,9 @@ class IndexPipeline:
                     },
                 )
                 lease.check(session)
-        if not spec.token_memories:
-            return
-        bar = tqdm(desc="token → memories", unit="token", disable=not self.options.progress)
-
-        def report(done: int, total: int) -> None:
-            bar.total, bar.n = total, done
-            bar.refresh()
-
-        for readout in READOUTS:
-            bar.set_description(f"token → memories ({readout})", refresh=False)
-            with self.timed("token table"):
-                memories, scores = token_table(
-                    loaded, readout, torch.cat(log_z[readout]), spec.token_memories, progress=report
-                )
+        for readout, table in (token_memories or {}).items():
             with self.timed("storing"):
+                memories, scores = table.lists()
                 memory_search.store_token_memories(
                     session=session,
                     run_id=run_id,
@@ -269,7 +261,6 @@ class IndexPipeline:
                     scores=scores.numpy(),
                 )
                 lease.check(session)
-        bar.close()
 
     # -- mine a shard -----------------------------------------------------------------------------
     def mine_shard(self, job: Job, shard: Shard, lease: Heartbeat) -> None:

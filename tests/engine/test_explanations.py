@@ -169,7 +169,8 @@ def test_the_lookup_holds_each_patterns_entries_alone():
     assert len(patterns.final.keys) == sum(len(p.final) for p in PATTERNS)
     assert len(patterns.pairs.keys) == sum(len(p.pairs) for p in PATTERNS)
     empty = LayerPatterns([Pattern(), Pattern()])
-    assert empty.match(torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool)).tolist() == [[0, 0], [0, 0]]
+    level = empty.match(torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool))  # [positions, keys]
+    assert level.tolist() == [[0, 0], [0, 0]]
 
 
 def test_scores_equal_a_reference_computation():

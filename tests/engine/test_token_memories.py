@@ -1,7 +1,8 @@
 """The token → memories table (ffmem.engine.token_memories) against a brute-force ranking of every memory's
 full readout (numpy argsort over all logits, in float64): for each family and readout, every token's four
 lists (by logit and by probability, promoting and suppressing) hold the memories and scores the brute force
-gives, whatever the block of tokens; a depth past the memories leaves empty slots."""
+gives, whatever the chunk of values the projection reads, on the CPU's compiled pass and on the torch
+merge the GPU runs; a depth past the memories leaves empty slots."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_adapters import CASES, _tiny
 from ffmem.engine.adapters import adapter_for
 from ffmem.engine.loading import LoadedModel
 from ffmem.engine.projection import READOUTS, project_layer, value_logits
-from ffmem.engine.token_memories import LISTS, token_table
+from ffmem.engine.token_memories import LISTS, TokenMemories
 from ffmem.store.memory_lists import TOKEN_LISTS
 
 
@@ -21,11 +22,13 @@ def _loaded(model, name: str) -> LoadedModel:
     return LoadedModel(model, None, adapter_for(model), name, name, None, torch.device("cpu"), torch.float32)
 
 
-def _table(loaded: LoadedModel, readout: str, depth: int, block: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """The table as the worker computes it: log Z from the projection, then the token blocks."""
-    projected = (p for layer in range(loaded.n_layers) for p in project_layer(loaded, layer, n=3))
-    log_z = torch.cat([p.log_z for p in projected if p.readout == readout and p.direction == 1])
-    memories, scores = token_table(loaded, readout, log_z, depth, block=block)
+def _table(loaded: LoadedModel, readout: str, depth: int, chunk: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """The table as the worker computes it: filled by the projection of every layer's values."""
+    tables = {r: TokenMemories.of(loaded, depth) for r in READOUTS}
+    for layer in range(loaded.n_layers):
+        for _ in project_layer(loaded, layer, n=3, chunk=chunk, token_memories=tables):
+            pass
+    memories, scores = tables[readout].lists()
     return memories.numpy(), scores.numpy()
 
 
@@ -49,10 +52,20 @@ def loaded(request) -> LoadedModel:
     return _loaded(_tiny(request.param), request.param.name)
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def path(request, monkeypatch) -> str:
+    """Which way the lists are kept: the CPU's compiled pass, or the torch merge (the GPU's) on the CPU."""
+    if request.param == "torch":
+        monkeypatch.setattr(TokenMemories, "_add_compiled", TokenMemories._add_torch)
+    return request.param
+
+
 @pytest.mark.parametrize("readout", READOUTS)
-@pytest.mark.parametrize(("depth", "block"), [(10, 256), (10, 7), (1, 1)], ids=["one block", "blocks", "1"])
-def test_every_token_list_equals_the_brute_force_ranking(loaded, readout, depth, block):
-    memories, scores = _table(loaded, readout, depth, block)  # [vocab, lists, depth] each
+@pytest.mark.parametrize(
+    ("depth", "chunk"), [(10, 512), (10, 7), (1, 5)], ids=["one chunk", "chunks", "depth 1"]
+)
+def test_every_token_list_equals_the_brute_force_ranking(loaded, path, readout, depth, chunk):
+    memories, scores = _table(loaded, readout, depth, chunk)  # [vocab, lists, depth] each
     assert memories.shape == scores.shape == (loaded.model.config.vocab_size, len(LISTS), depth)
     for (by, direction), (order, expected) in _brute_force(loaded, readout).items():
         index = LISTS.index((by, direction))
@@ -68,7 +81,7 @@ def test_every_token_list_equals_the_brute_force_ranking(loaded, readout, depth,
         assert (listed == order[:, :depth]).mean() > 0.99
 
 
-def test_a_depth_past_the_memories_leaves_empty_slots(loaded):
+def test_a_depth_past_the_memories_leaves_empty_slots(loaded, path):
     n = loaded.n_layers * loaded.n_keys
     memories, scores = _table(loaded, "raw", n + 3)
     assert (memories[:, :, :n] >= 0).all() and (memories[:, :, n:] == -1).all()
