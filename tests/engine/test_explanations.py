@@ -243,3 +243,14 @@ def test_same_inputs_same_description_and_score():
         return describe(pattern, [T["capital"]], None, TEXTS), scores.scores(0)
 
     assert once() == once()
+
+
+def test_a_patterns_dict_holds_its_fields_as_plain_lists():
+    from dataclasses import asdict
+
+    for pattern in PATTERNS:
+        found = pattern.to_dict()
+        assert found == asdict(pattern) and Pattern(**found) == pattern
+        assert found["pairs"] is not pattern.pairs and all(
+            mine is not theirs for mine, theirs in zip(found["pairs"], pattern.pairs, strict=True)
+        ), "a copy: changing the dict leaves the pattern as it was"
