@@ -454,8 +454,10 @@ def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
         weights = rng.normal(0.0, 0.5, (shape.n_keys, n + pairs))
         before = rng.integers(0, shape.vocab_size, (shape.n_keys, pairs)).tolist()
         scores = rng.uniform(-0.1, 0.9, shape.n_keys).tolist()
+        digits = 10.0 ** (2 - np.floor(np.log10(np.abs(weights))))  # [keys, n + pairs]: 3 significant
+        three = (np.round(weights * digits) / digits).tolist()  # as float(f"{w:.3g}"), 5 million at once
         for key, (final, score) in enumerate(zip(finals, scores, strict=True)):
-            rounded = [float(f"{w:.3g}") for w in weights[key].tolist()]
+            rounded = three[key]
             shown = ", ".join(
                 f"“{token_text(t).strip()}” {w:+.3g}" for t, w in zip(final[:6], rounded, strict=False)
             )
