@@ -1,21 +1,42 @@
 """Shared fixtures: `db_url` (a freshly migrated SQLite file and Postgres database) and `session`.
 
 Postgres is FFMEM_TEST_POSTGRES_URL or the local server's `test` database. Each pytest process works
-in its own schema (ffmem_test_<pid>, dropped at the end), so concurrent test runs never clobber each
-other. When Postgres cannot be reached its tests are skipped, except on CI (env CI set), where they
-fail: CI must test Postgres.
+in its own schema (ffmem_test_<pid>, dropped at the end) and its own databases (ffmem_test_<pid>_…, the
+copies of a built index: its role needs CREATEDB), so concurrent test runs never clobber each other.
+When Postgres cannot be reached its tests are skipped, except on CI (env CI set), where they fail: CI
+must test Postgres.
+
+A module's tests of the explorer index (`explorer_db`) run on SQLite alone unless the module marks
+`pytest.mark.backends("sqlite", "postgres")`: the backend matters to the store, the queue and what
+writes; tests/web/test_backend_parity.py holds every read-only page equal on both.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
+from contextlib import contextmanager
 
 import pytest
 from sqlalchemy import create_engine, make_url, text
 
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 
+# The fixture modules beside this file: the tiny random models, Playwright on Debian's Chromium, the tiny
+# index and its explorer.
+pytest_plugins = ["tiny_models", "browser_fixtures", "explorer_index"]
+
 POSTGRES_URL = os.environ.get("FFMEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _unusable(error: Exception):
+    """Skip (fail on CI) the test that needed the test Postgres, which `error` says is unusable."""
+    reason = str(error).strip().splitlines()[0]
+    message = f"Postgres at {POSTGRES_URL} unusable ({reason}); start it or set FFMEM_TEST_POSTGRES_URL"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must test Postgres: {message}", pytrace=False)
+    pytest.skip(message)
 
 
 @pytest.fixture(scope="session")
@@ -29,11 +50,7 @@ def postgres_url():
             connection.execute(text(f'CREATE SCHEMA "{schema}"'))
     except Exception as error:  # noqa: BLE001 - any failure means "not usable"
         admin.dispose()
-        reason = str(error).strip().splitlines()[0]
-        message = f"Postgres at {POSTGRES_URL} unusable ({reason}); start it or set FFMEM_TEST_POSTGRES_URL"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must test Postgres: {message}", pytrace=False)
-        pytest.skip(message)
+        _unusable(error)
     url = make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={schema}"})
     yield url.render_as_string(hide_password=False)
     with admin.begin() as connection:
@@ -51,6 +68,67 @@ def _clean_postgres(url: str) -> None:
         if tables:
             connection.execute(text(f"DROP TABLE {', '.join(quote(table) for table in tables)} CASCADE"))
     engine.dispose()
+
+
+class PostgresDatabases:
+    """Databases of this test process on the test Postgres server: `create(label)` makes an empty one (or a
+    copy of `template`, a database nobody is connected to) and returns its URL; all are dropped at close."""
+
+    def __init__(self) -> None:
+        self.admin = create_engine(
+            POSTGRES_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+        )
+        self.names: list[str] = []
+        self.numbers = itertools.count()
+
+    def create(self, label: str, template: str | None = None) -> str:
+        name = f"ffmem_test_{os.getpid()}_{label}_{next(self.numbers)}"
+        copy = f' TEMPLATE "{make_url(template).database}"' if template else ""
+        try:
+            with self.admin.connect() as connection:
+                connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+                connection.execute(text(f'CREATE DATABASE "{name}"{copy}'))
+        except Exception as error:  # noqa: BLE001 - any failure means "not usable"
+            _unusable(error)
+        self.names.append(name)
+        return make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+
+    def drop(self, url: str) -> None:
+        self._drop(make_url(url).database)
+
+    def _drop(self, name: str) -> None:
+        with self.admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        self.names.remove(name)
+
+    def close(self) -> None:
+        for name in list(self.names):
+            self._drop(name)
+        self.admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_databases():
+    """This test process's own Postgres databases (PostgresDatabases), dropped after the session."""
+    databases = PostgresDatabases()
+    yield databases
+    databases.close()
+
+
+@contextmanager
+def copy_database(source: str, folder, databases: PostgresDatabases):
+    """A copy of the database at `source` (nobody connected to it): a file in `folder` for SQLite, a
+    database made from it as a template on Postgres; yields its URL and removes it afterwards."""
+    if source.startswith("sqlite"):
+        target = folder / "ffmem.db"
+        shutil.copyfile(make_url(source).database, target)
+        yield f"sqlite:///{target}"
+        return
+    url = databases.create("copy", template=source)
+    try:
+        yield url
+    finally:
+        databases.drop(url)
 
 
 def migrated_url(request, folder) -> str:
@@ -80,13 +158,22 @@ def session(db_url):
     engine.dispose()
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "backends(*names): the backends a module's explorer_db runs on (default: sqlite alone)"
+    )
+
+
+def pytest_generate_tests(metafunc) -> None:
+    """`explorer_db` on the backends the module's `backends` mark names, SQLite alone by default."""
+    if "explorer_db" in metafunc.fixturenames:
+        mark = metafunc.definition.get_closest_marker("backends")
+        backends = list(mark.args) if mark else ["sqlite"]
+        metafunc.parametrize("explorer_db", backends, indirect=True, scope="module")
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Every browser test is slow (a Chromium per module, pages served on a thread)."""
     for item in items:
         if "browser" in item.path.parts:
             item.add_marker(pytest.mark.slow)
-
-
-from browser_fixtures import browser, dialogs, page, watched  # noqa: E402,F401  (Playwright on Debian's Chromium)
-from explorer_index import client, db, explorer_db, run, slug  # noqa: E402,F401  (a tiny index, its explorer)
-from tiny_models import tiny, tiny_model_dir  # noqa: E402,F401  (tiny random model fixtures)

@@ -1,5 +1,5 @@
 """A tiny but real index for the explorer's tests: the tiny random Llama over a corpus that holds
-markup, built once per backend (SQLite, Postgres) and per test module.
+markup, built once per backend (SQLite, Postgres) and test process, copied for each test module.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
-from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web.main import create_app
 from ffmem.worker.index import IndexOptions
@@ -23,15 +23,8 @@ HOSTILE = [
 EXPLORER_SENTENCES = [*TRAINING_TEXT, *HOSTILE]
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def explorer_db(request, tmp_path_factory, tiny, tiny_model_dir) -> str:
-    """URL of a database holding one finished index run of the tiny model (top-T 6)."""
-    from conftest import migrated_url
-
-    folder = tmp_path_factory.mktemp("explorer")
-    url = migrated_url(request, folder)
-    corpus = folder / "corpus.txt"
-    corpus.write_text("\n".join(EXPLORER_SENTENCES * 2) + "\n")
+def _build(url: str, corpus, folder, tiny, tiny_model_dir) -> None:
+    """One finished index run of the tiny model (top-T 6) over `corpus` into the migrated database `url`."""
     options = IndexOptions.from_settings(
         Settings(
             model=str(tiny_model_dir),
@@ -50,7 +43,39 @@ def explorer_db(request, tmp_path_factory, tiny, tiny_model_dir) -> str:
     engine = make_engine(url)
     build_index(options, make_sessionmaker(engine), loaded=tiny)
     engine.dispose()
-    return url
+
+
+@pytest.fixture(scope="session")
+def explorer_template(tmp_path_factory, tiny, tiny_model_dir, postgres_databases):
+    """`template(backend)`: the URL of a database holding the tiny index, built once per backend and test
+    process (a SQLite file; a Postgres database that modules copy with CREATE DATABASE … TEMPLATE)."""
+    built: dict[str, str] = {}
+    corpus = tmp_path_factory.mktemp("explorer-corpus") / "corpus.txt"  # one path: the same runs' options
+    corpus.write_text("\n".join(EXPLORER_SENTENCES * 2) + "\n")
+
+    def template(backend: str) -> str:
+        if backend not in built:
+            folder = tmp_path_factory.mktemp(f"explorer-{backend}")
+            sqlite = f"sqlite:///{folder / 'template.db'}"
+            url = sqlite if backend == "sqlite" else postgres_databases.create("explorer")
+            upgrade(url)
+            _build(url, corpus, folder, tiny, tiny_model_dir)
+            built[backend] = url
+        return built[backend]
+
+    return template
+
+
+@pytest.fixture(scope="module")
+def explorer_db(request, explorer_template, postgres_databases, tmp_path_factory) -> str:
+    """URL of a database holding one finished index run of the tiny model (top-T 6): the module's own copy
+    of the process's template, so a module may write. SQLite alone, unless the module asks for both
+    backends with `pytestmark = pytest.mark.backends("sqlite", "postgres")` (tests/conftest.py)."""
+    from conftest import copy_database
+
+    source = explorer_template(request.param)
+    with copy_database(source, tmp_path_factory.mktemp("explorer"), postgres_databases) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,9 @@ from ffmem.cli import cli
 from ffmem.store import memory_reads, runs, value_histograms
 from ffmem.store.models import KeyStats, Label, Run
 
+# Both backends: the export reads every table as the backend stores it (float32 on Postgres).
+pytestmark = pytest.mark.backends("sqlite", "postgres")
+
 
 def _jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]

@@ -19,6 +19,9 @@ from ffmem.config import Settings
 from ffmem.store.models import Job, Label, MemoryList, Run
 from ffmem.web.main import create_app
 
+# Both backends: write access: tokens and labels are stored.
+pytestmark = pytest.mark.backends("sqlite", "postgres")
+
 TOKEN = "s3cret-token"
 LABEL = {"pattern": "ends with a city", "tag": "semantic"}
 # POSTs that read: a live view's prompt or a key page's text sent as a form (too long for a URL)

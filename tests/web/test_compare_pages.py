@@ -21,6 +21,9 @@ from ffmem.web.main import create_app
 from ffmem.worker.index import IndexOptions
 from ffmem.worker.loop import Worker, build_index
 
+# Both backends: runs and comparison jobs are written.
+pytestmark = pytest.mark.backends("sqlite", "postgres")
+
 CONTEXT_FIELDS = {
     "page", "title", "model", "a", "b", "status", "job", "compared", "sort", "sorts", "limit", "layer",
     "layers", "keys", "choices", "start_url",

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+# Both backends: errors raised by each backend's driver.
+pytestmark = pytest.mark.backends("sqlite", "postgres")
+
 HTMX = {"HX-Request": "true"}
 
 

@@ -16,6 +16,9 @@ from ffmem.config import Settings
 from ffmem.store.models import Label, LanguageModel
 from ffmem.web.main import create_app
 
+# Both backends: labels are written, and searched by each backend's text index.
+pytestmark = pytest.mark.backends("sqlite", "postgres")
+
 
 @pytest.fixture
 def client(explorer_db, db):

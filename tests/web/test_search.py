@@ -21,6 +21,9 @@ from ffmem.web.pages import search
 from ffmem.web.routes.search import MAX_LENGTH
 from ffmem.web.token_search import rank_memories
 
+# Both backends: each backend has its own text index (FTS5, pg_trgm) and token search.
+pytestmark = pytest.mark.backends("sqlite", "postgres")
+
 
 @pytest.fixture(scope="module")
 def direct(tiny) -> dict[str, np.ndarray]:

@@ -24,6 +24,9 @@ from ffmem.store.models import Job, Label
 from ffmem.web.main import create_app
 from ffmem.web.security import RequestLimits
 
+# Both backends: size limits reach the store's queries.
+pytestmark = pytest.mark.backends("sqlite", "postgres")
+
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; style-src-elem 'self' "
     "'sha256-faU7yAF8NxuMTNEwVmBz+VcYeIoBQ2EMHW3WaVxCvnk=' "
