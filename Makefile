@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/ffmem demo
 
+# A pytest worker per core (at most 4), each taking whole modules, the slowest first (tests/conftest.py).
 test: install
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadscope --no-loadscope-reorder
 
 bench: install
 	$(PY) bench/bench.py

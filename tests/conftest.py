@@ -19,7 +19,14 @@ import shutil
 from contextlib import contextmanager
 
 import pytest
-from sqlalchemy import create_engine, make_url, text
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs a pytest worker per core: one torch, OpenMP and numba thread each (set before torch is
+    # imported; the processes a test starts inherit it), so that the workers do not fight over the cores.
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(variable, "1")
+
+from sqlalchemy import create_engine, make_url, text  # noqa: E402
 
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 
@@ -173,7 +180,14 @@ def pytest_generate_tests(metafunc) -> None:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Every browser test is slow (a Chromium per module, pages served on a thread)."""
+    """Every browser test is slow (a Chromium per module, pages served on a thread). The real model's tests
+    come first, then the slow ones: `make test`'s workers take whole modules in this order (pytest-xdist's
+    loadscope, not reordered), so the longest start at once and the workers end together."""
     for item in items:
         if "browser" in item.path.parts:
             item.add_marker(pytest.mark.slow)
+
+    def weight(item) -> int:
+        return 0 if item.get_closest_marker("smollm2") else 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=weight)  # stable: a module's tests stay together and in order
