@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ffmem.engine.cases import case_of
+from ffmem.engine.paper.cases import case_of
 
 
 @dataclass

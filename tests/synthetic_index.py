@@ -19,7 +19,7 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.engine.explanations import MAX_PAIRS, MAX_TOKENS
-from ffmem.engine.mined_layer import (
+from ffmem.engine.mining.mined_layer import (
     N_BINS,
     QUADRANT_EXAMPLES,
     SAMPLES,
@@ -28,7 +28,7 @@ from ffmem.engine.mined_layer import (
     density,
     histogram_edges,
 )
-from ffmem.engine.mined_layer import positive_share as share_above_zero
+from ffmem.engine.mining.mined_layer import positive_share as share_above_zero
 from ffmem.store import (
     composition,
     corpora,

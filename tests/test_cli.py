@@ -125,8 +125,8 @@ def test_unreachable_postgres_is_a_clear_error():
 
 
 def test_trace_command_prints_the_breakdown(tiny, tiny_model_dir):
-    from ffmem.engine.interventions import Intervention
-    from ffmem.engine.trace import trace
+    from ffmem.engine.live.interventions import Intervention
+    from ffmem.engine.live.trace import trace
 
     result = CliRunner().invoke(
         cli,
@@ -157,7 +157,7 @@ def test_trace_command_prints_the_breakdown(tiny, tiny_model_dir):
 
 def test_trace_command_attributes_a_typed_target(tiny, tiny_model_dir):
     """--target: per layer the memories' sum beside the FF's change, and the memories that push most."""
-    from ffmem.engine.trace import trace
+    from ffmem.engine.live.trace import trace
 
     arguments = ["trace", "The capital of France is", "--model", str(tiny_model_dir), "--device", "cpu"]
     result = CliRunner().invoke(

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ffmem.engine.loading import KNOWN
+from ffmem.engine.model.known import KNOWN
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 

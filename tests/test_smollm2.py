@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from ffmem.config import get_settings
-from ffmem.engine import loading
-from ffmem.engine.loading import dequantized_folder, embedded_gguf, load_model
-from ffmem.engine.trace import trace
+from ffmem.engine.live.trace import trace
+from ffmem.engine.model import loading
+from ffmem.engine.model.gguf_cache import dequantized_folder
+from ffmem.engine.model.known import embedded_gguf
+from ffmem.engine.model.loading import load_model
 
 pytestmark = pytest.mark.smollm2
 

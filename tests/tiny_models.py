@@ -10,7 +10,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ffmem.engine.loading import LoadedModel, load_model
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.model.loading import load_model
 
 TRAINING_TEXT = [
     "The capital of France is Paris.",

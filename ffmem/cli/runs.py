@@ -102,7 +102,7 @@ def compose(
     url = db or settings.database_url
 
     def work():
-        from ffmem.engine.loading import load_model
+        from ffmem.engine.model.loading import load_model
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
         from ffmem.store.models import RunStatus
         from ffmem.worker.composition import compose as compose_run

@@ -16,10 +16,10 @@ from rich.table import Table
 from ffmem.cli.common import Device, fail_cleanly
 from ffmem.config import get_settings
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.token_display import visible
+from ffmem.engine.values.token_display import visible
 
 if TYPE_CHECKING:
-    from ffmem.engine.trace import Trace
+    from ffmem.engine.live.trace import Trace
 
 
 class Readout(str, Enum):
@@ -51,10 +51,10 @@ def trace_command(
     settings = get_settings()
 
     def run():
-        from ffmem.engine.attribution_terms import target_tokens
-        from ffmem.engine.interventions import parse_interventions
-        from ffmem.engine.loading import load_model
-        from ffmem.engine.trace import trace
+        from ffmem.engine.live.attribution_terms import target_tokens
+        from ffmem.engine.live.interventions import parse_interventions
+        from ffmem.engine.live.trace import trace
+        from ffmem.engine.model.loading import load_model
 
         loaded = load_model(model or settings.model, device=device.value, cache_dir=settings.cache_dir)
         ids = loaded.tokenizer(text).input_ids
@@ -84,7 +84,7 @@ def trace_command(
 
 
 def print_trace(result: Trace, tokenizer) -> None:
-    """Print a trace's result (ffmem.engine.trace.trace), its tokens decoded with `tokenizer`."""
+    """Print a trace's result (ffmem.engine.live.trace.trace), its tokens decoded with `tokenizer`."""
 
     def tok(token_id: int) -> str:
         return visible(tokenizer.decode([token_id]))

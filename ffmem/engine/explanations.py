@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ffmem.engine.token_display import visible
+from ffmem.engine.values.token_display import visible
 
 MAX_TOKENS, MAX_PAIRS = 64, 16  # tokens and (previous token, token) pairs a pattern weighs
 PRIOR = 3.0  # shaded positions' worth of the memory's mean a weight is shrunk towards
@@ -181,7 +181,7 @@ def _most_important(importance: np.ndarray, most: int) -> np.ndarray:
 
 def quoted(text: str) -> str:
     """A token as the description names it: in quotes, made visible as on every page (↵, ⇥, ⟨U+200B⟩,
-    ∅; ffmem.engine.token_display) but for its spaces, which the quotes show."""
+    ∅; ffmem.engine.values.token_display) but for its spaces, which the quotes show."""
     return "“" + visible(text, spaces=False) + "”"
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ffmem.engine.mined_layer import QUADRANTS, MinedLayer
+from ffmem.engine.mining.mined_layer import QUADRANTS, MinedLayer
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.models import KeyExamples
 

@@ -37,7 +37,7 @@ TRIGGER = np.dtype([("sentence_index", "<i4"), ("position", "<i2"), ("coefficien
 VALUE_HEADER = np.dtype([("token_bytes", "u1"), ("log_z", "<f4")])  # 5 B
 SENTENCE_TRIGGER = np.dtype([("memory", "<i4"), ("position", "<i2"), ("coefficient", "<f4")])  # 10 B
 TOKEN_MEMORY = np.dtype([("memory", "<i4"), ("score", "<f4")])  # 8 B
-# A token's lists, in stored order: (ranked by, direction); as ffmem.engine.token_memories.LISTS.
+# A token's lists, in stored order: (ranked by, direction); as ffmem.engine.values.token_memories.LISTS.
 TOKEN_LISTS = (("logit", 1), ("logit", -1), ("prob", 1), ("prob", -1))
 # Another memory and its score (a neighbour's cosine, a weight-graph link's score): 10 B.
 SCORED_MEMORY = np.dtype([("layer", "<i2"), ("key", "<i4"), ("score", "<f4")])

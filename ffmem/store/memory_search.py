@@ -1,7 +1,7 @@
 """Keyword-only reads and writes for the two ways of finding memories that are not in `memory_reads`:
-full-vocabulary token search (a run's token → memories table, ffmem.engine.token_memories) and each
+full-vocabulary token search (a run's token → memories table, ffmem.engine.values.token_memories) and each
 memory's nearest memories by key and value direction with the random-pair baseline that says what near
-is (ffmem.engine.neighbours). No torch.
+is (ffmem.engine.relations.neighbours). No torch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def store_token_memories(
     *, session: Session, run_id: int, readout: str, memories: np.ndarray, scores: np.ndarray
 ) -> int:
     """Store one readout's token → memories table (memories and scores [vocab, lists, depth], row t the
-    token t; ffmem.engine.token_memories), replacing the readout's rows; returns the tokens stored."""
+    token t; ffmem.engine.values.token_memories), replacing the readout's rows; returns the tokens stored."""
     if readout not in memory_lists.READOUTS:
         raise ValueError(f"unknown readout {readout!r}; choose from {memory_lists.READOUTS}")
     table = TokenMemoryList.__table__
@@ -72,8 +72,8 @@ def store_neighbours(
 ) -> int:
     """Store each memory's nearest memories, replacing any the run had: `neighbours[kind]` is (indices,
     cosines), each [layers · keys, k], indices layer-major (layer · n_keys + key); `baselines[kind]`, per
-    layer (pairs, mean, p99) of random pairs' |cosine| (ffmem.engine.neighbours.Baseline). Returns rows
-    stored (one a memory, both kinds in it)."""
+    layer (pairs, mean, p99) of random pairs' |cosine| (ffmem.engine.relations.neighbours.Baseline). Returns
+    rows stored (one a memory, both kinds in it)."""
     if unknown := (set(neighbours) | set(baselines or {})) - set(NEIGHBOUR_KINDS):
         raise ValueError(f"unknown neighbour kind {sorted(unknown)[0]!r}; choose from {NEIGHBOUR_KINDS}")
     session.execute(delete(Neighbours).where(Neighbours.run_id == run_id))

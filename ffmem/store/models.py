@@ -343,7 +343,7 @@ class Shard(Base):
 
 
 class MinedLayerRow(Base):
-    """One layer of a mining state (ffmem.engine.mined_layer.MinedLayer as bytes), in one of two roles:
+    """One layer of a mining state (ffmem.engine.mining.mined_layer.MinedLayer as bytes), in one of two roles:
     a running shard's checkpoint (`shard` = the shard's index, ≥ 0), or the run's snapshot, the merge
     of its finished shards (`shard` = `SNAPSHOT`, −1: no shard has that index). The web reads both for
     provisional results while a run is mining; they are dropped once the run is stored."""
@@ -377,8 +377,8 @@ class Label(Base):
 
 
 class Analysis(Base):
-    """One of the paper's analyses computed on an index run (ffmem.engine.analyses): its per-layer numbers
-    (and per-key ones where it has them) as JSON, with the options it ran with and its cost."""
+    """One of the paper's analyses computed on an index run (ffmem.engine.paper.analyses): its per-layer
+    numbers (and per-key ones where it has them) as JSON, with the options it ran with and its cost."""
 
     __tablename__ = "analyses"
 
@@ -485,8 +485,8 @@ class NeighbourBaseline(Base):
 
 
 class MemoryLinks(Base):
-    """A memory's strongest links in its run's weight graph (ffmem.engine.weight_graph), computed once per
-    run from the weights: `inbound` lists the earlier memories whose values write most into its key,
+    """A memory's strongest links in its run's weight graph (ffmem.engine.relations.weight_graph), computed
+    once per run from the weights: `inbound` lists the earlier memories whose values write most into its key,
     `outbound` the later keys that read its value most (NULL: none that way). Each holds
     memory_lists.SCORED_MEMORY records (layer int16, key int32, score float32: 10 B), the largest |score|
     first; score > 0: a positive coefficient of the writer raises the reader's coefficient. One row a

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ffmem.engine.mined_layer import MinedLayer
+from ffmem.engine.mining.mined_layer import MinedLayer
 from ffmem.store import corpora, jobs, key_examples, memory_lists, memory_reads, models, shards
 from ffmem.store.key_examples import BandSample, QuadrantExample, StoredExamples
 from ffmem.store.memory_lists import TRIGGERS, Trigger, ValueToken

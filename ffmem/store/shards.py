@@ -30,7 +30,7 @@ class MiningProgress:
 
 def create_shards(*, session: Session, run_id: int, n_sentences: int, shard_sentences: int) -> None:
     """The run's shards, all pending: n = ⌈n_sentences / shard_sentences⌉ of them, shard k mining every
-    n-th of the run's mined sentences from the k-th (ffmem.engine.corpus.shard_members); [start, stop)
+    n-th of the run's mined sentences from the k-th (ffmem.engine.mining.corpus.shard_members); [start, stop)
     is its span when the shards' sentences are listed one shard after another."""
     moment = now()
     n_shards = -(-n_sentences // shard_sentences)

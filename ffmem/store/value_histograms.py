@@ -1,6 +1,6 @@
 """Each value's logits over the whole vocabulary, binned (the `value_histograms` table, one row per run,
 layer and key; numpy, no torch): what the key page's statistics panel draws. The index build computes
-them in the projection's pass (ffmem.engine.projection.ValueHistogram) and stores them with the value
+them in the projection's pass (ffmem.engine.values.projection.ValueHistogram) and stores them with the value
 tokens, so a run still mining shows them.
 
 A row's `data` is one `histogram_record(bins)` per readout, in READOUTS order (raw, then norm):

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
-from ffmem.engine.token_display import byte_form
+from ffmem.engine.values.token_display import byte_form
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.cache import ProcessCache, database_of
 from ffmem.store.models import LanguageModel, Token
@@ -59,7 +59,7 @@ _VOCABULARIES = ProcessCache(VOCABULARIES_KEPT)  # (database, model id, created_
 
 def vocabulary(*, session: Session, model_id: int) -> dict[int, str]:
     """Every stored token text of a model by token id, read once per process; a byte-level token that
-    is no whole character as its bytes, ⟨0x80⟩ (ffmem.engine.token_display.byte_form), not "�"."""
+    is no whole character as its bytes, ⟨0x80⟩ (ffmem.engine.values.token_display.byte_form), not "�"."""
     model = session.get(LanguageModel, model_id)
     if model is None:
         return {}

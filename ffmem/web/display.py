@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from markupsafe import Markup, escape
 
-from ffmem.engine.token_display import visible as visible  # shared with the explanations' wording
+from ffmem.engine.values.token_display import visible as visible  # shared with the explanations' wording
 
 
 def number(value: float | int | None, digits: int = 3) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session, object_session
 
-from ffmem.engine.model_names import slugify
+from ffmem.engine.model.model_names import slugify
 from ffmem.store import jobs, runs, shards
 from ffmem.store.models import Job, JobStatus, LanguageModel, Run, RunStatus
 from ffmem.store.results import has_results

@@ -1,7 +1,7 @@
-"""Full-vocabulary token search from a run's token → memories table (ffmem.engine.token_memories, computed
-at index time over every memory's whole readout): a query reads its tokens' rows (a few kilobytes each),
-merges their lists, and reads the shown memories' value lists for each token's rank there and the value's
-log Z. Nothing is kept in memory between queries, whatever the number of runs and memories; no torch.
+"""Full-vocabulary token search from a run's token → memories table (ffmem.engine.values.token_memories,
+computed at index time over every memory's whole readout): a query reads its tokens' rows (a few kilobytes
+each), merges their lists, and reads the shown memories' value lists for each token's rank there and the
+value's log Z. Nothing is kept in memory between queries, whatever the number of runs and memories; no torch.
 """
 
 from __future__ import annotations

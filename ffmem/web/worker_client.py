@@ -1,6 +1,6 @@
 """The web process's client of the live worker (ffmem/worker/live_server.py): every failure becomes an
 AppError that says what happened and what to do — the browse pages never depend on the worker. Answers
-are parsed into the models the worker answers with (ffmem/engine/trace_answer.py)."""
+are parsed into the models the worker answers with (ffmem/engine/live/trace_answer.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ffmem.engine.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
+from ffmem.engine.live.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
 from ffmem.web.errors import AppError, sentence
 
 Answer = TypeVar("Answer", bound=BaseModel)

@@ -3,10 +3,10 @@
 - "agreement" (Figs. 4, 5), from the stored key statistics: per layer, the share of keys whose value's
   top token is the token after their top trigger, and the distribution of that token's rank;
 - "census" (Figs. 7–11): the run's held-out sentences (ffmem.worker.held_out), one
-  random prefix each, through ffmem.engine.analyses.census;
+  random prefix each, through ffmem.engine.paper.analyses.census;
 - "token_removal" (Fig. 3): for a sample of keys per layer, their top trigger prefixes without their
-  first and without their last token (ffmem.engine.analyses.token_removal); per layer the mean changes, and
-  per sampled key (in key_stats, read with the key page's statistics) the mean changes and a
+  first and without their last token (ffmem.engine.paper.analyses.token_removal); per layer the mean changes,
+  and per sampled key (in key_stats, read with the key page's statistics) the mean changes and a
   shallowness score: the share of its coefficient that removing the last token takes away (0–1).
 """
 
@@ -23,9 +23,9 @@ import torch
 from sqlalchemy.orm import Session, sessionmaker
 from stop_words import get_stop_words
 
-from ffmem.engine.analyses import census, token_removal
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.loading import LoadedModel
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.paper.analyses import census, token_removal
 from ffmem.store import analyses, corpora, memory_reads, vocabularies
 from ffmem.store.models import Run, RunStatus
 from ffmem.store.specs import AnalysisSpec

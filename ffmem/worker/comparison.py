@@ -8,8 +8,8 @@ Per memory (b against a):
   corpora is then the same trigger when the key peaks at the same place in it);
 - the change of its statistics (b − a: mean coefficient, positive share, max and min coefficient,
   density);
-- the cosine of its key and of its value between the two runs' models (ffmem.engine.comparison: a gated
-  FF's key is its gate and up rows, compared apart and as their product), read from the weights: runs
+- the cosine of its key and of its value between the two runs' models (ffmem.engine.relations.comparison: a
+  gated FF's key is its gate and up rows, compared apart and as their product), read from the weights: runs
   store neither their keys nor their values, and storing them (2 × 106 MB of keys for SmolLM2-135M)
   for the few pairs anyone compares would cost more than loading the two models once here. The models
   are loaded one after the other (`weights(run_id)`), never both at once.
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 from sqlalchemy.orm import sessionmaker
 
-from ffmem.engine.comparison import MemoryWeights, overlap, weight_cosines
 from ffmem.engine.errors import FfmemError
+from ffmem.engine.relations.comparison import MemoryWeights, overlap, weight_cosines
 from ffmem.store import comparison, corpora
 from ffmem.store.models import Run
 

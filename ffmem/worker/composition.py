@@ -2,8 +2,8 @@
 composition step of `IndexPipeline.finish` calls `compose`; it also serves runs stored before, and
 bench/weight_graph.py):
 
-- the weight graph (ffmem.engine.weight_graph): for every memory the 10 earlier memories whose values
-  write most into its key and the 10 later keys that read its value most, from the weights alone;
+- the weight graph (ffmem.engine.relations.weight_graph): for every memory the 10 earlier memories whose
+  values write most into its key and the 10 later keys that read its value most, from the weights alone;
 - explanations (ffmem.worker.explanations): for every memory a short description read off the index,
   scored on the run's held-out sentences.
 
@@ -19,8 +19,8 @@ import httpx
 from sqlalchemy.orm import sessionmaker
 
 from ffmem.config import get_settings
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.weight_graph import TOP, weight_graph
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.relations.weight_graph import TOP, weight_graph
 from ffmem.store import analyses, composition
 from ffmem.worker.explanations import ExplanationOptions, store_explanations
 

@@ -20,7 +20,6 @@ from sqlalchemy.orm import sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import length_bucketed_batches
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.explanations import (
     START,
@@ -32,8 +31,9 @@ from ffmem.engine.explanations import (
     fit_pattern,
     previous_tokens,
 )
-from ffmem.engine.hooks import capture
-from ffmem.engine.loading import LoadedModel
+from ffmem.engine.mining.corpus import length_bucketed_batches
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
 from ffmem.store.key_examples import StoredExamples, layer_shading
 from ffmem.store.models import Run

@@ -1,7 +1,7 @@
 """The sentences a run did not mine, on which the analyses and the explanations' scores are measured.
 
 A run holds every `held_out_every`-th sentence of its corpus out of mining (its provenance says which:
-ffmem.engine.corpus.held_out_sentences), read back from the stored corpus. Sentences of the corpus's
+ffmem.engine.mining.corpus.held_out_sentences), read back from the stored corpus. Sentences of the corpus's
 source after those the run read (when it read fewer than the source holds: `--sentences`) were not mined
 either: they follow, read again from the source — all there is for a run that held none out.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from ffmem.engine.corpus import TokenizedSentence, held_out_sentences, read_corpus, tokenize
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.loading import LoadedModel
+from ffmem.engine.mining.corpus import TokenizedSentence, held_out_sentences, read_corpus, tokenize
+from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import corpora
 from ffmem.store.models import Run
 

@@ -3,10 +3,10 @@ shard (checkpointed in the database) and finish (shade → store the layers → 
 
 A worker (ffmem.worker.loop) takes each stage up as a step of the run's job: it prepares a queued
 job's run, mines any run's open shards and finishes runs whose shards are all done. Several workers on
-one Postgres share the shards (ffmem.store.shards), sized by the model (ffmem.engine.corpus.shard_size);
-each shard's running top-T is checkpointed in its row every `checkpoint_seconds` (or `checkpoint_batches`
-batches), so a killed worker loses at most that much, and the shards merge exactly into the
-single-worker result.
+one Postgres share the shards (ffmem.store.shards), sized by the model
+(ffmem.engine.mining.corpus.shard_size); each shard's running top-T is checkpointed in its row every
+`checkpoint_seconds` (or `checkpoint_batches` batches), so a killed worker loses at most that much, and the
+shards merge exactly into the single-worker result.
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import mined_from, mined_sentences, read_corpus, shard_size, tokenize
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.mined_layer import MinedLayer, histogram_edges
-from ffmem.engine.mining import MiningState, mine_batches, shard_batches
-from ffmem.engine.neighbours import memory_baselines, memory_neighbours
-from ffmem.engine.projection import project_layer, target_ranks
-from ffmem.engine.sentence_coefficients import sentence_coefficients
-from ffmem.engine.token_memories import TokenMemories
+from ffmem.engine.mining.batches import mine_batches, shard_batches
+from ffmem.engine.mining.corpus import mined_from, mined_sentences, read_corpus, shard_size, tokenize
+from ffmem.engine.mining.mined_layer import MinedLayer, histogram_edges
+from ffmem.engine.mining.sentence_coefficients import sentence_coefficients
+from ffmem.engine.mining.state import MiningState
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.relations.neighbours import memory_baselines, memory_neighbours
+from ffmem.engine.values.projection import project_layer, target_ranks
+from ffmem.engine.values.token_memories import TokenMemories
 from ffmem.store import (
     corpora,
     jobs,

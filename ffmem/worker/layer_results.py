@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from sqlalchemy.orm import Session
 
-from ffmem.engine.mining import MiningState
+from ffmem.engine.mining.state import MiningState
 from ffmem.store import memory_reads, memory_writes
 
 

@@ -25,14 +25,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from ffmem.engine.attribution_terms import target_tokens
-from ffmem.engine.circuit import HOPS, NODES, THRESHOLD, TOP, circuit
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.interventions import Intervention, parse_interventions
-from ffmem.engine.key_coefficients import key_coefficients
-from ffmem.engine.loading import LoadedModel, ModelLoadError, shared_model
-from ffmem.engine.trace import ablation, trace
-from ffmem.engine.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
+from ffmem.engine.live.attribution_terms import target_tokens
+from ffmem.engine.live.circuit import HOPS, NODES, THRESHOLD, TOP, circuit
+from ffmem.engine.live.interventions import Intervention, parse_interventions
+from ffmem.engine.live.key_coefficients import key_coefficients
+from ffmem.engine.live.trace import ablation, trace
+from ffmem.engine.live.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
+from ffmem.engine.model.loaded import LoadedModel, ModelLoadError
+from ffmem.engine.model.loading import shared_model
 
 log = logging.getLogger("ffmem.worker")
 Answer = TypeVar("Answer")
@@ -65,7 +66,7 @@ class TraceRequest(BaseModel):
 
 
 class CircuitRequest(BaseModel):
-    """A prompt's memory circuit (ffmem.engine.circuit): the prompt and target as a trace takes them."""
+    """A prompt's memory circuit (ffmem.engine.live.circuit): the prompt and target as a trace takes them."""
 
     model: str = Field(description="The model's source as indexed (LanguageModel.source).")
     text: str = Field(description="The prompt.")
@@ -302,12 +303,12 @@ def create_live_app(live: Live) -> FastAPI:
 
     @app.post("/trace")
     async def trace_prompt(request: TraceRequest) -> TraceAnswer:
-        """Trace one prompt (see ffmem.engine.trace)."""
+        """Trace one prompt (see ffmem.engine.live.trace)."""
         return await live.run(request.model, lambda loaded: live.trace(loaded, request))
 
     @app.post("/circuit")
     async def memory_circuit(request: CircuitRequest) -> CircuitAnswer:
-        """A prompt's memory circuit for one position and target (see ffmem.engine.circuit)."""
+        """A prompt's memory circuit for one position and target (see ffmem.engine.live.circuit)."""
         return await live.run(request.model, lambda loaded: live.circuit(loaded, request))
 
     @app.post("/coefficients")

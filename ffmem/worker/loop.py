@@ -22,9 +22,10 @@ from functools import partial
 
 from sqlalchemy.orm import sessionmaker
 
-from ffmem.engine.comparison import memory_weights
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.loading import LoadedModel, shared_model
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.model.loading import shared_model
+from ffmem.engine.relations.comparison import memory_weights
 from ffmem.store import jobs, shards
 from ffmem.store.jobs import Enqueued, JobKind, JobStatus, ShardStatus, StageProgress
 from ffmem.store.models import Job, Run, Shard

@@ -10,8 +10,8 @@ import torch
 import transformers
 from sqlalchemy.orm import Session
 
-from ffmem.engine.corpus import held_out_sentences
-from ffmem.engine.loading import LoadedModel
+from ffmem.engine.mining.corpus import held_out_sentences
+from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import runs, vocabularies
 from ffmem.store.specs import RunSpec
 
@@ -42,7 +42,8 @@ def provenance(loaded: LoadedModel, corpus, spec: RunSpec, shard_sentences: int)
 
 
 def _held_out_rule(n_sentences: int, every: int) -> str:
-    """Which sentences the run holds out of mining, in words (ffmem.engine.corpus.held_out_sentences)."""
+    """Which sentences the run holds out of mining, in words
+    (ffmem.engine.mining.corpus.held_out_sentences)."""
     if not every:
         return "none: every sentence read is mined"
     held = len(held_out_sentences(n_sentences, every))
@@ -53,7 +54,7 @@ def _held_out_rule(n_sentences: int, every: int) -> str:
 
 
 def _mined_positions(loaded: LoadedModel, first_position: bool) -> str:
-    """The run's position policy in words (ffmem.engine.corpus.mined_from)."""
+    """The run's position policy in words (ffmem.engine.mining.corpus.mined_from)."""
     if loaded.bos_prepended:
         where = f"from 1: the tokenizer puts {loaded.tokenizer.bos_token} first (never mined)"
     elif first_position:

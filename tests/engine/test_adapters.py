@@ -38,12 +38,12 @@ from transformers import (
 )
 from transformers.activations import ACT2FN
 
-from ffmem.engine.adapters import ADAPTERS, UnsupportedArchitecture, adapter_for
-from ffmem.engine.adapters.base import resolve
-from ffmem.engine.hooks import Captured, capture
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.projection import norm_parts, value_logits
-from ffmem.engine.trace import trace
+from ffmem.engine.live.trace import trace
+from ffmem.engine.model.adapters import ADAPTERS, UnsupportedArchitecture, adapter_for
+from ffmem.engine.model.adapters.base import resolve
+from ffmem.engine.model.hooks import Captured, capture
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.projection import norm_parts, value_logits
 
 VOCAB, D, D_FF, LAYERS, HEADS = 128, 32, 64, 2, 4
 BATCH, POS = 2, 6

@@ -1,16 +1,16 @@
-"""The §5 analyses (ffmem.engine.analyses.census) against a direct computation, prefix by prefix, with the
-live view's own trace as the reference for the readouts."""
+"""The §5 analyses (ffmem.engine.paper.analyses.census) against a direct computation, prefix by prefix, with
+the live view's own trace as the reference for the readouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ffmem.engine.analyses import census
-from ffmem.engine.cases import CASES
-from ffmem.engine.hooks import capture
-from ffmem.engine.projection import value_logits
-from ffmem.engine.trace import trace
+from ffmem.engine.live.trace import trace
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.paper.analyses import census
+from ffmem.engine.paper.cases import CASES
+from ffmem.engine.values.projection import value_logits
 
 PREFIXES = [
     "The capital of France is",
@@ -78,7 +78,7 @@ def test_census_equals_a_prefix_by_prefix_computation(tiny, batch):
 
 
 def test_token_removal_equals_single_forward_passes(tiny):
-    from ffmem.engine.analyses import token_removal
+    from ffmem.engine.paper.analyses import token_removal
 
     prefixes = [tiny.tokenizer(text).input_ids for text in PREFIXES[:4]] + [[7]]
     items = [
@@ -104,7 +104,7 @@ def test_token_removal_equals_single_forward_passes(tiny):
 
 def test_token_removal_batches_by_layer_and_stops_after_it(tiny):
     """Each batch holds one layer's prefixes; layers above it never run; progress is reported."""
-    from ffmem.engine.analyses import token_removal
+    from ffmem.engine.paper.analyses import token_removal
 
     prefixes = [tiny.tokenizer(text).input_ids for text in PREFIXES[:3]]
     items = [(0, 3, prefixes[0]), (1, 5, prefixes[1]), (0, 8, prefixes[2])]

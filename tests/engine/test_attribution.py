@@ -1,5 +1,5 @@
-"""Who pushes a token (ffmem.engine.attribution through ffmem.engine.trace) against a computation by hand:
-plain PyTorch hooks on the model's own modules record m (the input of the value projection), y (the
+"""Who pushes a token (ffmem.engine.live.attribution through ffmem.engine.live.trace) against a computation by
+hand: plain PyTorch hooks on the model's own modules record m (the input of the value projection), y (the
 FF's output), r and o at the position; contributions are m_i·(v_i·e_t) (raw) and m_i·(v_i·g_t) with
 g_t the final norm folded at the actual final residual (norm), written here from the norm's formula,
 apart from the engine. On the tiny gated Llama (RMSNorm, no biases) and a tiny GPT-2 (LayerNorm, FF
@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ffmem.engine.adapters import adapter_for
-from ffmem.engine.attribution_terms import is_veto, target_id
-from ffmem.engine.interventions import Intervention
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.trace import trace
+from ffmem.engine.live.attribution_terms import is_veto, target_id
+from ffmem.engine.live.interventions import Intervention
+from ffmem.engine.live.trace import trace
+from ffmem.engine.model.adapters import adapter_for
+from ffmem.engine.model.loaded import LoadedModel
 
 PROMPT = "The capital of France is Paris, a city on the Seine"
 

@@ -1,4 +1,5 @@
-"""A prompt's memory circuit (ffmem.engine.circuit) against computations written here, apart from the engine.
+"""A prompt's memory circuit (ffmem.engine.live.circuit) against computations written here, apart from the
+engine.
 
 1. Parity: every edge term m_j·(v_j·ρ_i) equals a recomputation from the HF modules' raw weights and the
    residuals captured by plain hooks, with ρ_i = J_N(x)ᵀ q_i: the FF's derivative q_i written from the
@@ -18,11 +19,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ffmem.engine.adapters import adapter_for
-from ffmem.engine.circuit import circuit
-from ffmem.engine.interventions import Intervention
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.trace import trace
+from ffmem.engine.live.circuit import circuit
+from ffmem.engine.live.interventions import Intervention
+from ffmem.engine.live.trace import trace
+from ffmem.engine.model.adapters import adapter_for
+from ffmem.engine.model.loaded import LoadedModel
 
 PROMPT = "The capital of France is Paris, a city on the Seine"
 GPT2_IDS = [3, 17, 5, 40, 9, 22, 11]
@@ -190,7 +191,7 @@ def test_edge_terms_equal_the_hand_computation(request, name, hops):
     m = {layer: seen["m"][layer][position].double() for layer in seen["m"]}
     x = {layer: seen["x"][layer][position].double() for layer in seen["x"]}
 
-    # Hop 0: the attribution's five largest |c| (ffmem.engine.attribution, checked by its own tests).
+    # Hop 0: the attribution's five largest |c| (ffmem.engine.live.attribution, checked by its own tests).
     attribution = trace(loaded, ids, position, readout="norm", memories=5).attribution
     assert found.target == attribution.target and found.logit == pytest.approx(attribution.logit)
     pushing = sorted(attribution.promoters + attribution.suppressors, key=lambda c: -abs(c.contribution))[:5]

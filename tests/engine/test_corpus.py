@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ffmem.engine.corpus import CorpusError, read_corpus, tokenize
-from ffmem.engine.text_files import MAX_LINE_CHARS
+from ffmem.engine.mining.corpus import CorpusError, read_corpus, tokenize
+from ffmem.engine.mining.text_files import MAX_LINE_CHARS
 
 USE = "pass wiki-vital, a UTF-8 .txt file or a .jsonl file"
 
@@ -185,7 +185,7 @@ def test_tokenize_offsets_cover_the_text_and_truncate(tiny):
 
 
 def test_held_out_sentences_are_every_nth_and_never_mined():
-    from ffmem.engine.corpus import held_out_sentences, mined_sentences
+    from ffmem.engine.mining.corpus import held_out_sentences, mined_sentences
 
     assert held_out_sentences(25, 10) == [9, 19] and held_out_sentences(25, 0) == []
     mined = mined_sentences(25, 10)
@@ -194,7 +194,7 @@ def test_held_out_sentences_are_every_nth_and_never_mined():
 
 
 def test_each_shard_spans_the_corpus_and_the_shards_partition_it():
-    from ffmem.engine.corpus import mined_sentences, shard_members
+    from ffmem.engine.mining.corpus import mined_sentences, shard_members
 
     mined = mined_sentences(1000, 10)  # 900 sentences, 4 shards of at most 256
     shards = [shard_members(mined, shard, 256) for shard in range(4)]
@@ -203,7 +203,7 @@ def test_each_shard_spans_the_corpus_and_the_shards_partition_it():
 
 
 def test_a_shard_is_sized_by_the_model_unless_given():
-    from ffmem.engine.corpus import MIN_SHARD_SENTENCES, SHARD_TOKENS_PER_MEMORY, shard_size
+    from ffmem.engine.mining.corpus import MIN_SHARD_SENTENCES, SHARD_TOKENS_PER_MEMORY, shard_size
 
     corpus = {"corpus_tokens": 1_050_056, "corpus_sentences": 36_518}  # the default corpus: 28.75 tokens each
     assert shard_size(8, memories=458_752, **corpus) == 8  # given: as given

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ffmem.engine import mining
-from ffmem.engine.corpus import Batch
-from ffmem.engine.mining import MiningState
+from ffmem.engine.mining import state as mining
+from ffmem.engine.mining.corpus import Batch
+from ffmem.engine.mining.state import MiningState
 
 N_BINS, ZERO_BIN = 43, 21  # the documented histogram (mined_layer.histogram_edges)
 SAMPLES = 2  # band samples per key and bin
@@ -236,11 +236,11 @@ def test_the_fold_of_a_batch_never_reads_a_value_back_to_the_host(gated):
 
 
 def test_the_first_of_a_stable_sort_by_comparisons_equals_torch_sort():
-    from ffmem.engine.mining import _first_of_stable_sort
+    from ffmem.engine.mining.order import first_of_stable_sort
 
     rng = np.random.default_rng(5)
     for n, k in ((4, 2), (6, 3), (1, 1), (8, 8)):
         values = torch.from_numpy(rng.integers(0, 4, size=(50, 7, n)))  # [rows, cells, n]: many ties
         values[0, 0] = EMPTY  # every entry the empty key: the kept ones stay first
         expected = values.sort(dim=-1, stable=True).indices[..., :k]  # [rows, cells, k]
-        assert torch.equal(_first_of_stable_sort(values, k), expected)
+        assert torch.equal(first_of_stable_sort(values, k), expected)

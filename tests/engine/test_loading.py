@@ -18,19 +18,12 @@ from safetensors.torch import save_file, save_model
 from tiny_models import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ffmem.engine import loading
-from ffmem.engine.loading import (
-    LoadedModel,
-    ModelLoadError,
-    check_answer,
-    combined_checksum,
-    load_model,
-    resolve_dtype,
-    shared_model,
-    slugify,
-    tensor_checksums,
-    weights_sha256,
-)
+from ffmem.engine.model import loading
+from ffmem.engine.model.checks import check_answer
+from ffmem.engine.model.checksums import combined_checksum, tensor_checksums, weights_sha256
+from ffmem.engine.model.loaded import LoadedModel, ModelLoadError, resolve_dtype
+from ffmem.engine.model.loading import load_model, shared_model
+from ffmem.engine.model.model_names import slugify
 
 
 def test_local_folder_loads_with_its_adapter(tiny, tiny_model_dir):

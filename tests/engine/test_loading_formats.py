@@ -13,8 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from ffmem.engine import loading
-from ffmem.engine.loading import ModelLoadError, check_fits, free_memory, load_model, parameter_count
+from ffmem.engine.model import fit, loading
+from ffmem.engine.model.fit import check_fits, free_memory, parameter_count
+from ffmem.engine.model.loaded import ModelLoadError
+from ffmem.engine.model.loading import load_model
 
 PROMPT = "The capital of France is"
 INDEX = "model.safetensors.index.json"
@@ -188,7 +190,7 @@ def test_free_memory_of_the_cpu_is_read():
 
 def test_a_model_that_does_not_fit_the_ram_is_refused_with_the_numbers(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(loading, "parameter_count", lambda target: 8_030_261_248)
-    monkeypatch.setattr(loading, "free_memory", lambda device: 9_800_000_000)
+    monkeypatch.setattr(fit, "free_memory", lambda device: 9_800_000_000)
     monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", pytest.fail)  # refused before
     source = str(tiny_model_dir)
     with pytest.raises(ModelLoadError) as error:
@@ -207,7 +209,7 @@ def test_a_model_that_does_not_fit_the_ram_is_refused_with_the_numbers(tiny_mode
 
 def test_a_model_that_does_not_fit_the_gpu_is_refused_with_the_numbers(monkeypatch):
     free = {"cuda": 9_800_000_000, "cpu": 100_000_000_000}
-    monkeypatch.setattr(loading, "free_memory", lambda device: free[device.type])
+    monkeypatch.setattr(fit, "free_memory", lambda device: free[device.type])
     gpu = torch.device("cuda", 0)
     with pytest.raises(ModelLoadError) as error:
         check_fits("meta-llama/Llama-3.1-8B", 8_030_261_248, gpu, torch.bfloat16, torch.bfloat16)
@@ -229,8 +231,8 @@ def test_a_model_that_does_not_fit_the_gpu_is_refused_with_the_numbers(monkeypat
 
 def test_a_model_that_fits_loads(tiny, tiny_model_dir, monkeypatch):
     needed = sum(p.numel() for p in tiny.model.parameters()) * 4  # float32
-    monkeypatch.setattr(loading, "free_memory", lambda device: needed)
+    monkeypatch.setattr(fit, "free_memory", lambda device: needed)
     assert load_model(str(tiny_model_dir), device="cpu").weights_sha256 == tiny.weights_sha256
-    monkeypatch.setattr(loading, "free_memory", lambda device: needed - 1)
+    monkeypatch.setattr(fit, "free_memory", lambda device: needed - 1)
     with pytest.raises(ModelLoadError, match=r"needs ~0\.\d MB in float32; this machine has 0\.\d MB"):
         load_model(str(tiny_model_dir), device="cpu")

@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from ffmem.engine.mined_layer import FORMAT_VERSION, MinedFormatError, MinedLayer, empty_samples
+from ffmem.engine.mining.mined_layer import FORMAT_VERSION, MinedFormatError, MinedLayer, empty_samples
 
 
 def _layer(keys: int = 3, top: int = 2) -> MinedLayer:

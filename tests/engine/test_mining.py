@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
-from ffmem.engine.corpus import length_bucketed_batches, mined_from
-from ffmem.engine.hooks import capture
-from ffmem.engine.mined_layer import EMPTY_SAMPLE, SAMPLES, MinedLayer
-from ffmem.engine.mining import MiningState, histogram_bins, histogram_edges, mine_batches, shard_batches
+from ffmem.engine.mining.batches import mine_batches, shard_batches
+from ffmem.engine.mining.bins import histogram_bins
+from ffmem.engine.mining.corpus import length_bucketed_batches, mined_from
+from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, SAMPLES, MinedLayer, histogram_edges
+from ffmem.engine.mining.state import MiningState
+from ffmem.engine.model.hooks import capture
 
 TOP_K = 5
 

@@ -21,18 +21,13 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ffmem.engine import loading
-from ffmem.engine.loading import (
-    CACHE_FORMAT,
-    KNOWN,
-    LoadedModel,
-    ModelLoadError,
-    dequantized_folder,
-    embedded_gguf,
-    load_model,
-    sha256_file,
-    slugify,
-)
+from ffmem.engine.model import loading
+from ffmem.engine.model.checksums import sha256_file
+from ffmem.engine.model.gguf_cache import CACHE_FORMAT, dequantized_folder
+from ffmem.engine.model.known import KNOWN, embedded_gguf
+from ffmem.engine.model.loaded import LoadedModel, ModelLoadError
+from ffmem.engine.model.loading import load_model
+from ffmem.engine.model.model_names import slugify
 
 
 # -- the protocol, with a tiny model standing in for the GGUF ---------------------------------------------
@@ -141,7 +136,7 @@ def _change_weights(source: Path, target: Path, change) -> None:
 # -- the real embedded model --------------------------------------------------------------------------
 LOAD_IN_A_PROCESS = """
 import json, sys
-from ffmem.engine.loading import load_model
+from ffmem.engine.model.loading import load_model
 loaded = load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=sys.argv[1])
 print("RESULT " + json.dumps({"weights_sha256": loaded.weights_sha256}), flush=True)
 """

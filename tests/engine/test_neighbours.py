@@ -1,6 +1,6 @@
-"""Memory neighbours (ffmem.engine.neighbours) equal a brute-force cosine over every pair of memories:
-on the tiny gated Llama (keys: the cosine of the flattened g·uᵀ forms), on a plain-FF model, and with
-blocks smaller than the matrix so the symmetric block merge is exercised."""
+"""Memory neighbours (ffmem.engine.relations.neighbours) equal a brute-force cosine over every pair of
+memories: on the tiny gated Llama (keys: the cosine of the flattened g·uᵀ forms), on a plain-FF model, and
+with blocks smaller than the matrix so the symmetric block merge is exercised."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_adapters import CASES, _tiny
 
-from ffmem.engine.adapters import adapter_for
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.neighbours import (
+from ffmem.engine.model.adapters import adapter_for
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.relations.neighbours import (
     BASELINE_PAIRS,
     baseline_pairs,
     key_factors,

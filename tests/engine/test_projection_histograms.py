@@ -1,5 +1,5 @@
-"""Each value's logit histogram over the whole vocabulary (ffmem.engine.projection, in the projection's pass)
-against numpy's histogram of logits computed apart from ffmem.engine, in float64 from the Hugging Face
+"""Each value's logit histogram over the whole vocabulary (ffmem.engine.values.projection, in the projection's
+pass) against numpy's histogram of logits computed apart from ffmem.engine, in float64 from the Hugging Face
 modules' weights: v_i·Eᵀ (raw) and lm_head(final_norm(v_i)) (norm), for every key of every layer of the
 tiny Llama (RMSNorm, untied) and of a tiny GPT-2 (LayerNorm with a bias, tied embeddings). The compiled
 CPU count and the torch count (other devices) give the same bins."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from test_adapters import CASES, _tiny
 
-from ffmem.engine.adapters import adapter_for
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.projection import (
+from ffmem.engine.model.adapters import adapter_for
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.projection import (
     HISTOGRAM_BINS,
     READOUTS,
     _histogram_compiled,

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ffmem.engine import mining
-from ffmem.engine.corpus import Batch
-from ffmem.engine.mined_layer import MinedLayer
-from ffmem.engine.mining import MiningState, mine_batches, shard_batches
+from ffmem.engine.mining import state as mining
+from ffmem.engine.mining.batches import mine_batches, shard_batches
+from ffmem.engine.mining.corpus import Batch
+from ffmem.engine.mining.mined_layer import MinedLayer
+from ffmem.engine.mining.state import MiningState
 
 E = 8  # examples kept per quadrant (mined_layer.QUADRANT_EXAMPLES)
 SIGN = (1, -1, -1, 1)  # m's sign in quadrants pp, pn, np, nn

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from ffmem.engine.sentence_coefficients import sentence_coefficients
+from ffmem.engine.mining.sentence_coefficients import sentence_coefficients
 
 
 def down_proj_inputs(tiny, ids: list[int]) -> dict[int, torch.Tensor]:

@@ -1,7 +1,7 @@
-"""The token → memories table (ffmem.engine.token_memories) against a brute-force ranking of every memory's
-full readout (numpy argsort over all logits, in float64): for each family and readout, every token's four
-lists (by logit and by probability, promoting and suppressing) hold the memories and scores the brute force
-gives, whatever the chunk of values the projection reads, on the CPU's compiled pass and on the torch
+"""The token → memories table (ffmem.engine.values.token_memories) against a brute-force ranking of every
+memory's full readout (numpy argsort over all logits, in float64): for each family and readout, every token's
+four lists (by logit and by probability, promoting and suppressing) hold the memories and scores the brute
+force gives, whatever the chunk of values the projection reads, on the CPU's compiled pass and on the torch
 merge the GPU runs; a depth past the memories leaves empty slots."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_adapters import CASES, _tiny
 
-from ffmem.engine.adapters import adapter_for
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.projection import READOUTS, project_layer, value_logits
-from ffmem.engine.token_memories import LISTS, TokenMemories
+from ffmem.engine.model.adapters import adapter_for
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.projection import READOUTS, project_layer, value_logits
+from ffmem.engine.values.token_memories import LISTS, TokenMemories
 from ffmem.store.memory_lists import TOKEN_LISTS
 
 

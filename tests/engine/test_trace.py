@@ -12,17 +12,17 @@ import pytest
 import torch
 from hand_trace import trace_by_hand
 
-from ffmem.engine.cases import case_of
-from ffmem.engine.edited_forward import generate, intervene
-from ffmem.engine.hooks import capture
-from ffmem.engine.interventions import (
+from ffmem.engine.live.edited_forward import generate, intervene
+from ffmem.engine.live.interventions import (
     Intervention,
     InterventionError,
     format_interventions,
     parse_interventions,
 )
-from ffmem.engine.projection import value_logits
-from ffmem.engine.trace import LayerReading, ablation, trace
+from ffmem.engine.live.trace import LayerReading, ablation, trace
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.paper.cases import case_of
+from ffmem.engine.values.projection import value_logits
 
 PROMPT = "The capital of France is Paris, a city on the Seine"
 TOL = 1e-4

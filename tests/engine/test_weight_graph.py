@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ffmem.engine.adapters import adapter_for
-from ffmem.engine.loading import LoadedModel
-from ffmem.engine.weight_graph import top_per_column, weight_graph
+from ffmem.engine.model.adapters import adapter_for
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.relations.weight_graph import top_per_column, weight_graph
 
 N = 10
 

@@ -95,7 +95,7 @@ def test_the_shading_of_many_sentences_at_once_equals_one_at_a_time():
 
 
 def test_a_layers_band_samples_packed_at_once_read_back_as_each_keys():
-    from ffmem.engine.mined_layer import EMPTY_SAMPLE, MinedLayer
+    from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, MinedLayer
     from ffmem.store.key_examples import decode_bands, layer_bands, samples_of
 
     rng = np.random.default_rng(3)

@@ -29,9 +29,22 @@ SKIPPED = ("/static/", "/docs", "/openapi.json", "/login", "/logout")
 UNCOMPARED = re.compile(r"(_at|seconds|^duration.*|^took|^timings|^started|^finished|^random)$")
 # Every page of the explorer (its numbers left out) but the login form and the circuit, which needs a worker.
 PAGES = {
-    "/", "/corpora", "/jobs", "/jobs/N", "/m/M", "/m/M/analysis", "/m/M/compare", "/m/M/labels",
-    "/m/M/layers/N", "/m/M/layers/N/keys/N", "/m/M/layers/N/keys/N/ablation", "/m/M/layers/N/keys/N/related",
-    "/m/M/layers/N/keys/N/samples", "/m/M/layers/N/keys/N/quadrants/pp", "/m/M/search", "/m/M/trace",
+    "/",
+    "/corpora",
+    "/jobs",
+    "/jobs/N",
+    "/m/M",
+    "/m/M/analysis",
+    "/m/M/compare",
+    "/m/M/labels",
+    "/m/M/layers/N",
+    "/m/M/layers/N/keys/N",
+    "/m/M/layers/N/keys/N/ablation",
+    "/m/M/layers/N/keys/N/related",
+    "/m/M/layers/N/keys/N/samples",
+    "/m/M/layers/N/keys/N/quadrants/pp",
+    "/m/M/search",
+    "/m/M/trace",
 }
 # Seeds the crawl cannot reach by links: searches typed into a form, URLs typed by hand, pages past the end.
 SEEDS = [

@@ -420,7 +420,7 @@ def test_a_corpus_path_that_does_not_exist_is_refused_at_once(app, client, tmp_p
 def test_a_corpus_gone_before_the_worker_reads_it_fails_its_job_readably(app, client, tiny, tmp_path):
     """The server checks the path when the job is queued; a worker that cannot read it later (the file
     removed, or not on the worker's machine) fails the job with the reason, shown on the job's page."""
-    from ffmem.engine.corpus import CorpusError
+    from ffmem.engine.mining.corpus import CorpusError
     from ffmem.worker.index import IndexOptions
     from ffmem.worker.loop import Worker
 

@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from markupsafe import escape
 
 from ffmem.config import Settings
-from ffmem.engine.circuit import circuit
-from ffmem.engine.interventions import Intervention
-from ffmem.engine.trace_answer import CircuitAnswer, CircuitEdgeAnswer, CircuitNodeAnswer
+from ffmem.engine.live.circuit import circuit
+from ffmem.engine.live.interventions import Intervention
+from ffmem.engine.live.trace_answer import CircuitAnswer, CircuitEdgeAnswer, CircuitNodeAnswer
 from ffmem.store import memory_reads
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker

@@ -18,7 +18,7 @@ from sqlalchemy import delete, update
 from synthetic_index import HISTOGRAM_BINS, Shape, layer_arrays, sentence_tokens, write_run
 
 from ffmem.config import Settings
-from ffmem.engine.mined_layer import histogram_edges
+from ffmem.engine.mining.mined_layer import histogram_edges
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Token, ValueHistogram
 from ffmem.web.charts import label

@@ -16,12 +16,18 @@ from markupsafe import escape
 from sqlalchemy import select
 
 from ffmem.config import Settings
-from ffmem.engine.cases import CASES
-from ffmem.engine.edited_forward import intervene
-from ffmem.engine.interventions import Intervention
-from ffmem.engine.token_display import byte_form
-from ffmem.engine.trace import trace
-from ffmem.engine.trace_answer import ForwardFigures, LayerAnswer, LayerFigures, MemoryAnswer, TraceAnswer
+from ffmem.engine.live.edited_forward import intervene
+from ffmem.engine.live.interventions import Intervention
+from ffmem.engine.live.trace import trace
+from ffmem.engine.live.trace_answer import (
+    ForwardFigures,
+    LayerAnswer,
+    LayerFigures,
+    MemoryAnswer,
+    TraceAnswer,
+)
+from ffmem.engine.paper.cases import CASES
+from ffmem.engine.values.token_display import byte_form
 from ffmem.store import memory_reads
 from ffmem.store.models import Run, Sentence, Token
 from ffmem.web.display import visible
@@ -218,7 +224,7 @@ def test_with_edits_every_figure_is_the_edited_pass_with_the_unedited_beside(cli
 
 
 def test_the_worker_answers_the_one_contract(live, tiny_model_dir):
-    """Issue 14: the worker answers TraceAnswer and AblationAnswer (ffmem/engine/trace_answer.py), the
+    """Issue 14: the worker answers TraceAnswer and AblationAnswer (ffmem/engine/live/trace_answer.py), the
     models the web process parses; its OpenAPI document says so."""
     worker = TestClient(create_live_app(live), base_url="http://worker")
     request = {"model": str(tiny_model_dir), "text": PROMPT, "memories": 2, "interventions": EDITS}

@@ -9,9 +9,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import mined_from
-from ffmem.engine.mining import MiningState, mine_batches, shard_batches
-from ffmem.engine.model_names import slugify
+from ffmem.engine.mining.batches import mine_batches, shard_batches
+from ffmem.engine.mining.corpus import mined_from
+from ffmem.engine.mining.state import MiningState
+from ffmem.engine.model.model_names import slugify
 from ffmem.store import jobs
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.key_examples import samples_of

@@ -15,7 +15,7 @@ from tiny_models import TRAINING_TEXT, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ffmem.config import Settings
-from ffmem.engine.corpus import mined_sentences
+from ffmem.engine.mining.corpus import mined_sentences
 from ffmem.store import corpora
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Corpus, Job, KeyExamples, KeyStats, LanguageModel

@@ -12,8 +12,8 @@ import torch
 from explorer_index import HOSTILE
 from sqlalchemy import delete, func, insert, select
 
-from ffmem.engine.neighbours import BASELINE_PAIRS, baseline_pairs
-from ffmem.engine.projection import value_logits
+from ffmem.engine.relations.neighbours import BASELINE_PAIRS, baseline_pairs
+from ffmem.engine.values.projection import value_logits
 from ffmem.store import memory_reads
 from ffmem.store.models import LanguageModel, NeighbourBaseline, Neighbours, Sentence, Token, TokenMemoryList
 from ffmem.web.lookups import model_or_404

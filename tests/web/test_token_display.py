@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from ffmem.engine.explanations import Pattern, describe, quoted
-from ffmem.engine.token_display import byte_alphabet, byte_form, piece_bytes, visible
+from ffmem.engine.values.token_display import byte_alphabet, byte_form, piece_bytes, visible
 from ffmem.store import vocabularies
 from ffmem.store.models import LanguageModel, Token
 

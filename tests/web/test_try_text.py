@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from markupsafe import escape
 
 from ffmem.config import Settings
-from ffmem.engine.hooks import capture
-from ffmem.engine.trace_answer import CoefficientsAnswer
+from ffmem.engine.live.trace_answer import CoefficientsAnswer
+from ffmem.engine.model.hooks import capture
 from ffmem.store import memory_reads
 from ffmem.store.models import Run
 from ffmem.web.main import create_app

@@ -1,5 +1,6 @@
 """`ffmem analyze` on a tiny index whose corpus holds more sentences than the run mined: every stored
-number equals ffmem.engine.analyses on the same held-out prefixes and trigger prefixes, or a direct count."""
+number equals ffmem.engine.paper.analyses on the same held-out prefixes and trigger prefixes, or a direct
+count."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from sqlalchemy import func, select
 from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
-from ffmem.engine.analyses import census, token_removal
-from ffmem.engine.corpus import tokenize
+from ffmem.engine.mining.corpus import tokenize
+from ffmem.engine.paper.analyses import census, token_removal
 from ffmem.store import corpora, memory_reads
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Analysis, Job, KeyStats, Run

@@ -11,8 +11,8 @@ from explorer_index import EXPLORER_SENTENCES
 from transformers import LlamaForCausalLM
 
 from ffmem.config import Settings
-from ffmem.engine.comparison import overlap
 from ffmem.engine.errors import FfmemError
+from ffmem.engine.relations.comparison import overlap
 from ffmem.store import comparison
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Comparison, Job, JobStatus, KeyChange, Run

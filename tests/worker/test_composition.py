@@ -14,8 +14,8 @@ from sqlalchemy import select
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ffmem.config import Settings
-from ffmem.engine.loading import load_model
-from ffmem.engine.weight_graph import weight_graph
+from ffmem.engine.model.loading import load_model
+from ffmem.engine.relations.weight_graph import weight_graph
 from ffmem.store import composition
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Analysis, Explanation, MemoryLinks

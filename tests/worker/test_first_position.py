@@ -14,7 +14,7 @@ from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
-from ffmem.engine.hooks import capture
+from ffmem.engine.model.hooks import capture
 from ffmem.store import memory_reads
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Job, JobKind, KeyStats, Run, Sentence

@@ -12,10 +12,10 @@ from tiny_models import TRAINING_TEXT, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ffmem.config import Settings
-from ffmem.engine import mining
-from ffmem.engine.corpus import mined_from
-from ffmem.engine.hooks import capture
-from ffmem.engine.projection import value_logits
+from ffmem.engine.mining import batches as mining
+from ffmem.engine.mining.corpus import mined_from
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.values.projection import value_logits
 from ffmem.store import corpora, memory_reads, memory_search, runs, vocabularies
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Job, KeyStats, MemoryList, MinedLayerRow, Run, RunStatus, Sentence, Shard

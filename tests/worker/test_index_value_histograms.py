@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy import func, select
 
-from ffmem.engine.projection import HISTOGRAM_BINS, project_layer
+from ffmem.engine.values.projection import HISTOGRAM_BINS, project_layer
 from ffmem.store import value_histograms
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import ValueHistogram

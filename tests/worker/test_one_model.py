@@ -15,7 +15,7 @@ from sqlalchemy import select
 from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
-from ffmem.engine.loading import ModelLoadError
+from ffmem.engine.model.loaded import ModelLoadError
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Job, Run
 from ffmem.worker.index import IndexOptions

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ffmem.config import Settings
-from ffmem.engine.cases import CASES
+from ffmem.engine.paper.cases import CASES
 from ffmem.store import jobs
 from ffmem.store.models import Analysis, LanguageModel, Run
 from ffmem.store.specs import AnalysisSpec

@@ -1,6 +1,6 @@
 """The live view's attribution: who pushes the target token at the selected position, in the pass the
-page shows — each memory's direct contribution to its logit (ffmem.engine.attribution), the veto marks, and
-which token a typed target is."""
+page shows — each memory's direct contribution to its logit (ffmem.engine.live.attribution), the veto marks,
+and which token a typed target is."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from ffmem.engine.attribution_terms import is_veto, target_id
-from ffmem.engine.trace_answer import AttributionAnswer, ContributionAnswer, MemoryAnswer
+from ffmem.engine.live.attribution_terms import is_veto, target_id
+from ffmem.engine.live.trace_answer import AttributionAnswer, ContributionAnswer, MemoryAnswer
 from ffmem.store import vocabularies
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls
@@ -19,7 +19,7 @@ from ffmem.web.views import TokenRef
 
 
 class AttributedMemory(BaseModel):
-    """One memory's direct contribution to the target's logit (ffmem.engine.attribution)."""
+    """One memory's direct contribution to the target's logit (ffmem.engine.live.attribution)."""
 
     layer: int
     key: int
@@ -32,7 +32,7 @@ class AttributedMemory(BaseModel):
         description="The top token of sign(m)·v under the readout (None: the index has none)"
     )
     veto: bool = Field(
-        description="A veto case (ffmem.engine.attribution_terms): it pushes the target, its layer "
+        description="A veto case (ffmem.engine.live.attribution_terms): it pushes the target, its layer "
         "pushes it down."
     )
     url: str = Field(description="The key page.")
@@ -135,7 +135,7 @@ def attribution_view(
     circuit_url: str,
 ) -> AttributionView:
     """The attribution named with the index: each memory's own top token (the first of its signed value
-    tokens), the veto marks (ffmem.engine.attribution_terms.is_veto), which token a typed target is and
+    tokens), the veto marks (ffmem.engine.live.attribution_terms.is_veto), which token a typed target is and
     its `other` spelling (`retarget`: the same trace with another token as its target); `circuit_url`: its
     memory circuit."""
     sums = {layer.layer: layer.memories_sum for layer in answer.layers}

@@ -1,5 +1,5 @@
 """The live view's memory circuit: for the selected position and target, the memories that push the target
-most and the earlier memories that fed their coefficients on this prompt (ffmem.engine.circuit, asked of
+most and the earlier memories that fed their coefficients on this prompt (ffmem.engine.live.circuit, asked of
 the live worker), each named with its value's own top token from the index and linked to its key page."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from ffmem.engine.interventions import format_interventions
-from ffmem.engine.trace_answer import CircuitEdgeAnswer, CircuitNodeAnswer
+from ffmem.engine.live.interventions import format_interventions
+from ffmem.engine.live.trace_answer import CircuitEdgeAnswer, CircuitNodeAnswer
 from ffmem.store import memory_reads, vocabularies
 from ffmem.web import urls
 from ffmem.web.pages.trace import PromptToken, value_run
@@ -18,7 +18,7 @@ from ffmem.web.worker_client import LiveWorker
 
 
 class CircuitOptions(BaseModel):
-    """How much of the circuit is kept (ffmem.engine.circuit)."""
+    """How much of the circuit is kept (ffmem.engine.live.circuit)."""
 
     nodes: int = Field(description="Memories that push the target most (hop 0), by |contribution|.")
     top: int = Field(description="Upstream memories kept per memory, by |term|.")

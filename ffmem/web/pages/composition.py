@@ -18,8 +18,8 @@ class LinkView(BaseModel):
     layer: int
     key: int
     score: float = Field(
-        description="v_writer · r_reader (ffmem.engine.weight_graph): > 0, a positive writer raises "
-        "the reader."
+        description="v_writer · r_reader (ffmem.engine.relations.weight_graph): > 0, a positive writer "
+        "raises the reader."
     )
     url: str
     explanation: str | None = Field(

@@ -1,6 +1,6 @@
 """Corpora from the browser: an uploaded text or JSONL file is checked as the CLI's corpus reader checks
-one (ffmem/engine/text_files.py: a binary or empty file is refused saying why; lines that cannot be used
-are skipped and counted by reason) and kept under `Settings.upload_dir` with its counts beside it; the
+one (ffmem/engine/mining/text_files.py: a binary or empty file is refused saying why; lines that cannot be
+used are skipped and counted by reason) and kept under `Settings.upload_dir` with its counts beside it; the
 corpora page lists it with the bundled corpus and those the database holds.
 
 An upload is kept as `<sha256[:12]>-<name>` (the same file twice is one file) plus `….json` (its counts),
@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ffmem.config import Settings
-from ffmem.engine.text_files import CorpusError, corpus_file, text_lines
+from ffmem.engine.mining.text_files import CorpusError, corpus_file, text_lines
 from ffmem.store import corpora
 from ffmem.web.errors import AppError, sentence
 from ffmem.web.security import upload_too_large
@@ -54,7 +54,9 @@ class CorpusFileView(BaseModel):
     size: int = Field(description="Bytes.")
     sha256: str
     lines: int = Field(description='Usable lines (JSONL: records with a "text").')
-    skipped: dict[str, int] = Field(description="Lines skipped, by reason (ffmem/engine/text_files.py).")
+    skipped: dict[str, int] = Field(
+        description="Lines skipped, by reason (ffmem/engine/mining/text_files.py)."
+    )
     uploaded_at: Moment
 
 

@@ -26,7 +26,8 @@ class Neighbour(BaseModel):
 
 
 class NeighbourBaseline(BaseModel):
-    """What random pairs reach: a memory of this layer and any other memory (ffmem.engine.neighbours)."""
+    """What random pairs reach: a memory of this layer and any other memory
+    (ffmem.engine.relations.neighbours)."""
 
     pairs: int = Field(description="Random pairs sampled (fixed, seeded).")
     mean: float = Field(description="Their mean |cosine|.")
@@ -36,7 +37,8 @@ class NeighbourBaseline(BaseModel):
 
 
 class MemoryNeighbours(BaseModel):
-    """A memory's nearest memories across all layers (ffmem.engine.neighbours), the highest cosine first."""
+    """A memory's nearest memories across all layers (ffmem.engine.relations.neighbours), the highest cosine
+    first."""
 
     gated: bool = Field(
         description="Key cosine = cos(gate) · cos(up) (the cosine of g·uᵀ); else the cosine of the keys."

@@ -1,6 +1,6 @@
 """The live view: a trace answered by the live worker, named with the index's tokens.
 
-The worker answers a TraceAnswer (ffmem/engine/trace_answer.py) of token ids; the database gives their
+The worker answers a TraceAnswer (ffmem/engine/live/trace_answer.py) of token ids; the database gives their
 texts and, from the newest run that has projected its values, each listed memory's value tokens (its top
 tokens for m > 0, its bottom tokens for m < 0: a negative coefficient flips the value). With edits, the
 figures are those of the edited forward pass, each layer's unedited figures beside them. The attribution
@@ -13,9 +13,9 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from ffmem.engine.cases import CASES
-from ffmem.engine.interventions import Intervention, format_interventions
-from ffmem.engine.trace_answer import LayerFigures
+from ffmem.engine.live.interventions import Intervention, format_interventions
+from ffmem.engine.live.trace_answer import LayerFigures
+from ffmem.engine.paper.cases import CASES
 from ffmem.store import jobs, memory_reads, runs, vocabularies
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import urls

@@ -5,14 +5,14 @@ checks a trace's input passes before the live worker is asked.
 
 from __future__ import annotations
 
-from ffmem.engine.attribution_terms import TARGET_CHARS
-from ffmem.engine.interventions import (
+from ffmem.engine.live.attribution_terms import TARGET_CHARS
+from ffmem.engine.live.interventions import (
     Intervention,
     InterventionError,
     format_interventions,
     parse_interventions,
 )
-from ffmem.engine.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
+from ffmem.engine.live.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls
 from ffmem.web.errors import AppError, sentence

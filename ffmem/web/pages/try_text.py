@@ -91,7 +91,7 @@ def answer(
     layer, key = memory
     got = live.coefficients({"model": model.source, "text": text, "layer": layer, "key": key})
     m = got.coefficients
-    # The positions the run mines (ffmem.engine.corpus.mined_from): never a BOS; position 0 only with
+    # The positions the run mines (ffmem.engine.mining.corpus.mined_from): never a BOS; position 0 only with
     # the run's first_position option (runs from before the option mined it).
     first = got.first_position if run.provenance.get("first_position", True) else max(got.first_position, 1)
     mined = range(first, len(m))

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
-from ffmem.engine.text_files import CorpusError, corpus_file
+from ffmem.engine.mining.text_files import CorpusError, corpus_file
 from ffmem.store import jobs
 from ffmem.store.models import JobStatus
 from ffmem.store.specs import AnalysisSpec, RunSpec

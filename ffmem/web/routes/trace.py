@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Form, Query, Request
 from pydantic import BaseModel, Field
 
-from ffmem.engine.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
+from ffmem.engine.live.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
 from ffmem.store.models import LanguageModel
 from ffmem.web.deps import KeyDep, LayerDep, ModelDep, RunDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError

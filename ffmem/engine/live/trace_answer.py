@@ -1,0 +1,203 @@
+"""What the live worker answers, as one contract: the worker (ffmem/worker/live_server.py) answers with
+these models and the web process (ffmem/web/pages/trace.py) parses the answer into them. Importing it
+needs no torch (the web process imports it).
+
+A trace's figures follow ffmem.engine.live.trace: `prediction`, `layers`, `active` and `ff_logit` are those
+of the forward pass that was computed (with the interventions, if any), `unedited` the same figures of
+the pass without them (None without interventions: there was one pass).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ffmem.engine.paper.cases import CASES
+
+Case = Literal[CASES]  # the paper's §5.2 cases
+
+
+class MemoryAnswer(BaseModel):
+    """One memory at the selected position, ranked by |m_i|·‖v_i‖."""
+
+    layer: int
+    key: int
+    coefficient: float = Field(description="m_i at the position, signed (edited, with interventions).")
+    score: float = Field(description="|m_i|·‖v_i‖: the size of its contribution to the FF output.")
+    tokens: list[int] = Field([], description="Top tokens of sign(m_i)·v_i, when asked for.")
+    unedited_coefficient: float | None = Field(None, description="m_i without the interventions.")
+
+
+class LayerFigures(BaseModel):
+    """One layer at the selected position in one forward pass (token ids under the trace's readout)."""
+
+    layer: int
+    top_r: int = Field(description="Top token of the residual before the FF.")
+    top_y: int = Field(description="Top token of the FF output.")
+    top_o: int = Field(description="Top token of the layer output o = r + y.")
+    final_prob: float = Field(description="Probability of the pass's final prediction under r.")
+    final_rank: int = Field(description="Its 0-based rank under r.")
+    case: Case
+    settled: bool = Field(description="top(r) is already the final prediction.")
+
+
+class LayerAnswer(LayerFigures):
+    memories: list[MemoryAnswer]
+
+
+class ForwardFigures(BaseModel):
+    """The figures of the forward pass without the interventions."""
+
+    prediction: int
+    layers: list[LayerFigures]
+    active: list[list[int]] = Field(description="[layers][positions] active memories.")
+    ff_logit: list[list[float]] = Field(description="[layers][positions] the FF's change to the final logit.")
+
+
+class TokenChangeAnswer(BaseModel):
+    token_id: int
+    before: float = Field(description="Probability without the interventions.")
+    after: float = Field(description="With them (= before without any).")
+
+
+class EditAnswer(BaseModel):
+    """One intervention as the worker applied it (ffmem.engine.live.interventions.Intervention)."""
+
+    layer: int
+    key: int
+    mode: Literal["off", "scale", "set"]
+    value: float
+
+
+class ContributionAnswer(BaseModel):
+    """One memory's direct contribution to the target's logit (ffmem.engine.live.attribution)."""
+
+    layer: int
+    key: int
+    coefficient: float = Field(description="m_i at the position (edited, with interventions).")
+    value_logit: float = Field(description="The target's logit in the value: v_i·e_t (raw), v_i·g_t (norm).")
+    contribution: float = Field(description="m_i · value_logit: > 0 promotes the target, < 0 suppresses it.")
+
+
+class LayerAttributionAnswer(BaseModel):
+    """One layer's memories and the target's logit."""
+
+    layer: int
+    memories: list[ContributionAnswer] = Field(description="The largest |contribution|, largest first.")
+    memories_sum: float = Field(description="Σ over all the layer's memories.")
+    bias: float = Field(description="The FF's output bias read the same way (0 without one).")
+    direct: float = Field(description="y·e_t (raw) or y·g_t (norm): = memories_sum + bias.")
+    change: float = Field(description="The FF's change to the target's logit lens, lens(o) − lens(r).")
+    residual: float = Field(description="change − (memories_sum + bias).")
+
+
+class AttributionAnswer(BaseModel):
+    """Who pushes the target token at the position, in the pass shown (ffmem.engine.live.attribution)."""
+
+    target: int = Field(description="The token attributed.")
+    typed: str | None = Field(None, description="The target as asked (None: the prediction).")
+    typed_tokens: list[int] = Field([], description="The tokens it is (the first is attributed).")
+    readout: Literal["norm", "raw"]
+    logit: float = Field(description="The target's logit after the position under the readout.")
+    scale: float | None = Field(description="norm: the final norm's scale at the final residual.")
+    total: float = Field(description="Σ of every memory's contribution over all layers.")
+    layers: list[LayerAttributionAnswer]
+    promoters: list[ContributionAnswer] = Field(description="The largest positive contributions overall.")
+    suppressors: list[ContributionAnswer] = Field(description="The most negative overall.")
+
+
+class TraceAnswer(BaseModel):
+    """POST /trace: one prompt traced (ffmem.engine.live.trace.Trace, and the continuations as text)."""
+
+    token_ids: list[int]
+    position: int
+    readout: Literal["norm", "raw"]
+    prediction: int = Field(description="The top token after `position` (with the interventions).")
+    top_tokens: list[TokenChangeAnswer]
+    layers: list[LayerAnswer]
+    active: list[list[int]] = Field(description="[layers][positions] active memories.")
+    ff_logit: list[list[float]] = Field(description="[layers][positions] the FF's change to the final logit.")
+    unedited: ForwardFigures | None = Field(None, description="The figures without the interventions.")
+    interventions: list[EditAnswer] = []
+    edited_coefficients: list[float] = Field([], description="Each edited m_i at the position, unedited.")
+    generated: list[int] = Field([], description="Greedy continuation without the interventions.")
+    generated_edited: list[int] = Field([], description="And with them.")
+    generated_text: str = ""
+    generated_edited_text: str = ""
+    attribution: AttributionAnswer | None = Field(None, description="Who pushes the target token, here.")
+
+
+class AblationAnswer(BaseModel):
+    """POST /ablation: each prefix's target probabilities, the memory as it is and switched off."""
+
+    before: list[list[float]] = Field(description="[prefix][target]")
+    after: list[list[float]] = Field(description="[prefix][target]")
+
+
+class CoefficientsAnswer(BaseModel):
+    """POST /coefficients: one memory's coefficient at every token of a text
+    (ffmem.engine.live.key_coefficients)."""
+
+    layer: int
+    key: int
+    token_ids: list[int]
+    tokens: list[str] = Field(description="Each token's text, as the tokenizer decodes it alone.")
+    offsets: list[tuple[int, int]] = Field(description="Each token's [start, end) characters in the text.")
+    first_position: int = Field(description="1 when the tokenizer put a BOS first (never mined), else 0.")
+    coefficients: list[float] = Field(description="m at every token, in order.")
+    max: float = Field(description="The largest m over all tokens…")
+    max_position: int = Field(description="… and where (the first such token).")
+    min: float = Field(description="The smallest m over all tokens…")
+    min_position: int = Field(description="… and where (the first such token).")
+
+
+# A circuit's defaults (ffmem.engine.live.circuit), here for the web process too: hop-0 memories, upstream
+# memories kept per memory, the relative cut, hops.
+CIRCUIT_NODES, CIRCUIT_TOP, CIRCUIT_THRESHOLD, CIRCUIT_HOPS = 10, 5, 0.1, 1
+
+
+class MemoryRefAnswer(BaseModel):
+    layer: int
+    key: int
+
+
+class CircuitNodeAnswer(BaseModel):
+    """One memory of a prompt's circuit (ffmem.engine.live.circuit)."""
+
+    layer: int
+    key: int
+    coefficient: float = Field(description="m at the position (edited, with interventions).")
+    contribution: float = Field(description="Its direct push on the target's logit, m·(v·e_t) or m·(v·g_t).")
+    hop: int = Field(description="0: pushes the target most; 1: feeds a hop-0 memory; 2: feeds a hop-1 one.")
+    upstream_sum: float | None = Field(
+        description="Σ of every earlier memory's term into it (None: its inputs were not expanded)."
+    )
+
+
+class CircuitEdgeAnswer(BaseModel):
+    """An earlier memory j feeding memory i's coefficient on this prompt."""
+
+    upstream: MemoryRefAnswer = Field(description="j, the earlier memory.")
+    downstream: MemoryRefAnswer = Field(description="i.")
+    term: float = Field(description="m_j·(v_j·ρ_i): the first-order change of m_i that j's write causes.")
+    coefficient: float = Field(description="m_i, the downstream coefficient.")
+
+
+class CircuitAnswer(BaseModel):
+    """POST /circuit: a prompt's memory circuit for one position and target (ffmem.engine.live.circuit)."""
+
+    token_ids: list[int]
+    position: int
+    readout: Literal["norm", "raw"]
+    target: int = Field(description="The token attributed.")
+    typed: str | None = Field(None, description="The target as asked (None: the prediction).")
+    typed_tokens: list[int] = Field([], description="The tokens it is (the first is attributed).")
+    logit: float = Field(description="The target's logit after the position under the readout.")
+    nodes: list[CircuitNodeAnswer]
+    edges: list[CircuitEdgeAnswer]
+    largest_terms: list[float] = Field(description="Per hop, the largest |term| (the threshold's unit).")
+    threshold: float
+    top: int
+    hops: int
+    interventions: list[EditAnswer] = []
