@@ -20,7 +20,7 @@ from results import RESULTS, record  # noqa: E402
 from web import default_run  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
 from ffmem.store import runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
 from ffmem.store.models import Analysis  # noqa: E402

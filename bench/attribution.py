@@ -3,7 +3,7 @@ pushes the target token adds ≤ 15% to a live trace's server time.
 
 On the real default model (SmolLM2-135M, CPU, loaded as the live worker loads it: `shared_model`), the
 32-token prompt of bench/trace.py, interleaved rounds of each variant:
-1. Engine: `ffmem.engine.trace.trace` without attribution (`attribution=False`: the trace before issue
+1. Engine: `ffmem.engine.live.trace.trace` without attribution (`attribution=False`: the trace before issue
    17), with it for the prediction, and for a typed target; p50 / p95 and the added p50.
 2. Server: GET /m/{model}/trace.json through the web app and the live worker's app, both in this
    process (as tests/web/test_live_view.py wires them: no sockets), the model and its vocabulary in a
@@ -41,8 +41,8 @@ from web import percentiles, server_ms  # noqa: E402
 
 from ffmem.config import Settings, get_settings  # noqa: E402
 from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
-from ffmem.engine.loading import shared_model  # noqa: E402
-from ffmem.engine.trace import trace  # noqa: E402
+from ffmem.engine.live.trace import trace  # noqa: E402
+from ffmem.engine.model.loading import shared_model  # noqa: E402
 from ffmem.store import corpora, memory_writes, runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.web.main import create_app  # noqa: E402

@@ -26,10 +26,11 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.corpus import read_corpus, shard_size, tokenize  # noqa: E402
-from ffmem.engine.loading import load_model  # noqa: E402
-from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
-from ffmem.engine.projection import project_layer  # noqa: E402
+from ffmem.engine.mining.batches import mine_batches, shard_batches  # noqa: E402
+from ffmem.engine.mining.corpus import read_corpus, shard_size, tokenize  # noqa: E402
+from ffmem.engine.mining.state import MiningState  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
+from ffmem.engine.values.projection import project_layer  # noqa: E402
 
 
 def batches_for(loaded, n_sentences: int, settings):

@@ -1,11 +1,11 @@
-"""A prompt's memory circuit (ffmem.engine.circuit): whether its edges mean something, and its cost (a
+"""A prompt's memory circuit (ffmem.engine.live.circuit): whether its edges mean something, and its cost (a
 validation and a benchmark on the real model, not a test): `make bench` runs it.
 
 1. Validation by ablation, as bench/weight_graph.py validates the weight graph: on `--prompts` Wikipedia
    sentences (12–40 tokens, the last position, the prediction as the target) the circuit with the defaults
    (10 memories that push the target, 5 upstream each, threshold 0.1, one hop); up to `--edges` of its edges
    sampled per prompt. For each edge j → i, memory j is switched off (m_j = 0 at every position,
-   ffmem.engine.edited_forward) and the change of m_i at the position is compared with the term's
+   ffmem.engine.live.edited_forward) and the change of m_i at the position is compared with the term's
    prediction, −sign(term); for a random memory of the same layer as j (and the same i), the same with
    its own term m_j'·(v_j'·ρ_i). The two rates of agreement (a meaningless term would put both at 50%), the
    rates of a change that agrees and is at least `MEANINGFUL` of |m_i| (a first-order term predicts the sign
@@ -40,14 +40,14 @@ from web import percentiles  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
 from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
-from ffmem.engine.circuit import circuit, read_vectors_here  # noqa: E402
-from ffmem.engine.corpus import read_corpus  # noqa: E402
-from ffmem.engine.edited_forward import intervene  # noqa: E402
-from ffmem.engine.hooks import capture  # noqa: E402
-from ffmem.engine.interventions import Intervention  # noqa: E402
-from ffmem.engine.loading import shared_model  # noqa: E402
-from ffmem.engine.trace import trace  # noqa: E402
-from ffmem.engine.weight_graph import value_vectors  # noqa: E402
+from ffmem.engine.live.circuit import circuit, read_vectors_here  # noqa: E402
+from ffmem.engine.live.edited_forward import intervene  # noqa: E402
+from ffmem.engine.live.interventions import Intervention  # noqa: E402
+from ffmem.engine.live.trace import trace  # noqa: E402
+from ffmem.engine.mining.corpus import read_corpus  # noqa: E402
+from ffmem.engine.model.hooks import capture  # noqa: E402
+from ffmem.engine.model.loading import shared_model  # noqa: E402
+from ffmem.engine.relations.weight_graph import value_vectors  # noqa: E402
 from ffmem.worker.live_server import Live, create_live_app  # noqa: E402
 
 ROUNDS = 30

@@ -9,8 +9,8 @@ measures server time (the Server-Timing header) and wall time, sequentially, p50
 - the pair's page (default sort, then every other sort, then one layer) and its JSON twin;
 - the page that offers the runs to compare with (no b).
 It also times the job's arithmetic at that size: the weight cosines of two random models of that shape
-(ffmem.engine.comparison.weight_cosines) and the trigger overlaps of 46,080 × 2 sets of 50 (the job's
-Python loop), and the store. Figures go into bench-results.json under "compare".
+(ffmem.engine.relations.comparison.weight_cosines) and the trigger overlaps of 46,080 × 2 sets of 50 (the
+job's Python loop), and the store. Figures go into bench-results.json under "compare".
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 from web import percentiles, serve, server_ms  # noqa: E402
 
-from ffmem.engine.comparison import MemoryWeights, overlap, weight_cosines  # noqa: E402
+from ffmem.engine.relations.comparison import MemoryWeights, overlap, weight_cosines  # noqa: E402
 from ffmem.store import comparison  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.store.models import Corpus, LanguageModel, Run  # noqa: E402

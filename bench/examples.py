@@ -1,7 +1,7 @@
 """What the key page's shaded sentences and band samples cost (issue 15), on an index of the default model.
 
 - the shading pass — after mining, one forward pass over the union of the sentences of every key's first
-  `shaded_triggers` triggers per sign and its band samples (ffmem.engine.sentence_coefficients) — as a
+  `shaded_triggers` triggers per sign and its band samples (ffmem.engine.mining.sentence_coefficients) — as a
   ratio of the mining pass, and how many sentences that union holds;
 - storage per key (issue 15's target: ≤ 8 KB): `run_tables_bytes_per_key`, every table of the run with its
   indexes (SQLite's dbstat pages: the tables with a run_id, so not the corpus's sentences or the model's

@@ -28,7 +28,7 @@ from results import record  # noqa: E402
 from weight_graph import default_run  # noqa: E402
 
 from ffmem.config import Settings, get_settings  # noqa: E402
-from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
 from ffmem.store.models import Explanation, Run  # noqa: E402
 from ffmem.worker.explanations import ExplanationOptions, store_explanations  # noqa: E402

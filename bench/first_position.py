@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ffmem.engine.corpus import read_corpus, tokenize  # noqa: E402
-from ffmem.engine.hooks import capture  # noqa: E402
-from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.engine.mining.corpus import read_corpus, tokenize  # noqa: E402
+from ffmem.engine.model.hooks import capture  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
 
 
 def extremes(loaded, token_ids: list[list[int]], first: int, batch_tokens: int = 4096):

@@ -2,7 +2,7 @@
 
     PYTHONPATH=.gpu/wheels/pysbd-0.3.4-py3-none-any.whl:. python3 bench/gpu.py --out /tmp/gpu.json
 
-On a CPU `MiningState.update` runs the compiled fold (ffmem.engine.mining_cpu); on any other device the
+On a CPU `MiningState.update` runs the compiled fold (ffmem.engine.mining.fold_cpu); on any other device the
 torch fold (`MiningState.fold_tensors`), which this script checks and times on a CUDA device. Needs
 torch, transformers, numpy and numba, no network and no ffmem.config (pydantic): the model is a
 random-weight one, the corpus the bundled one, both read from the assets folder `--assets` (default
@@ -70,11 +70,13 @@ WARM_BATCHES = 16  # batches of the mining warm-up (the bare warm-up runs them a
 
 
 from ffmem.engine import corpus  # noqa: E402
-from ffmem.engine.corpus import Batch, shard_size, tokenize  # noqa: E402
-from ffmem.engine.hooks import capture  # noqa: E402
-from ffmem.engine.loading import LoadedModel, load_model  # noqa: E402
-from ffmem.engine.mined_layer import EMPTY_SAMPLE, SIGNS  # noqa: E402
-from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
+from ffmem.engine.mining.batches import mine_batches, shard_batches  # noqa: E402
+from ffmem.engine.mining.corpus import Batch, shard_size, tokenize  # noqa: E402
+from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, SIGNS  # noqa: E402
+from ffmem.engine.mining.state import MiningState  # noqa: E402
+from ffmem.engine.model.hooks import capture  # noqa: E402
+from ffmem.engine.model.loaded import LoadedModel  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
 from tests.tiny_models import tiny_tokenizer  # noqa: E402  (pytest: on the device machine too)
 
 START = time.monotonic()
@@ -187,7 +189,7 @@ def corpus_sentences(assets: Path, limit: int) -> list[str]:
 
 def index_batches(ids: list[list[int]], first: list[int], batch_tokens: int, pad_id: int, memories: int):
     """The index's batches (bench/bench.py's batches_of): shards sized by the model (its default
-    `shard_sentences` 0: ffmem.engine.corpus.shard_size), length-bucketed."""
+    `shard_sentences` 0: ffmem.engine.mining.corpus.shard_size), length-bucketed."""
     size = shard_size(0, memories=memories, corpus_tokens=sum(map(len, ids)), corpus_sentences=len(ids))
     batches = []
     for shard in range(-(-len(ids) // size)):

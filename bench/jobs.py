@@ -27,7 +27,8 @@ from results import record  # noqa: E402
 from sqlalchemy import create_engine, delete, make_url, select, text, update  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.mining import MiningState, mine_batches, shard_batches  # noqa: E402
+from ffmem.engine.mining.batches import mine_batches, shard_batches  # noqa: E402
+from ffmem.engine.mining.state import MiningState  # noqa: E402
 from ffmem.store import jobs, shards  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.store.models import Job, MinedLayerRow, Run, Shard  # noqa: E402

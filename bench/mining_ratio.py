@@ -3,16 +3,16 @@
     python bench/mining_ratio.py --sentences 1000 --repeats 3
     python bench/mining_ratio.py --primed 2000 --sentences 500 --repeats 3
 
-Per round: the bare backbone forward, mining with `ffmem/engine/mining.py` as of git revision `--against`,
-mining with the working tree's, and — for a gated model — the working tree's with the sign quadrants
-(`quadrants`; its time over `now`'s is what they cost, target ≤ 1.10), in alternating order on the same
-batches; prints each round and the medians (wall and process CPU time), after one uncounted bare forward.
+Per round: the bare backbone forward, mining with `ffmem/engine/mining/state.py` as of git revision
+`--against`, mining with the working tree's, and — for a gated model — the working tree's with the sign
+quadrants (`quadrants`; its time over `now`'s is what they cost, target ≤ 1.10), in alternating order on the
+same batches; prints each round and the medians (wall and process CPU time), after one uncounted bare forward.
 On a shared machine only such interleaved ratios mean anything. With `--primed N`, each mining run starts
 from the state of the
 corpus's first N sentences (mined once per bookkeeping, not timed) and mines the next `--sentences`:
 the steady state that most of a whole-corpus run is, where few sentences still enter a key's top-T.
 `--against` defaults to 2e3824d, the last torch bookkeeping on a CPU (today's runs the compiled fold,
-ffmem.engine.mining_cpu). Figures go into bench-results.json under "mining_filling" (no --primed) or
+ffmem.engine.mining.fold_cpu). Figures go into bench-results.json under "mining_filling" (no --primed) or
 "mining_steady".
 """
 
@@ -38,14 +38,14 @@ from results import record  # noqa: E402
 from bench import batches_of  # noqa: E402
 from ffmem.config import get_settings  # noqa: E402
 from ffmem.engine import mining  # noqa: E402
-from ffmem.engine.corpus import read_corpus  # noqa: E402
-from ffmem.engine.loading import load_model  # noqa: E402
+from ffmem.engine.mining.corpus import read_corpus  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
 
 
 def mining_at(revision: str):
-    """ffmem.engine.mining as of `revision`, imported as its own module."""
+    """ffmem.engine.mining.state as of `revision`, imported as its own module."""
     source = subprocess.run(
-        ["git", "show", f"{revision}:ffmem/engine/mining.py"],
+        ["git", "show", f"{revision}:ffmem/engine/mining/state.py"],
         cwd=ROOT,
         capture_output=True,
         text=True,

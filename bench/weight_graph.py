@@ -7,7 +7,7 @@ and a validation on the real model, not a test): `make bench` runs it.
 2. Validation by ablation: for `--keys` keys sampled uniformly (layer ≥ 1), the pair (its top inbound
    memory j → the key i) and a random pair (a uniformly drawn memory of an earlier layer → the same
    key). On each of the key's top `--triggers` trigger prefixes from the index, memory j is switched
-   off (m_j = 0 at every position, ffmem.engine.edited_forward) and the change of m_i at the trigger
+   off (m_j = 0 at every position, ffmem.engine.live.edited_forward) and the change of m_i at the trigger
    token is compared with the score's prediction: switching j off removes m_j·v_j, so m_i should move
    by the sign of −m_j·score (m_j read at the same position in the clean pass). The rate of agreement
    for the graph's pairs against that for random pairs (which a meaningless score would put at 50%
@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 from results import record  # noqa: E402
 
 from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.edited_forward import intervene  # noqa: E402
-from ffmem.engine.hooks import capture  # noqa: E402
-from ffmem.engine.interventions import Intervention  # noqa: E402
-from ffmem.engine.loading import load_model  # noqa: E402
-from ffmem.engine.weight_graph import read_vectors, value_vectors  # noqa: E402
+from ffmem.engine.live.edited_forward import intervene  # noqa: E402
+from ffmem.engine.live.interventions import Intervention  # noqa: E402
+from ffmem.engine.model.hooks import capture  # noqa: E402
+from ffmem.engine.model.loading import load_model  # noqa: E402
+from ffmem.engine.relations.weight_graph import read_vectors, value_vectors  # noqa: E402
 from ffmem.store import composition, corpora, memory_reads, runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.worker.composition import store_weight_graph  # noqa: E402

@@ -258,7 +258,7 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
     result["write_seconds"] = time.perf_counter() - start
     result["folder_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
     if args.ratio_only:  # no index: load the model as the worker does, then measure mining alone
-        from ffmem.engine.loading import load_model
+        from ffmem.engine.model.loading import load_model
 
         start = time.perf_counter()
         loaded = load_model(str(folder), device=args.device, dtype=args.dtype)
@@ -328,8 +328,8 @@ def ratio_batches(loaded, sentences: int) -> list:
     """The index's own batches (default settings) of the corpus's first `sentences` sentences, on the
     model's device."""
     from ffmem.config import get_settings
-    from ffmem.engine.corpus import mined_from, read_corpus, shard_size, tokenize
-    from ffmem.engine.mining import shard_batches
+    from ffmem.engine.mining.batches import shard_batches
+    from ffmem.engine.mining.corpus import mined_from, read_corpus, shard_size, tokenize
     from ffmem.worker.index import _pad_id
 
     settings = get_settings()
@@ -362,7 +362,8 @@ def profile_mining(loaded, batches: list, path: Path, n: int = 8) -> dict:
     the host's waits on the device (what keeps mining from the forward pass's speed), into `path`."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ffmem.engine.mining import MiningState, mine_batches
+    from ffmem.engine.mining.batches import mine_batches
+    from ffmem.engine.mining.state import MiningState
 
     gated = loaded.adapter.gates is not None  # with the sign quadrants, as `ffmem index` mines
     state = MiningState(loaded.n_layers, loaded.n_keys, 50, device=loaded.device, gated=gated)
