@@ -6,8 +6,8 @@
   part of the page (web/token_search: the token's rows of the token → memories table, the merge, the
   shown memories' ranks) p50;
 - the key page's related section (neighbours, weight graph): server time p50 / p95 over random keys;
-- the neighbours of every memory on the real default model (ffmem.engine.relations.neighbours, as the worker runs
-  them) over the mining pass of the default index (measured on the run when it is the default one, and
+- the neighbours of every memory on the real default model (ffmem.engine.relations.neighbours, as the worker
+  runs them) over the mining pass of the default index (measured on the run when it is the default one, and
   estimated from the mining speed measured back to back with the neighbours);
 - storage added per key: the run's token → memories table and neighbour rows (bytes stored, and pages on
   disk for SQLite), and the whole database over its keys.
