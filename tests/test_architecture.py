@@ -3,6 +3,7 @@ and the store never import torch: import-linter checks the contracts in pyprojec
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -31,3 +32,41 @@ def test_a_reversed_import_is_caught(tmp_path):
     run = subprocess.run([lint], cwd=tree, capture_output=True, text=True, env=alone)
     assert run.returncode != 0, run.stdout
     assert "ffmem.store.runs -> ffmem.web.urls" in run.stdout, run.stdout
+
+
+def unnamed_modules(doc: str, package: Path) -> list[str]:
+    """The modules of `package` (ffmem/) that docs/architecture.md does not name in their room's section
+    (`### \\`ffmem/<room>/\\``): a module `name` right in the room as `name` in backticks; one in a folder
+    of the room as `folder/name`, or as a word of the table row that starts with `folder/`."""
+    sections = dict(re.findall(r"^### `ffmem/(\w+)(?:/|\.py)`.*?\n(.*?)(?=^### |^## |\Z)", doc, re.M | re.S))
+    missing = []
+    for module in sorted(package.rglob("*.py")):
+        if module.name == "__init__.py" or module.parent == package:
+            continue
+        room, *folders, name = module.relative_to(package).with_suffix("").parts
+        section = sections.get(room, "")
+        if not folders:
+            named = f"`{name}`" in section
+        else:
+            folder = "/".join(folders)
+            rows = [row for row in section.splitlines() if row.startswith(f"| `{folder}/")]
+            named = f"`{folder}/{name}`" in section or any(re.search(rf"\b{name}\b", row) for row in rows)
+        if not named:
+            missing.append(str(module.relative_to(package.parent)))
+    return missing
+
+
+def test_the_architecture_page_names_every_module():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert unnamed_modules(doc, ROOT / "ffmem") == []
+
+
+def test_a_module_left_out_of_the_architecture_page_is_caught(tmp_path):
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    package = tmp_path / "ffmem"
+    skip = shutil.ignore_patterns("static", "templates", "__pycache__")
+    shutil.copytree(ROOT / "ffmem", package, ignore=skip)
+    (package / "engine" / "mining" / "unheard_of.py").write_text("")
+    (package / "store" / "nowhere.py").write_text("")
+    found = set(unnamed_modules(doc, package)) - set(unnamed_modules(doc, ROOT / "ffmem"))
+    assert found == {"ffmem/engine/mining/unheard_of.py", "ffmem/store/nowhere.py"}
