@@ -43,8 +43,9 @@ def serving(app):
         thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
+    """One Chromium for the test process (each test gets its own context: its own cookies and storage)."""
     if CHROMIUM is None:
         message = "Debian's chromium is not installed (apt-get install chromium)"
         if os.environ.get("CI"):
