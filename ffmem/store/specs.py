@@ -42,9 +42,11 @@ class Spec(BaseModel):
 
 
 class RunSpec(Spec):
-    """What defines an index run. The four fields with a default are those jobs queued before they
-    existed lack; the default is what such a job did (mined position 0, held nothing out, shaded
-    nothing, built no token → memories table). A new run's spec gives every field (`from_settings`)."""
+    """What defines an index run, its explanations included. The fields with a default are those jobs
+    queued before they existed lack; the default is what such a job did (mined position 0, held nothing
+    out, shaded nothing, built no token → memories table, scored explanations on the setting's default of
+    held-out sentences, with no explainer model named). A new run's spec gives every field
+    (`from_settings`). Where the explainer is served (`explainer_url`) is each worker's own."""
 
     model: str
     corpus: str
@@ -59,6 +61,8 @@ class RunSpec(Spec):
     shard_sentences: int
     value_tokens: int
     token_memories: int = 0
+    explain_sentences: int = 1000
+    explainer_model: str = ""
 
     @classmethod
     def from_settings(cls, settings: Settings, **given) -> RunSpec:

@@ -48,7 +48,8 @@ from ffmem.store import (
 from ffmem.store.memory_lists import READOUTS, TRIGGERS
 from ffmem.store.models import Job, Run, Shard, ShardStatus
 from ffmem.store.specs import RunSpec, fingerprint
-from ffmem.worker.composition import compose
+from ffmem.worker.composition import explanations_step, weight_graph_step
+from ffmem.worker.explanations import ExplanationOptions
 from ffmem.worker.layer_results import following_tokens, next_token_ids, store_layer
 from ffmem.worker.leases import Heartbeat
 from ffmem.worker.provenance import provenance, store_model
@@ -59,7 +60,8 @@ FIRST_CHECKPOINT = 2  # batches: the run's first shard's first checkpoint, so it
 @dataclass
 class IndexOptions:
     """What a worker needs: the run `ffmem index` builds (`spec`; a worker for all jobs reads each job's
-    own) and the worker's own settings (device, cache, progress, checkpoints, lease, attempts)."""
+    own) and the worker's own settings (device, cache, progress, checkpoints, lease, attempts, the local
+    explainer it may reach)."""
 
     spec: RunSpec
     device: str
@@ -69,6 +71,8 @@ class IndexOptions:
     checkpoint_seconds: float
     lease_seconds: float
     max_attempts: int
+    explainer_url: str = ""
+    explainer_timeout: float = Settings.model_fields["explainer_timeout"].default
 
     @classmethod
     def from_settings(
@@ -84,6 +88,8 @@ class IndexOptions:
             checkpoint_seconds=settings.checkpoint_seconds,
             lease_seconds=settings.lease_seconds,
             max_attempts=settings.max_attempts,
+            explainer_url=settings.explainer_url,
+            explainer_timeout=settings.explainer_timeout,
         )
 
     @property
@@ -371,7 +377,8 @@ class IndexPipeline:
         for name, step in (
             ("shading", self.shade),
             ("layers", self.store_layers),
-            ("composition", self.compose),
+            ("weight_graph", self.store_weight_graph),
+            ("explanations", self.explain),
             ("neighbours", self.store_neighbours),
             ("closing", self.close),
         ):
@@ -463,9 +470,14 @@ class IndexPipeline:
             coefficient=coefficient,
         )
 
-    def compose(self, run: Finishing) -> None:
-        """The weight graph and the memories' explanations (ffmem.worker.composition)."""
-        compose(self.sessions, run.job.run_id, run.loaded, progress=self.options.progress)
+    def store_weight_graph(self, run: Finishing) -> None:
+        """Which memories write into which keys, from the weights (ffmem.worker.composition)."""
+        weight_graph_step(self.sessions, run.job.run_id, run.loaded, lease=run.lease)
+
+    def explain(self, run: Finishing) -> None:
+        """Every memory described and scored, as the run's spec says (ffmem.worker.explanations)."""
+        options = ExplanationOptions.of(run.spec, self.options)
+        explanations_step(self.sessions, run.job.run_id, run.loaded, options, lease=run.lease)
 
     def store_neighbours(self, run: Finishing) -> None:
         """Each memory's nearest memories by key and by value direction. They need no corpus, but at

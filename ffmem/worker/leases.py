@@ -150,3 +150,11 @@ class Presence:
 
 def _uid() -> str:
     return str(os.getuid()) if hasattr(os, "getuid") else "user"
+
+
+def checked_commit(session: Session, lease: Heartbeat | None) -> None:
+    """Commit `session`, after checking `lease` (when the work holds one): a worker that lost it stops
+    before it commits."""
+    if lease is not None:
+        lease.check(session)
+    session.commit()

@@ -31,8 +31,14 @@ RUN = {
     "shard_sentences": 0,
     "value_tokens": 30,
     "token_memories": 32,
+    "explain_sentences": 1000,
+    "explainer_model": "",
 }
-BEFORE = ("first_position", "shaded_triggers", "held_out_every", "token_memories")  # older jobs lack these
+# Older jobs lack these.
+BEFORE = (
+    "first_position", "shaded_triggers", "held_out_every", "token_memories", "explain_sentences",
+    "explainer_model",
+)  # fmt: skip
 
 
 def by_hand(options: dict) -> str:

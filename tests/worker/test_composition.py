@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ffmem.config import Settings
@@ -19,9 +19,11 @@ from ffmem.engine.relations.weight_graph import weight_graph
 from ffmem.store import composition
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Analysis, Explanation, MemoryLinks
-from ffmem.worker.composition import compose
+from ffmem.store.specs import fingerprint
+from ffmem.worker.composition import compose, explanations_step, weight_graph_step
 from ffmem.worker.explanations import ExplanationOptions
 from ffmem.worker.index import IndexOptions
+from ffmem.worker.leases import LostLease
 from ffmem.worker.loop import build_index
 
 PLANTED = 7  # the key of layer 0 that fires on "Paris"
@@ -252,3 +254,51 @@ def test_ffmem_compose_fills_in_a_run(planted_run):
         assert composition.has_links(session=session, run_id=run_id)
     missing = CliRunner().invoke(cli, ["compose", "--run", "999", "--db", url])
     assert missing.exit_code == 2 and "no finished index run 999" in missing.output
+
+
+def test_the_index_job_explains_as_its_spec_says(tmp_path, planted, planted_dir):
+    """The explanations read their options from the job's RunSpec, not the worker's settings: the spec's
+    `explain_sentences` held-out sentences score them, and it is part of the run's fingerprint."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(PARIS[:6] + OTHER + PARIS + OTHER) + "\n")
+    url = f"sqlite:///{tmp_path / 'ffmem.db'}"
+    upgrade(url)
+    sessions = make_sessionmaker(make_engine(url))
+    settings = Settings(
+        model=str(planted_dir), corpus=str(corpus), sentences=16, held_out_every=0, top_k=4, device="cpu",
+        dtype="float32", batch_tokens=128, shard_sentences=8, value_tokens=5, cache_dir=tmp_path / "cache",
+        explain_sentences=1000,  # the worker's setting: the spec below says 5
+    )  # fmt: skip
+    options = IndexOptions.from_settings(settings, progress=False, explain_sentences=5)
+    assert options.spec.explain_sentences == 5
+    summary = build_index(options, sessions, loaded=planted)
+    with sessions() as session:
+        query = select(Analysis).where(Analysis.run_id == summary.run_id)
+        stored = {a.name: a for a in session.scalars(query)}
+    assert stored["explanations"].data["held_out_sentences"] == 5
+    assert stored["explanations"].options["explain_sentences"] == 5
+    other = IndexOptions.from_settings(settings, progress=False, explain_sentences=6).spec
+    assert fingerprint(other.options()) != fingerprint(options.spec.options())
+
+
+class _Lost:
+    """A lease another worker took over: `check` raises, as Heartbeat.check does then."""
+
+    def check(self, session) -> None:
+        raise LostLease("job 1 was taken over")
+
+
+def test_a_step_that_lost_its_lease_commits_nothing(planted_run, planted):
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    with sessions() as session:
+        analyses_before = {a.name: a.seconds for a in session.scalars(select(Analysis))}
+        links_before = session.scalar(select(func.count()).select_from(MemoryLinks))
+    with pytest.raises(LostLease):
+        explanations_step(sessions, run_id, planted, ExplanationOptions(explain_sentences=3), lease=_Lost())
+    with pytest.raises(LostLease):
+        weight_graph_step(sessions, run_id, planted, lease=_Lost())
+    assert _rows(sessions, run_id) == before  # not deleted, not replaced
+    with sessions() as session:
+        assert {a.name: a.seconds for a in session.scalars(select(Analysis))} == analyses_before
+        assert session.scalar(select(func.count()).select_from(MemoryLinks)) == links_before
