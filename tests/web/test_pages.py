@@ -407,13 +407,47 @@ def test_one_error_shape(client, slug, path, status, message):
     path = path.format(slug=slug)
     twin = re.sub(r"^([^?]+?)(\?|$)", r"\1.json\2", path, count=1)
     body = json_of(client, twin, status)
-    assert set(body) == {"ok", "error", "status"} and body["ok"] is False and body["status"] == status
+    linked = {"link"} if "run=" in path else set()  # a bad ?run= links the page on the newest run
+    assert set(body) == {"ok", "error", "status"} | linked
+    assert body["ok"] is False and body["status"] == status
     if message is not None:
         assert body["error"] == message.format(slug=slug)
     page = html_of(client, path, status)
     assert f"<h1>{status} · " in page and "Traceback" not in page
     if message is not None:
         assert message.format(slug=slug).replace("'", "&#39;") in page
+
+
+def test_a_malformed_run_is_said_once_with_a_link_to_the_newest_run(client, slug):
+    """Issue 39: `?run=abc` says why once, and links the same page on a run that exists (the newest)."""
+    message = "run: Input should be a valid integer, unable to parse string as an integer"
+    twin = client.get(f"/m/{slug}/layers/1.json?run=abc&sort=density")
+    assert twin.status_code == 400
+    link = f"/m/{slug}/layers/1.json?sort=density"
+    assert twin.json() == {"ok": False, "error": message, "status": 400, "link": link}
+    page = html_of(client, f"/m/{slug}/layers/1?sort=density&run=abc", 400)
+    assert page.count("Input should be a valid integer") == 1
+    newest = f'<a id="next" href="/m/{slug}/layers/1?sort=density">See the same page on the newest run</a>'
+    assert newest in page
+    assert f'<a id="next" href="/m/{slug}">' in html_of(client, f"/m/{slug}?run=abc", 400)
+    assert "link" not in json_of(client, f"/m/{slug}/layers/1.json?page=x", 400)  # only a bad run
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("POST", "/m/{slug}", "GET, HEAD"),
+        ("DELETE", "/m/{slug}/analysis", "GET, HEAD, POST"),  # a page and its form: two routes, one path
+        ("PUT", "/m/{slug}/analysis.json", "GET, HEAD, POST"),
+        ("GET", "/m/{slug}/runs/1/delete", "POST"),
+        ("POST", "/static/app.css", "GET, HEAD"),
+    ],
+)
+def test_a_method_not_allowed_names_the_allowed_ones(client, slug, method, path, allow):
+    """Issue 39: a 405 carries `Allow` (RFC 9110), every method the path answers, through our error page."""
+    answer = client.request(method, path.format(slug=slug))
+    assert answer.status_code == 405 and answer.headers["allow"] == allow
+    assert "<h1>405 · Method not allowed</h1>" in answer.text or answer.json()["status"] == 405
 
 
 @pytest.mark.parametrize("q", ["%00", "a%00b", "%25", "_", "%5C", "'", "%F0%9F%98%80"])
