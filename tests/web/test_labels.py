@@ -209,6 +209,34 @@ def test_the_labels_csv_export(client, db, slug):
     assert [line.split(",")[:2] for line in by_key[1:]] == [["0", "3"], ["0", "10"], ["1", "4"], ["2", "9"]]
 
 
+def test_the_labels_csv_opens_formulas_as_text(client, db, slug):
+    """Issue 39: a text cell starting with = + - @, a tab or a carriage return gets a leading ' (OWASP's CSV
+    injection advice), so a spreadsheet shows `=HYPERLINK(…)` as words; the layer and key stay numbers."""
+    model_id = db.scalars(select(LanguageModel.id).where(LanguageModel.slug == slug)).one()
+    when = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    rows = [  # (key, pattern, author)
+        (1, '=HYPERLINK("http://evil.example","click")', "ada"),
+        (2, "+1 more", "@bob"),
+        (3, "-2 below", "\tcarol"),
+        (4, "\rdan", "a=b, not a formula"),
+    ]
+    for key, pattern, author in rows:
+        db.add(
+            Label(
+                model_id=model_id, layer=0, key=key, pattern=pattern, tag="", author=author, created_at=when
+            )
+        )
+    db.commit()
+    parsed = list(csv.reader(io.StringIO(client.get(f"/m/{slug}/labels.csv").text)))
+    assert [row[:5] for row in parsed[1:]] == [
+        ["0", "1", '\'=HYPERLINK("http://evil.example","click")', "", "ada"],
+        ["0", "2", "'+1 more", "", "'@bob"],
+        ["0", "3", "'-2 below", "", "'\tcarol"],
+        ["0", "4", "'\rdan", "", "a=b, not a formula"],
+    ]
+    assert client.get(f"/m/{slug}/labels.json").json()["labels"][0]["pattern"] == rows[0][1]  # the data as is
+
+
 def test_no_labels_yet(client, slug):
     body = client.get(f"/m/{slug}/labels.json").json()
     assert body["labels"] == []
