@@ -9,12 +9,14 @@ from datetime import datetime, timezone
 
 import pytest
 from fastapi.testclient import TestClient
-from markupsafe import escape
+from markupsafe import Markup, escape
 from sqlalchemy import func, select
 
 from ffmem.config import Settings
 from ffmem.store.models import Label, LanguageModel
+from ffmem.web.display import BIDI_CONTROLS
 from ffmem.web.main import create_app
+from ffmem.web.rendering import templates
 
 
 @pytest.fixture
@@ -113,6 +115,31 @@ def test_label_text_is_escaped(client, slug):
         page = client.get(url).text
         assert "<script>alert(1)</script>" not in page and "<img src=x>" not in page
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_bidi_controls_in_a_label_do_not_reorder_the_pages(client, slug):
+    """Issue 39: a label "\u202eevil\u202c" (a right-to-left override) read "live" on every page showing it.
+    Every shown value loses the bidi controls (the templates' finalize); the JSON twin keeps the data."""
+    pattern = "\u202eevil\u202c \u2067x\u2069 \u200e\u200f\u061cy \u202a\u202b\u202d."
+    client.post(f"/m/{slug}/layers/1/keys/4/labels", data={"pattern": pattern, "author": "\u202emallory"})
+    assert client.get(f"/m/{slug}/layers/1/keys/4.json").json()["label"]["pattern"] == pattern
+    for url in (
+        f"/m/{slug}/layers/1/keys/4",
+        f"/m/{slug}/layers/1",
+        f"/m/{slug}/labels",
+        f"/m/{slug}/search?q=evil",
+    ):
+        page = client.get(url).text
+        assert "evil x y ." in page, url
+        assert not BIDI_CONTROLS.search(page), url
+    assert "mallory" in client.get(f"/m/{slug}/labels").text
+
+
+def test_every_shown_value_loses_bidi_controls_markup_kept():
+    shown = templates.env.from_string('{{ text }}|{{ html }}|<i title="{{ text }}">{{ n }}</i>')
+    html = Markup("<mark>\u2066a\u2069</mark>")
+    rendered = shown.render(text="\u202edoc.exe<", html=html, n=3)
+    assert rendered == 'doc.exe&lt;|<mark>a</mark>|<i title="doc.exe&lt;">3</i>'
 
 
 def _labelled(db, slug) -> None:
