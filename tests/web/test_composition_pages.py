@@ -96,40 +96,37 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     pattern = composition.explanation_pattern(stored)
     sign = pattern["sign"]
     texts = vocabularies.vocabulary(session=db, model_id=run.model_id)
-    assert (
-        body["explanation"]
-        == {
-            "text": stored.text,
-            "source": "heuristic",
-            "score": stored.score,  # scored on the held-out sentence (index 9 of the tiny index's 16)
-            "auroc": stored.details["auroc"],
-            "positions": stored.details["positions"],
-            "matches": stored.details["matches"],
-            "table": {  # the pattern the score measured, its tokens' texts, in m's units, strongest first
-                "sign": pattern["sign"],
-                "tokens": strongest_first(
-                    {
-                        "token_id": t,
-                        "token": texts[t],
-                        "previous_id": None,
-                        "previous": None,
-                        "weight": sign * w,
-                    }
-                    for t, w in zip(pattern["final"], pattern["weights"], strict=True)
-                ),
-                "pairs": strongest_first(
-                    {
-                        "token_id": t,
-                        "token": texts[t],
-                        "previous_id": p,
-                        "previous": texts.get(p, ""),
-                        "weight": sign * w,
-                    }
-                    for (p, t), w in zip(pattern["pairs"], pattern["pair_weights"], strict=True)
-                ),
-            },
-        }
-    )
+    assert body["explanation"] == {
+        "text": stored.text,
+        "source": "heuristic",
+        "score": stored.score,  # scored on the held-out sentence (index 9 of the tiny index's 16)
+        "auroc": stored.details["auroc"],
+        "positions": stored.details["positions"],
+        "matches": stored.details["matches"],
+        "table": {  # the pattern the score measured, its tokens' texts, in m's units, strongest first
+            "sign": pattern["sign"],
+            "tokens": strongest_first(
+                {
+                    "token_id": t,
+                    "token": texts[t],
+                    "previous_id": None,
+                    "previous": None,
+                    "weight": sign * w,
+                }
+                for t, w in zip(pattern["final"], pattern["weights"], strict=True)
+            ),
+            "pairs": strongest_first(
+                {
+                    "token_id": t,
+                    "token": texts[t],
+                    "previous_id": p,
+                    "previous": texts.get(p, ""),
+                    "weight": sign * w,
+                }
+                for (p, t), w in zip(pattern["pairs"], pattern["pair_weights"], strict=True)
+            ),
+        },
+    }
     assert body["explanation"]["table"]["tokens"], "the tiny index's memory weighs some token"
     assert stored.details["positions"] > 0
     page = client.get(f"/m/{slug}/layers/2/keys/3").text

@@ -385,7 +385,6 @@ def test_search_jumps_to_a_key(client, slug, q):
         ("/m/{slug}/layers/3", 404, "{slug} has layers 0–2; there is no layer 3."),
         ("/m/{slug}/layers/-1/keys/0", 404, "{slug} has layers 0–2; there is no layer -1."),
         ("/m/{slug}/layers/0/keys/48", 404, "Layer 0 has keys 0–47; there is no key 48."),
-        ("/m/{slug}/search?q=L7%20K1", 404, "{slug} has layers 0–2; there is no layer 7."),
         (
             "/m/{slug}/layers/x",
             400,
