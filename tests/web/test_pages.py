@@ -131,7 +131,8 @@ def test_model_page_aggregates_the_key_statistics(client, db, slug, run):
 def test_the_model_pages_prompt_box_must_be_filled(client, slug):
     """Issue 39: an empty prompt sent from the model page opened an empty live view; the box is required."""
     page = html_of(client, f"/m/{slug}")
-    box = re.search(rf'<form class="live" action="/m/{slug}/trace" method="get"><input ([^>]*)>', page).group(1)
+    live = f'<form class="live" action="/m/{slug}/trace" method="get">'
+    box = re.search(rf"{live}<input ([^>]*)>", page).group(1)
     assert 'name="text"' in box and box.split()[-1] == "required"
 
 
