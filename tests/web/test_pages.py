@@ -83,10 +83,24 @@ def test_home_lists_models_and_runs(client, slug, run):
         "started_at",
         "finished_at",
         "provenance",
+        "provenance_text",
         "error",
         "job",
         "mined",
     }
+    made = run.provenance  # issue 39: the provenance in words, not its fields dumped
+    assert entry["runs"][0]["provenance_text"] == (
+        f"Model {made['model_source']} (LlamaForCausalLM, weights SHA-256 {made['weights_sha256'][:12]}…). "
+        f"Corpus corpus.txt (16 sentences, SHA-256 {made['corpus_sha256'][:12]}…); every 10th sentence held "
+        "out of mining (1 sentence), for the analyses and explanations. Mined in sentences cut at 128 "
+        "tokens, batches of 128 tokens, shards of 8 sentences. Positions mined from 1: the tokenizer puts no "
+        "BOS first; the first token (attention sink) is not mined. Triggers and every statistic (histogram, "
+        f"mean, shares, tokens) cover these positions. Built by ffmem {run.package_version} with torch "
+        f"{made['torch']}, transformers {made['transformers']}, Python {made['python']}."
+    )
+    home = html_of(client, "/")
+    assert f'<p class="provenance">{entry["runs"][0]["provenance_text"]}</p>' in home.replace("&#39;", "'")
+    assert "<dt>weights_sha256</dt>" not in home
     assert (entry["runs"][0]["job"], entry["runs"][0]["mined"]) == (None, None)  # built: no job builds it
     assert (entry["runs"][0]["id"], entry["runs"][0]["status"], entry["runs"][0]["top_k"]) == (
         run.id,
