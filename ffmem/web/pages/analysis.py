@@ -40,7 +40,9 @@ class AnalysisContext(ModelPage):
 
     page: str = "analysis"
     run: RunInfo
-    computed: dict[str, dict] = Field(description="Analysis → {options, seconds, created_at}.")
+    computed: dict[str, dict] = Field(
+        description="Analysis → {options, seconds, created_at, text: how it was computed, in words}."
+    )
     missing: list[str] = Field(description="Analyses not computed on this run yet.")
     figures: list[AnalysisFigure]
     jobs: list[JobInfo] = Field(description="The run's analysis jobs, the newest first.")
@@ -184,7 +186,12 @@ def analysis_page(session: Session, settings: Settings, model: LanguageModel, ru
         model=model.slug,
         run=run_info(run),
         computed={
-            name: {"options": a.options, "seconds": a.seconds, "created_at": a.created_at.isoformat()}
+            name: {
+                "options": a.options,
+                "seconds": a.seconds,
+                "created_at": a.created_at.isoformat(),
+                "text": computed_text(name, a),
+            }
             for name, a in stored.items()
         },
         missing=[name for name in NAMES if name not in stored],
@@ -218,3 +225,17 @@ def held_out_sentences(run: Run) -> int:
     (ffmem.engine.corpus.held_out_sentences, counted without torch)."""
     every = (run.provenance or {}).get("held_out_every", 0)
     return run.corpus.n_sentences // every if every else 0
+
+
+def computed_text(name: str, analysis: Analysis) -> str:
+    """How a stored analysis was computed, as a sentence (its options are what it recorded)."""
+    options = analysis.options
+    read = {
+        "agreement": "Agreement (Figs. 4–5): read off the index, each key's top trigger and its value",
+        "census": f"Census (Figs. 7–11): over {options.get('examples', 0):,} held-out prefixes, one random "
+        f"position of each held-out sentence (seed {options.get('seed', 0)})",
+        "token_removal": f"Token removal (Fig. 3): {options.get('keys', 0):,} sampled keys a layer and their "
+        f"top {options.get('triggers', 0):,} trigger prefixes (seed {options.get('seed', 0)})",
+    }.get(name, name.replace("_", " ").capitalize())
+    when = analysis.created_at.strftime("%Y-%m-%d %H:%M")
+    return f"{read}; computed in {analysis.seconds:.1f} s on {when} UTC."
