@@ -210,7 +210,7 @@ def fitted_defaults(settings: Settings, model: LanguageModel, run: Run) -> dict:
     examples; a run holding none reads the source's sentences after its corpus, so the setting stays), the
     model's keys a layer and the run's top-T triggers a key."""
     spec = AnalysisSpec.from_settings(settings)
-    held = held_out_sentences(run)
+    held = held_out_count(run)
     return spec.model_copy(
         update={
             "examples": min(spec.examples, held) if held else spec.examples,
@@ -220,7 +220,7 @@ def fitted_defaults(settings: Settings, model: LanguageModel, run: Run) -> dict:
     ).model_dump()
 
 
-def held_out_sentences(run: Run) -> int:
+def held_out_count(run: Run) -> int:
     """How many sentences the run held out of mining: every `held_out_every`-th of its corpus
     (ffmem.engine.corpus.held_out_sentences, counted without torch)."""
     every = (run.provenance or {}).get("held_out_every", 0)
