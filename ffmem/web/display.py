@@ -1,8 +1,11 @@
 """How values show on a page: tokens made visible, compact numbers and percentages (Jinja filters); a
 token and a coefficient bar as HTML (Jinja globals: Python rather than macros, a key page shows ~300
-tokens and a macro call costs ten times a function's)."""
+tokens and a macro call costs ten times a function's); and what every shown value loses, whoever wrote it
+(`without_bidi_controls`, the templates' `finalize`)."""
 
 from __future__ import annotations
+
+import re
 
 from markupsafe import Markup, escape
 
@@ -68,3 +71,18 @@ def duration(start, end) -> str:
         return f"{minutes} min {seconds} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes} min"
+
+
+# Unicode's bidirectional embeddings, overrides, isolates and marks (U+202A–U+202E, U+2066–U+2069, U+200E,
+# U+200F, U+061C): in a label or a corpus sentence they reorder what follows ("\u202eevil" reads "live").
+BIDI_CONTROLS = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def without_bidi_controls(value):
+    """`value` (shown by a template) without bidirectional controls, Markup kept Markup; other values as they
+    are. The templates' `finalize` (ffmem.web.rendering): every `{{ … }}` of every page passes here, labels,
+    corpus text, prompts and explanations alike; tokens already show such characters as ⟨U+202E⟩ (visible)."""
+    if not isinstance(value, str) or not BIDI_CONTROLS.search(value):
+        return value
+    cleaned = BIDI_CONTROLS.sub("", value)
+    return Markup(cleaned) if isinstance(value, Markup) else cleaned

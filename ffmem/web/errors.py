@@ -46,11 +46,12 @@ def field_of(error: RequestValidationError) -> str | None:
 
 
 def describe(error: RequestValidationError) -> str:
-    """FastAPI's validation errors as one readable sentence per bad parameter."""
+    """FastAPI's validation errors as one readable sentence per bad parameter (once: a parameter two
+    dependencies read, such as `run`, is reported by each)."""
     parts = []
     for problem in error.errors():
         where = ".".join(
             str(part) for part in problem.get("loc", ()) if part not in ("query", "path", "body")
         )
         parts.append(f"{where or 'request'}: {problem.get('msg', 'invalid')}")
-    return "; ".join(parts) or "The request is malformed."
+    return "; ".join(dict.fromkeys(parts)) or "The request is malformed."

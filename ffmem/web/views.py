@@ -62,6 +62,10 @@ class RunInfo(BaseModel):
     started_at: Moment
     finished_at: Moment | None
     provenance: dict = Field(description="What it was built from: options, weights' checksum, versions.")
+    provenance_text: str = Field(
+        description="The provenance as a person reads it: the model, the corpus and what was held out, how "
+        "it was mined, and the versions that built it."
+    )
     error: dict | None = Field(description="Why it failed: {type, message, traceback}.")
     job: int | None = Field(None, description="While the run is built: the index job building it.")
     mined: float | None = Field(
@@ -87,8 +91,63 @@ def run_info(run: Run) -> RunInfo:
         started_at=run.started_at,
         finished_at=run.finished_at,
         provenance=run.provenance,
+        provenance_text=provenance_text(run.provenance or {}, run.package_version),
         error=run.error,
     )
+
+
+def provenance_text(provenance: dict, package_version: str) -> str:
+    """A run's provenance (ffmem.worker.provenance) in sentences; what an older run did not record is left
+    out."""
+    get = provenance.get
+    sentences = []
+    if get("model_source"):
+        revision = f" at revision {get('model_revision')}" if get("model_revision") else ""
+        weights = f", weights SHA-256 {get('weights_sha256')[:12]}…" if get("weights_sha256") else ""
+        kind = f" ({get('architecture')}{weights})" if get("architecture") else ""
+        sentences.append(f"Model {get('model_source')}{revision}{kind}.")
+    if get("corpus"):
+        counted = f"{get('sentences'):,} sentences" if get("sentences") is not None else ""
+        checksum = f"SHA-256 {get('corpus_sha256')[:12]}…" if get("corpus_sha256") else ""
+        about = ", ".join(part for part in (counted, checksum) if part)
+        sentences.append(
+            f"Corpus {get('corpus')}{f' ({about})' if about else ''}{held_out_words(provenance)}."
+        )
+    mining = []
+    if get("max_sentence_tokens"):
+        mining.append(f"sentences cut at {get('max_sentence_tokens'):,} tokens")
+    if get("batch_tokens"):
+        mining.append(f"batches of {get('batch_tokens'):,} tokens")
+    if get("shard_sentences"):
+        mining.append(f"shards of {get('shard_sentences'):,} sentences")
+    if mining:
+        sentences.append(f"Mined in {', '.join(mining)}.")
+    if get("mined_positions"):
+        sentences.append(f"Positions mined {get('mined_positions')}.")
+    versions = [f"{name} {get(key)}" for name, key in LIBRARIES if get(key)]
+    sentences.append(f"Built by ffmem {package_version}{' with ' + ', '.join(versions) if versions else ''}.")
+    return " ".join(sentences)
+
+
+LIBRARIES = (("torch", "torch"), ("transformers", "transformers"), ("Python", "python"))
+
+
+def held_out_words(provenance: dict) -> str:
+    """Which sentences the run held out of mining, as the end of the corpus's sentence."""
+    every, total = provenance.get("held_out_every"), provenance.get("sentences")
+    if every is None:
+        return ""
+    if not every:
+        return "; every sentence mined, none held out"
+    held = total // every if total is not None else None
+    count = "" if held is None else f" ({held:,} sentence{'s' if held != 1 else ''})"
+    return f"; every {ordinal(every)} sentence held out of mining{count}, for the analyses and explanations"
+
+
+def ordinal(n: int) -> str:
+    """10 → 10th, 2 → 2nd, 1 → 1st (the 1st sentence: every one)."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 class ModelInfo(BaseModel):

@@ -10,6 +10,7 @@ Skipped when Chromium is not installed, except on CI (env CI set), where that is
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -19,7 +20,7 @@ from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.models import Job, Label, LanguageModel
+from ffmem.store.models import Explanation, Job, Label, LanguageModel
 from ffmem.store.specs import AnalysisSpec
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
@@ -412,3 +413,57 @@ def test_no_page_scrolls_sideways_on_a_phone(phone, server, index, kind):
         ".map(t => t.getBoundingClientRect().right)"
     )
     assert all(right <= client + 1 for right in rights), (kind, rights)
+
+
+LONG_WORD = "Supercalifragilistic" * 15  # 300 characters, no place to break
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def test_long_unbroken_labels_and_explanations_wrap_on_a_phone(phone, server, index):
+    """Issue 39: a label or an explanation of one long word made the page (or its table) scroll sideways at
+    390 px; they wrap (overflow-wrap: anywhere) wherever they show."""
+    slug, engine = index["slug"], make_engine(index["url"])
+    sessions = make_sessionmaker(engine)
+    with sessions() as session:
+        model_id = session.scalars(select(LanguageModel.id)).one()
+        session.add(
+            Label(
+                model_id=model_id,
+                layer=2,
+                key=3,
+                pattern=LONG_WORD,
+                tag="",
+                author=LONG_WORD[:60],
+                created_at=NOW,
+            )
+        )
+        explanation = session.scalars(
+            select(Explanation).where(Explanation.layer == 2, Explanation.key == 3)
+        ).one()
+        kept, explanation.text = explanation.text, f"strongest at {LONG_WORD}"
+        run_id = explanation.run_id
+        session.commit()
+    try:
+        for url, boxes in (
+            (f"/m/{slug}/layers/2/keys/3", "#current-label, #explanation-text"),
+            (f"/m/{slug}/labels", "#labels"),
+            (f"/m/{slug}/search?q=Supercali", "#label-matches, #explanation-matches"),
+        ):
+            phone.goto(server + url)
+            width, client = no_sideways_scroll(phone)
+            assert width <= client, f"{url}: the page is {width} px wide at {client} px"
+            shown = phone.evaluate(
+                f"() => [...document.querySelectorAll('{boxes}')].map(e => [e.scrollWidth, e.clientWidth, "
+                "e.getBoundingClientRect().right])"
+            )
+            assert len(shown) == boxes.count(",") + 1, url
+            assert all(scroll <= inner + 1 and right <= client + 1 for scroll, inner, right in shown), (
+                url,
+                shown,
+            )
+    finally:
+        with sessions() as session:
+            session.execute(Label.__table__.delete())
+            session.get(Explanation, (run_id, 2, 3)).text = kept
+            session.commit()
+        engine.dispose()

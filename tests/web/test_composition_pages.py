@@ -13,6 +13,7 @@ from sqlalchemy import select
 from ffmem.store import composition, vocabularies
 from ffmem.store.models import Explanation
 from ffmem.web import charts, urls
+from ffmem.web.display import number, visible
 from ffmem.web.pages.composition import LinkView, WeightGraphView
 
 
@@ -93,6 +94,7 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     stored = db.get(Explanation, (run.id, 2, 3))
     body = client.get(f"/m/{slug}/layers/2/keys/3.json").json()
     pattern = composition.explanation_pattern(stored)
+    sign = pattern["sign"]
     texts = vocabularies.vocabulary(session=db, model_id=run.model_id)
     assert body["explanation"] == {
         "text": stored.text,
@@ -101,22 +103,28 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
         "auroc": stored.details["auroc"],
         "positions": stored.details["positions"],
         "matches": stored.details["matches"],
-        "table": {  # the whole pattern the score measured, with its tokens' texts
+        "table": {  # the pattern the score measured, its tokens' texts, in m's units, strongest first
             "sign": pattern["sign"],
-            "tokens": [
-                {"token_id": t, "token": texts[t], "previous_id": None, "previous": None, "weight": w}
+            "tokens": strongest_first(
+                {
+                    "token_id": t,
+                    "token": texts[t],
+                    "previous_id": None,
+                    "previous": None,
+                    "weight": sign * w,
+                }
                 for t, w in zip(pattern["final"], pattern["weights"], strict=True)
-            ],
-            "pairs": [
+            ),
+            "pairs": strongest_first(
                 {
                     "token_id": t,
                     "token": texts[t],
                     "previous_id": p,
                     "previous": texts.get(p, ""),
-                    "weight": w,
+                    "weight": sign * w,
                 }
                 for (p, t), w in zip(pattern["pairs"], pattern["pair_weights"], strict=True)
-            ],
+            ),
         },
     }
     assert body["explanation"]["table"]["tokens"], "the tiny index's memory weighs some token"
@@ -132,6 +140,40 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     assert (
         f"over {stored.details['positions']:,} positions of held-out" if stored.score is not None else held
     ) in page
+
+
+def strongest_first(rows) -> list[dict]:
+    return sorted(rows, key=lambda row: -abs(row["weight"]))
+
+
+def test_the_token_table_speaks_as_the_description_strongest_first(client, db, run, slug):
+    """Issue 39: the key page's token table listed its weights in the stored order and in units of −m for a
+    memory whose strong side is negative, while the description above named them in m's units. The table
+    now gives every weight as the description does (sign · stored), by |weight|, the largest first."""
+    explained = db.scalars(select(Explanation).where(Explanation.run_id == run.id)).all()
+    negative = next(
+        e
+        for e in explained
+        if (p := composition.explanation_pattern(e))["sign"] == -1 and len(p["final"]) > 2
+    )
+    pattern = composition.explanation_pattern(negative)
+    table = client.get(f"/m/{slug}/layers/{negative.layer}/keys/{negative.key}.json").json()["explanation"]
+    table = table["table"]
+    weights = [row["weight"] for row in table["tokens"]]
+    assert sorted(weights) == sorted(-w for w in pattern["weights"])  # m's units: −1 · the stored weight
+    assert [abs(w) for w in weights] == sorted((abs(w) for w in weights), reverse=True)
+    pairs = [abs(row["weight"]) for row in table["pairs"]]
+    assert pairs == sorted(pairs, reverse=True)
+    strongest = re.search(r"strongest \(m < 0\) at (.*?)(?:;|$)", negative.text).group(1)
+    named = re.findall(r"“(.*?)” ([+-][^,]+)", strongest)
+    assert named and all(float(shown) < 0 for _, shown in named)  # m < 0 at its strongest tokens
+    by_text = {visible(row["token"], spaces=False): row["weight"] for row in table["tokens"]}
+    assert [shown for _, shown in named] == [f"{by_text[token]:+.3g}" for token, _ in named]
+    page = client.get(f"/m/{slug}/layers/{negative.layer}/keys/{negative.key}").text
+    section = page[page.index('<details id="explanation-table">') :]
+    shown = re.findall(r'<td class="num">([^<]*)</td>', section[: section.index("</table>")])
+    assert shown[len(table["pairs"]) :] == [number(w, 3) for w in weights]  # the page in the same order
+    assert "−m" not in section
 
 
 def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):

@@ -68,8 +68,12 @@ def test_a_key_the_model_lacks_is_a_404_next_to_the_search_box(client, slug, q, 
     assert f"</strong>: {message}</span>" in typed.text
     twin = client.get(f"/m/{slug}/search.json", params={"q": q})
     assert twin.status_code == 404 and twin.json() == {"ok": False, "status": 404, "error": message}
-    page = client.get(f"/m/{slug}/search", params={"q": q})
-    assert page.status_code == 404 and message in page.text
+    page = client.get(
+        f"/m/{slug}/search", params={"q": q}
+    )  # Enter: the search page, the reason beside its box
+    assert page.status_code == 404 and f"<h1>Search {slug}</h1>" in page.text and "<h1>404" not in page.text
+    assert f'<span class="field-error" id="q-error" role="alert">{message}</span>' in page.text
+    assert f'name="q" value="{q}"' in page.text and 'id="key-jump"' not in page.text
 
 
 def test_the_search_form_searches_as_you_type_and_jumps_only_when_sent(client, slug):

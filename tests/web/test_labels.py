@@ -9,12 +9,14 @@ from datetime import datetime, timezone
 
 import pytest
 from fastapi.testclient import TestClient
-from markupsafe import escape
+from markupsafe import Markup, escape
 from sqlalchemy import func, select
 
 from ffmem.config import Settings
 from ffmem.store.models import Label, LanguageModel
+from ffmem.web.display import BIDI_CONTROLS
 from ffmem.web.main import create_app
+from ffmem.web.rendering import templates
 
 # Both backends: labels are written, and searched by each backend's text index.
 pytestmark = pytest.mark.backends("sqlite", "postgres")
@@ -118,6 +120,31 @@ def test_label_text_is_escaped(client, slug):
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
+def test_bidi_controls_in_a_label_do_not_reorder_the_pages(client, slug):
+    """Issue 39: a label "\u202eevil\u202c" (a right-to-left override) read "live" on every page showing it.
+    Every shown value loses the bidi controls (the templates' finalize); the JSON twin keeps the data."""
+    pattern = "\u202eevil\u202c \u2067x\u2069 \u200e\u200f\u061cy \u202a\u202b\u202d."
+    client.post(f"/m/{slug}/layers/1/keys/4/labels", data={"pattern": pattern, "author": "\u202emallory"})
+    assert client.get(f"/m/{slug}/layers/1/keys/4.json").json()["label"]["pattern"] == pattern
+    for url in (
+        f"/m/{slug}/layers/1/keys/4",
+        f"/m/{slug}/layers/1",
+        f"/m/{slug}/labels",
+        f"/m/{slug}/search?q=evil",
+    ):
+        page = client.get(url).text
+        assert "evil x y ." in page, url
+        assert not BIDI_CONTROLS.search(page), url
+    assert "mallory" in client.get(f"/m/{slug}/labels").text
+
+
+def test_every_shown_value_loses_bidi_controls_markup_kept():
+    shown = templates.env.from_string('{{ text }}|{{ html }}|<i title="{{ text }}">{{ n }}</i>')
+    html = Markup("<mark>\u2066a\u2069</mark>")
+    rendered = shown.render(text="\u202edoc.exe<", html=html, n=3)
+    assert rendered == 'doc.exe&lt;|<mark>a</mark>|<i title="doc.exe&lt;">3</i>'
+
+
 def _labelled(db, slug) -> None:
     """Four labelled memories of the tiny model (L0 K3 labelled twice: its newest counts), at set times."""
     model_id = db.scalars(select(LanguageModel.id).where(LanguageModel.slug == slug)).one()
@@ -210,6 +237,34 @@ def test_the_labels_csv_export(client, db, slug):
     assert [row["pattern"] for row in parsed] == patterns  # what a CSV reader reads back
     by_key = client.get(f"/m/{slug}/labels.csv").text.splitlines()
     assert [line.split(",")[:2] for line in by_key[1:]] == [["0", "3"], ["0", "10"], ["1", "4"], ["2", "9"]]
+
+
+def test_the_labels_csv_opens_formulas_as_text(client, db, slug):
+    """Issue 39: a text cell starting with = + - @, a tab or a carriage return gets a leading ' (OWASP's CSV
+    injection advice), so a spreadsheet shows `=HYPERLINK(…)` as words; the layer and key stay numbers."""
+    model_id = db.scalars(select(LanguageModel.id).where(LanguageModel.slug == slug)).one()
+    when = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    rows = [  # (key, pattern, author)
+        (1, '=HYPERLINK("http://evil.example","click")', "ada"),
+        (2, "+1 more", "@bob"),
+        (3, "-2 below", "\tcarol"),
+        (4, "\rdan", "a=b, not a formula"),
+    ]
+    for key, pattern, author in rows:
+        db.add(
+            Label(
+                model_id=model_id, layer=0, key=key, pattern=pattern, tag="", author=author, created_at=when
+            )
+        )
+    db.commit()
+    parsed = list(csv.reader(io.StringIO(client.get(f"/m/{slug}/labels.csv").text)))
+    assert [row[:5] for row in parsed[1:]] == [
+        ["0", "1", '\'=HYPERLINK("http://evil.example","click")', "", "ada"],
+        ["0", "2", "'+1 more", "", "'@bob"],
+        ["0", "3", "'-2 below", "", "'\tcarol"],
+        ["0", "4", "'\rdan", "", "a=b, not a formula"],
+    ]
+    assert client.get(f"/m/{slug}/labels.json").json()["labels"][0]["pattern"] == rows[0][1]  # the data as is
 
 
 def test_no_labels_yet(client, slug):

@@ -53,6 +53,17 @@ def test_a_key_opens_by_its_number(client, slug, run):
     assert client.get(f"/m/{slug}/layers/1.json", params={"key": -1}).status_code == 400
 
 
+def test_a_key_the_layer_lacks_stays_on_the_layer_page_beside_the_box(client, slug, run):
+    """Issue 39: Enter on a key past the layer's last gave an error page; the layer page stays, the reason
+    next to its box, the number kept (its JSON twin: the error alone, as before)."""
+    answer = client.get(f"/m/{slug}/layers/1", params={"key": 99999, "run": run.id}, follow_redirects=False)
+    assert answer.status_code == 404 and "<h1>Layer 1 " in answer.text and "<h1>404" not in answer.text
+    reason = "Layer 1 has keys 0–47; there is no key 99999."
+    assert f'<span class="field-error" id="key-error" role="alert">{reason}</span>' in answer.text
+    assert form_of(answer.text, "open-key")[1] == {"key": "99999", "run": str(run.id)}
+    assert 'id="keys"' in answer.text  # the layer's keys, as without the box
+
+
 def test_the_layer_page_offers_the_key_box(client, slug, run):
     action, inputs = form_of(client.get(f"/m/{slug}/layers/2").text, "open-key")
     assert (action, inputs) == (f"/m/{slug}/layers/2", {"key": None, "run": str(run.id)})

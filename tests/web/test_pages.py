@@ -83,10 +83,24 @@ def test_home_lists_models_and_runs(client, slug, run):
         "started_at",
         "finished_at",
         "provenance",
+        "provenance_text",
         "error",
         "job",
         "mined",
     }
+    made = run.provenance  # issue 39: the provenance in words, not its fields dumped
+    assert entry["runs"][0]["provenance_text"] == (
+        f"Model {made['model_source']} (LlamaForCausalLM, weights SHA-256 {made['weights_sha256'][:12]}…). "
+        f"Corpus corpus.txt (16 sentences, SHA-256 {made['corpus_sha256'][:12]}…); every 10th sentence held "
+        "out of mining (1 sentence), for the analyses and explanations. Mined in sentences cut at 128 "
+        "tokens, batches of 128 tokens, shards of 8 sentences. Positions mined from 1: the tokenizer puts no "
+        "BOS first; the first token (attention sink) is not mined. Triggers and every statistic (histogram, "
+        f"mean, shares, tokens) cover these positions. Built by ffmem {run.package_version} with torch "
+        f"{made['torch']}, transformers {made['transformers']}, Python {made['python']}."
+    )
+    home = html_of(client, "/")
+    assert f'<p class="provenance">{entry["runs"][0]["provenance_text"]}</p>' in home.replace("&#39;", "'")
+    assert "<dt>weights_sha256</dt>" not in home
     assert (entry["runs"][0]["job"], entry["runs"][0]["mined"]) == (None, None)  # built: no job builds it
     assert (entry["runs"][0]["id"], entry["runs"][0]["status"], entry["runs"][0]["top_k"]) == (
         run.id,
@@ -126,6 +140,14 @@ def test_model_page_aggregates_the_key_statistics(client, db, slug, run):
         ranked = [s.next_token_rank for s in stats if s.next_token_rank is not None]
         assert summary["agreement_rate"] == pytest.approx(sum(r == 0 for r in ranked) / len(ranked))
         assert summary["agreeing_keys"] == sum(s.agreement > 0 for s in stats)
+
+
+def test_the_model_pages_prompt_box_must_be_filled(client, slug):
+    """Issue 39: an empty prompt sent from the model page opened an empty live view; the box is required."""
+    page = html_of(client, f"/m/{slug}")
+    live = f'<form class="live" action="/m/{slug}/trace" method="get">'
+    box = re.search(rf"{live}<input ([^>]*)>", page).group(1)
+    assert 'name="text"' in box and box.split()[-1] == "required"
 
 
 def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
@@ -385,7 +407,6 @@ def test_search_jumps_to_a_key(client, slug, q):
         ("/m/{slug}/layers/3", 404, "{slug} has layers 0–2; there is no layer 3."),
         ("/m/{slug}/layers/-1/keys/0", 404, "{slug} has layers 0–2; there is no layer -1."),
         ("/m/{slug}/layers/0/keys/48", 404, "Layer 0 has keys 0–47; there is no key 48."),
-        ("/m/{slug}/search?q=L7%20K1", 404, "{slug} has layers 0–2; there is no layer 7."),
         (
             "/m/{slug}/layers/x",
             400,
@@ -407,13 +428,47 @@ def test_one_error_shape(client, slug, path, status, message):
     path = path.format(slug=slug)
     twin = re.sub(r"^([^?]+?)(\?|$)", r"\1.json\2", path, count=1)
     body = json_of(client, twin, status)
-    assert set(body) == {"ok", "error", "status"} and body["ok"] is False and body["status"] == status
+    linked = {"link"} if "run=" in path else set()  # a bad ?run= links the page on the newest run
+    assert set(body) == {"ok", "error", "status"} | linked
+    assert body["ok"] is False and body["status"] == status
     if message is not None:
         assert body["error"] == message.format(slug=slug)
     page = html_of(client, path, status)
     assert f"<h1>{status} · " in page and "Traceback" not in page
     if message is not None:
         assert message.format(slug=slug).replace("'", "&#39;") in page
+
+
+def test_a_malformed_run_is_said_once_with_a_link_to_the_newest_run(client, slug):
+    """Issue 39: `?run=abc` says why once, and links the same page on a run that exists (the newest)."""
+    message = "run: Input should be a valid integer, unable to parse string as an integer"
+    twin = client.get(f"/m/{slug}/layers/1.json?run=abc&sort=density")
+    assert twin.status_code == 400
+    link = f"/m/{slug}/layers/1.json?sort=density"
+    assert twin.json() == {"ok": False, "error": message, "status": 400, "link": link}
+    page = html_of(client, f"/m/{slug}/layers/1?sort=density&run=abc", 400)
+    assert page.count("Input should be a valid integer") == 1
+    newest = f'<a id="next" href="/m/{slug}/layers/1?sort=density">See the same page on the newest run</a>'
+    assert newest in page
+    assert f'<a id="next" href="/m/{slug}">' in html_of(client, f"/m/{slug}?run=abc", 400)
+    assert "link" not in json_of(client, f"/m/{slug}/layers/1.json?page=x", 400)  # only a bad run
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("POST", "/m/{slug}", "GET, HEAD"),
+        ("DELETE", "/m/{slug}/analysis", "GET, HEAD, POST"),  # a page and its form: two routes, one path
+        ("PUT", "/m/{slug}/analysis.json", "GET, HEAD, POST"),
+        ("GET", "/m/{slug}/runs/1/delete", "POST"),
+        ("POST", "/static/app.css", "GET, HEAD"),
+    ],
+)
+def test_a_method_not_allowed_names_the_allowed_ones(client, slug, method, path, allow):
+    """Issue 39: a 405 carries `Allow` (RFC 9110), every method the path answers, through our error page."""
+    answer = client.request(method, path.format(slug=slug))
+    assert answer.status_code == 405 and answer.headers["allow"] == allow
+    assert "<h1>405 · Method not allowed</h1>" in answer.text or answer.json()["status"] == 405
 
 
 @pytest.mark.parametrize("q", ["%00", "a%00b", "%25", "_", "%5C", "'", "%F0%9F%98%80"])

@@ -130,7 +130,8 @@ def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
 
     sessions, run_id, _ = analyzed
     with sessions() as session:
-        stored = {a.name: a.data for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
+        rows = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
+        stored = {name: a.data for name, a in rows.items()}
         slug = session.get(Run, run_id).model.slug
     app = create_app(Settings(database_url=db_url))
     with TestClient(app) as client:
@@ -145,6 +146,19 @@ def test_the_analysis_page_shows_what_is_stored(analyzed, db_url):
         assert figures["fig9"]["depth"] == [0.0, 0.5, 1.0] and figures["fig8"]["paper"]
         page = client.get(f"/m/{slug}/analysis").text
         assert all(f'id="chart-{name}"' in page for name in figures) and 'id="analysis-missing"' not in page
+        said = {  # issue 39: how each was computed, in words (its options as the job recorded them)
+            "agreement": "Agreement (Figs. 4–5): read off the index, each key's top trigger and its value",
+            "census": "Census (Figs. 7–11): over 10 held-out prefixes, one random position of each held-out "
+            "sentence (seed 0)",
+            "token_removal": "Token removal (Fig. 3): 3 sampled keys a layer and their top 2 trigger "
+            "prefixes (seed 0)",
+        }
+        for name, words in said.items():
+            row = rows[name]
+            text = f"{words}; computed in {row.seconds:.1f} s on {row.created_at:%Y-%m-%d %H:%M} UTC."
+            assert body["computed"][name]["text"] == text
+            assert f"<p>{text}</p>" in page.replace("&#39;", "'")
+        assert "<dt>" not in page.split('id="analysis-provenance"')[1]  # no field dump
         with sessions() as session:
             sampled = session.scalars(
                 select(KeyStats).where(KeyStats.run_id == run_id, KeyStats.shallowness.isnot(None)).limit(1)

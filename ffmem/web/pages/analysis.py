@@ -12,7 +12,7 @@ from ffmem.config import Settings
 from ffmem.engine.paper.cases import CASES
 from ffmem.store import jobs
 from ffmem.store.models import Analysis, LanguageModel, Run
-from ffmem.store.specs import AnalysisSpec
+from ffmem.store.specs import ANALYSIS_SIZES, AnalysisSpec
 from ffmem.web.views import JobInfo, ModelPage, RunInfo, run_info
 
 NAMES = ("agreement", "census", "token_removal")
@@ -40,11 +40,17 @@ class AnalysisContext(ModelPage):
 
     page: str = "analysis"
     run: RunInfo
-    computed: dict[str, dict] = Field(description="Analysis → {options, seconds, created_at}.")
+    computed: dict[str, dict] = Field(
+        description="Analysis → {options, seconds, created_at, text: how it was computed, in words}."
+    )
     missing: list[str] = Field(description="Analyses not computed on this run yet.")
     figures: list[AnalysisFigure]
     jobs: list[JobInfo] = Field(description="The run's analysis jobs, the newest first.")
-    defaults: dict = Field(description="The options a new analysis job gets unless the form says otherwise.")
+    defaults: dict = Field(
+        description="The options the form offers a new analysis job: the settings', each no more than the "
+        "run holds (held-out sentences, keys a layer, top triggers a key)."
+    )
+    command: str = Field(description="The command that computes them with those options.")
 
 
 def _paper(*points: tuple[float, float]) -> list[list[float]]:
@@ -174,12 +180,18 @@ def analysis_page(session: Session, settings: Settings, model: LanguageModel, ru
                 {case: data["cases"][case] for case in CASES},
             ),
         ]
+    defaults = fitted_defaults(settings, model, run)
     return AnalysisContext(
         title=f"{model.slug}: the paper's analyses",
         model=model.slug,
         run=run_info(run),
         computed={
-            name: {"options": a.options, "seconds": a.seconds, "created_at": a.created_at.isoformat()}
+            name: {
+                "options": a.options,
+                "seconds": a.seconds,
+                "created_at": a.created_at.isoformat(),
+                "text": computed_text(name, a),
+            }
             for name, a in stored.items()
         },
         missing=[name for name in NAMES if name not in stored],
@@ -188,5 +200,42 @@ def analysis_page(session: Session, settings: Settings, model: LanguageModel, ru
             JobInfo.model_validate(job, from_attributes=True)
             for job in jobs.analysis_jobs(session=session, run_id=run.id)
         ],
-        defaults=AnalysisSpec.from_settings(settings).model_dump(),
+        defaults=defaults,
+        command=f"ffmem analyze --run {run.id} " + " ".join(f"--{n} {defaults[n]}" for n in ANALYSIS_SIZES),
     )
+
+
+def fitted_defaults(settings: Settings, model: LanguageModel, run: Run) -> dict:
+    """The settings' analysis options, each cut to what the run holds: its held-out sentences (the
+    examples; a run holding none reads the source's sentences after its corpus, so the setting stays), the
+    model's keys a layer and the run's top-T triggers a key."""
+    spec = AnalysisSpec.from_settings(settings)
+    held = held_out_count(run)
+    return spec.model_copy(
+        update={
+            "examples": min(spec.examples, held) if held else spec.examples,
+            "keys": min(spec.keys, model.n_keys),
+            "triggers": min(spec.triggers, run.top_k),
+        }
+    ).model_dump()
+
+
+def held_out_count(run: Run) -> int:
+    """How many sentences the run held out of mining: every `held_out_every`-th of its corpus
+    (ffmem.engine.corpus.held_out_sentences, counted without torch)."""
+    every = (run.provenance or {}).get("held_out_every", 0)
+    return run.corpus.n_sentences // every if every else 0
+
+
+def computed_text(name: str, analysis: Analysis) -> str:
+    """How a stored analysis was computed, as a sentence (its options are what it recorded)."""
+    options = analysis.options
+    read = {
+        "agreement": "Agreement (Figs. 4–5): read off the index, each key's top trigger and its value",
+        "census": f"Census (Figs. 7–11): over {options.get('examples', 0):,} held-out prefixes, one random "
+        f"position of each held-out sentence (seed {options.get('seed', 0)})",
+        "token_removal": f"Token removal (Fig. 3): {options.get('keys', 0):,} sampled keys a layer and their "
+        f"top {options.get('triggers', 0):,} trigger prefixes (seed {options.get('seed', 0)})",
+    }.get(name, name.replace("_", " ").capitalize())
+    when = analysis.created_at.strftime("%Y-%m-%d %H:%M")
+    return f"{read}; computed in {analysis.seconds:.1f} s on {when} UTC."

@@ -56,14 +56,20 @@ class WeightedToken(BaseModel):
     token: str
     previous_id: int | None = Field(None, description="A pair's previous token (−1: the sentence's start).")
     previous: str | None = Field(None, description="Its text (empty at the sentence's start).")
-    weight: float = Field(description="The match at a position with this token (or pair), in units of m.")
+    weight: float = Field(
+        description="What the pattern expects of m at a position with this token (or pair), above the "
+        "memory's typical value, in units of m as the description says it (sign · the stored weight)."
+    )
 
 
 class TokenTable(BaseModel):
     """The pattern the score measures: a position's match is its pair's weight where listed, else its
-    token's, else 0 (ffmem.engine.explanations)."""
+    token's, else 0 (ffmem.engine.explanations); each list by |weight|, the largest first."""
 
-    sign: int = Field(description="+1: the match predicts m; −1: −m (the memory's strong side is negative).")
+    sign: int = Field(
+        description="The memory's strong side: +1, m > 0; −1, m < 0 (the score correlates sign · the match "
+        "with sign · m)."
+    )
     tokens: list[WeightedToken]
     pairs: list[WeightedToken]
 
@@ -97,18 +103,27 @@ def key_explanation(session: Session, run: Run, layer: int, key: int) -> KeyExpl
 
 
 def token_table(session: Session, run: Run, pattern: dict) -> TokenTable:
-    """A stored token table with its tokens' texts."""
+    """A stored token table with its tokens' texts, its weights in m's units as the description gives them
+    (the stored ones are in units of sign · m), each list by |weight|, the largest first."""
     ids = [*pattern["final"], *(t for pair in pattern["pairs"] for t in pair)]
     texts = vocabularies.token_texts(session=session, model_id=run.model_id, token_ids=ids)
+    sign = pattern["sign"]
     tokens = [
-        WeightedToken(token_id=t, token=texts.get(t, ""), weight=w)
+        WeightedToken(token_id=t, token=texts.get(t, ""), weight=sign * w)
         for t, w in zip(pattern["final"], pattern["weights"], strict=True)
     ]
     pairs = [
-        WeightedToken(token_id=t, token=texts.get(t, ""), previous_id=p, previous=texts.get(p, ""), weight=w)
+        WeightedToken(
+            token_id=t, token=texts.get(t, ""), previous_id=p, previous=texts.get(p, ""), weight=sign * w
+        )
         for (p, t), w in zip(pattern["pairs"], pattern["pair_weights"], strict=True)
     ]
-    return TokenTable(sign=pattern["sign"], tokens=tokens, pairs=pairs)
+    return TokenTable(sign=sign, tokens=by_strength(tokens), pairs=by_strength(pairs))
+
+
+def by_strength(weighted: list[WeightedToken]) -> list[WeightedToken]:
+    """`weighted` by |weight|, the largest first (ties in the stored order)."""
+    return sorted(weighted, key=lambda w: -abs(w.weight))
 
 
 def weight_graph_view(session: Session, slug: str, run: Run, layer: int, key: int) -> WeightGraphView | None:

@@ -21,6 +21,7 @@ from ffmem.web.views import LabelHit, LabelView, ModelPage, label_view
 LabelSort = Literal["key", "label", "date"]  # memory_labels.LABEL_SORTS
 SORT_NAMES = {"key": "layer and key", "label": "label", "date": "newest first"}
 CSV_COLUMNS = ("layer", "key", "pattern", "tag", "author", "created_at", "url")
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what makes a spreadsheet read a cell as a formula
 
 
 class LabelSortLink(BaseModel):
@@ -86,11 +87,19 @@ def labels_page(session: Session, model: LanguageModel, sort: LabelSort) -> Labe
 
 def labels_csv(ctx: LabelsContext) -> str:
     """The context's labels as CSV (RFC 4180: quoted where needed, CRLF line ends), one row a label, with a
-    header row; times in UTC, RFC 3339 to the second."""
+    header row; times in UTC, RFC 3339 to the second; its texts safe to open in a spreadsheet."""
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
     for label in ctx.labels:
         created = label.created_at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        writer.writerow([label.layer, label.key, label.pattern, label.tag, label.author, created, label.url])
+        texts = [label.pattern, label.tag, label.author]
+        writer.writerow([label.layer, label.key, *map(spreadsheet_text, texts), created, label.url])
     return out.getvalue()
+
+
+def spreadsheet_text(text: str) -> str:
+    """A text cell a spreadsheet opens as text: one starting with = + - @, a tab or a carriage return gets
+    a leading ' (OWASP's advice on CSV injection: `=HYPERLINK(…)` stays words, not a live formula). Only
+    text cells: the numbers (layer, key) stay numbers."""
+    return f"'{text}" if text.startswith(FORMULA_STARTS) else text

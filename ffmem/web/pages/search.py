@@ -123,12 +123,14 @@ def search_page(
     limit: int,
     max_length: int,
     jump: bool = True,
+    keys: bool = True,
 ) -> SearchContext | str:
     """The search results, or the URL of a key when `q` names one (`L12 K345`, `12/345`) and `jump` (else
     the results with that URL: as-you-type searches jump only when the form is sent). `pinned`: the run the
-    URL pins; its run is looked up only when there is no key to jump to."""
+    URL pins; its run is looked up only when there is no key to jump to. `keys=False`: `q` names no key (a
+    key the model lacks, refused next to the box: the results of q as text)."""
     slug = model.slug
-    named = named_key(model, q)
+    named = named_key(model, q) if keys else None
     key_url = urls.key_url(slug, *named, run=pinned) if named else None
     if key_url and jump:
         return key_url

@@ -10,9 +10,10 @@ from fastapi.responses import RedirectResponse
 from ffmem.store import memory_reads
 from ffmem.web import urls
 from ffmem.web.deps import LayerDep, ModelDep, PinnedDep, RunDep, SessionDep
+from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_key
 from ffmem.web.pages.layer import LayerContext, layer_page
-from ffmem.web.rendering import render, wants_json
+from ffmem.web.rendering import render, wants_fragment, wants_json
 from ffmem.web.routes import page
 
 router = APIRouter()
@@ -46,10 +47,17 @@ def layer(
     ] = None,
 ):
     """One layer: its keys with their top trigger, value tokens and statistics."""
+    refused = None
     if key is not None:  # the page's "open key" box: at 14,336 keys a layer, paging to one is no way there
-        check_key(model, layer, key)
-        fmt = "json" if wants_json(request) else None
-        return RedirectResponse(urls.key_url(model.slug, layer, key, fmt, run=pinned), status_code=303)
+        try:
+            check_key(model, layer, key)
+        except AppError as error:
+            if wants_json(request) or wants_fragment(request):
+                raise
+            refused = error  # the page, the reason next to its box (Enter stays on the page)
+        else:
+            fmt = "json" if wants_json(request) else None
+            return RedirectResponse(urls.key_url(model.slug, layer, key, fmt, run=pinned), status_code=303)
     ctx = layer_page(
         session,
         model,
@@ -62,4 +70,6 @@ def layer(
         page=page_number,
         per_page=per_page,
     )
+    if refused:
+        return render(request, "layer.html", ctx, status_code=404, field_errors={"key": refused.message})
     return render(request, "layer.html", ctx, fragment="keys")

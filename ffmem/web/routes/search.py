@@ -8,9 +8,10 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
+from ffmem.store.models import LanguageModel
 from ffmem.web.deps import ModelDep, PinnedDep, SessionDep
 from ffmem.web.errors import AppError
-from ffmem.web.pages.search import SearchContext, search_page
+from ffmem.web.pages.search import SearchContext, named_key, search_page
 from ffmem.web.rendering import render, wants_fragment, wants_json
 from ffmem.web.routes import page
 
@@ -42,26 +43,40 @@ def search(
 ):
     """Which memories promote or suppress a token (every memory ranked by the token's logit in its value's
     readout); which sentences contain a text, and the keys they trigger."""
-    too_long = None
-    if len(q) > MAX_LENGTH:
-        message = f"q: String should have at most {MAX_LENGTH} characters"
-        too_long = AppError(400, "Bad request", message, field="q")
-        if wants_json(request) or wants_fragment(request):
-            raise too_long
+    refused = refusal(model, q)
+    if refused and (wants_json(request) or wants_fragment(request)):
+        raise refused
     found = search_page(
         session,
         model,
-        q=q[:MAX_LENGTH] if too_long else q,
+        q=q[:MAX_LENGTH],
         pinned=pinned,
         readout=readout,
         by=by,
         limit=limit,
         max_length=MAX_LENGTH,
         jump=not wants_fragment(request),  # as you type: the results, with the key's link; sent: the key
+        keys=refused is None,
     )
-    if too_long:  # the page, its box holding what fits, the reason next to it
-        return render(request, "search.html", found, status_code=400, field_errors={"q": too_long.message})
+    if refused:  # the page, its box holding what fits, the reason next to it
+        return render(
+            request, "search.html", found, status_code=refused.status, field_errors={"q": refused.message}
+        )
     if isinstance(found, str):  # q named a key: go there (its JSON twin for a JSON request)
         target = found.replace("?", ".json?", 1) if "?" in found else f"{found}.json"
         return RedirectResponse(target if wants_json(request) else found, status_code=303)
     return render(request, "search.html", found, fragment="results")
+
+
+def refusal(model: LanguageModel, q: str) -> AppError | None:
+    """Why `q` is refused (about the field `q`), or None: longer than MAX_LENGTH, or naming a key the model
+    lacks (L12 K99999). The page shows it next to its search box, the box kept (Enter stays on the page)."""
+    if len(q) > MAX_LENGTH:
+        return AppError(
+            400, "Bad request", f"q: String should have at most {MAX_LENGTH} characters", field="q"
+        )
+    try:
+        named_key(model, q)
+    except AppError as error:
+        return error
+    return None
