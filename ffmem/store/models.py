@@ -472,7 +472,9 @@ class Neighbours(Base):
 class NeighbourBaseline(Base):
     """What a random pair of memories reaches, per run, layer and kind (engine.neighbours.memory_baselines):
     over `pairs` fixed seeded pairs of a memory of the layer and any other memory, the mean and the 99th
-    percentile of |similarity| (the neighbours' own). Runs stored before revision 0016 have none."""
+    percentile of |similarity| (the neighbours' own); and `nearest`, the median over the layer's memories
+    of each one's r-th nearest neighbour's similarity, r = 1 … k (engine.neighbours.nearest_baseline).
+    Runs stored before revision 0016 have no row, those before 0026 no `nearest` (NULL)."""
 
     __tablename__ = "neighbour_baselines"
 
@@ -482,6 +484,7 @@ class NeighbourBaseline(Base):
     pairs: Mapped[int] = mapped_column(Integer)
     mean: Mapped[float] = mapped_column(Float)
     p99: Mapped[float] = mapped_column(Float)
+    nearest: Mapped[list[float] | None] = mapped_column(JSON)  # [k], rank 1 first
 
 
 class MemoryLinks(Base):

@@ -30,7 +30,7 @@ from ffmem.engine.corpus import mined_from, mined_sentences, read_corpus, shard_
 from ffmem.engine.loading import LoadedModel
 from ffmem.engine.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining import MiningState, mine_batches, shard_batches
-from ffmem.engine.neighbours import memory_baselines, memory_neighbours
+from ffmem.engine.neighbours import memory_baselines, memory_neighbours, nearest_baseline
 from ffmem.engine.projection import project_layer, target_ranks
 from ffmem.engine.sentence_coefficients import sentence_coefficients
 from ffmem.engine.token_memories import TokenMemories
@@ -481,6 +481,9 @@ class IndexPipeline:
         found = memory_neighbours(loaded, report=report)
         bar.close()
         neighbours = {kind: (index.numpy(), cosine.numpy()) for kind, (index, cosine) in found.items()}
+        nearest = {
+            kind: nearest_baseline(cosines, loaded.n_keys).numpy() for kind, (_, cosines) in found.items()
+        }
         with self.sessions() as session:
             memory_search.store_neighbours(
                 session=session,
@@ -488,6 +491,7 @@ class IndexPipeline:
                 n_keys=loaded.n_keys,
                 neighbours=neighbours,
                 baselines=memory_baselines(loaded),  # what random pairs reach, per layer
+                nearest=nearest,  # what any memory's r-th nearest reaches, per layer
             )
             session.commit()
 
