@@ -343,6 +343,34 @@ def test_0026_adds_the_nearest_neighbour_baseline_null_for_a_run_stored_before(e
     assert tables["neighbour_baselines"] == ["run_id", "layer", "kind", "pairs", "mean", "p99"]
 
 
+def test_0027_adds_a_jobs_past_attempts_null_for_a_job_stored_before(empty_url):
+    """Issue 39 (3): a job stored before 0027 has no past attempts (NULL: its first attempt, as far as
+    known); downgrading drops the column."""
+    import sqlalchemy as sa
+
+    from ffmem.store.models import Job
+
+    _migrate(empty_url, "0026")
+    columns = ("kind", "status", "options", "fingerprint", "attempts", "created_at")
+    engine = make_engine(empty_url)
+    with engine.begin() as connection:
+        connection.execute(
+            sa.insert(sa.table("jobs", *map(sa.column, columns))).values(
+                kind="index", status="failed", options="{}", fingerprint="f", attempts=1,
+                created_at=datetime.now(timezone.utc),
+            )
+        )  # fmt: skip
+    engine.dispose()
+    _migrate(empty_url, "head")
+    engine = make_engine(empty_url)
+    with make_sessionmaker(engine)() as session:
+        job = session.scalars(sa.select(Job)).one()
+        assert (job.past_attempts, job.attempt) == (None, 1)
+    engine.dispose()
+    _migrate(empty_url, "0026", down=True)
+    assert "past_attempts" not in dict((name, c) for name, c, _ in _schema(empty_url)[1])["jobs"]
+
+
 def test_0017_checks_a_runs_status_and_downgrading_drops_the_check(empty_url):
     """Issue 27: a run's status is one of RunStatus's values, checked like a job's and a shard's."""
 

@@ -149,10 +149,10 @@ def test_a_job_page_explains_a_second_attempt(serve, db):
     try:
         page = client.get(f"/jobs/{job.id}").text
         attempts = re.search(r'<p class="meta" id="job-attempts">(.*?)</p>', page, re.S).group(1)
-        assert attempts.startswith("Attempt 2 of at most 3: a worker took this step up again")
-        assert "stopped answering" in attempts and "Past 3 attempts the job fails" in attempts
+        assert attempts.startswith("Take-up 2 of this step, of at most 3: a worker took this step up again")
+        assert "stopped answering" in attempts and "Past 3 take-ups the job fails" in attempts
         capped = serve(max_attempts=5).get(f"/jobs/{job.id}").text
-        assert "Attempt 2 of at most 5" in capped
+        assert "Take-up 2 of this step, of at most 5" in capped
     finally:
         job.attempts = before
         db.commit()

@@ -35,7 +35,8 @@ def jobs_list(
 @page(router, "/jobs/{job_id}", "job", JobContext)
 def job(request: Request, session: SessionDep, settings: SettingsDep, found: JobDep):
     """One job: its status, its progress (polled until it ends), its error."""
-    ctx = job_page(session, found, max_attempts=settings.max_attempts)
+    local = request.app.state.local_worker
+    ctx = job_page(session, found, max_attempts=settings.max_attempts, local_worker=local)
     return render(request, "job.html", ctx, fragment="progress")
 
 
@@ -71,7 +72,7 @@ def _start(
     queued, _, _ = jobs.enqueue_run(session=session, spec=spec, analysis=analysis)
     session.commit()
     if wants_json(request):
-        ctx = job_page(session, queued)
+        ctx = job_page(session, queued, local_worker=request.app.state.local_worker)
         return JSONResponse(ctx.model_dump(mode="json"), status_code=201)
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
@@ -86,7 +87,8 @@ def _retry(request: Request, session: SessionDep, found: JobDep):
     queued = jobs.retry(session=session, job_id=found.id)  # or the unfinished job with its options
     session.commit()
     if wants_json(request):
-        return JSONResponse(job_page(session, queued).model_dump(mode="json"))
+        ctx = job_page(session, queued, local_worker=request.app.state.local_worker)
+        return JSONResponse(ctx.model_dump(mode="json"))
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
 
