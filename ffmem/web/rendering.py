@@ -15,7 +15,17 @@ from pydantic import BaseModel
 from ffmem.store.models import JobKind, JobStatus
 from ffmem.web import charts, trace_charts, urls
 from ffmem.web.access import admin_name, can_write, label_author, login_offered
-from ffmem.web.display import coefficient_bar, duration, number, percent, signed, tail_words, tok, visible
+from ffmem.web.display import (
+    coefficient_bar,
+    duration,
+    number,
+    percent,
+    sentences,
+    signed,
+    tail_words,
+    tok,
+    visible,
+)
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shaded_html
 from ffmem.web.worker_client import text_max_length
@@ -24,6 +34,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
 templates.env.auto_reload = False  # templates change with the package only: no file check per render
 templates.env.filters.update(visible=visible, number=number, percent=percent, tail_words=tail_words)
+templates.env.filters.update(sentences=sentences)  # a run's sentences: a count, or all
 templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )

@@ -199,6 +199,11 @@ def test_an_empty_sentences_field_reads_the_whole_corpus(client):
     assert response.status_code == 303, response.text
     job = client.get(response.headers["location"] + ".json").json()["job"]
     assert job["options"]["sentences"] is None and job["options"]["held_out_every"] == 10
+    # Issue 39: the pages say "all", not "None" (the home page's jobs table) nor "—" (the job, the jobs list).
+    home = client.get("/").text.split('<table class="runs">')[-1]
+    assert '<td>wiki-vital</td><td class="num">all</td><td class="num">5</td>' in home and "None" not in home
+    assert "<dt>sentences</dt><dd>all</dd>" in client.get(response.headers["location"]).text
+    assert "smollm2-135m over wiki-vital, all sentences, top-T 5" in client.get("/jobs").text
 
 
 def _fail(sessions, job_id: int, started: datetime, seconds: int, message: str) -> None:
