@@ -58,10 +58,12 @@ def render(
     status_code: int = 200,
     headers: dict[str, str] | None = None,
     field_errors: dict[str, str] | None = None,
+    form: dict[str, str] | None = None,
 ) -> Response:
     """The page for `ctx`: JSON for `.json`, `fragment` for htmx requests that target it, else the page.
 
-    `field_errors`: why a form field's value was refused, shown next to it (`#FIELD-error`)."""
+    `field_errors`: why a form field's value was refused, shown next to it (`#FIELD-error`); `form`: the
+    values typed into the refused form, kept in its fields."""
     if wants_json(request):
         # pydantic's own serialiser: the standard library's took twice as long on a key page.
         body = ctx.model_dump_json()
@@ -69,7 +71,12 @@ def render(
     name = template
     if fragment and request.headers.get("HX-Request") and request.headers.get("HX-Target") == fragment:
         name = f"_{fragment}.html"
-    context = {"ctx": ctx, "json_url": twin_url(request), "field_errors": field_errors or {}}
+    context = {
+        "ctx": ctx,
+        "json_url": twin_url(request),
+        "field_errors": field_errors or {},
+        "form": form or {},
+    }
     return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
 
 

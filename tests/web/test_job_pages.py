@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import re
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -296,3 +298,39 @@ def test_a_queued_job_says_whether_the_servers_own_worker_takes_it(tmp_path, mon
     own = "waiting for this server's own worker (started by <code>ffmem serve</code>)"
     assert (own in page) is local
     assert ("waiting for a worker (<code>ffmem worker</code>)" in page) is not local
+
+
+@pytest.mark.parametrize("refused", ["blank model", "folder", "binary file"])
+def test_a_refused_model_or_corpus_is_shown_next_to_its_field_with_the_typed_values_kept(
+    client, tmp_path, refused
+):
+    """Issue 39: the home page again (400), the message next to the field (the JSON twin's error), the
+    values typed kept in the form; nothing queued."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    field, form = {
+        "blank model": ("model", {"model": "   "}),
+        "folder": ("corpus", {"corpus": str(tmp_path)}),
+        "binary file": ("corpus", {"corpus": str(binary)}),
+    }[refused]
+    fields = {
+        "model": "org/model",
+        "corpus": "wiki-vital",
+        "sentences": "40",
+        "top_k": "7",
+        "analyze": "true",
+    }
+    fields |= form
+    message = client.post("/jobs.json", data=fields).json()["error"]
+    response = client.post("/jobs", data=fields, follow_redirects=False)
+    assert response.status_code == 400 and '<form class="start" id="start"' in response.text
+    errors = dict(
+        re.findall(r'<span class="field-error" id="(\w+)-error" role="alert">(.*?)</span>', response.text)
+    )
+    assert errors == {"model": "", "corpus": "", field: html.escape(message)}
+    kept = {"model": fields["model"].strip(), "corpus": fields["corpus"]}
+    for name, value in kept.items():
+        assert f'<input name="{name}" value="{html.escape(value)}"' in response.text
+    assert 'placeholder="all" value="40"' in response.text and 'max="1000" value="7"' in response.text
+    assert 'name="analyze" type="checkbox" value="true" checked' in response.text
+    assert client.get("/.json").json()["jobs"] == []

@@ -15,6 +15,8 @@ from ffmem.store.specs import AnalysisSpec, RunSpec
 from ffmem.web import urls
 from ffmem.web.deps import JobDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError, sentence
+from ffmem.web.pages import corpora
+from ffmem.web.pages.home import home_page
 from ffmem.web.pages.jobs import JobContext, JobsContext, job_page, jobs_page
 from ffmem.web.rendering import render, wants_json
 from ffmem.web.routes import action, page
@@ -59,12 +61,19 @@ def _start(
         Form(description="Also mine a sentence's first token where no BOS precedes it (default: setting)."),
     ] = None,
 ):
-    """Queue an index run (a worker builds it); an identical unfinished one is reused."""
+    """Queue an index run (a worker builds it); an identical unfinished one is reused. A refused model or
+    corpus: the home page again, the message next to the field and the typed values kept (JSON: the error)."""
     model, corpus = model.strip(), corpus.strip()
-    for name, given in (("model", model), ("corpus", corpus)):
-        if not given:
-            raise AppError(400, "Bad request", f"{name}: must not be blank")
-    _check_corpus(corpus)
+    try:
+        _check_fields(model, corpus)
+    except AppError as error:
+        if wants_json(request):
+            raise
+        typed = {"model": model, "corpus": corpus, "sentences": "" if sentences is None else str(sentences)}
+        typed |= {"top_k": str(top_k), "analyze": analyze, "first_position": first_position}
+        ctx = home_page(session, corpora.choices(settings.upload_dir))
+        errors = {error.field: error.message}
+        return render(request, "home.html", ctx, status_code=error.status, field_errors=errors, form=typed)
     spec = RunSpec.from_settings(
         settings, model=model, corpus=corpus, sentences=sentences, top_k=top_k, first_position=first_position
     )
@@ -92,13 +101,17 @@ def _retry(request: Request, session: SessionDep, found: JobDep):
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
 
 
-def _check_corpus(corpus: str) -> None:
-    """A corpus path is checked now, before a job is queued: a missing path, a folder, an empty or a
-    binary file is a 400 that says so. The workers read the same path (run them where this server's
-    corpus files are, or on a shared folder); one that cannot read it still fails its job with the reason."""
+def _check_fields(model: str, corpus: str) -> None:
+    """A blank model or corpus is a 400; a corpus path is checked now, before a job is queued: a missing
+    path, a folder, an empty or a binary file is a 400 that says so. Each error names its field. The
+    workers read the same path (run them where this server's corpus files are, or on a shared folder); one
+    that cannot read it still fails its job with the reason."""
+    for name, given in (("model", model), ("corpus", corpus)):
+        if not given:
+            raise AppError(400, "Bad request", f"{name}: must not be blank", field=name)
     if corpus == "wiki-vital":
         return
     try:
         corpus_file(corpus)
     except CorpusError as error:
-        raise AppError(400, "Unusable corpus", sentence(str(error))) from None
+        raise AppError(400, "Unusable corpus", sentence(str(error)), field="corpus") from None
