@@ -71,7 +71,7 @@ def _start(
             raise
         typed = {"model": model, "corpus": corpus, "sentences": "" if sentences is None else str(sentences)}
         typed |= {"top_k": str(top_k), "analyze": analyze, "first_position": first_position}
-        ctx = home_page(session, corpora.choices(settings.upload_dir))
+        ctx = home_page(session, corpora.choices(settings.upload_folder))
         errors = {error.field: error.message}
         return render(request, "home.html", ctx, status_code=error.status, field_errors=errors, form=typed)
     spec = RunSpec.from_settings(
