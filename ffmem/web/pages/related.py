@@ -98,14 +98,14 @@ def memory_neighbours(
 
     def view(kind: str) -> list[Neighbour]:
         baseline = baselines.get(kind)
-        chance = None if baseline is None else baseline.nearest
+        medians = None if baseline is None else baseline.nearest  # [k], rank 1 first
         return [
             Neighbour(
                 layer=int(n_layer),
                 key=int(n_key),
                 cosine=cosine,
                 url=urls.key_url(model.slug, int(n_layer), int(n_key), run=run.id),
-                chance=None if chance is None else cosine <= chance[rank],
+                chance=None if medians is None else cosine <= medians[rank],
             )
             for rank, (n_layer, n_key, cosine) in enumerate(found.get(kind, []))
         ]

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Form, Query, Request
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from sqlalchemy.orm import Session
 
+from ffmem.config import Settings
 from ffmem.engine.text_files import CorpusError, corpus_file
 from ffmem.store import jobs
 from ffmem.store.models import JobStatus
@@ -69,11 +71,9 @@ def _start(
     except AppError as error:
         if wants_json(request):
             raise
-        typed = {"model": model, "corpus": corpus, "sentences": "" if sentences is None else str(sentences)}
-        typed |= {"top_k": str(top_k), "analyze": analyze, "first_position": first_position}
-        ctx = home_page(session, corpora.choices(settings.upload_folder))
-        errors = {error.field: error.message}
-        return render(request, "home.html", ctx, status_code=error.status, field_errors=errors, form=typed)
+        typed = dict(model=model, corpus=corpus, sentences="" if sentences is None else str(sentences))
+        typed |= dict(top_k=str(top_k), analyze=analyze, first_position=first_position)
+        return _refused_form(request, session, settings, error, typed)
     spec = RunSpec.from_settings(
         settings, model=model, corpus=corpus, sentences=sentences, top_k=top_k, first_position=first_position
     )
@@ -99,6 +99,15 @@ def _retry(request: Request, session: SessionDep, found: JobDep):
         ctx = job_page(session, queued, local_worker=request.app.state.local_worker)
         return JSONResponse(ctx.model_dump(mode="json"))
     return RedirectResponse(urls.job_url(queued.id), status_code=303)
+
+
+def _refused_form(
+    request: Request, session: Session, settings: Settings, error: AppError, typed: dict
+) -> Response:
+    """The home page again with the index form as it was sent (`typed`), `error` next to its field."""
+    ctx = home_page(session, corpora.choices(settings.upload_folder))
+    errors = {error.field: error.message}
+    return render(request, "home.html", ctx, status_code=error.status, field_errors=errors, form=typed)
 
 
 def _check_fields(model: str, corpus: str) -> None:
