@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
 
 
 class Settings(BaseSettings):
@@ -45,10 +46,13 @@ class Settings(BaseSettings):
         description="Largest corpus file that can be uploaded from the browser (/corpora, bytes); a larger "
         "one gets a 413. Larger corpora: put the file where the workers read it and pass its path.",
     )
-    upload_dir: Path = Field(
-        Path("data/corpora"),
+    upload_dir: Path | None = Field(
+        None,
         description="Folder where corpora uploaded from the browser are kept (each with its line counts); "
-        "jobs name them by path, so workers on other machines need it shared at the same path.",
+        "empty (the default): `corpora` in the data folder, the folder of the SQLite database's file "
+        "(data/corpora for the default database, wherever the server was started), or data/corpora under "
+        "the working directory for a server database. Jobs name them by path, so workers on other "
+        "machines need it shared at the same path.",
     )
     cache_dir: Path = Field(
         Path("data/cache"),
@@ -223,6 +227,17 @@ class Settings(BaseSettings):
     dtype: str = Field(
         "auto", description="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."
     )
+
+    @property
+    def upload_folder(self) -> Path:
+        """Where corpora uploaded from the browser go: `upload_dir`, or `corpora` in the data folder (its
+        description); read from the current `database_url` (`ffmem serve --db` sets it on a copy)."""
+        if self.upload_dir is not None:
+            return self.upload_dir
+        url = make_url(self.database_url)
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            return Path(url.database).parent / "corpora"
+        return Path("data/corpora")
 
     @field_validator("admin_token", mode="before")
     @classmethod

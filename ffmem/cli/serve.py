@@ -182,7 +182,7 @@ def serve(
     live_url = worker_url or settings.worker_url
     update = {"database_url": url, "worker_url": live_url, "host": host}
     configured = settings.model_copy(update=update | ({} if read_only is None else {"read_only": read_only}))
-    app = fail_cleanly(lambda: create_app(configured))
+    app = fail_cleanly(lambda: create_app(configured, local_worker=worker_url is None))
     worker_process = None
     if worker_url is None:
         import sys

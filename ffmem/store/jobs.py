@@ -227,14 +227,16 @@ def set_progress(*, session: Session, job_id: int, worker: str, progress: StageP
 
 
 def retry(*, session: Session, job_id: int) -> Job:
-    """Queue a failed job again, with its attempts counted from 0; its run resumes from its
-    checkpoints. When an unfinished job with the same options exists meanwhile, that one is returned
-    (it does the work) and this one stays failed."""
+    """Queue a failed job again as its next attempt: the failed one (its start, end and error) goes to
+    `past_attempts`, the new one starts when a worker takes it up, its steps' take-ups counted from 0; its
+    run resumes from its checkpoints. When an unfinished job with the same options exists meanwhile, that
+    one is returned (it does the work) and this one stays failed."""
     job = session.get(Job, job_id)
     twin = _active_job(session, job.fingerprint)
     if twin is not None:
         return twin
-    job.status, job.error, job.finished_at = JobStatus.queued, None, None
+    job.past_attempts = [*(job.past_attempts or []), _attempt(job)]
+    job.status, job.error, job.started_at, job.finished_at = JobStatus.queued, None, None, None
     job.worker, job.lease_until, job.attempts = None, None, 0
     if job.run is not None and job.run.status == RunStatus.failed:
         job.run.status, job.run.error, job.run.finished_at = RunStatus.running, None, None
@@ -243,6 +245,13 @@ def retry(*, session: Session, job_id: int) -> Job:
         session.execute(update(Shard).where(unfinished).values(attempts=0))
     session.flush()
     return job
+
+
+def _attempt(job: Job) -> dict:
+    """A failed attempt as `Job.past_attempts` keeps it: when it started (null: no worker took it up) and
+    failed, and why."""
+    started = None if job.started_at is None else job.started_at.isoformat()
+    return {"started_at": started, "finished_at": job.finished_at.isoformat(), "error": job.error}
 
 
 def claim_job(

@@ -18,6 +18,7 @@ from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.models import NeighbourBaseline, Neighbours, TokenMemoryList
 
 NEIGHBOUR_KINDS = ("key", "value")
+COSINE_DIGITS = 6  # a neighbour's cosine as read, and the nearest-neighbour baseline as stored
 
 
 # ---- the token → memories table --------------------------------------------------------------------
@@ -69,18 +70,30 @@ def store_neighbours(
     n_keys: int,
     neighbours: dict[str, tuple[np.ndarray, np.ndarray]],
     baselines: dict[str, Sequence[tuple[int, float, float]]] | None = None,
+    nearest: dict[str, np.ndarray] | None = None,
 ) -> int:
     """Store each memory's nearest memories, replacing any the run had: `neighbours[kind]` is (indices,
     cosines), each [layers · keys, k], indices layer-major (layer · n_keys + key); `baselines[kind]`, per
-    layer (pairs, mean, p99) of random pairs' |cosine| (ffmem.engine.relations.neighbours.Baseline). Returns
-    rows stored (one a memory, both kinds in it)."""
-    if unknown := (set(neighbours) | set(baselines or {})) - set(NEIGHBOUR_KINDS):
+    layer (pairs, mean, p99) of random pairs' |cosine| (ffmem.engine.relations.neighbours.Baseline);
+    `nearest[kind]` [layers, k], per layer the median cosine of its memories' r-th nearest neighbour
+    (ffmem.engine.relations.neighbours.nearest_baseline), stored with the layer's baseline rounded as the
+    cosines are read (`get_neighbours`). Returns rows stored (one a memory, both kinds in it)."""
+    if unknown := (set(neighbours) | set(baselines or {}) | set(nearest or {})) - set(NEIGHBOUR_KINDS):
         raise ValueError(f"unknown neighbour kind {sorted(unknown)[0]!r}; choose from {NEIGHBOUR_KINDS}")
     session.execute(delete(Neighbours).where(Neighbours.run_id == run_id))
     session.execute(delete(NeighbourBaseline).where(NeighbourBaseline.run_id == run_id))
     for kind, layers in (baselines or {}).items():
+        medians = (nearest or {}).get(kind)
         rows = [
-            dict(run_id=run_id, layer=layer, kind=kind, pairs=int(pairs), mean=float(mean), p99=float(p99))
+            dict(
+                run_id=run_id,
+                layer=layer,
+                kind=kind,
+                pairs=int(pairs),
+                mean=float(mean),
+                p99=float(p99),
+                nearest=None if medians is None else [round(float(c), COSINE_DIGITS) for c in medians[layer]],
+            )
             for layer, (pairs, mean, p99) in enumerate(layers)
         ]
         if rows:
@@ -126,7 +139,7 @@ def get_neighbours(*, session: Session, run_id: int, layer: int, key: int) -> di
         )
     ).first()
     return {
-        kind: [[lay, k, round(c, 6)] for lay, k, c in np.frombuffer(data, SCORED_MEMORY).tolist()]
+        kind: [[lay, k, round(c, COSINE_DIGITS)] for lay, k, c in np.frombuffer(data, SCORED_MEMORY).tolist()]
         for kind, data in zip(NEIGHBOUR_KINDS, row or (), strict=False)
         if data is not None
     }

@@ -302,6 +302,9 @@ class Job(Base):
     # Settings.max_attempts, the worker having died each time, the job fails.
     attempts: Mapped[int] = mapped_column(Integer)
     error: Mapped[dict | None] = mapped_column(JSON)  # {type, message, traceback}
+    # The attempts that failed before this one, oldest first: {started_at, finished_at (ISO), error}
+    # each (jobs.retry moves a failed attempt here); NULL: none (or stored before revision 0027).
+    past_attempts: Mapped[list[dict] | None] = mapped_column(JSON)
     progress: Mapped[dict | None] = mapped_column(JSON)  # analyses: jobs.StageProgress as a dict
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -313,6 +316,11 @@ class Job(Base):
     def spec(self) -> RunSpec | AnalysisSpec | ComparisonSpec:
         """What the job computes, typed by its kind (ffmem.store.specs)."""
         return SPECS[self.kind].stored(self.options)
+
+    @property
+    def attempt(self) -> int:
+        """The current attempt's number: 1, and one more for each failed attempt before it."""
+        return 1 + len(self.past_attempts or [])
 
 
 class Shard(Base):
@@ -472,7 +480,9 @@ class Neighbours(Base):
 class NeighbourBaseline(Base):
     """What a random pair of memories reaches, per run, layer and kind (engine.neighbours.memory_baselines):
     over `pairs` fixed seeded pairs of a memory of the layer and any other memory, the mean and the 99th
-    percentile of |similarity| (the neighbours' own). Runs stored before revision 0016 have none."""
+    percentile of |similarity| (the neighbours' own); and `nearest`, the median over the layer's memories
+    of each one's r-th nearest neighbour's similarity, r = 1 … k (engine.neighbours.nearest_baseline).
+    Runs stored before revision 0016 have no row, those before 0026 no `nearest` (NULL)."""
 
     __tablename__ = "neighbour_baselines"
 
@@ -482,6 +492,7 @@ class NeighbourBaseline(Base):
     pairs: Mapped[int] = mapped_column(Integer)
     mean: Mapped[float] = mapped_column(Float)
     p99: Mapped[float] = mapped_column(Float)
+    nearest: Mapped[list[float] | None] = mapped_column(JSON)  # [k], rank 1 first
 
 
 class MemoryLinks(Base):

@@ -21,6 +21,11 @@ def number(value: float | int | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
+def sentences(value: int | None) -> str:
+    """The sentences a run reads, as its job's options say: a count, or "all" (none named: every one)."""
+    return "all" if value is None else number(value)
+
+
 def tok(text: str | None, id: int | None = None) -> Markup:
     """A token, made visible, in a `code.tok`; its id on hover when given."""
     title = "" if id is None else f' title="token id {int(id)}"'

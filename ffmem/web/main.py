@@ -74,8 +74,11 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
-def create_app(settings: Settings | None = None, live: LiveWorker | None = None) -> FastAPI:
-    """The explorer over `settings.database_url`; live traces go to `live` (default: settings.worker_url)."""
+def create_app(
+    settings: Settings | None = None, live: LiveWorker | None = None, local_worker: bool = False
+) -> FastAPI:
+    """The explorer over `settings.database_url`; live traces go to `live` (default: settings.worker_url).
+    `local_worker`: the serving process started its own worker (`ffmem serve`), which takes queued jobs."""
     settings = settings or get_settings()
     app = FastAPI(
         title="ffmem",
@@ -89,6 +92,7 @@ def create_app(settings: Settings | None = None, live: LiveWorker | None = None)
     app.state.engine = engine
     app.state.sessions = make_sessionmaker(engine)
     app.state.live = live or LiveWorker(settings.worker_url, settings.worker_timeout)
+    app.state.local_worker = local_worker
     app.mount("/static", CachedStatic(directory=STATIC), name="static")
     for module in (models, layers, keys, compare, search, jobs, corpora, trace, access):
         app.include_router(module.router)

@@ -20,6 +20,7 @@ from ffmem.web.display import (
     duration,
     number,
     percent,
+    sentences,
     signed,
     tail_words,
     tok,
@@ -35,6 +36,7 @@ templates = Jinja2Templates(directory=TEMPLATES)
 templates.env.auto_reload = False  # templates change with the package only: no file check per render
 templates.env.finalize = without_bidi_controls  # every shown value, before escaping (ffmem.web.display)
 templates.env.filters.update(visible=visible, number=number, percent=percent, tail_words=tail_words)
+templates.env.filters.update(sentences=sentences)  # a run's sentences: a count, or all
 templates.env.globals.update(
     urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
@@ -58,10 +60,12 @@ def render(
     status_code: int = 200,
     headers: dict[str, str] | None = None,
     field_errors: dict[str, str] | None = None,
+    form: dict[str, str] | None = None,
 ) -> Response:
     """The page for `ctx`: JSON for `.json`, `fragment` for htmx requests that target it, else the page.
 
-    `field_errors`: why a form field's value was refused, shown next to it (`#FIELD-error`)."""
+    `field_errors`: why a form field's value was refused, shown next to it (`#FIELD-error`); `form`: the
+    values typed into the refused form, kept in its fields."""
     if wants_json(request):
         # pydantic's own serialiser: the standard library's took twice as long on a key page.
         body = ctx.model_dump_json()
@@ -69,7 +73,12 @@ def render(
     name = template
     if fragment and request.headers.get("HX-Request") and request.headers.get("HX-Target") == fragment:
         name = f"_{fragment}.html"
-    context = {"ctx": ctx, "json_url": twin_url(request), "field_errors": field_errors or {}}
+    context = {
+        "ctx": ctx,
+        "json_url": twin_url(request),
+        "field_errors": field_errors or {},
+        "form": form or {},
+    }
     return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
 
 

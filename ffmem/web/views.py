@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, Field, computed_field
+from pydantic import AfterValidator, BaseModel, Field, computed_field, field_validator
 from sqlalchemy.orm import object_session
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
@@ -170,6 +170,19 @@ def model_info(model: LanguageModel) -> ModelInfo:
     return ModelInfo.model_validate(model, from_attributes=True)
 
 
+class PastAttempt(BaseModel):
+    """An attempt at a job that failed before the current one (the job was queued again)."""
+
+    started_at: Moment | None = Field(description="When a worker took it up (null: none did).")
+    finished_at: Moment = Field(description="When it failed.")
+    error: dict | None = Field(description="Why it failed: {type, message, traceback}.")
+
+    @computed_field(description="How long it ran, in seconds (null: no worker took it up).")
+    @property
+    def seconds(self) -> float | None:
+        return None if self.started_at is None else (self.finished_at - self.started_at).total_seconds()
+
+
 class JobInfo(BaseModel):
     """A job of the queue: an index run, analyses of one, or a comparison of two."""
 
@@ -183,12 +196,26 @@ class JobInfo(BaseModel):
     progress: dict | None = Field(
         description="Analyses: {stage, done, total} batches of the analysis running."
     )
-    attempts: int = Field(description="Times a worker took up its current step (Settings.max_attempts).")
+    attempt: int = Field(
+        description="The current attempt at the job: 1, and one more each time it failed and was queued "
+        "again."
+    )
+    past_attempts: list[PastAttempt] = Field(description="The attempts that failed before it, oldest first.")
+    attempts: int = Field(
+        description="Times a worker took up the current attempt's step: more than 1 when the worker before "
+        "it died (its lease ran out); past Settings.max_attempts the job fails."
+    )
     worker: str | None = Field(description="The worker that holds or held it.")
-    error: dict | None = Field(description="Why it failed: {type, message, traceback}.")
+    error: dict | None = Field(description="Why the current attempt failed: {type, message, traceback}.")
     created_at: Moment
-    started_at: Moment | None
-    finished_at: Moment | None
+    started_at: Moment | None = Field(description="When a worker took up the current attempt.")
+    finished_at: Moment | None = Field(description="When the current attempt ended.")
+
+    @field_validator("past_attempts", mode="before")
+    @classmethod
+    def _none_is_no_attempt(cls, stored: list | None) -> list:
+        return stored or []
+
     run_id: int | None = Field(description="The index run it builds or reads.")
 
 

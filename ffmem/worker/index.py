@@ -32,7 +32,7 @@ from ffmem.engine.mining.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining.sentence_coefficients import sentence_coefficients
 from ffmem.engine.mining.state import MiningState
 from ffmem.engine.model.loaded import LoadedModel
-from ffmem.engine.relations.neighbours import memory_baselines, memory_neighbours
+from ffmem.engine.relations.neighbours import memory_baselines, memory_neighbours, nearest_baseline
 from ffmem.engine.values.projection import project_layer, target_ranks
 from ffmem.engine.values.token_memories import TokenMemories
 from ffmem.store import (
@@ -494,6 +494,9 @@ class IndexPipeline:
         found = memory_neighbours(loaded, report=report)
         bar.close()
         neighbours = {kind: (index.numpy(), cosine.numpy()) for kind, (index, cosine) in found.items()}
+        nearest = {
+            kind: nearest_baseline(cosines, loaded.n_keys).numpy() for kind, (_, cosines) in found.items()
+        }
         with self.sessions() as session:
             memory_search.store_neighbours(
                 session=session,
@@ -501,6 +504,7 @@ class IndexPipeline:
                 n_keys=loaded.n_keys,
                 neighbours=neighbours,
                 baselines=memory_baselines(loaded),  # what random pairs reach, per layer
+                nearest=nearest,  # what any memory's r-th nearest reaches, per layer
             )
             session.commit()
 

@@ -10,18 +10,19 @@ Skipped when Chromium is not installed, except on CI (env CI set), where that is
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from browser_fixtures import ARTIFACTS, serving
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from tiny_models import TRAINING_TEXT
 
 from ffmem.config import Settings
+from ffmem.store import jobs
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Explanation, Job, Label, LanguageModel
-from ffmem.store.specs import AnalysisSpec
+from ffmem.store.specs import AnalysisSpec, RunSpec
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
@@ -465,5 +466,39 @@ def test_long_unbroken_labels_and_explanations_wrap_on_a_phone(phone, server, in
         with sessions() as session:
             session.execute(Label.__table__.delete())
             session.get(Explanation, (run_id, 2, 3)).text = kept
+            session.commit()
+        engine.dispose()
+
+
+def test_a_jobs_long_error_wraps_on_a_phone(page, server, index):
+    """Issue 39: a job's error is body text that wraps: a long URL in it made the phone page 754 px wide.
+    Its earlier attempt's error and its opened traceback fit too."""
+    long_url = (
+        "https://huggingface.co/" + "a-model-with-a-very-long-name-" * 6 + "/resolve/main/model.safetensors"
+    )
+    engine = make_engine(index["url"])
+    sessions = make_sessionmaker(engine)
+    with sessions() as session:
+        job, _ = jobs.enqueue(
+            session=session, spec=RunSpec.from_settings(Settings(), model="org/" + "m" * 60)
+        )
+        error = OSError(f"cannot download {long_url}: 404")
+        for attempt in (1, 2):  # a failed attempt, queued again, failed again
+            if attempt == 2:
+                jobs.retry(session=session, job_id=job.id)
+            lease = timedelta(minutes=2)
+            jobs.claim_job(session=session, worker="w", lease=lease, max_attempts=3, job_id=job.id)
+            jobs.fail_job(session=session, job_id=job.id, error=error)
+        session.commit()
+        job_id = job.id
+    try:
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.goto(f"{server}/jobs/{job_id}")
+        assert long_url in page.locator("section.error").inner_text()
+        page.locator("section.error summary").click()
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    finally:
+        with sessions() as session:
+            session.execute(delete(Job).where(Job.id == job_id))
             session.commit()
         engine.dispose()

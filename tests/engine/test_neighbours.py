@@ -18,6 +18,7 @@ from ffmem.engine.relations.neighbours import (
     memory_baselines,
     memory_neighbours,
     nearest,
+    nearest_baseline,
 )
 
 
@@ -105,3 +106,16 @@ def test_the_random_pair_baseline_equals_numpy_on_the_tiny_model(tiny):
     same = baseline_pairs(3, 48, 1)
     assert all((a == b).all() for a, b in zip(same, baseline_pairs(3, 48, 1), strict=True))  # fixed, seeded
     assert len(same[0]) == BASELINE_PAIRS
+
+
+def test_the_nearest_neighbour_baseline_is_each_layers_median_at_each_rank():
+    """Issue 39 (1): per layer, the median over its memories of their r-th neighbour's similarity, written
+    out: 3 layers × 4 keys (an even count: the mean of the middle two), 2 ranks."""
+    similarities = torch.tensor(
+        [[0.9, 0.5], [0.7, 0.6], [0.8, 0.2], [0.3, 0.1]]  # layer 0
+        + [[0.4, 0.4], [0.4, 0.3], [0.6, 0.0], [0.2, -0.1]]  # layer 1 (a tie at the middle)
+        + [[1.0, 0.9], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]  # layer 2
+    )
+    found = nearest_baseline(similarities, n_keys=4)
+    expected = [[(0.7 + 0.8) / 2, (0.5 + 0.2) / 2], [0.4, (0.3 + 0.0) / 2], [0.5, 0.5]]
+    assert found.shape == (3, 2) and found.flatten().tolist() == pytest.approx(np.ravel(expected), abs=1e-7)

@@ -309,11 +309,66 @@ def test_0016_adds_neighbour_baselines_and_downgrading_drops_them(empty_url):
     assert "neighbour_baselines" not in {name for name, _, _ in _schema(empty_url)[1]}
     _migrate(empty_url, "head")
     tables = dict((name, columns) for name, columns, _ in _schema(empty_url)[1])
-    assert tables["neighbour_baselines"] == ["run_id", "layer", "kind", "pairs", "mean", "p99"]
+    assert tables["neighbour_baselines"] == ["run_id", "layer", "kind", "pairs", "mean", "p99", "nearest"]
     _migrate(empty_url, "0015", down=True)
     revision, schema = _schema(empty_url)
     assert revision == "0015" and "neighbour_baselines" not in {name for name, _, _ in schema}
     assert "neighbours" in {name for name, _, _ in schema}
+
+
+def test_0026_adds_the_nearest_neighbour_baseline_null_for_a_run_stored_before(empty_url):
+    """Issue 39 (1): a baseline row stored before 0026 keeps its random-pair numbers and has no `nearest`
+    (its related sections say the baseline is unknown); downgrading drops the column."""
+    import sqlalchemy as sa
+
+    _migrate(empty_url, "0025")
+    engine = make_engine(empty_url)
+    baselines = sa.table(
+        "neighbour_baselines", *map(sa.column, ("run_id", "layer", "kind", "pairs", "mean", "p99"))
+    )
+    with engine.begin() as connection:
+        _old_run(connection)
+        connection.execute(
+            sa.insert(baselines).values(run_id=1, layer=0, kind="value", pairs=9, mean=0.1, p99=0.3)
+        )
+    engine.dispose()
+    _migrate(empty_url, "head")
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        rows = connection.execute(sa.text("SELECT kind, pairs, mean, p99, nearest FROM neighbour_baselines"))
+        assert rows.all() == [("value", 9, 0.1, 0.3, None)]
+    engine.dispose()
+    _migrate(empty_url, "0025", down=True)
+    tables = dict((name, columns) for name, columns, _ in _schema(empty_url)[1])
+    assert tables["neighbour_baselines"] == ["run_id", "layer", "kind", "pairs", "mean", "p99"]
+
+
+def test_0027_adds_a_jobs_past_attempts_null_for_a_job_stored_before(empty_url):
+    """Issue 39 (3): a job stored before 0027 has no past attempts (NULL: its first attempt, as far as
+    known); downgrading drops the column."""
+    import sqlalchemy as sa
+
+    from ffmem.store.models import Job
+
+    _migrate(empty_url, "0026")
+    columns = ("kind", "status", "options", "fingerprint", "attempts", "created_at")
+    engine = make_engine(empty_url)
+    with engine.begin() as connection:
+        connection.execute(
+            sa.insert(sa.table("jobs", *map(sa.column, columns))).values(
+                kind="index", status="failed", options="{}", fingerprint="f", attempts=1,
+                created_at=datetime.now(timezone.utc),
+            )
+        )  # fmt: skip
+    engine.dispose()
+    _migrate(empty_url, "head")
+    engine = make_engine(empty_url)
+    with make_sessionmaker(engine)() as session:
+        job = session.scalars(sa.select(Job)).one()
+        assert (job.past_attempts, job.attempt) == (None, 1)
+    engine.dispose()
+    _migrate(empty_url, "0026", down=True)
+    assert "past_attempts" not in dict((name, c) for name, c, _ in _schema(empty_url)[1])["jobs"]
 
 
 def test_0017_checks_a_runs_status_and_downgrading_drops_the_check(empty_url):

@@ -149,10 +149,10 @@ def test_a_job_page_explains_a_second_attempt(serve, db):
     try:
         page = client.get(f"/jobs/{job.id}").text
         attempts = re.search(r'<p class="meta" id="job-attempts">(.*?)</p>', page, re.S).group(1)
-        assert attempts.startswith("Attempt 2 of at most 3: a worker took this step up again")
-        assert "stopped answering" in attempts and "Past 3 attempts the job fails" in attempts
+        assert attempts.startswith("Take-up 2 of this step, of at most 3: a worker took this step up again")
+        assert "stopped answering" in attempts and "Past 3 take-ups the job fails" in attempts
         capped = serve(max_attempts=5).get(f"/jobs/{job.id}").text
-        assert "Attempt 2 of at most 5" in capped
+        assert "Take-up 2 of this step, of at most 5" in capped
     finally:
         job.attempts = before
         db.commit()
@@ -470,3 +470,27 @@ def test_the_analysis_charts_label_their_log_axis_and_keep_the_paper_visible():
     )["data"]
     assert [trace["name"] for trace in band] == ["paper: low end", "paper: high end", "ours"]  # ours on top
     assert band[1]["fill"] == "tonexty" and band[0]["line"]["width"] > 2  # a band, wide enough to show
+
+
+def test_uploads_go_to_the_data_folder_of_the_database_not_the_working_directory(tmp_path, monkeypatch):
+    """Issue 39: with no upload folder set, an upload goes to `corpora` in the data folder, the SQLite
+    database's (`ffmem serve --db sqlite:////srv/data/ffmem.db` started anywhere), and is offered there;
+    nothing is written under the server's working directory."""
+    from ffmem.store.db import upgrade
+
+    monkeypatch.delenv("FFMEM_UPLOAD_DIR", raising=False)
+    data = tmp_path / "srv" / "data"
+    data.mkdir(parents=True)
+    url = f"sqlite:///{data / 'ffmem.db'}"
+    upgrade(url)
+    elsewhere = tmp_path / "home"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    app = create_app(Settings(_env_file=None).model_copy(update={"database_url": url}))  # as serve --db
+    with TestClient(app) as client:
+        stored = upload(client, "notes.txt", b"One sentence.\n").json()["corpus"]
+        assert stored["corpus"] == str(data.resolve() / "corpora" / f"{stored['sha256'][:12]}-notes.txt")
+        assert [f["corpus"] for f in client.get("/corpora.json").json()["files"]] == [stored["corpus"]]
+        assert f'<option value="{stored["corpus"]}">notes.txt</option>' in client.get("/").text
+    app.state.engine.dispose()
+    assert list(elsewhere.iterdir()) == []

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import html
+import re
+from datetime import datetime, timedelta, timezone
+
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, select, update
@@ -19,6 +23,8 @@ JOB_FIELDS = {
     "options",
     "after_job_id",
     "progress",
+    "attempt",
+    "past_attempts",
     "attempts",
     "worker",
     "error",
@@ -195,3 +201,136 @@ def test_an_empty_sentences_field_reads_the_whole_corpus(client):
     assert response.status_code == 303, response.text
     job = client.get(response.headers["location"] + ".json").json()["job"]
     assert job["options"]["sentences"] is None and job["options"]["held_out_every"] == 10
+    # Issue 39: the pages say "all", not "None" (the home page's jobs table) nor "—" (the job, the jobs list).
+    home = client.get("/").text.split('<table class="runs">')[-1]
+    assert '<td>wiki-vital</td><td class="num">all</td><td class="num">5</td>' in home and "None" not in home
+    assert "<dt>sentences</dt><dd>all</dd>" in client.get(response.headers["location"]).text
+    assert "smollm2-135m over wiki-vital, all sentences, top-T 5" in client.get("/jobs").text
+
+
+def _fail(sessions, job_id: int, started: datetime, seconds: int, message: str) -> None:
+    """The job's current attempt, taken up by a worker at `started`, failed `seconds` later."""
+    with sessions() as session:
+        if session.get(Job, job_id).status == "queued":
+            jobs.claim_job(
+                session=session, worker="w", lease=timedelta(minutes=2), max_attempts=3, job_id=job_id
+            )
+        jobs.fail_job(session=session, job_id=job_id, error=RuntimeError(message))
+        ended = started + timedelta(seconds=seconds)
+        session.execute(update(Job).where(Job.id == job_id).values(started_at=started, finished_at=ended))
+        session.commit()
+
+
+def test_a_job_queued_again_shows_each_attempt_with_its_own_times(client, app_for):
+    """Issue 39 (3): a failed job queued again (the retry button, or the home page's form posted again) is
+    its next attempt: its page and JSON show the current attempt's own start and end (not the first's) and
+    every failed attempt before it (start, end, duration, error); `attempt` counts them."""
+    start(client)
+    first = datetime(2026, 11, 29, 10, 0, 0, tzinfo=timezone.utc)
+    _fail(app_for.state.sessions, 1, first, 72, "out of memory")
+    assert client.post("/jobs/1/retry", follow_redirects=False).headers["location"] == "/jobs/1"
+    job = client.get("/jobs/1.json").json()["job"]
+    assert (job["status"], job["attempt"], job["attempts"], job["started_at"], job["finished_at"]) == (
+        "queued", 2, 0, None, None,
+    )  # fmt: skip
+    (past,) = job["past_attempts"]
+    assert (past["started_at"], past["finished_at"], past["seconds"]) == (
+        "2026-11-29T10:00:00Z", "2026-11-29T10:01:12Z", 72.0,
+    )  # fmt: skip
+    assert (past["error"]["type"], past["error"]["message"]) == ("RuntimeError", "out of memory")
+    second = first + timedelta(hours=1)
+    _fail(app_for.state.sessions, 1, second, 5, "disk full")
+    assert start(client).headers["location"] == "/jobs/1"  # the form posted again: the third attempt
+    _fail(
+        app_for.state.sessions, 1, second + timedelta(hours=1), 3 * 60 + 1, "https://example.org/" + "x" * 50
+    )
+    body = client.get("/jobs/1.json").json()["job"]
+    assert (body["attempt"], body["attempts"], body["status"]) == (3, 1, "failed")
+    assert [(a["seconds"], a["error"]["message"]) for a in body["past_attempts"]] == [
+        (72.0, "out of memory"), (5.0, "disk full"),
+    ]  # fmt: skip
+    page = client.get("/jobs/1").text
+    assert (
+        'failed <time datetime="2026-11-29T12:03:01+00:00">2026-11-29 12:03:01 UTC</time> (took 3 min 1 s)'
+        in page
+    )
+    rows = page.split('id="past-attempts"')[1].split("</table>")[0]
+    assert "Attempt 3: the job failed 2 times before and was queued again" in rows
+    assert rows.count("<tr>") == 3 and "1 min 12 s" in rows and "5 s" in rows
+    assert "RuntimeError: out of memory" in rows and "RuntimeError: disk full" in rows
+    assert "· attempt 3</p>" in page
+
+
+def test_a_job_never_failed_is_its_first_attempt(client):
+    start(client)
+    job = client.get("/jobs/1.json").json()["job"]
+    assert (job["attempt"], job["past_attempts"]) == (1, [])
+    assert 'id="past-attempts"' not in client.get("/jobs/1").text
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_queued_job_says_whether_the_servers_own_worker_takes_it(tmp_path, monkeypatch, local):
+    """Issue 39 (3): `ffmem serve` without --worker-url starts its own worker: a queued job's page says
+    that worker takes it (JSON `local_worker`); with --worker-url it names `ffmem worker`."""
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from ffmem.cli import cli
+    from ffmem.config import get_settings
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app))
+    monkeypatch.setattr("ffmem.cli.serve.signal.signal", lambda *args: None)
+    monkeypatch.setattr("ffmem.cli.serve._LocalWorker", lambda command: served.update(worker=command))
+    get_settings.cache_clear()
+    url = f"sqlite:///{tmp_path / 'serve.db'}"
+    option = [] if local else ["--worker-url", "http://127.0.0.1:9"]
+    result = CliRunner().invoke(cli, ["serve", "--db", url, *option])
+    get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    assert ("worker" in served) is local
+    with TestClient(served["app"]) as client:
+        start(client)
+        body = client.get("/jobs/1.json").json()
+        page = client.get("/jobs/1").text
+    served["app"].state.engine.dispose()
+    assert body["local_worker"] is local
+    own = "waiting for this server's own worker (started by <code>ffmem serve</code>)"
+    assert (own in page) is local
+    assert ("waiting for a worker (<code>ffmem worker</code>)" in page) is not local
+
+
+@pytest.mark.parametrize("refused", ["blank model", "folder", "binary file"])
+def test_a_refused_model_or_corpus_is_shown_next_to_its_field_with_the_typed_values_kept(
+    client, tmp_path, refused
+):
+    """Issue 39: the home page again (400), the message next to the field (the JSON twin's error), the
+    values typed kept in the form; nothing queued."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    field, form = {
+        "blank model": ("model", {"model": "   "}),
+        "folder": ("corpus", {"corpus": str(tmp_path)}),
+        "binary file": ("corpus", {"corpus": str(binary)}),
+    }[refused]
+    fields = {
+        "model": "org/model",
+        "corpus": "wiki-vital",
+        "sentences": "40",
+        "top_k": "7",
+        "analyze": "true",
+    }
+    fields |= form
+    message = client.post("/jobs.json", data=fields).json()["error"]
+    response = client.post("/jobs", data=fields, follow_redirects=False)
+    assert response.status_code == 400 and '<form class="start" id="start"' in response.text
+    errors = dict(
+        re.findall(r'<span class="field-error" id="(\w+)-error" role="alert">(.*?)</span>', response.text)
+    )
+    assert errors == {"model": "", "corpus": "", field: html.escape(message)}
+    kept = {"model": fields["model"].strip(), "corpus": fields["corpus"]}
+    for name, value in kept.items():
+        assert f'<input name="{name}" value="{html.escape(value)}"' in response.text
+    assert 'placeholder="all" value="40"' in response.text and 'max="1000" value="7"' in response.text
+    assert 'name="analyze" type="checkbox" value="true" checked' in response.text
+    assert client.get("/.json").json()["jobs"] == []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from explorer_index import HOSTILE
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import delete, func, insert, select, update
 
 from ffmem.engine.relations.neighbours import BASELINE_PAIRS, baseline_pairs
 from ffmem.engine.values.projection import value_logits
@@ -271,7 +271,8 @@ def test_the_related_section_shows_the_random_pair_baseline_of_the_layer(client,
             unit = _unit_rows(tiny, kind)
             size = np.abs(np.einsum("pd,pd->p", unit[i], unit[j]))  # [pairs]
             baseline = neighbours[f"{kind}_baseline"]
-            assert set(baseline) == {"pairs", "mean", "p99"} and baseline["pairs"] == BASELINE_PAIRS == len(i)
+            assert set(baseline) == {"pairs", "mean", "p99", "nearest"}
+            assert baseline["pairs"] == BASELINE_PAIRS == len(i)
             assert baseline["mean"] == pytest.approx(size.mean(), abs=1e-6)
             assert baseline["p99"] == pytest.approx(np.percentile(size, 99), abs=1e-6)
     page = client.get(f"/m/{slug}/layers/1/keys/3/related").text
@@ -280,23 +281,80 @@ def test_the_related_section_shows_the_random_pair_baseline_of_the_layer(client,
     assert f'<small class="baseline" id="baseline-key">{shown}</small>' in page
 
 
-def test_neighbours_below_the_baseline_are_marked_and_only_they(client, db, run, slug, tiny):
-    """The mark appears exactly on the neighbours whose cosine is below the layer's 99th percentile (in the
-    JSON twin `chance`, on the page a `chance` row with ≈ chance); some memory of the tiny index has both."""
-    both = 0
-    for layer, key in [(layer, key) for layer in range(tiny.n_layers) for key in range(0, tiny.n_keys, 4)]:
+def test_the_nearest_neighbour_baseline_is_the_layers_median_at_each_rank(client, run, slug, tiny):
+    """Issue 39 (1): per layer and kind, rank r's baseline is the median over the layer's 48 memories of
+    their own r-th nearest neighbour's cosine (brute force over all 144 memories here), in the JSON twin
+    and, first and last, under each table."""
+    for kind in ("key", "value"):
+        _, cosines = _brute_force_neighbours(tiny, kind)  # [layers · keys, 10]
+        by_layer = cosines.reshape(tiny.n_layers, tiny.n_keys, 10)
+        for layer in range(tiny.n_layers):
+            baseline = _get(client, f"/m/{slug}/layers/{layer}/keys/0/related.json")["neighbours"]
+            medians = [
+                (a + b) / 2 for a, b in np.sort(by_layer[layer], axis=0)[23:25].T
+            ]  # 48: the middle two
+            assert baseline[f"{kind}_baseline"]["nearest"] == pytest.approx(medians, abs=2e-6)
+    page = client.get(f"/m/{slug}/layers/2/keys/0/related").text
+    nearest = _get(client, f"/m/{slug}/layers/2/keys/0/related.json")["neighbours"]["value_baseline"][
+        "nearest"
+    ]
+    shown = "this layer's memories' own neighbours, median: "
+    shown += f"{nearest[0]:.3g} (nearest) … {nearest[-1]:.3g} (10th)"
+    assert f'<small class="baseline" id="nearest-value">{shown}</small>' in page
+
+
+def test_neighbours_at_or_below_the_median_of_their_rank_are_marked_and_only_they(client, run, slug, tiny):
+    """Issue 39 (1): a neighbour at rank r is marked ≈ chance exactly when its cosine is at or below the
+    layer's median r-th neighbour cosine (hand-computed here): at least half of each rank's neighbours over
+    a layer (JSON `chance`; on the page a `chance` row with ≈ chance)."""
+    brute = {kind: _brute_force_neighbours(tiny, kind)[1] for kind in ("key", "value")}
+    marked_at_rank = {kind: np.zeros(10, int) for kind in brute}
+    for layer, key in [(layer, key) for layer in range(tiny.n_layers) for key in range(tiny.n_keys)]:
         url = f"/m/{slug}/layers/{layer}/keys/{key}/related"
         neighbours = _get(client, f"{url}.json")["neighbours"]
-        page = client.get(url).text
+        page = client.get(url).text if key % 8 == 0 else None
         for kind, rows in (("key", neighbours["by_key"]), ("value", neighbours["by_value"])):
-            p99 = neighbours[f"{kind}_baseline"]["p99"]
-            assert [n["chance"] for n in rows] == [n["cosine"] < p99 for n in rows]
-            table = page.split(f'id="neighbours-{kind}"')[1].split("</table>")[0]
-            marked = [n["chance"] for n in rows]
-            assert [row.startswith(' class="chance"') for row in table.split("<tr")[2:]] == marked
-            assert table.count("≈ chance</span>") == sum(marked)
-            both += 0 < sum(marked) < len(marked)
-    assert both, "no memory of the tiny index has neighbours on both sides of the baseline"
+            layer_rows = brute[kind][layer * tiny.n_keys : (layer + 1) * tiny.n_keys]  # [48, 10]
+            median = np.median(layer_rows, axis=0)  # [10]
+            mine = brute[kind][layer * tiny.n_keys + key]
+            assert [n["chance"] for n in rows] == (mine <= median + 1e-9).tolist()
+            marked_at_rank[kind] += [n["chance"] for n in rows]
+            if page is not None:
+                table = page.split(f'id="neighbours-{kind}"')[1].split("</table>")[0]
+                marked = [n["chance"] for n in rows]
+                assert [row.startswith(' class="chance"') for row in table.split("<tr")[2:]] == marked
+                assert table.count("≈ chance</span>") == sum(marked)
+    for kind in brute:  # at each rank, at least half of a layer's 48 (more where two tie at the median)
+        assert all(24 * tiny.n_layers <= m < 48 * tiny.n_layers for m in marked_at_rank[kind]), marked_at_rank
+
+
+def test_a_run_indexed_before_the_nearest_baseline_says_it_is_unknown(client, db, run, slug):
+    """Issue 39 (1): a run stored before revision 0026 (no `nearest`) still renders: nothing is marked and
+    the tables say the baseline is unknown."""
+    stored = select(NeighbourBaseline.layer, NeighbourBaseline.kind, NeighbourBaseline.nearest)
+    kept = db.execute(stored.where(NeighbourBaseline.run_id == run.id)).all()
+    db.execute(update(NeighbourBaseline).where(NeighbourBaseline.run_id == run.id).values(nearest=None))
+    db.commit()
+    try:
+        neighbours = _get(client, f"/m/{slug}/layers/1/keys/3/related.json")["neighbours"]
+        assert (
+            neighbours["value_baseline"]["nearest"] is None and neighbours["key_baseline"]["pairs"] == 20_000
+        )
+        assert all(n["chance"] is None for n in neighbours["by_key"] + neighbours["by_value"])
+        page = client.get(f"/m/{slug}/layers/1/keys/3/related")
+        assert page.status_code == 200
+        section = page.text.split('id="neighbours"')[1].split("</section>")[0]
+        unknown = "chance baseline unknown: indexed before it was stored; nothing is marked"
+        assert section.count(unknown) == 2 and "≈ chance</span>" not in section.split("</p>")[1]
+    finally:
+        for layer, kind, nearest in kept:
+            where = (NeighbourBaseline.run_id == run.id, NeighbourBaseline.layer == layer)
+            db.execute(
+                update(NeighbourBaseline)
+                .where(*where, NeighbourBaseline.kind == kind)
+                .values(nearest=nearest)
+            )
+        db.commit()
 
 
 def test_a_run_stored_before_baselines_shows_neighbours_without_one(client, db, run, slug):
@@ -314,7 +372,8 @@ def test_a_run_stored_before_baselines_shows_neighbours_without_one(client, db, 
         page = client.get(f"/m/{slug}/layers/1/keys/3/related")
         assert page.status_code == 200 and 'id="neighbours-key"' in page.text
         section = page.text.split('id="neighbours"')[1].split("</section>")[0]
-        assert "chance" not in section and 'class="baseline"' not in section
+        assert "≈ chance" not in section and 'id="baseline-key"' not in section
+        assert section.count("chance baseline unknown: indexed before it was stored; nothing is marked") == 2
     finally:
         db.execute(insert(NeighbourBaseline), rows)
         db.commit()

@@ -21,6 +21,12 @@ kind, a fixed seeded sample of `BASELINE_PAIRS` pairs — a memory of the layer 
 layer, as the neighbours are searched — gives the mean and the 99th percentile of |similarity| (the same
 similarity as the neighbours'); a neighbour below that percentile is no nearer than a random pair. The
 pairs are compared `chunk` at a time: [chunk, d] rows in memory whatever the layer's size.
+
+**The nearest-neighbour baseline** says what "nearest" means: a memory's r-th nearest of 46,080 is the
+largest of many small cosines, so any memory has neighbours well above the random-pair percentile. Per
+layer and kind, `nearest_baseline` takes the median, over the layer's memories (every one: the sample is
+the whole layer), of each one's own r-th nearest neighbour's similarity, for r = 1 … k; a neighbour at
+rank r at or below the median at rank r is no nearer than an ordinary memory's r-th nearest: ≈ chance.
 """
 
 from __future__ import annotations
@@ -128,6 +134,14 @@ def random_pair_baseline(
         size = similarity.abs().double()  # [pairs]
         found.append(Baseline(pairs, float(size.mean()), float(torch.quantile(size, BASELINE_QUANTILE))))
     return found
+
+
+def nearest_baseline(similarities: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Per layer, the median over its memories of their r-th nearest neighbour's similarity (module
+    docstring): similarities [layers · keys, k] as `nearest` gives them, layer-major → [layers, k] float64
+    (the median of an even count is the mean of the middle two, as numpy's)."""
+    by_layer = similarities.double().reshape(-1, n_keys, similarities.shape[1])  # [layers, keys, k]
+    return torch.stack([torch.quantile(layer, 0.5, dim=0) for layer in by_layer])  # [layers, k]
 
 
 def nearest(

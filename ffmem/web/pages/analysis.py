@@ -222,7 +222,7 @@ def fitted_defaults(settings: Settings, model: LanguageModel, run: Run) -> dict:
 
 def held_out_count(run: Run) -> int:
     """How many sentences the run held out of mining: every `held_out_every`-th of its corpus
-    (ffmem.engine.corpus.held_out_sentences, counted without torch)."""
+    (ffmem.engine.mining.corpus.held_out_sentences, counted without torch)."""
     every = (run.provenance or {}).get("held_out_every", 0)
     return run.corpus.n_sentences // every if every else 0
 

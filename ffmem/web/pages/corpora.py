@@ -1,6 +1,6 @@
 """Corpora from the browser: an uploaded text or JSONL file is checked as the CLI's corpus reader checks
 one (ffmem/engine/mining/text_files.py: a binary or empty file is refused saying why; lines that cannot be
-used are skipped and counted by reason) and kept under `Settings.upload_dir` with its counts beside it; the
+used are skipped and counted by reason) and kept under `Settings.upload_folder` with its counts beside it; the
 corpora page lists it with the bundled corpus and those the database holds.
 
 An upload is kept as `<sha256[:12]>-<name>` (the same file twice is one file) plus `….json` (its counts),
@@ -219,7 +219,7 @@ def choices(folder: Path) -> list[CorpusChoice]:
 
 
 def corpora_page(session: Session, settings: Settings, *, uploaded: str | None = None) -> CorporaContext:
-    files = uploaded_files(settings.upload_dir)
+    files = uploaded_files(settings.upload_folder)
     indexed = [
         IndexedCorpus(
             name=row.name,

@@ -37,6 +37,9 @@ class JobContext(BaseModel):
     max_attempts: int | None = Field(
         None, description="Times a worker may take up one step (Settings.max_attempts)."
     )
+    local_worker: bool = Field(
+        False, description="This server started its own worker (`ffmem serve`): it takes queued jobs."
+    )
 
 
 class JobsContext(BaseModel):
@@ -54,7 +57,9 @@ def jobs_page(session: Session, *, limit: int) -> JobsContext:
     return JobsContext(title="ffmem: jobs", jobs=listed, limit=limit)
 
 
-def job_page(session: Session, job: Job, *, max_attempts: int | None = None) -> JobContext:
+def job_page(
+    session: Session, job: Job, *, max_attempts: int | None = None, local_worker: bool = False
+) -> JobContext:
     run = job.run
     progress = None
     if run is not None and job.kind == JobKind.index:
@@ -67,4 +72,5 @@ def job_page(session: Session, job: Job, *, max_attempts: int | None = None) -> 
         progress=progress,
         polling=job.status in jobs.ACTIVE,
         max_attempts=max_attempts,
+        local_worker=local_worker,
     )

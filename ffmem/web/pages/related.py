@@ -21,7 +21,9 @@ class Neighbour(BaseModel):
     cosine: float
     url: str
     chance: bool | None = Field(
-        None, description="The cosine is below the random-pair p99 of the layer (null: no baseline stored)."
+        None,
+        description="The cosine is at or below the layer's nearest-neighbour baseline at this rank: no "
+        "nearer than an ordinary memory's neighbour of that rank (null: unknown for this run).",
     )
 
 
@@ -31,8 +33,12 @@ class NeighbourBaseline(BaseModel):
 
     pairs: int = Field(description="Random pairs sampled (fixed, seeded).")
     mean: float = Field(description="Their mean |cosine|.")
-    p99: float = Field(
-        description="The 99th percentile of their |cosine|: a neighbour below it is no nearer than chance."
+    p99: float = Field(description="The 99th percentile of their |cosine|.")
+    nearest: list[float] | None = Field(
+        None,
+        description="Rank r (1 first): the median over this layer's memories of their own r-th nearest "
+        "neighbour's cosine; a neighbour at rank r at or below it is marked ≈ chance (null: a run indexed "
+        "before it was stored, the baseline is unknown).",
     )
 
 
@@ -81,25 +87,29 @@ def related_page(session: Session, model: LanguageModel, run: Run, layer: int, k
 def memory_neighbours(
     session: Session, model: LanguageModel, run: Run, layer: int, key: int
 ) -> MemoryNeighbours | None:
-    """The memory's nearest memories by key and by value direction, each marked when below the random-pair
-    baseline of its layer (none stored: nothing marked), or None when the run has none."""
+    """The memory's nearest memories by key and by value direction, each marked when at or below its layer's
+    nearest-neighbour baseline at its rank (none stored: nothing marked), or None when the run has none."""
     found = memory_search.get_neighbours(session=session, run_id=run.id, layer=layer, key=key)
     if not found:
         return None
     stored = memory_search.get_neighbour_baselines(session=session, run_id=run.id, layer=layer)
-    baselines = {kind: NeighbourBaseline(pairs=b.pairs, mean=b.mean, p99=b.p99) for kind, b in stored.items()}
+    baselines = {
+        kind: NeighbourBaseline(pairs=b.pairs, mean=b.mean, p99=b.p99, nearest=b.nearest)
+        for kind, b in stored.items()
+    }
 
     def view(kind: str) -> list[Neighbour]:
         baseline = baselines.get(kind)
+        medians = None if baseline is None else baseline.nearest  # [k], rank 1 first
         return [
             Neighbour(
                 layer=int(n_layer),
                 key=int(n_key),
                 cosine=cosine,
                 url=urls.key_url(model.slug, int(n_layer), int(n_key), run=run.id),
-                chance=None if baseline is None else cosine < baseline.p99,
+                chance=None if medians is None else cosine <= medians[rank],
             )
-            for n_layer, n_key, cosine in found.get(kind, [])
+            for rank, (n_layer, n_key, cosine) in enumerate(found.get(kind, []))
         ]
 
     return MemoryNeighbours(

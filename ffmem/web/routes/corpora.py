@@ -45,7 +45,7 @@ def upload_corpus(
 ):
     """Upload a corpus file: checked as `ffmem index` checks one, its skipped lines counted, then listed."""
     view, already = corpora.store_upload(
-        settings.upload_dir, file.filename or "", file.file, settings.max_upload_bytes
+        settings.upload_folder, file.filename or "", file.file, settings.max_upload_bytes
     )
     if wants_json(request):
         body = CorpusUpload(corpus=view, already=already)

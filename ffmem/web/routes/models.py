@@ -30,7 +30,7 @@ router = APIRouter()
 @page(router, "/", "home", HomeContext)
 def home(request: Request, session: SessionDep, settings: SettingsDep):
     """The indexed models and their index runs."""
-    offered = corpora.choices(settings.upload_dir)
+    offered = corpora.choices(settings.upload_folder)
     return render(request, "home.html", home_page(session, offered))
 
 
