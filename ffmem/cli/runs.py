@@ -91,21 +91,29 @@ def compose(
     run: Annotated[
         int | None, typer.Option(min=1, help="Index run (default: the newest finished one).")
     ] = None,
+    explain_sentences: Annotated[
+        int | None,
+        typer.Option(min=0, help="Held-out sentences scoring the explanations. Default: settings."),
+    ] = None,
     db: DbOption = None,
     device: Annotated[Device, typer.Option(help="auto picks CUDA when there is one.")] = Device.auto,
+    queue: Annotated[
+        bool, typer.Option("--queue", help="Only queue the job; `ffmem worker` computes it.")
+    ] = False,
 ) -> None:
     """Compute an index run's weight graph (which memories feed which) and its memories' explanations.
 
-    A run computes both when it is stored; this fills them in for runs stored before, or again.
+    A run computes both when it is stored; this computes them again (for runs stored before, or with
+    other options) as a composition job: in the foreground here, or with --queue for `ffmem worker`.
     """
     settings = get_settings()
     url = db or settings.database_url
 
-    def work():
-        from ffmem.engine.model.loading import load_model
+    def enqueue():
+        from ffmem.store import jobs
         from ffmem.store.db import make_engine, make_sessionmaker, upgrade
         from ffmem.store.models import RunStatus
-        from ffmem.worker.composition import compose as compose_run
+        from ffmem.store.specs import CompositionSpec
 
         upgrade(url)
         sessions = make_sessionmaker(make_engine(url))
@@ -113,11 +121,27 @@ def compose(
             found = _run_or_newest(session, run)
             if found is None or found.status != RunStatus.done:
                 raise FfmemError(f"no finished index run {run or ''} in {url}; build one with `ffmem index`")
-            run_id, slug, source, dtype = found.id, found.model.slug, found.model.source, found.dtype
-        loaded = load_model(source, device=device.value, dtype=dtype, cache_dir=settings.cache_dir)
-        return run_id, slug, compose_run(sessions, run_id, loaded, progress=True)
+            spec = CompositionSpec.from_settings(settings, explain_sentences=explain_sentences)
+            job, _ = jobs.enqueue(session=session, spec=spec, run_id=found.id, again=True)
+            session.commit()
+            return sessions, job.id, found.id, found.model.slug
 
-    run_id, slug, seconds = fail_cleanly(work)
+    sessions, job_id, run_id, slug = fail_cleanly(enqueue)
+    if queue:
+        typer.echo(f"job {job_id}: run {run_id}'s composition queued; `ffmem worker --db {url}` computes it")
+        return
+
+    def work():
+        from ffmem.store import analyses
+        from ffmem.worker.index import IndexOptions
+        from ffmem.worker.loop import Worker
+
+        Worker(sessions, IndexOptions.from_settings(settings, device=device.value)).work(job_id=job_id)
+        with sessions() as session:
+            stored = analyses.stored_analyses(session=session, run_id=run_id)
+            return {name: stored[name].seconds for name in ("weight_graph", "explanations")}
+
+    seconds = fail_cleanly(work)
     spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
     typer.echo(f"stored the weight graph and explanations of run {run_id} ({spent}); see /m/{slug}")
 

@@ -31,7 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import REAL
 from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
 
-from ffmem.store.specs import AnalysisSpec, ComparisonSpec, RunSpec
+from ffmem.store.specs import AnalysisSpec, ComparisonSpec, CompositionSpec, RunSpec
 
 # A statistic of a memory: 4 bytes on Postgres (real; double precision before revision 0024) where a table
 # holds a row per memory; SQLite stores every REAL in 8 bytes whatever the declaration.
@@ -53,12 +53,14 @@ class RunStatus(StrEnum):
 
 
 class JobKind(StrEnum):
-    """What a job does: build an index run, compute the paper's analyses of a finished one, or compare two
-    finished runs (ffmem.worker.comparison)."""
+    """What a job does: build an index run, compute the paper's analyses of a finished one, compare two
+    finished runs (ffmem.worker.comparison), or compute a finished run's weight graph and explanations
+    again (ffmem.worker.composition)."""
 
     index = "index"
     analysis = "analysis"
     comparison = "comparison"
+    composition = "composition"
 
 
 class JobStatus(StrEnum):
@@ -72,7 +74,12 @@ class JobStatus(StrEnum):
 
 
 ACTIVE = (JobStatus.queued, JobStatus.running)  # unfinished: at most one such job per fingerprint
-SPECS = {JobKind.index: RunSpec, JobKind.analysis: AnalysisSpec, JobKind.comparison: ComparisonSpec}
+SPECS = {
+    JobKind.index: RunSpec,
+    JobKind.analysis: AnalysisSpec,
+    JobKind.comparison: ComparisonSpec,
+    JobKind.composition: CompositionSpec,
+}
 
 
 class ShardStatus(StrEnum):
@@ -313,7 +320,7 @@ class Job(Base):
     run: Mapped[Run | None] = relationship()
 
     @property
-    def spec(self) -> RunSpec | AnalysisSpec | ComparisonSpec:
+    def spec(self) -> RunSpec | AnalysisSpec | ComparisonSpec | CompositionSpec:
         """What the job computes, typed by its kind (ffmem.store.specs)."""
         return SPECS[self.kind].stored(self.options)
 

@@ -1,5 +1,6 @@
 """What a job computes, typed (no torch): an index run (`RunSpec`), the paper's analyses of a finished
-run (`AnalysisSpec`), two finished runs side by side (`ComparisonSpec`).
+run (`AnalysisSpec`), two finished runs side by side (`ComparisonSpec`), a finished run's weight graph and
+explanations again (`CompositionSpec`).
 
 A job stores its spec's fields as its options (`Job.options`, JSON) and reads them back as `Job.spec`;
 the same spec gives the same `fingerprint`, so queueing the same work again finds its job
@@ -40,6 +41,12 @@ class Spec(BaseModel):
         """The spec a job's stored options give."""
         return cls.model_validate(options)
 
+    @classmethod
+    def from_settings(cls, settings: Settings, **given) -> Self:
+        """The spec `given` names (None: the setting of the field's name)."""
+        _known(cls, given)
+        return cls(**{name: _chosen(given, name, getattr(settings, name)) for name in cls.model_fields})
+
 
 class RunSpec(Spec):
     """What defines an index run, its explanations included. The fields with a default are those jobs
@@ -64,12 +71,6 @@ class RunSpec(Spec):
     explain_sentences: int = 1000
     explainer_model: str = ""
 
-    @classmethod
-    def from_settings(cls, settings: Settings, **given) -> RunSpec:
-        """The run `given` names (None: the setting of that name)."""
-        _known(cls, given)
-        return cls(**{name: _chosen(given, name, getattr(settings, name)) for name in cls.model_fields})
-
 
 class AnalysisSpec(Spec):
     """What an analysis job computes (ffmem.worker.analysis_jobs): held-out prefixes (Figs. 7–11), keys
@@ -89,6 +90,16 @@ class AnalysisSpec(Spec):
 
 
 ANALYSIS_SIZES = ("examples", "keys", "triggers")  # the AnalysisSpec fields with a setting `analysis_<name>`
+
+
+class CompositionSpec(Spec):
+    """What a composition job computes again for a finished run (ffmem.worker.composition): its weight
+    graph, and its explanations scored on `explain_sentences` held-out sentences (in batches of
+    `batch_tokens`), written by the explainer model `explainer_model` where a worker reaches one."""
+
+    explain_sentences: int
+    explainer_model: str
+    batch_tokens: int
 
 
 class ComparisonSpec(Spec):

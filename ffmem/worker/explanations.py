@@ -38,7 +38,7 @@ from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
 from ffmem.store.key_examples import StoredExamples, layer_shading
 from ffmem.store.models import Run
-from ffmem.store.specs import RunSpec
+from ffmem.store.specs import CompositionSpec, RunSpec
 from ffmem.worker.explainer import PROMPT_PREFIXES, PROMPT_TOKENS, Evidence, LocalExplainer
 from ffmem.worker.held_out import held_out
 from ffmem.worker.leases import Heartbeat, checked_commit
@@ -62,8 +62,8 @@ class ExplanationOptions:
     progress: bool = False
 
     @classmethod
-    def of(cls, spec: RunSpec, worker: IndexOptions) -> ExplanationOptions:
-        """An index job's: what its spec says, with the explainer its worker reaches."""
+    def of(cls, spec: RunSpec | CompositionSpec, worker: IndexOptions) -> ExplanationOptions:
+        """An index or composition job's: what its spec says, with the explainer its worker reaches."""
         return cls(
             explain_sentences=spec.explain_sentences,
             batch_tokens=spec.batch_tokens,

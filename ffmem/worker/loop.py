@@ -32,6 +32,8 @@ from ffmem.store.models import Job, Run, Shard
 from ffmem.store.specs import AnalysisSpec, RunSpec
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
 from ffmem.worker.comparison import compare_runs
+from ffmem.worker.composition import explanations_step, weight_graph_step
+from ffmem.worker.explanations import ExplanationOptions
 from ffmem.worker.index import IndexOptions, IndexPipeline, IndexSummary
 from ffmem.worker.leases import Heartbeat, LostLease, Presence
 
@@ -85,6 +87,7 @@ class Worker:
             JobKind.index: self.index_step,
             JobKind.analysis: self.analyze,
             JobKind.comparison: self.compare,
+            JobKind.composition: self.compose,
         }
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -246,6 +249,16 @@ class Worker:
         model that built it, one model after the other."""
         a, b = job.spec.runs
         compare_runs(self.sessions, a, b, lambda run_id: memory_weights(self.model(self.run_spec(run_id))))
+        self._finish_job(job.id, lease)
+
+    def compose(self, job: Job, lease: Heartbeat) -> None:
+        """The weight graph and the explanations of the job's finished run again, on the model that built
+        it, as the job's spec says (ffmem.worker.composition); each step commits after the lease is
+        checked."""
+        loaded = self.model(self.run_spec(job.run_id))
+        options = ExplanationOptions.of(job.spec, self.options)
+        weight_graph_step(self.sessions, job.run_id, loaded, lease=lease)
+        explanations_step(self.sessions, job.run_id, loaded, options, lease=lease)
         self._finish_job(job.id, lease)
 
     def _finish_job(self, job_id: int, lease: Heartbeat) -> None:

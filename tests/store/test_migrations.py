@@ -371,6 +371,43 @@ def test_0027_adds_a_jobs_past_attempts_null_for_a_job_stored_before(empty_url):
     assert "past_attempts" not in dict((name, c) for name, c, _ in _schema(empty_url)[1])["jobs"]
 
 
+def test_0028_allows_composition_jobs_and_downgrading_deletes_them(empty_url):
+    """Issue 40 (2): `ffmem compose` queues a job of the kind "composition", which 0027 refuses; going
+    back to 0027 deletes such jobs and refuses the kind again."""
+    import sqlalchemy as sa
+    from sqlalchemy.exc import IntegrityError
+
+    columns = ("kind", "status", "options", "fingerprint", "attempts", "created_at")
+    jobs = sa.table("jobs", *map(sa.column, columns))
+
+    def insert(kind: str, fingerprint: str) -> None:
+        engine = make_engine(empty_url)
+        try:
+            with engine.begin() as connection:
+                connection.execute(
+                    sa.insert(jobs).values(
+                        kind=kind, status="done", options="{}", fingerprint=fingerprint, attempts=1,
+                        created_at=datetime.now(timezone.utc),
+                    )
+                )  # fmt: skip
+        finally:
+            engine.dispose()
+
+    _migrate(empty_url, "0027")
+    with pytest.raises(IntegrityError):
+        insert("composition", "a")
+    _migrate(empty_url, "head")
+    insert("composition", "b")
+    insert("index", "c")
+    _migrate(empty_url, "0027", down=True)
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        assert connection.execute(sa.text("SELECT kind FROM jobs")).scalars().all() == ["index"]
+    engine.dispose()
+    with pytest.raises(IntegrityError):
+        insert("composition", "d")
+
+
 def test_0017_checks_a_runs_status_and_downgrading_drops_the_check(empty_url):
     """Issue 27: a run's status is one of RunStatus's values, checked like a job's and a shard's."""
 

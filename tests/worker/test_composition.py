@@ -18,13 +18,13 @@ from ffmem.engine.model.loading import load_model
 from ffmem.engine.relations.weight_graph import weight_graph
 from ffmem.store import composition
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.models import Analysis, Explanation, MemoryLinks
-from ffmem.store.specs import fingerprint
+from ffmem.store.models import Analysis, Explanation, Job, JobKind, JobStatus, MemoryLinks
+from ffmem.store.specs import CompositionSpec, fingerprint
 from ffmem.worker.composition import compose, explanations_step, weight_graph_step
 from ffmem.worker.explanations import ExplanationOptions
 from ffmem.worker.index import IndexOptions
 from ffmem.worker.leases import LostLease
-from ffmem.worker.loop import build_index
+from ffmem.worker.loop import Worker, build_index
 
 PLANTED = 7  # the key of layer 0 that fires on "Paris"
 PARIS = [
@@ -302,3 +302,31 @@ def test_a_step_that_lost_its_lease_commits_nothing(planted_run, planted):
     with sessions() as session:
         assert {a.name: a.seconds for a in session.scalars(select(Analysis))} == analyses_before
         assert session.scalar(select(func.count()).select_from(MemoryLinks)) == links_before
+
+
+def test_ffmem_compose_queues_a_composition_job_that_a_worker_takes(planted_run, planted):
+    """Issue 40 (2): `ffmem compose --queue` queues a job (kind "composition", the run, the spec's options)
+    as `ffmem analyze` does; a worker takes it and computes the same rows, scored as its spec says."""
+    from typer.testing import CliRunner
+
+    from ffmem.cli import cli
+
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    url = sessions.kw["bind"].url.render_as_string(hide_password=False)
+    command = ["compose", "--run", str(run_id), "--db", url, "--queue", "--explain-sentences", "4"]
+    result = CliRunner().invoke(cli, command)
+    assert result.exit_code == 0, result.output
+    with sessions() as session:
+        job = session.scalars(select(Job).order_by(Job.id.desc()).limit(1)).one()
+        assert (job.kind, job.status, job.run_id) == (JobKind.composition, JobStatus.queued, run_id)
+        assert job.spec == CompositionSpec.from_settings(Settings(), explain_sentences=4)
+    assert f"job {job.id}: run {run_id}'s composition queued" in result.output
+    options = IndexOptions.from_settings(Settings(device="cpu"), progress=False)
+    Worker(sessions, options, loaded=planted).work(job_id=job.id)
+    with sessions() as session:
+        assert session.get(Job, job.id).status == JobStatus.done
+        stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
+        assert stored["explanations"].data["held_out_sentences"] == 4
+    kept = [row[:4] + row[5:6] for row in _rows(sessions, run_id)]  # the scores: on 4 sentences now
+    assert kept == [row[:4] + row[5:6] for row in before]
