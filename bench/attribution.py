@@ -47,7 +47,8 @@ from ffmem.store import corpora, memory_writes, runs  # noqa: E402
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from ffmem.web.main import create_app  # noqa: E402
 from ffmem.web.worker_client import LiveWorker  # noqa: E402
-from ffmem.worker import live_server  # noqa: E402
+from ffmem.worker import live_executor  # noqa: E402
+from ffmem.worker.live_app import create_live_app  # noqa: E402
 from ffmem.worker.provenance import store_model  # noqa: E402
 
 ENGINE_ROUNDS, SERVER_ROUNDS, VALUE_TOKENS = 40, 40, 5
@@ -155,27 +156,27 @@ def index_database(loaded, folder: Path) -> tuple[str, str]:
 
 
 def server(loaded, text: str) -> dict:
-    live = live_server.Live(device="cpu", max_tokens=512)
+    live = live_executor.Live(device="cpu", max_tokens=512)
     live.models[loaded.source] = loaded
     with tempfile.TemporaryDirectory() as folder:
         url, slug = index_database(loaded, Path(folder))
-        worker = TestClient(live_server.create_live_app(live), base_url="http://worker")
+        worker = TestClient(create_live_app(live), base_url="http://worker")
         app = create_app(
             Settings(database_url=url, trace_rate_limit="0"),
             live=LiveWorker("http://worker", 120, client=worker),
         )
-        traced = live_server.trace
+        traced = live_executor.trace
         with TestClient(app) as client:
 
             def get(params: dict, attribution: bool = True):
                 def run() -> httpx.Response:
-                    live_server.trace = (
+                    live_executor.trace = (
                         traced if attribution else functools.partial(traced, attribution=False)
                     )
                     try:
                         response = client.get(f"/m/{slug}/trace.json", params={"text": text} | params)
                     finally:
-                        live_server.trace = traced
+                        live_executor.trace = traced
                     assert response.status_code == 200, response.text
                     body = response.json()
                     assert (body["attribution"] is None) == (not attribution)

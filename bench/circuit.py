@@ -48,7 +48,8 @@ from ffmem.engine.mining.corpus import read_corpus  # noqa: E402
 from ffmem.engine.model.hooks import capture  # noqa: E402
 from ffmem.engine.model.loading import shared_model  # noqa: E402
 from ffmem.engine.relations.weight_graph import value_vectors  # noqa: E402
-from ffmem.worker.live_server import Live, create_live_app  # noqa: E402
+from ffmem.worker.live_app import create_live_app  # noqa: E402
+from ffmem.worker.live_executor import Live  # noqa: E402
 
 ROUNDS = 30
 TARGET_RATIO = 1.5

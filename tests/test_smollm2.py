@@ -56,7 +56,8 @@ def test_the_dequantized_cache_is_reused(smollm2, monkeypatch):
 def test_try_your_own_text_equals_a_hand_computation(smollm2):
     """Issue 15: the live worker's POST /coefficients on the real model equals silu(x·g)·(x·u) computed
     from the weights and the MLP's input (a plain hook, not ffmem's), at every token of a sentence."""
-    from ffmem.worker.live_server import CoefficientsRequest, Live
+    from ffmem.engine.live.protocol import CoefficientsRequest
+    from ffmem.worker.live_executor import Live
 
     text = "The Eiffel Tower is in Paris, the capital of France."
     ids = smollm2.tokenizer(text).input_ids

@@ -123,7 +123,8 @@ def _serve_live(settings, device: str, preload: str, host: str, port: int):
 
     import uvicorn
 
-    from ffmem.worker.live_server import Live, create_live_app
+    from ffmem.worker.live_app import create_live_app
+    from ffmem.worker.live_executor import Live
 
     live = Live(
         device=device,

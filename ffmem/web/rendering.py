@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
 
+from ffmem.engine.live.protocol import text_max_length
 from ffmem.store.models import JobKind, JobStatus
 from ffmem.web import charts, trace_charts, urls
 from ffmem.web.access import admin_name, can_write, label_author, login_offered
@@ -29,7 +30,6 @@ from ffmem.web.display import (
 )
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shaded_html
-from ffmem.web.worker_client import text_max_length
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)

@@ -31,9 +31,9 @@ from secure.middleware import SecureASGIMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ffmem.config import Settings
+from ffmem.engine.live.protocol import text_max_length
 from ffmem.web.errors import AppError
 from ffmem.web.rendering import render_error
-from ffmem.web.worker_client import text_max_length
 
 # htmx 2.0.11's indicator <style>; a new htmx may change it (the browser test then reports the violation)
 HTMX_INDICATOR_STYLE = "'sha256-faU7yAF8NxuMTNEwVmBz+VcYeIoBQ2EMHW3WaVxCvnk='"

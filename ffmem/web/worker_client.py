@@ -1,6 +1,7 @@
-"""The web process's client of the live worker (ffmem/worker/live_server.py): every failure becomes an
-AppError that says what happened and what to do — the browse pages never depend on the worker. Answers
-are parsed into the models the worker answers with (ffmem/engine/live/trace_answer.py)."""
+"""The web process's client of the live worker (ffmem/worker/live_app.py): every failure becomes an AppError
+that says what happened and what to do — the browse pages never depend on the worker. It sends the
+requests of ffmem/engine/live/protocol.py, serialized, and parses the answers into that module's models,
+the ones the worker answers with."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ffmem.engine.live.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
+from ffmem.engine.live.protocol import (
+    AblationAnswer,
+    AblationRequest,
+    CircuitAnswer,
+    CircuitRequest,
+    CoefficientsAnswer,
+    CoefficientsRequest,
+    TraceAnswer,
+    TraceRequest,
+)
 from ffmem.web.errors import AppError, sentence
 
 Answer = TypeVar("Answer", bound=BaseModel)
-CHARS_PER_TOKEN = 32  # a text longer than this many characters a token is refused before the worker
-
-
-def text_max_length(max_tokens: int) -> int:
-    """The longest text a box sends to the worker, in characters (the worker then counts its tokens)."""
-    return CHARS_PER_TOKEN * max_tokens
+JSON = {"Content-Type": "application/json"}
 
 
 START = (
@@ -31,17 +36,17 @@ class LiveWorker:
         self.url = url.rstrip("/")
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout)
 
-    def trace(self, payload: dict) -> TraceAnswer:
-        return self._parse(TraceAnswer, self._post("/trace", payload))
+    def trace(self, request: TraceRequest) -> TraceAnswer:
+        return self._parse(TraceAnswer, self._post(request.path, request))
 
-    def circuit(self, payload: dict) -> CircuitAnswer:
-        return self._parse(CircuitAnswer, self._post("/circuit", payload))
+    def circuit(self, request: CircuitRequest) -> CircuitAnswer:
+        return self._parse(CircuitAnswer, self._post(request.path, request))
 
-    def coefficients(self, payload: dict) -> CoefficientsAnswer:
-        return self._parse(CoefficientsAnswer, self._post("/coefficients", payload))
+    def coefficients(self, request: CoefficientsRequest) -> CoefficientsAnswer:
+        return self._parse(CoefficientsAnswer, self._post(request.path, request))
 
-    def ablation(self, payload: dict) -> AblationAnswer:
-        return self._parse(AblationAnswer, self._post("/ablation", payload))
+    def ablation(self, request: AblationRequest) -> AblationAnswer:
+        return self._parse(AblationAnswer, self._post(request.path, request))
 
     def _parse(self, model: type[Answer], answer: dict) -> Answer:
         """The worker's answer as `model`; one of another shape (a worker of another version) is a 502."""
@@ -69,9 +74,9 @@ class LiveWorker:
                 "error": f"no live worker answers at {self.url} ({type(error).__name__})",
             }
 
-    def _post(self, path: str, payload: dict) -> dict:
+    def _post(self, path: str, request: BaseModel) -> dict:
         try:
-            response = self.client.post(path, json=payload)
+            response = self.client.post(path, content=request.model_dump_json(), headers=JSON)
         except httpx.TimeoutException:
             raise AppError(
                 504,

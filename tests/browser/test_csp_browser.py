@@ -19,7 +19,8 @@ from ffmem.store.specs import AnalysisSpec
 from ffmem.web.main import create_app
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
 from ffmem.worker.index import IndexOptions
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 from ffmem.worker.loop import build_index
 
 HELD_OUT = [

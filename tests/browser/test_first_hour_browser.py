@@ -27,7 +27,8 @@ from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.analysis_jobs import AnalysisOptions, analyze
 from ffmem.worker.index import IndexOptions
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 from ffmem.worker.loop import build_index
 
 PROMPT = "The capital of France is"

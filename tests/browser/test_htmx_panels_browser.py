@@ -16,7 +16,8 @@ from browser_fixtures import serving
 
 from ffmem.config import Settings
 from ffmem.web.main import create_app
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 PROMPT = "The capital of France is"
 TEXT = "The capital of France is Paris."

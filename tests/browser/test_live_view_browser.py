@@ -17,7 +17,8 @@ from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import LanguageModel
 from ffmem.web.main import create_app
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 PROMPT = "The capital of France is"
 HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(1)>'

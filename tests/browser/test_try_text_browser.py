@@ -12,7 +12,8 @@ from browser_fixtures import ARTIFACTS, serving
 
 from ffmem.config import Settings
 from ffmem.web.main import create_app
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 TEXT = "The capital of France is Paris."
 HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(1)>'

@@ -29,7 +29,8 @@ from ffmem.config import Settings
 from ffmem.store.models import Job, Run
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 # name → the value as it goes on the wire (already percent-encoded)
 BAD = {

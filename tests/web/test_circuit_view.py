@@ -12,11 +12,12 @@ from markupsafe import escape
 from ffmem.config import Settings
 from ffmem.engine.live.circuit import circuit
 from ffmem.engine.live.interventions import Intervention
-from ffmem.engine.live.trace_answer import CircuitAnswer, CircuitEdgeAnswer, CircuitNodeAnswer
+from ffmem.engine.live.protocol import CircuitAnswer, CircuitEdgeAnswer, CircuitNodeAnswer
 from ffmem.store import memory_reads
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 PROMPT = "The capital of France is"
 pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")

@@ -32,7 +32,8 @@ from ffmem.config import Settings
 from ffmem.store.models import Job
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 EXAMPLES = int(os.environ.get("FFMEM_FUZZ_EXAMPLES", "20"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

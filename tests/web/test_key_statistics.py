@@ -25,7 +25,8 @@ from ffmem.web.charts import label
 from ffmem.web.main import create_app
 from ffmem.web.pages.key import MARKED_TOKENS, bin_labels, histogram_bin
 from ffmem.web.worker_client import LiveWorker
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 SHAPE = Shape(
     slug="stats",

@@ -18,14 +18,14 @@ from sqlalchemy import select
 from ffmem.config import Settings
 from ffmem.engine.live.edited_forward import intervene
 from ffmem.engine.live.interventions import Intervention
-from ffmem.engine.live.trace import trace
-from ffmem.engine.live.trace_answer import (
+from ffmem.engine.live.protocol import (
     ForwardFigures,
     LayerAnswer,
     LayerFigures,
     MemoryAnswer,
     TraceAnswer,
 )
+from ffmem.engine.live.trace import trace
 from ffmem.engine.paper.cases import CASES
 from ffmem.engine.values.token_display import byte_form
 from ffmem.store import memory_reads
@@ -33,7 +33,8 @@ from ffmem.store.models import Run, Sentence, Token
 from ffmem.web.display import visible
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
-from ffmem.worker.live_server import Live, LiveError, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live, LiveError
 
 PROMPT = "The capital of France is"  # 15 tokens of the tiny tokenizer
 pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
@@ -224,7 +225,7 @@ def test_with_edits_every_figure_is_the_edited_pass_with_the_unedited_beside(cli
 
 
 def test_the_worker_answers_the_one_contract(live, tiny_model_dir):
-    """Issue 14: the worker answers TraceAnswer and AblationAnswer (ffmem/engine/live/trace_answer.py), the
+    """Issue 14: the worker answers TraceAnswer and AblationAnswer (ffmem/engine/live/protocol.py), the
     models the web process parses; its OpenAPI document says so."""
     worker = TestClient(create_live_app(live), base_url="http://worker")
     request = {"model": str(tiny_model_dir), "text": PROMPT, "memories": 2, "interventions": EDITS}

@@ -8,9 +8,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ffmem.config import Settings
+from ffmem.engine.live.protocol import text_max_length
 from ffmem.web.main import create_app
-from ffmem.web.worker_client import LiveWorker, text_max_length
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.web.worker_client import LiveWorker
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 PROMPT = "The capital of France is"
 LONG = "The capital of France is Paris. The capital of France is"  # 60 bytes as a query: over 40

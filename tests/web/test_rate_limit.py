@@ -23,7 +23,8 @@ from ffmem.config import Settings, get_settings
 from ffmem.web.main import create_app
 from ffmem.web.ratelimit import LiveLimit
 from ffmem.web.worker_client import LiveWorker
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 PROMPT = "The capital of France is"
 pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")

@@ -15,13 +15,14 @@ from fastapi.testclient import TestClient
 from markupsafe import escape
 
 from ffmem.config import Settings
-from ffmem.engine.live.trace_answer import CoefficientsAnswer
+from ffmem.engine.live.protocol import CoefficientsAnswer
 from ffmem.engine.model.hooks import capture
 from ffmem.store import memory_reads
 from ffmem.store.models import Run
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
-from ffmem.worker.live_server import Live, create_live_app
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 PROMPT = "The capital of France is Paris."
 LAYER, KEY = 1, 4

@@ -19,7 +19,7 @@ from ffmem.engine.model.loaded import ModelLoadError
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Job, Run
 from ffmem.worker.index import IndexOptions
-from ffmem.worker.live_server import Live
+from ffmem.worker.live_executor import Live
 from ffmem.worker.loop import Worker, build_index
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 
 from ffmem.engine.errors import FfmemError
+from ffmem.engine.live.protocol import TARGET_CHARS
 
-TARGET_CHARS = 100  # the longest target text accepted
 TARGET_ID = re.compile(r"#(\d{1,9})")  # `#5188`: a token id
 VETO_SHARE = 0.25  # strongly positive: at least this share of the layer's largest |contribution|
 

@@ -55,11 +55,8 @@ from transformers.activations import ACT2FN
 from ffmem.engine.live.attribution import attribute, target_direction
 from ffmem.engine.live.edited_forward import intervene
 from ffmem.engine.live.interventions import Intervention
+from ffmem.engine.live.protocol import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
 from ffmem.engine.live.trace import top_index
-from ffmem.engine.live.trace_answer import CIRCUIT_HOPS as HOPS
-from ffmem.engine.live.trace_answer import CIRCUIT_NODES as NODES
-from ffmem.engine.live.trace_answer import CIRCUIT_THRESHOLD as THRESHOLD
-from ffmem.engine.live.trace_answer import CIRCUIT_TOP as TOP
 from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.hooks import capture
 from ffmem.engine.model.loaded import LoadedModel
@@ -115,10 +112,10 @@ def circuit(
     target: int | None = None,
     readout: str = "norm",
     interventions: Sequence[Intervention] = (),
-    nodes: int = NODES,
-    top: int = TOP,
-    threshold: float = THRESHOLD,
-    hops: int = HOPS,
+    nodes: int = CIRCUIT_NODES,
+    top: int = CIRCUIT_TOP,
+    threshold: float = CIRCUIT_THRESHOLD,
+    hops: int = CIRCUIT_HOPS,
 ) -> Circuit:
     """The circuit of `target` (default: the prediction) after `position` (default: the last) of the prompt
     `token_ids`, in one forward pass (with the interventions, if any)."""

@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass
 
 from ffmem.engine.errors import FfmemError
+from ffmem.engine.live.protocol import MAX_INTERVENTIONS, MAX_MAGNITUDE
 
-MAX_INTERVENTIONS = 64
-MAX_MAGNITUDE = 1e4
 SYNTAX = "L12K345 (off), L12K345*0.5 (scale) or L12K345=3.2 (force on), comma separated"
 _ITEM = re.compile(
     r"L(\d{1,9})\s*K(\d{1,9})(?:\s*([*=])\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d{1,3})?))?", re.I

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
+from ffmem.engine.live.protocol import AblationRequest
 from ffmem.store import corpora, memory_reads, vocabularies
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
@@ -65,7 +66,7 @@ def ablation_page(
         targets.append([value_token, value_token if following is None else following])
         nexts.append(following)
     answer = live.ablation(
-        {"model": model.source, "layer": layer, "key": key, "prefixes": prefixes, "targets": targets}
+        AblationRequest(model=model.source, layer=layer, key=key, prefixes=prefixes, targets=targets)
     )
     texts = vocabularies.token_texts(
         session=session, model_id=model.id, token_ids={value_token, *(n for n in nexts if n is not None)}

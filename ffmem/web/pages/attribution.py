@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ffmem.engine.live.attribution_terms import is_veto, target_id
-from ffmem.engine.live.trace_answer import AttributionAnswer, ContributionAnswer, MemoryAnswer
+from ffmem.engine.live.protocol import AttributionAnswer, ContributionAnswer, MemoryAnswer
 from ffmem.store import vocabularies
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls

@@ -4,26 +4,17 @@ the live worker), each named with its value's own top token from the index and l
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from sqlalchemy.orm import Session
 
 from ffmem.engine.live.interventions import format_interventions
-from ffmem.engine.live.trace_answer import CircuitEdgeAnswer, CircuitNodeAnswer
+from ffmem.engine.live.protocol import CircuitEdgeAnswer, CircuitNodeAnswer, CircuitOptions
 from ffmem.store import memory_reads, vocabularies
 from ffmem.web import urls
 from ffmem.web.pages.trace import PromptToken, value_run
 from ffmem.web.pages.trace_query import TraceQuery
 from ffmem.web.views import ModelPage, TokenRef
 from ffmem.web.worker_client import LiveWorker
-
-
-class CircuitOptions(BaseModel):
-    """How much of the circuit is kept (ffmem.engine.live.circuit)."""
-
-    nodes: int = Field(description="Memories that push the target most (hop 0), by |contribution|.")
-    top: int = Field(description="Upstream memories kept per memory, by |term|.")
-    threshold: float = Field(description="An edge stays when |term| ≥ this × the largest |term| of its hop.")
-    hops: int = Field(description="1: who feeds the hop-0 memories; 2: and who feeds those.")
 
 
 class CircuitMemory(CircuitNodeAnswer):
@@ -86,7 +77,7 @@ def circuit_page(
     if q.text is None:
         return circuit_form(q, options, max_tokens)
     q.check(max_tokens)
-    answer = live.circuit(q.worker_request() | options.model_dump())
+    answer = live.circuit(q.circuit_request(options))
     run = value_run(session, q.model)
     signed = {(n.layer, n.key, 1 if n.coefficient >= 0 else -1) for n in answer.nodes}
     tops = {}

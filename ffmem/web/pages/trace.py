@@ -1,6 +1,6 @@
 """The live view: a trace answered by the live worker, named with the index's tokens.
 
-The worker answers a TraceAnswer (ffmem/engine/live/trace_answer.py) of token ids; the database gives their
+The worker answers a TraceAnswer (ffmem/engine/live/protocol.py) of token ids; the database gives their
 texts and, from the newest run that has projected its values, each listed memory's value tokens (its top
 tokens for m > 0, its bottom tokens for m < 0: a negative coefficient flips the value). With edits, the
 figures are those of the edited forward pass, each layer's unedited figures beside them. The attribution
@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ffmem.engine.live.interventions import Intervention, format_interventions
-from ffmem.engine.live.trace_answer import LayerFigures
+from ffmem.engine.live.protocol import LayerFigures
 from ffmem.engine.paper.cases import CASES
 from ffmem.store import jobs, memory_reads, runs, vocabularies
 from ffmem.store.models import LanguageModel, Run
@@ -186,7 +186,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
     if q.text is None:
         return trace_form(live, q, max_tokens)
     q.check(max_tokens)
-    answer = live.trace(q.worker_request() | {"memories": q.memories, "generate": q.generate})
+    answer = live.trace(q.trace_request())
     run = value_run(session, q.model)
     attribution = answer.attribution
     traced = {signed(m) for layer in answer.layers for m in layer.memories}

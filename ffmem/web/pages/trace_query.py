@@ -5,26 +5,26 @@ checks a trace's input passes before the live worker is asked.
 
 from __future__ import annotations
 
-from ffmem.engine.live.attribution_terms import TARGET_CHARS
 from ffmem.engine.live.interventions import (
     Intervention,
     InterventionError,
     format_interventions,
     parse_interventions,
 )
-from ffmem.engine.live.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
+from ffmem.engine.live.protocol import (
+    MEMORIES,
+    TARGET_CHARS,
+    CircuitOptions,
+    CircuitRequest,
+    TraceRequest,
+    text_max_length,
+)
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls
 from ffmem.web.errors import AppError, sentence
-from ffmem.web.worker_client import text_max_length
 
-DEFAULTS = {"readout": "norm", "memories": 10, "generate": 0}  # left out of the URL
-CIRCUIT_DEFAULTS = {
-    "nodes": CIRCUIT_NODES,
-    "top": CIRCUIT_TOP,
-    "threshold": CIRCUIT_THRESHOLD,
-    "hops": CIRCUIT_HOPS,
-}
+DEFAULTS = {"readout": "norm", "memories": MEMORIES, "generate": 0}  # left out of the URL
+CIRCUIT_DEFAULTS = CircuitOptions().model_dump()
 
 
 class TraceQuery:
@@ -83,9 +83,17 @@ class TraceQuery:
         kept = [i for i in self.interventions if (i.layer, i.key) != (layer, key)]
         return self.url(intervene=format_interventions(kept) or None)
 
-    def worker_request(self) -> dict:
-        """What every live-worker request of this trace sends (the model, prompt, position, readout, edits
-        and target); a route adds its own fields."""
+    def trace_request(self) -> TraceRequest:
+        """The live worker's request for this trace."""
+        return TraceRequest(**self._prompt(), memories=self.memories, generate=self.generate)
+
+    def circuit_request(self, options: CircuitOptions) -> CircuitRequest:
+        """The live worker's request for this trace's memory circuit, with `options`."""
+        return CircuitRequest(**self._prompt(), **options.model_dump())
+
+    def _prompt(self) -> dict:
+        """The fields every live-worker request of this trace sends: the model, prompt, position, readout,
+        edits and target."""
         return {
             "model": self.model.source,
             "text": self.text,

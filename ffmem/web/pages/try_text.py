@@ -9,12 +9,13 @@ from collections.abc import Sequence
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
+from ffmem.engine.live.protocol import CoefficientsRequest, text_max_length
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shade, token_pieces
 from ffmem.web.views import ShadedText, TokenRef
-from ffmem.web.worker_client import LiveWorker, text_max_length
+from ffmem.web.worker_client import LiveWorker
 
 
 class CoefficientAt(BaseModel):
@@ -89,7 +90,7 @@ def answer(
     stored triggers in `run` (the key page's); `extremes`: its stored max and min m (none: no statistics)."""
     check(text, max_tokens)
     layer, key = memory
-    got = live.coefficients({"model": model.source, "text": text, "layer": layer, "key": key})
+    got = live.coefficients(CoefficientsRequest(model=model.source, text=text, layer=layer, key=key))
     m = got.coefficients
     # The positions the run mines (ffmem.engine.mining.corpus.mined_from): never a BOS; position 0 only with
     # the run's first_position option (runs from before the option mined it).

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field
 
 from ffmem.config import Settings
+from ffmem.engine.live.protocol import PROMPT_CHARS
 from ffmem.store import memory_labels, vocabularies
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import urls
@@ -39,7 +40,7 @@ class TryTextForm(BaseModel):
 
     text: str | None = Field(
         None,
-        max_length=100_000,
+        max_length=PROMPT_CHARS,
         description="Try your own text: this key's coefficient at every token (asks the live worker).",
     )
 

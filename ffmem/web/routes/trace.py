@@ -9,12 +9,22 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Form, Query, Request
 from pydantic import BaseModel, Field
 
-from ffmem.engine.live.trace_answer import CIRCUIT_HOPS, CIRCUIT_NODES, CIRCUIT_THRESHOLD, CIRCUIT_TOP
+from ffmem.engine.live.protocol import (
+    MAX_ABLATION_PREFIXES,
+    MEMORIES,
+    PROMPT_CHARS,
+    CircuitOptions,
+    Generate,
+    Interventions,
+    Memories,
+    Readout,
+    Target,
+)
 from ffmem.store.models import LanguageModel
 from ffmem.web.deps import KeyDep, LayerDep, ModelDep, RunDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError
 from ffmem.web.pages.ablation import AblationContext, ablation_page
-from ffmem.web.pages.circuit import CircuitContext, CircuitOptions, circuit_form, circuit_page
+from ffmem.web.pages.circuit import CircuitContext, circuit_form, circuit_page
 from ffmem.web.pages.trace import TraceContext, trace_form, trace_page
 from ffmem.web.pages.trace_query import TraceQuery
 from ffmem.web.ratelimit import LiveBudget
@@ -30,23 +40,20 @@ class TraceForm(BaseModel):
     """What a trace asks for: the URL's query (GET: the URL is the share link) or a form body (POST: a
     prompt too long for a URL)."""
 
-    text: str | None = Field(None, max_length=100_000, description="The prompt (the URL is the share link).")
+    text: str | None = Field(
+        None, max_length=PROMPT_CHARS, description="The prompt (the URL is the share link)."
+    )
     position: int | None = Field(
         None, ge=0, le=2**31 - 1, description="Token position to break down (default: the last)."
     )
-    intervene: str | None = Field(
-        None,
-        max_length=4000,
-        description="Memories to edit: L12K345 (off), L12K345*0.5 (scale), L12K345=3.2 (on).",
+    intervene: Interventions | None = Field(
+        None, description="Memories to edit: L12K345 (off), L12K345*0.5 (scale), L12K345=3.2 (on)."
     )
-    readout: Literal["norm", "raw"] = Field(
-        "norm", description="norm: the model's final norm + unembedding; raw: r·E."
-    )
-    memories: int = Field(10, ge=1, le=100, description="Memories listed per layer.")
-    generate: int = Field(0, ge=0, le=20, description="Greedy tokens, with and without the edits.")
-    target: str | None = Field(
+    readout: Readout = Field("norm", description="norm: the model's final norm + unembedding; raw: r·E.")
+    memories: Memories = MEMORIES
+    generate: Generate = 0
+    target: Target | None = Field(
         None,
-        max_length=10_000,
         description="The token to attribute (who pushes it, here): text such as ' London' (its first "
         "token) or #id; default: the prediction.",
     )
@@ -102,27 +109,16 @@ def _trace(request: Request, session, settings, refused, model: LanguageModel, f
     return render(request, "trace.html", ctx.model_copy(update=shown), fragment="trace")
 
 
-class CircuitForm(BaseModel):
+class CircuitForm(CircuitOptions):
     """A memory circuit: the trace's prompt, position, edits, readout and target, and how much is kept."""
 
-    text: str | None = Field(None, max_length=100_000, description="The prompt (the URL is the share link).")
+    text: str | None = Field(
+        None, max_length=PROMPT_CHARS, description="The prompt (the URL is the share link)."
+    )
     position: int | None = Field(None, ge=0, le=2**31 - 1, description="Token position (default: the last).")
-    intervene: str | None = Field(None, max_length=4000, description="Memories edited, as in the live view.")
-    readout: Literal["norm", "raw"] = Field("norm", description="norm: the model's final norm; raw: r·E.")
-    target: str | None = Field(
-        None, max_length=10_000, description="The token (text or #id); default: the prediction."
-    )
-    nodes: int = Field(CIRCUIT_NODES, ge=1, le=50, description="Memories that push the target most (hop 0).")
-    top: int = Field(CIRCUIT_TOP, ge=1, le=20, description="Upstream memories kept per memory, by |term|.")
-    threshold: float = Field(
-        CIRCUIT_THRESHOLD,
-        ge=0,
-        le=1,
-        description="Keep an edge when |term| ≥ this × its hop's largest |term|.",
-    )
-    hops: int = Field(
-        CIRCUIT_HOPS, ge=1, le=2, description="1: who feeds the hop-0 memories; 2: and who feeds those."
-    )
+    intervene: Interventions | None = Field(None, description="Memories edited, as in the live view.")
+    readout: Readout = Field("norm", description="norm: the model's final norm; raw: r·E.")
+    target: Target | None = Field(None, description="The token (text or #id); default: the prediction.")
 
 
 @page(router, "/m/{model}/trace/circuit", "circuit", CircuitContext, live=True)
@@ -137,7 +133,7 @@ def circuit(
     """A prompt's memory circuit: who pushes the target here, and which earlier memories fed them."""
     f = form
     q = TraceQuery(model, f.text, f.position, f.readout, 10, 0, f.intervene, f.target)
-    options = CircuitOptions(nodes=f.nodes, top=f.top, threshold=f.threshold, hops=f.hops)
+    options = CircuitOptions.model_validate(f.model_dump(include=set(CircuitOptions.model_fields)))
     try:
         if refused:
             raise refused
@@ -160,7 +156,9 @@ def ablation(
     layer: LayerDep,
     key: KeyDep,
     run: RunDep,
-    triggers: Annotated[int, Query(ge=1, le=100, description="Top trigger prefixes to test on.")] = 10,
+    triggers: Annotated[
+        int, Query(ge=1, le=MAX_ABLATION_PREFIXES, description="Top trigger prefixes to test on.")
+    ] = 10,
 ):
     """Switch one memory off on its own top triggers: its value's top token and the true next token."""
     if refused:

@@ -1,6 +1,9 @@
-"""What the live worker answers, as one contract: the worker (ffmem/worker/live_server.py) answers with
-these models and the web process (ffmem/web/pages/trace.py) parses the answer into them. Importing it
-needs no torch (the web process imports it).
+"""The live worker's protocol, in one place: what the web asks (the requests), what the worker answers (the
+answers) and the limits both hold a request to. The worker (ffmem/worker/live_app.py) parses these requests
+and answers with these models; the web (ffmem/web/worker_client.py) sends the same requests, serialized,
+and parses the answers into the same models; the web's forms take their limits from here, so a request
+past a limit is refused by both with the same message. Importing it needs no torch (the web process imports
+it). The longest prompt, in tokens, is a setting (Settings.max_prompt_tokens), which both read.
 
 A trace's figures follow ffmem.engine.live.trace: `prediction`, `layers`, `active` and `ff_logit` are those
 of the forward pass that was computed (with the interventions, if any), `unedited` the same figures of
@@ -9,12 +12,129 @@ the pass without them (None without interventions: there was one pass).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
 from ffmem.engine.paper.cases import CASES
 
+# -- the limits ---------------------------------------------------------------------------------------------
+PROMPT_CHARS = 100_000  # the longest text a form field takes (then the prompt's tokens are counted)
+CHARS_PER_TOKEN = 32  # a text longer than this many characters a token is refused before the worker
+MEMORIES, MAX_MEMORIES = 10, 100  # memories listed per layer: by default, at most
+MAX_GENERATE = 20  # greedy tokens generated, with and without the interventions
+MAX_VALUE_TOKENS = 20  # top tokens of each listed memory's value
+INTERVENTION_CHARS = 4000  # the longest text of interventions
+MAX_INTERVENTIONS, MAX_MAGNITUDE = 64, 1e4  # interventions at once; the largest |factor| or |coefficient|
+TARGET_CHARS = 100  # the longest target text accepted (ffmem.engine.live.attribution_terms)
+TARGET_FIELD_CHARS = 10_000  # the longest a target field takes (past TARGET_CHARS, refused by name)
+# A circuit's defaults and maxima (ffmem.engine.live.circuit): hop-0 memories, upstream memories kept per
+# memory, the relative cut, hops.
+CIRCUIT_NODES, CIRCUIT_TOP, CIRCUIT_THRESHOLD, CIRCUIT_HOPS = 10, 5, 0.1, 1
+MAX_CIRCUIT_NODES, MAX_CIRCUIT_TOP, MAX_CIRCUIT_HOPS = 50, 20, 2
+MAX_ABLATION_PREFIXES = 100  # prefixes a memory is switched off on
+
+
+def text_max_length(max_tokens: int) -> int:
+    """The longest text a box sends to the worker, in characters (the worker then counts its tokens)."""
+    return CHARS_PER_TOKEN * max_tokens
+
+
+# -- the fields the requests and the web's forms share ----------------------------------------------------
+Readout = Literal["norm", "raw"]
+Memories = Annotated[int, Field(ge=1, le=MAX_MEMORIES, description="Memories listed per layer.")]
+Generate = Annotated[
+    int, Field(ge=0, le=MAX_GENERATE, description="Greedy tokens generated with and without the edits.")
+]
+Interventions = Annotated[
+    str, Field(max_length=INTERVENTION_CHARS, description="L12K345, L12K345*0.5, L12K345=3.2, …")
+]
+Target = Annotated[
+    str,
+    Field(
+        max_length=TARGET_FIELD_CHARS,
+        description="The token to attribute: text (its first token) or #id (None: the prediction).",
+    ),
+]
+
+
+class CircuitOptions(BaseModel):
+    """How much of a memory circuit is kept (ffmem.engine.live.circuit)."""
+
+    nodes: int = Field(
+        CIRCUIT_NODES,
+        ge=1,
+        le=MAX_CIRCUIT_NODES,
+        description="Memories that push the target most (hop 0), by |contribution|.",
+    )
+    top: int = Field(
+        CIRCUIT_TOP, ge=1, le=MAX_CIRCUIT_TOP, description="Upstream memories kept per memory, by |term|."
+    )
+    threshold: float = Field(
+        CIRCUIT_THRESHOLD,
+        ge=0,
+        le=1,
+        description="An edge stays when |term| ≥ this × the largest |term| of its hop.",
+    )
+    hops: int = Field(
+        CIRCUIT_HOPS,
+        ge=1,
+        le=MAX_CIRCUIT_HOPS,
+        description="1: who feeds the hop-0 memories; 2: and who feeds those.",
+    )
+
+
+# -- the requests -----------------------------------------------------------------------------------------
+class PromptRequest(BaseModel):
+    """A prompt as a trace and a circuit take it."""
+
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    text: str = Field(description="The prompt.")
+    position: int | None = Field(None, ge=0, description="Token position to break down (default: the last).")
+    readout: Readout = "norm"
+    interventions: Interventions = ""
+    target: Target | None = None
+
+
+class TraceRequest(PromptRequest):
+    """POST /trace: one prompt traced (answered with a TraceAnswer)."""
+
+    path: ClassVar[str] = "/trace"
+    memories: Memories = MEMORIES
+    generate: Generate = 0
+    value_tokens: int = Field(
+        0, ge=0, le=MAX_VALUE_TOKENS, description="Top tokens of each listed memory's value."
+    )
+
+
+class CircuitRequest(CircuitOptions, PromptRequest):
+    """POST /circuit: a prompt's memory circuit (ffmem.engine.live.circuit; answered with a CircuitAnswer)."""
+
+    path: ClassVar[str] = "/circuit"
+
+
+class AblationRequest(BaseModel):
+    """POST /ablation: one memory switched off after each prefix (answered with an AblationAnswer)."""
+
+    path: ClassVar[str] = "/ablation"
+    model: str
+    layer: int = Field(ge=0)
+    key: int = Field(ge=0)
+    prefixes: Annotated[list[list[int]], Field(min_length=1, max_length=MAX_ABLATION_PREFIXES)]
+    targets: Annotated[list[list[int]], Field(min_length=1, max_length=MAX_ABLATION_PREFIXES)]
+
+
+class CoefficientsRequest(BaseModel):
+    """POST /coefficients: one memory's coefficient over a text (answered with a CoefficientsAnswer)."""
+
+    path: ClassVar[str] = "/coefficients"
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    text: str = Field(description="The text whose tokens are read.")
+    layer: int = Field(ge=0)
+    key: int = Field(ge=0)
+
+
+# -- the answers --------------------------------------------------------------------------------------------
 Case = Literal[CASES]  # the paper's §5.2 cases
 
 
@@ -98,7 +218,7 @@ class AttributionAnswer(BaseModel):
     target: int = Field(description="The token attributed.")
     typed: str | None = Field(None, description="The target as asked (None: the prediction).")
     typed_tokens: list[int] = Field([], description="The tokens it is (the first is attributed).")
-    readout: Literal["norm", "raw"]
+    readout: Readout
     logit: float = Field(description="The target's logit after the position under the readout.")
     scale: float | None = Field(description="norm: the final norm's scale at the final residual.")
     total: float = Field(description="Σ of every memory's contribution over all layers.")
@@ -112,7 +232,7 @@ class TraceAnswer(BaseModel):
 
     token_ids: list[int]
     position: int
-    readout: Literal["norm", "raw"]
+    readout: Readout
     prediction: int = Field(description="The top token after `position` (with the interventions).")
     top_tokens: list[TokenChangeAnswer]
     layers: list[LayerAnswer]
@@ -152,11 +272,6 @@ class CoefficientsAnswer(BaseModel):
     min_position: int = Field(description="… and where (the first such token).")
 
 
-# A circuit's defaults (ffmem.engine.live.circuit), here for the web process too: hop-0 memories, upstream
-# memories kept per memory, the relative cut, hops.
-CIRCUIT_NODES, CIRCUIT_TOP, CIRCUIT_THRESHOLD, CIRCUIT_HOPS = 10, 5, 0.1, 1
-
-
 class MemoryRefAnswer(BaseModel):
     layer: int
     key: int
@@ -189,7 +304,7 @@ class CircuitAnswer(BaseModel):
 
     token_ids: list[int]
     position: int
-    readout: Literal["norm", "raw"]
+    readout: Readout
     target: int = Field(description="The token attributed.")
     typed: str | None = Field(None, description="The target as asked (None: the prediction).")
     typed_tokens: list[int] = Field([], description="The tokens it is (the first is attributed).")

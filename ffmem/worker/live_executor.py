@@ -1,11 +1,12 @@
-"""The live worker: holds models (GPU when there is one) and answers traces over HTTP.
+"""The live worker's executor: the models a worker holds for live requests (GPU when there is one) and the one
+thread that runs them, with the work itself — a request of ffmem.engine.live.protocol checked against the
+loaded model and answered by the engine.
 
-One trace at a time per worker (one device), on a single thread; at most `queue` requests wait.
-Past that, or while the requested model is still loading, it answers 503 with Retry-After, in the
-app's error shape `{"ok": false, "error", "status"}` (with `"field"` when one request field is at
-fault, e.g. a bad `target`: the app shows the message next to it). `ffmem worker` serves it beside
-its index work, on the same copy of the model (`shared_model`): a trace holds the model's lock, so it
-waits for the batch being mined, and the other way round.
+One request at a time per worker (one device), on a single thread; at most `queue` requests wait. Past
+that, or while the requested model is still loading, it refuses with a `LiveError` 503 and Retry-After.
+`ffmem worker` serves it beside its index work, on the same copy of the model (`shared_model`): a trace
+holds the model's lock, so it waits for the batch being mined, and the other way round. Its HTTP face is
+ffmem/worker/live_app.py.
 """
 
 from __future__ import annotations
@@ -18,29 +19,36 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import TypeVar
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
-
-from ffmem.engine.errors import FfmemError
+from ffmem.config import Settings
 from ffmem.engine.live.attribution_terms import target_tokens
-from ffmem.engine.live.circuit import HOPS, NODES, THRESHOLD, TOP, circuit
+from ffmem.engine.live.circuit import circuit
 from ffmem.engine.live.interventions import Intervention, parse_interventions
 from ffmem.engine.live.key_coefficients import key_coefficients
+from ffmem.engine.live.protocol import (
+    AblationAnswer,
+    AblationRequest,
+    CircuitAnswer,
+    CircuitRequest,
+    CoefficientsAnswer,
+    CoefficientsRequest,
+    PromptRequest,
+    TraceAnswer,
+    TraceRequest,
+)
 from ffmem.engine.live.trace import ablation, trace
-from ffmem.engine.live.trace_answer import AblationAnswer, CircuitAnswer, CoefficientsAnswer, TraceAnswer
 from ffmem.engine.model.loaded import LoadedModel, ModelLoadError
 from ffmem.engine.model.loading import shared_model
 
 log = logging.getLogger("ffmem.worker")
 Answer = TypeVar("Answer")
+DEFAULTS = Settings.model_fields  # the user's settings, whose defaults a Live takes
 
 
 class LiveError(Exception):
-    """`field`: the request field at fault (answered beside the message, so the page shows it there)."""
+    """A request refused: `status`, the message, the seconds to wait (503) and `field`, the request field at
+    fault (answered beside the message, so the page shows it there)."""
 
     def __init__(
         self, status: int, message: str, retry_after: int | None = None, *, field: str | None = None
@@ -49,65 +57,17 @@ class LiveError(Exception):
         self.status, self.message, self.retry_after, self.field = status, message, retry_after, field
 
 
-class TraceRequest(BaseModel):
-    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
-    text: str = Field(description="The prompt.")
-    position: int | None = Field(None, ge=0, description="Token position to break down (default: the last).")
-    memories: int = Field(10, ge=1, le=100, description="Memories listed per layer.")
-    readout: Literal["norm", "raw"] = "norm"
-    interventions: str = Field("", max_length=4000, description="L12K345, L12K345*0.5, L12K345=3.2, …")
-    generate: int = Field(0, ge=0, le=20, description="Greedy tokens generated with and without them.")
-    value_tokens: int = Field(0, ge=0, le=20, description="Top tokens of each listed memory's value.")
-    target: str | None = Field(
-        None,
-        max_length=10_000,
-        description="The token to attribute: text (its first token) or #id (None: the prediction).",
-    )
-
-
-class CircuitRequest(BaseModel):
-    """A prompt's memory circuit (ffmem.engine.live.circuit): the prompt and target as a trace takes them."""
-
-    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
-    text: str = Field(description="The prompt.")
-    position: int | None = Field(None, ge=0, description="Token position (default: the last).")
-    readout: Literal["norm", "raw"] = "norm"
-    interventions: str = Field("", max_length=4000, description="L12K345, L12K345*0.5, L12K345=3.2, …")
-    target: str | None = Field(
-        None, max_length=10_000, description="Text (its first token) or #id (None: the prediction)."
-    )
-    nodes: int = Field(NODES, ge=1, le=50, description="Memories that push the target most (hop 0).")
-    top: int = Field(TOP, ge=1, le=20, description="Upstream memories kept per memory, by |term|.")
-    threshold: float = Field(THRESHOLD, ge=0, le=1, description="Keep |term| ≥ this × its hop's largest.")
-    hops: int = Field(HOPS, ge=1, le=2, description="1: who feeds the hop-0 memories; 2: and who feeds them.")
-
-
-class AblationRequest(BaseModel):
-    model: str
-    layer: int = Field(ge=0)
-    key: int = Field(ge=0)
-    prefixes: Annotated[list[list[int]], Field(min_length=1, max_length=100)]
-    targets: Annotated[list[list[int]], Field(min_length=1, max_length=100)]
-
-
-class CoefficientsRequest(BaseModel):
-    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
-    text: str = Field(description="The text whose tokens are read.")
-    layer: int = Field(ge=0)
-    key: int = Field(ge=0)
-
-
 class Live:
-    """The models a worker holds for live traces and the one thread that runs them."""
+    """The models a worker holds for live requests and the one thread that runs them."""
 
     def __init__(
         self,
         *,
-        device: str = "auto",
-        cache_dir: Path = Path("data/cache"),
-        max_tokens: int = 512,
-        queue: int = 16,
-        models: int = 1,
+        device: str = DEFAULTS["device"].default,
+        cache_dir: Path = DEFAULTS["cache_dir"].default,
+        max_tokens: int = DEFAULTS["max_prompt_tokens"].default,
+        queue: int = DEFAULTS["trace_queue"].default,
+        models: int = DEFAULTS["live_models"].default,
     ) -> None:
         self.device, self.cache_dir, self.max_tokens = device, cache_dir, max_tokens
         self.queue, self.capacity = queue, models
@@ -198,7 +158,7 @@ class Live:
             )
 
     def _prompt(
-        self, loaded: LoadedModel, request: TraceRequest | CircuitRequest
+        self, loaded: LoadedModel, request: PromptRequest
     ) -> tuple[list[int], list[Intervention], list[int]]:
         """A trace's or circuit's prompt checked: (its token ids, the interventions, the target's tokens)."""
         token_ids = loaded.tokenizer(request.text).input_ids
@@ -289,63 +249,3 @@ class Live:
 def _check_memory(loaded: LoadedModel, layer: int, key: int) -> None:
     if layer >= loaded.n_layers or key >= loaded.n_keys:
         raise LiveError(400, f"no memory L{layer}K{key} in a {loaded.n_layers}×{loaded.n_keys} model")
-
-
-def create_live_app(live: Live) -> FastAPI:
-    """The worker's HTTP face: GET /health, POST /trace, /circuit, /coefficients, /ablation."""
-    app = FastAPI(title="ffmem live worker", version="0.1.0")
-    app.state.live = live
-
-    @app.get("/health")
-    def health() -> dict:
-        """What the worker holds and how busy it is."""
-        return live.health()
-
-    @app.post("/trace")
-    async def trace_prompt(request: TraceRequest) -> TraceAnswer:
-        """Trace one prompt (see ffmem.engine.live.trace)."""
-        return await live.run(request.model, lambda loaded: live.trace(loaded, request))
-
-    @app.post("/circuit")
-    async def memory_circuit(request: CircuitRequest) -> CircuitAnswer:
-        """A prompt's memory circuit for one position and target (see ffmem.engine.live.circuit)."""
-        return await live.run(request.model, lambda loaded: live.circuit(loaded, request))
-
-    @app.post("/coefficients")
-    async def coefficients(request: CoefficientsRequest) -> CoefficientsAnswer:
-        """One memory's coefficient at every token of a text, its max and min and where."""
-        return await live.run(request.model, lambda loaded: live.coefficients(loaded, request))
-
-    @app.post("/ablation")
-    async def ablate(request: AblationRequest) -> AblationAnswer:
-        """Target probabilities after each prefix with one memory as it is and switched off."""
-        return await live.run(request.model, lambda loaded: live.ablation(loaded, request))
-
-    @app.exception_handler(LiveError)
-    async def live_error(request: Request, error: LiveError) -> JSONResponse:
-        return _error(error.status, error.message, error.retry_after, error.field)
-
-    @app.exception_handler(FfmemError)
-    async def user_error(request: Request, error: FfmemError) -> JSONResponse:
-        return _error(503 if isinstance(error, ModelLoadError) else 400, str(error), field=error.field)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        log.exception("live worker failed on %s", request.url.path)
-        return _error(500, f"the live worker failed: {type(error).__name__}; its log has the traceback")
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, error: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in error.errors())
-        return _error(400, problems or "malformed request")
-
-    return app
-
-
-def _error(
-    status: int, message: str, retry_after: int | None = None, field: str | None = None
-) -> JSONResponse:
-    """The app's error shape; `field`, when one request field is at fault, beside it."""
-    headers = {"Retry-After": str(retry_after)} if retry_after else None
-    body = {"ok": False, "error": message, "status": status} | ({"field": field} if field else {})
-    return JSONResponse(body, status_code=status, headers=headers)
