@@ -46,11 +46,12 @@ Memories = Annotated[int, Field(ge=1, le=MAX_MEMORIES, description="Memories lis
 Generate = Annotated[
     int, Field(ge=0, le=MAX_GENERATE, description="Greedy tokens generated with and without the edits.")
 ]
+# (a text field is `str | None` inside: a form leaves it out as None)
 Interventions = Annotated[
-    str, Field(max_length=INTERVENTION_CHARS, description="L12K345, L12K345*0.5, L12K345=3.2, …")
+    str | None, Field(max_length=INTERVENTION_CHARS, description="L12K345, L12K345*0.5, L12K345=3.2, …")
 ]
 Target = Annotated[
-    str,
+    str | None,
     Field(
         max_length=TARGET_FIELD_CHARS,
         description="The token to attribute: text (its first token) or #id (None: the prediction).",
@@ -93,7 +94,7 @@ class PromptRequest(BaseModel):
     position: int | None = Field(None, ge=0, description="Token position to break down (default: the last).")
     readout: Readout = "norm"
     interventions: Interventions = ""
-    target: Target | None = None
+    target: Target = None
 
 
 class TraceRequest(PromptRequest):

@@ -46,13 +46,13 @@ class TraceForm(BaseModel):
     position: int | None = Field(
         None, ge=0, le=2**31 - 1, description="Token position to break down (default: the last)."
     )
-    intervene: Interventions | None = Field(
+    intervene: Interventions = Field(
         None, description="Memories to edit: L12K345 (off), L12K345*0.5 (scale), L12K345=3.2 (on)."
     )
     readout: Readout = Field("norm", description="norm: the model's final norm + unembedding; raw: r·E.")
     memories: Memories = MEMORIES
     generate: Generate = 0
-    target: Target | None = Field(
+    target: Target = Field(
         None,
         description="The token to attribute (who pushes it, here): text such as ' London' (its first "
         "token) or #id; default: the prediction.",
@@ -116,9 +116,9 @@ class CircuitForm(CircuitOptions):
         None, max_length=PROMPT_CHARS, description="The prompt (the URL is the share link)."
     )
     position: int | None = Field(None, ge=0, le=2**31 - 1, description="Token position (default: the last).")
-    intervene: Interventions | None = Field(None, description="Memories edited, as in the live view.")
+    intervene: Interventions = Field(None, description="Memories edited, as in the live view.")
     readout: Readout = Field("norm", description="norm: the model's final norm; raw: r·E.")
-    target: Target | None = Field(None, description="The token (text or #id); default: the prediction.")
+    target: Target = Field(None, description="The token (text or #id); default: the prediction.")
 
 
 @page(router, "/m/{model}/trace/circuit", "circuit", CircuitContext, live=True)
