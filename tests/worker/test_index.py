@@ -8,9 +8,9 @@ from datetime import timedelta
 import pytest
 import torch
 from sqlalchemy import func, select
-from tiny_models import TRAINING_TEXT, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.tiny_tokenizer import TRAINING_TEXT, tiny_tokenizer
 from ffmem.config import Settings
 from ffmem.engine.mining import batches as mining
 from ffmem.engine.mining.corpus import mined_from
