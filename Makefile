@@ -25,29 +25,30 @@ demo: install
 test: install
 	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadscope --no-loadscope-reorder
 
+# Each benchmark is a module of the bench package, run from the repository root (docs/benchmarks.md).
 bench: install
-	$(PY) bench/bench.py
-	$(PY) bench/mining_ratio.py --sentences 1000 --repeats 3
-	$(PY) bench/mining_ratio.py --primed 2000 --sentences 500 --repeats 3
-	$(PY) bench/web.py
-	$(PY) bench/examples.py
-	$(PY) bench/search.py
-	$(PY) bench/trace.py
-	$(PY) bench/attribution.py
-	$(PY) bench/load.py
-	$(PY) bench/analysis.py
-	$(PY) bench/weight_graph.py
-	$(PY) bench/circuit.py
-	$(PY) bench/explanations.py
-	$(PY) bench/compare.py
-	$(PY) bench/jobs.py
-	$(PY) bench/fuzz.py
-	$(PY) bench/scale.py --shape smollm2 --db both
+	$(PY) -m bench.bench
+	$(PY) -m bench.mining_ratio --sentences 1000 --repeats 3
+	$(PY) -m bench.mining_ratio --primed 2000 --sentences 500 --repeats 3
+	$(PY) -m bench.web
+	$(PY) -m bench.examples
+	$(PY) -m bench.search
+	$(PY) -m bench.live_trace
+	$(PY) -m bench.attribution
+	$(PY) -m bench.load
+	$(PY) -m bench.analysis
+	$(PY) -m bench.weight_graph
+	$(PY) -m bench.circuit
+	$(PY) -m bench.explanations
+	$(PY) -m bench.compare
+	$(PY) -m bench.jobs
+	$(PY) -m bench.fuzz
+	$(PY) -m bench.scale --shape smollm2 --backend both
 
 # .whl/ (git-ignored): what `ffmem index` needs on the GPU machine beyond its torch, transformers, numpy and
-# numba, and the default model's tokenizer; bench/device/index.sh installs it there (carry .whl).
+# numba, and the default model's tokenizer; bench/device/index.sh installs it there.
 wheelhouse: install
-	$(PY) bench/device/wheelhouse.py --out .whl
+	$(PY) -m bench.device.wheelhouse --out .whl
 
 lint: install
 	$(VENV)/bin/ruff check ffmem tests bench

@@ -1,8 +1,8 @@
-"""Target attribution's cost (a benchmark, not a test): `make bench` runs it after trace.py. Target: who
-pushes the target token adds ≤ 15% to a live trace's server time.
+"""Target attribution's cost (a benchmark, not a test): `make bench` runs it after bench.live_trace.
+Target: who pushes the target token adds ≤ 15% to a live trace's server time.
 
 On the real default model (SmolLM2-135M, CPU, loaded as the live worker loads it: `shared_model`), the
-32-token prompt of bench/trace.py, interleaved rounds of each variant:
+32-token prompt of bench.live_trace, interleaved rounds of each variant:
 1. Engine: `ffmem.engine.live.trace.trace` without attribution (`attribution=False`: the trace before issue
    17), with it for the prediction, and for a typed target; p50 / p95 and the added p50.
 2. Server: GET /m/{model}/trace.json through the web app and the live worker's app, both in this
@@ -21,62 +21,38 @@ from __future__ import annotations
 
 import functools
 import statistics
-import sys
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 from fastapi.testclient import TestClient
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trace import prompt  # noqa: E402  (bench/trace.py: this folder is first on sys.path)
-
-from results import record  # noqa: E402
-from web import percentiles, server_ms  # noqa: E402
-
-from ffmem.config import Settings, get_settings  # noqa: E402
-from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
-from ffmem.engine.live.trace import trace  # noqa: E402
-from ffmem.engine.model.loading import shared_model  # noqa: E402
-from ffmem.store import corpora, memory_writes, runs  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.web.main import create_app  # noqa: E402
-from ffmem.web.worker_client import LiveWorker  # noqa: E402
-from ffmem.worker import live_executor  # noqa: E402
-from ffmem.worker.live_app import create_live_app  # noqa: E402
-from ffmem.worker.provenance import store_model  # noqa: E402
+from bench import harness
+from bench.live_trace import prompt
+from ffmem.config import Settings, get_settings
+from ffmem.engine.allocator import keep_freed_memory
+from ffmem.engine.live.trace import trace
+from ffmem.engine.model.loading import shared_model
+from ffmem.store import corpora, memory_writes, runs
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.web.main import create_app
+from ffmem.web.worker_client import LiveWorker
+from ffmem.worker import live_executor
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.provenance import store_model
 
 ENGINE_ROUNDS, SERVER_ROUNDS, VALUE_TOKENS = 40, 40, 5
 TARGET = " London"
-
-
-def interleaved(variants: dict, rounds: int, measure) -> dict[str, list[float]]:
-    """Each variant once per round, in turn (so drift hits all alike), after 3 warm-up rounds."""
-    times = {name: [] for name in variants}
-    for round_ in range(rounds + 3):
-        for name, run in variants.items():
-            sample = measure(run)
-            if round_ >= 3:
-                times[name].append(sample)
-    return times
-
-
-def wall_ms(run) -> float:
-    start = time.perf_counter()
-    run()
-    return 1000 * (time.perf_counter() - start)
 
 
 def summary(times: dict[str, list[float]], base: str) -> dict:
     """p50 / p95 of each variant, and what each adds to `base`: the difference of the p50s, and the
     median of the per-round differences (robust to load that drifts during the run, as on a shared
     machine), each also as a share of base's p50."""
-    shown = {name: percentiles(samples) for name, samples in times.items()}
+    shown = {name: harness.percentiles(samples) for name, samples in times.items()}
     for name, figures in shown.items():
         if name != base:
             added = figures["p50_ms"] - shown[base]["p50_ms"]
@@ -97,7 +73,7 @@ def engine(loaded, ids: list[int]) -> dict:
         "prediction": lambda: trace(loaded, ids),
         "typed_target": lambda: trace(loaded, ids, target=target),
     }
-    return summary(interleaved(variants, ENGINE_ROUNDS, wall_ms), "without")
+    return summary(harness.interleaved(variants, ENGINE_ROUNDS), "without")
 
 
 def index_database(loaded, folder: Path) -> tuple[str, str]:
@@ -189,12 +165,13 @@ def server(loaded, text: str) -> dict:
                 "prediction": get({}),
                 "typed_target": get({"target": TARGET}),
             }
-            times = interleaved(variants, SERVER_ROUNDS, lambda run: server_ms(run()))
+            times = harness.interleaved(variants, SERVER_ROUNDS, lambda run: harness.server_ms(run()))
         app.state.engine.dispose()
     return summary(times, "without")
 
 
 def main() -> None:
+    args = harness.parser(__doc__).parse_args()
     kept = keep_freed_memory()  # as `ffmem worker` does
     settings = get_settings()
     loaded = shared_model(settings.model, device="cpu", cache_dir=settings.cache_dir)
@@ -210,8 +187,8 @@ def main() -> None:
     results["target_share"] = 0.15
     results["meets_target"] = worst <= 0.15
     results["device"] = "cpu"
-    results["threads"] = __import__("torch").get_num_threads()
-    record("attribution", results)
+    results["threads"] = torch.get_num_threads()
+    harness.record(args, "attribution", results)
 
 
 if __name__ == "__main__":

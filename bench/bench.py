@@ -1,4 +1,4 @@
-"""`make bench`: speed and memory of the index path, as ratios measured in one run.
+"""Speed and memory of the index path, as ratios measured in one run (the first of `make bench`).
 
 - mining throughput over a bare forward pass of the same backbone on the same batches (target ≥ 0.95)
 - padding efficiency of the length-bucketed batches of the default index (target ≥ 0.90)
@@ -16,45 +16,34 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
-
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.mining.batches import mine_batches, shard_batches  # noqa: E402
-from ffmem.engine.mining.corpus import read_corpus, shard_size, tokenize  # noqa: E402
-from ffmem.engine.mining.state import MiningState  # noqa: E402
-from ffmem.engine.model.loading import load_model  # noqa: E402
-from ffmem.engine.values.projection import project_layer  # noqa: E402
+from bench import harness
+from ffmem.config import get_settings
+from ffmem.engine.mining.batches import corpus_batches, mine_batches
+from ffmem.engine.mining.corpus import mined_from, read_corpus, tokenize
+from ffmem.engine.mining.state import MiningState
+from ffmem.engine.model.loading import load_model
+from ffmem.engine.values.projection import project_layer
 
 
 def batches_for(loaded, n_sentences: int, settings):
     return batches_of(loaded, read_corpus("wiki-vital", n_sentences).sentences, settings)
 
 
-def batches_of(loaded, sentences: list[str], settings):
-    """The index's batches of these sentences (its shards and token budget)."""
+def batches_of(loaded, sentences: list[str], settings) -> list:
+    """The index's batches of these sentences: tokenized, mined from where a run mines them, in its
+    shards and token budget."""
     tokenized = tokenize(sentences, loaded.tokenizer, settings.max_sentence_tokens)
-    ids = [s.token_ids for s in tokenized]
-    first = [s.first_position for s in tokenized]
-    size = shard_size(settings.shard_sentences, memories=loaded.n_layers * loaded.n_keys,
-                      corpus_tokens=sum(map(len, ids)), corpus_sentences=len(ids))  # fmt: skip
-    batches = []
-    for shard in range(-(-len(ids) // size)):
-        batches += shard_batches(
-            ids,
-            first,
-            shard=shard,
-            shard_sentences=size,
-            batch_tokens=settings.batch_tokens,
-            pad_id=loaded.tokenizer.eos_token_id or 0,
-        )
-    return batches
+    return corpus_batches(
+        [s.token_ids for s in tokenized],
+        mined_from([s.first_position for s in tokenized], first_position=settings.first_position),
+        shard_sentences=settings.shard_sentences,
+        memories=loaded.n_layers * loaded.n_keys,
+        batch_tokens=settings.batch_tokens,
+        pad_id=loaded.tokenizer.eos_token_id or 0,
+    )
 
 
 def mining_over_forward(loaded, batches, repeats: int) -> dict:
@@ -117,9 +106,8 @@ def peak_memory_child(n_sentences: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = harness.parser(__doc__, repeats=2)
     parser.add_argument("--sentences", type=int, default=1000, help="sentences for the throughput ratio")
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory-sizes", type=int, nargs=2, default=(200, 1000))
     parser.add_argument("--peak-memory-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -177,11 +165,11 @@ def main() -> None:
     peaks = []
     for n in args.memory_sizes:
         out = subprocess.run(
-            [sys.executable, __file__, "--peak-memory-child", str(n)],
+            [sys.executable, "-m", "bench.bench", "--peak-memory-child", str(n)],
             capture_output=True,
             text=True,
             check=True,
-            cwd=ROOT,
+            cwd=harness.ROOT,
         )
         peaks.append(json.loads(out.stdout.strip().splitlines()[-1]))
     results["peak_memory"] = {"runs": peaks, "growth": peaks[1]["peak_rss_mib"] / peaks[0]["peak_rss_mib"]}
@@ -189,7 +177,7 @@ def main() -> None:
         "peak memory: " + ", ".join(f"{p['sentences']} sentences {p['peak_rss_mib']:.0f} MiB" for p in peaks)
     )
 
-    record("index", results)
+    harness.record(args, "index", results)
 
 
 if __name__ == "__main__":

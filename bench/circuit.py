@@ -1,7 +1,7 @@
 """A prompt's memory circuit (ffmem.engine.live.circuit): whether its edges mean something, and its cost (a
 validation and a benchmark on the real model, not a test): `make bench` runs it.
 
-1. Validation by ablation, as bench/weight_graph.py validates the weight graph: on `--prompts` Wikipedia
+1. Validation by ablation, as bench.weight_graph validates the weight graph: on `--prompts` Wikipedia
    sentences (12–40 tokens, the last position, the prediction as the target) the circuit with the defaults
    (10 memories that push the target, 5 upstream each, threshold 0.1, one hop); up to `--edges` of its edges
    sampled per prompt. For each edge j → i, memory j is switched off (m_j = 0 at every position,
@@ -12,7 +12,7 @@ validation and a benchmark on the real model, not a test): `make bench` runs it.
    of a negligible change well too: this rate says which edges matter), and the size of the change
    (|Δm_i| / |m_i|, medians). The ablation is the whole model's answer: attention
    paths and the blocks between move too, which the term leaves out.
-2. Cost: the live worker's app in this process (no sockets), the 32-token prompt of bench/trace.py, its
+2. Cost: the live worker's app in this process (no sockets), the 32-token prompt of bench.live_trace, its
    last position and prediction: POST /trace (the live view's trace) and POST /circuit, interleaved; p50 /
    p95 of each and the ratio of the p50s (target ≤ 1.5). The same for the engine functions alone.
 Figures go into bench-results.json under "circuit".
@@ -20,36 +20,27 @@ Figures go into bench-results.json under "circuit".
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from fastapi.testclient import TestClient
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trace import prompt  # noqa: E402  (bench/trace.py: this folder is first on sys.path)
-
-from results import record  # noqa: E402
-from web import percentiles  # noqa: E402
-
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
-from ffmem.engine.live.circuit import circuit, read_vectors_here  # noqa: E402
-from ffmem.engine.live.edited_forward import intervene  # noqa: E402
-from ffmem.engine.live.interventions import Intervention  # noqa: E402
-from ffmem.engine.live.trace import trace  # noqa: E402
-from ffmem.engine.mining.corpus import read_corpus  # noqa: E402
-from ffmem.engine.model.hooks import capture  # noqa: E402
-from ffmem.engine.model.loading import shared_model  # noqa: E402
-from ffmem.engine.relations.weight_graph import value_vectors  # noqa: E402
-from ffmem.worker.live_app import create_live_app  # noqa: E402
-from ffmem.worker.live_executor import Live  # noqa: E402
+from bench import harness
+from bench.live_trace import prompt
+from ffmem.config import get_settings
+from ffmem.engine.allocator import keep_freed_memory
+from ffmem.engine.live.circuit import circuit, read_vectors_here
+from ffmem.engine.live.edited_forward import intervene
+from ffmem.engine.live.interventions import Intervention
+from ffmem.engine.live.trace import trace
+from ffmem.engine.mining.corpus import read_corpus
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.model.loading import shared_model
+from ffmem.engine.relations.weight_graph import value_vectors
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 
 ROUNDS = 30
 TARGET_RATIO = 1.5
@@ -129,23 +120,22 @@ def timing(loaded, text: str, ids: list[int]) -> dict:
     live.models[loaded.source] = loaded
     worker = TestClient(create_live_app(live), base_url="http://worker")
     request = {"model": loaded.source, "text": text}
+
+    def answered(path: str):
+        def run() -> None:
+            answer = worker.post(path, json=request)
+            assert answer.status_code == 200, answer.text
+
+        return run
+
     variants = {
-        "server_trace": lambda: worker.post("/trace", json=request),
-        "server_circuit": lambda: worker.post("/circuit", json=request),
+        "server_trace": answered("/trace"),
+        "server_circuit": answered("/circuit"),
         "engine_trace": lambda: trace(loaded, ids),
         "engine_circuit": lambda: circuit(loaded, ids),
     }
-    times = {name: [] for name in variants}
-    for round_ in range(ROUNDS + 3):
-        for name, run in variants.items():
-            start = time.perf_counter()
-            answer = run()
-            elapsed = 1000 * (time.perf_counter() - start)
-            if name.startswith("server"):
-                assert answer.status_code == 200, answer.text
-            if round_ >= 3:
-                times[name].append(elapsed)
-    shown = {name: percentiles(samples) for name, samples in times.items()}
+    times = harness.interleaved(variants, ROUNDS)
+    shown = {name: harness.percentiles(samples) for name, samples in times.items()}
     for where in ("server", "engine"):
         shown[f"{where}_ratio_p50"] = round(
             shown[f"{where}_circuit"]["p50_ms"] / shown[f"{where}_trace"]["p50_ms"], 3
@@ -156,7 +146,7 @@ def timing(loaded, text: str, ids: list[int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--prompts", type=int, default=8, help="corpus sentences validated")
     parser.add_argument("--edges", type=int, default=10, help="edges sampled per prompt")
     parser.add_argument("--seed", type=int, default=0)
@@ -178,7 +168,7 @@ def main() -> None:
         "device": "cpu",
     }
     print(costs, flush=True)
-    record("circuit", {"validation": validation, "cost": costs})
+    harness.record(args, "circuit", {"validation": validation, "cost": costs})
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ The page reads only what the comparison job stored (`comparisons`, `key_changes`
 so its speed depends on the shape, not on how the runs were built. This script stores a comparison of
 two runs of SmolLM2-135M's shape (30 layers × 1,536 memories = 46,080 rows, gated, hidden size 576)
 through the worker's own write path (ffmem.store.comparison.store_comparison, seeded random figures) in
-a scratch database (SQLite, and the test Postgres when it answers), serves it with `ffmem serve`, and
-measures server time (the Server-Timing header) and wall time, sequentially, p50 and p95, of:
+a scratch database (SQLite, and a private schema of the test Postgres when it answers), serves it with
+`ffmem serve`, and measures server time (the Server-Timing header) and wall time, sequentially, p50 and
+p95, of:
 - the pair's page (default sort, then every other sort, then one layer) and its JSON twin;
 - the page that offers the runs to compare with (no b).
 It also times the job's arithmetic at that size: the weight cosines of two random models of that shape
@@ -15,9 +16,7 @@ job's Python loop), and the store. Figures go into bench-results.json under "com
 
 from __future__ import annotations
 
-import argparse
 import random
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -26,19 +25,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
-from web import percentiles, serve, server_ms  # noqa: E402
-
-from ffmem.engine.relations.comparison import MemoryWeights, overlap, weight_cosines  # noqa: E402
-from ffmem.store import comparison  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.models import Corpus, LanguageModel, Run  # noqa: E402
+from bench import harness
+from ffmem.engine.relations.comparison import MemoryWeights, overlap, weight_cosines
+from ffmem.store import comparison
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Corpus, LanguageModel, Run
 
 LAYERS, KEYS, D, TOP_T = 30, 1536, 576, 50
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
 def two_runs(url: str) -> tuple[str, int, int]:
@@ -156,33 +149,23 @@ def measure(url: str, slug: str, run_a: int, run_b: int, samples: int) -> dict:
         ],
         "pick": [f"/m/{slug}/compare?a={run_a}"] * samples,
     }
-    process, base = serve(url)
     found = {}
-    try:
-        with httpx.Client(base_url=base, timeout=30) as client:
-            for paths in kinds.values():  # warm the database pages
-                for path in paths[:5]:
-                    client.get(path).raise_for_status()
-            for kind, paths in kinds.items():
-                server, wall = [], []
-                for path in paths:
-                    start = time.perf_counter()
-                    response = client.get(path)
-                    wall.append(1000 * (time.perf_counter() - start))
-                    response.raise_for_status()
-                    server.append(server_ms(response))
-                found[kind] = {"server": percentiles(server), "wall": percentiles(wall)}
-                print(f"  {kind}: server p50 {found[kind]['server']['p50_ms']} ms", flush=True)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with harness.served(url) as explorer, httpx.Client(base_url=explorer.base, timeout=30) as client:
+        for paths in kinds.values():  # warm the database pages
+            for path in paths[:5]:
+                client.get(path).raise_for_status()
+        for kind, paths in kinds.items():
+            found[kind] = harness.sequential(client, paths)
+            print(f"  {kind}: server p50 {found[kind]['server']['p50_ms']} ms", flush=True)
     return found
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--samples", type=int, default=200, help="Requests per kind of page.")
-    parser.add_argument("--postgres", default=POSTGRES, help="A Postgres URL to measure on too ('' to skip).")
+    parser.add_argument(
+        "--no-postgres", action="store_true", help="SQLite only (default: the test Postgres too)"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     results = {"memories": LAYERS * KEYS, "shape": f"{LAYERS} layers × {KEYS} keys, d {D}, gated"}
@@ -190,18 +173,13 @@ def main() -> None:
     results["job"] = arithmetic(rng)
     print(f"  {results['job']}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
-        urls = {"sqlite": f"sqlite:///{Path(folder) / 'compare.db'}"}
-        if args.postgres:
-            urls["postgres"] = args.postgres
-        for backend, url in urls.items():
+        backends = ["sqlite"] + ([] if args.no_postgres else ["postgres"])
+        for backend in backends:
             try:
                 if backend == "postgres":
-                    from sqlalchemy import create_engine, text
-
-                    with create_engine(url, connect_args={"connect_timeout": 3}).begin() as connection:
-                        connection.execute(text("DROP SCHEMA IF EXISTS ffmem_bench_compare CASCADE"))
-                        connection.execute(text("CREATE SCHEMA ffmem_bench_compare"))
-                    url = f"{url}?options=-csearch_path%3Dffmem_bench_compare"
+                    url = harness.postgres_schema("ffmem_bench_compare")
+                else:
+                    url = f"sqlite:///{Path(folder) / 'compare.db'}"
                 slug, run_a, run_b = two_runs(url)
             except Exception as error:  # noqa: BLE001 - a backend that is not there is skipped, said so
                 print(f"{backend}: skipped ({str(error).splitlines()[0]})", flush=True)
@@ -209,7 +187,7 @@ def main() -> None:
             print(f"{backend}: storing a comparison of {LAYERS * KEYS:,} memories", flush=True)
             store = stored_comparison(url, run_a, run_b, rng)
             results[backend] = {"store_s": round(store, 2)} | measure(url, slug, run_a, run_b, args.samples)
-    record("compare", results)
+    harness.record(args, "compare", results)
 
 
 if __name__ == "__main__":

@@ -8,40 +8,36 @@
   vocabulary, which runs share) divided by the number of keys, in all and per table; the whole database
   file per key; the band samples per key.
 
-Builds `--sentences` of the default corpus into a fresh SQLite database (`--db`, kept for bench/web.py and
-bench/search.py: run them with FFMEM_DATABASE_URL set to it). Figures go into bench-results.json under
+Builds `--sentences` of the default corpus into a fresh SQLite file (`--file`, kept for bench.web and
+bench.search: run them with `--db sqlite:///` and that file). Figures go into bench-results.json under
 "examples".
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import Connection
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
-
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.store import key_examples, memory_lists  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.models import Base, KeyExamples, MemoryList  # noqa: E402
-from ffmem.worker.index import IndexOptions  # noqa: E402
-from ffmem.worker.loop import build_index  # noqa: E402
+from bench import harness
+from ffmem.config import get_settings
+from ffmem.store import key_examples, memory_lists
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Base, KeyExamples, MemoryList
+from ffmem.worker.index import IndexOptions
+from ffmem.worker.loop import build_index
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--sentences", type=int, default=2000, help="0: the whole corpus (the default index)")
-    parser.add_argument("--db", default=str(ROOT / "data" / "bench-examples.db"))
+    parser.add_argument(
+        "--file", default=str(harness.ROOT / "data" / "bench-examples.db"), help="the SQLite file built"
+    )
     args = parser.parse_args()
-    path = Path(args.db)
+    path = Path(args.file)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     url = f"sqlite:///{path}"
@@ -91,7 +87,7 @@ def main() -> None:
     }
     for name, value in figures.items():
         print(f"{name}: {value}")
-    record("examples", figures)
+    harness.record(args, "examples", figures)
 
 
 def run_table_bytes(connection: Connection) -> dict[str, int]:

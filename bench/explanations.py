@@ -1,5 +1,5 @@
 """Explanations without an API key on the default index (a benchmark, not a test): `make bench` runs it
-after weight_graph.py (whose `default_run` builds the index when it is missing).
+after bench.weight_graph (the default index is built first when it is missing).
 
 Describes every memory of the default run and scores each description on the held-out sentences (the
 corpus's sentences after the 2,000 the run mined; `explain_sentences` of them), as a finished run
@@ -11,27 +11,19 @@ time with the new sections (TestClient, random keys). Figures go into bench-resu
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
-from weight_graph import default_run  # noqa: E402
-
-from ffmem.config import Settings, get_settings  # noqa: E402
-from ffmem.engine.model.loading import load_model  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
-from ffmem.store.models import Explanation, Run  # noqa: E402
-from ffmem.worker.explanations import ExplanationOptions, store_explanations  # noqa: E402
+from bench import harness
+from ffmem.config import Settings, get_settings
+from ffmem.engine.model.loading import load_model
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import Explanation, Run
+from ffmem.worker.explanations import ExplanationOptions, store_explanations
 
 
 def page_times(url: str, slug: str, n_layers: int, n_keys: int, samples: int) -> dict:
@@ -65,16 +57,12 @@ def quartiles(values) -> list[float] | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", help="database URL (default: the settings')")
+    parser = harness.parser(__doc__, db=True)
     parser.add_argument("--pages", type=int, default=100, help="key pages timed (0: none)")
-    parser.add_argument(
-        "--record", action=argparse.BooleanOptionalAction, default=True, help="write bench-results.json"
-    )
     args = parser.parse_args()
     settings = get_settings()
-    url = args.db or settings.database_url
-    run_id = default_run(url)
+    url = harness.database_url(args)
+    run_id = harness.default_run(url).id
     sessions = make_sessionmaker(make_engine(url))
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
     options = (
@@ -128,8 +116,7 @@ def main() -> None:
     if args.pages:
         results["pages"] = page_times(url, slug, n_layers, n_keys, args.pages)
         print(results["pages"], flush=True)
-    if args.record:
-        record("explanations", results)
+    harness.record(args, "explanations", results)
 
 
 if __name__ == "__main__":

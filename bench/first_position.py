@@ -8,23 +8,19 @@ the largest and smallest coefficient at a sentence's first position and at every
 With --prefix-token ID, the same with that token put before every sentence (not mined): whether a
 prefix the model was not trained with moves the spike off the sentence's first token.
 
-    .venv/bin/python bench/first_position.py --sentences 2000
+    .venv/bin/python -m bench.first_position --sentences 2000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ffmem.engine.mining.corpus import read_corpus, tokenize  # noqa: E402
-from ffmem.engine.model.hooks import capture  # noqa: E402
-from ffmem.engine.model.loading import load_model  # noqa: E402
+from ffmem.engine.mining.corpus import read_corpus, tokenize
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.model.loading import load_model
 
 
 def extremes(loaded, token_ids: list[list[int]], first: int, batch_tokens: int = 4096):

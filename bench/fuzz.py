@@ -16,16 +16,14 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
+from bench import harness
 
 SCALE = 10
 CI_EXAMPLES = 20  # tests/web/test_fuzz.py's default
 
 
 def main() -> None:
+    args = harness.parser(__doc__).parse_args()
     examples = SCALE * CI_EXAMPLES
     with tempfile.TemporaryDirectory() as folder:
         report = Path(folder) / "fuzz.xml"
@@ -42,11 +40,13 @@ def main() -> None:
             "junit_family=xunit1",
         ]
         start = time.perf_counter()
-        run = subprocess.run(command, cwd=ROOT, env=os.environ | {"FFMEM_FUZZ_EXAMPLES": str(examples)})
+        run = subprocess.run(
+            command, cwd=harness.ROOT, env=os.environ | {"FFMEM_FUZZ_EXAMPLES": str(examples)}
+        )
         seconds = time.perf_counter() - start
         backends = summarize(ET.parse(report))
     results = {"examples_per_operation": examples, "seconds": round(seconds, 1), **backends}
-    record("fuzz", results)
+    harness.record(args, "fuzz", results)
     for backend, figures in backends.items():
         print(
             f"{backend}: {figures['operations']} operations, {figures['cases']:,} cases, "

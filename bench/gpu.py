@@ -1,6 +1,6 @@
 """The mining fold on a GPU: parity with the CPU, then its speed over the bare forward at real size.
 
-    PYTHONPATH=.gpu/wheels/pysbd-0.3.4-py3-none-any.whl:. python3 bench/gpu.py --out /tmp/gpu.json
+    PYTHONPATH=.gpu/wheels/pysbd-0.3.4-py3-none-any.whl:. python3 -m bench.gpu --out /tmp/gpu.json
 
 On a CPU `MiningState.update` runs the compiled fold (ffmem.engine.mining.fold_cpu); on any other device the
 torch fold (`MiningState.fold_tensors`), which this script checks and times on a CUDA device. Needs
@@ -21,11 +21,11 @@ The assets folder is git-ignored and under 10 MB: copy it along with the working
    0: all, ~1.04M tokens) in the index's batches (`--batch-tokens` and 4× that): after one warm-up, the
    bare backbone forward and mining (`mine_batches` into a fresh MiningState) interleaved, `--rounds`
    rounds; tokens/s of each, mining over the bare forward (bare seconds / mining seconds, the figure of
-   bench/mining_ratio.py) and the peak GPU memory. Stops starting passes after `--budget-s` seconds.
+   bench.mining_ratio) and the peak GPU memory. Stops starting passes after `--budget-s` seconds.
 
 Prints a table at the end; `--out` writes every figure as JSON (after each part, so a run cut short
 keeps what it measured). A dry run on the CPU (both sides CPU, the parity's device side forced onto
-the torch fold): `python bench/gpu.py --device cpu --sentences 300`.
+the torch fold): `python -m bench.gpu --device cpu --sentences 300`.
 """
 
 from __future__ import annotations
@@ -47,8 +47,16 @@ from unittest import mock
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness import ROOT, START, log
+from bench.tiny_tokenizer import tiny_tokenizer
+from ffmem.engine.mining import corpus
+from ffmem.engine.mining.batches import corpus_batches, mine_batches
+from ffmem.engine.mining.corpus import Batch, tokenize
+from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, SIGNS
+from ffmem.engine.mining.state import MiningState
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.model.loading import load_model
 
 # ffmem.config's defaults (importing it needs pydantic-settings, absent on the device machine).
 BATCH_TOKENS = 4096
@@ -62,28 +70,11 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 CORPUS_FILE = "summaries_en-us.json"
-# .gpu/ where it was made; else the wheelhouse's tokenizer (`make wheelhouse`), the rest from bench/shapes.py
+# .gpu/ where it was made; else the wheelhouse's tokenizer (`make wheelhouse`), the rest from bench.shapes
 ASSETS = ROOT / ".gpu" if (ROOT / ".gpu").is_dir() else ROOT / ".whl" / "tokenizer"
 MISMATCH_SHARE = 0.005  # FAIL above this share of differing top-T slots, band samples or histogram counts
 COEFFICIENT_REL = 1e-4  # FAIL above this |Δ coefficient| / the largest |coefficient|
 WARM_BATCHES = 16  # batches of the mining warm-up (the bare warm-up runs them all)
-
-
-from ffmem.engine import corpus  # noqa: E402
-from ffmem.engine.mining.batches import mine_batches, shard_batches  # noqa: E402
-from ffmem.engine.mining.corpus import Batch, shard_size, tokenize  # noqa: E402
-from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, SIGNS  # noqa: E402
-from ffmem.engine.mining.state import MiningState  # noqa: E402
-from ffmem.engine.model.hooks import capture  # noqa: E402
-from ffmem.engine.model.loaded import LoadedModel  # noqa: E402
-from ffmem.engine.model.loading import load_model  # noqa: E402
-from tests.tiny_models import tiny_tokenizer  # noqa: E402  (pytest: on the device machine too)
-
-START = time.monotonic()
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - START:6.1f} s] {message}", flush=True)
 
 
 def sync(device: torch.device) -> None:
@@ -152,11 +143,11 @@ def tiny_models(folder: Path) -> dict[str, Path]:
 
 def real_size_model(assets: Path, folder: Path) -> Path:
     """SmolLM2-135M's architecture with random weights (seed 0) and its tokenizer: the assets' config.json,
-    or, where the assets are the wheelhouse's tokenizer folder (`.whl/tokenizer`), bench/shapes.py's."""
+    or, where the assets are the wheelhouse's tokenizer folder (`.whl/tokenizer`), bench.shapes's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not (assets / "config.json").is_file():
-        from shapes import write_shape  # bench/shapes.py, beside this script (as `bench` is bench/bench.py)
+        from bench.shapes import write_shape
 
         return write_shape("smollm2-135m", folder, "float32", tokenizer=assets)
     torch.manual_seed(0)
@@ -185,18 +176,6 @@ def corpus_sentences(assets: Path, limit: int) -> list[str]:
         return corpus.read_corpus("wiki-vital", limit or None).sentences
     with mock.patch.object(corpus, "package_file", lambda *_: path):
         return corpus.read_corpus("wiki-vital", limit or None).sentences
-
-
-def index_batches(ids: list[list[int]], first: list[int], batch_tokens: int, pad_id: int, memories: int):
-    """The index's batches (bench/bench.py's batches_of): shards sized by the model (its default
-    `shard_sentences` 0: ffmem.engine.mining.corpus.shard_size), length-bucketed."""
-    size = shard_size(0, memories=memories, corpus_tokens=sum(map(len, ids)), corpus_sentences=len(ids))
-    batches = []
-    for shard in range(-(-len(ids) // size)):
-        batches += shard_batches(
-            ids, first, shard=shard, shard_sentences=size, batch_tokens=batch_tokens, pad_id=pad_id
-        )
-    return batches
 
 
 # -- parity -----------------------------------------------------------------------------------------------
@@ -343,7 +322,9 @@ def parity(
     reference = load_model(str(folder), device="cpu", dtype="float32")
     other = load_model(str(folder), device=str(device), dtype="float32")  # a copy of its own on a CPU too
     pad_id, memories = reference.tokenizer.eos_token_id or 0, reference.n_layers * reference.n_keys
-    batches = index_batches(ids, first, batch_tokens, pad_id, memories)
+    batches = corpus_batches(
+        ids, first, shard_sentences=0, memories=memories, batch_tokens=batch_tokens, pad_id=pad_id
+    )
     states = []
     for loaded, fold in ((reference, MiningState), (other, TorchFold)):
         start = time.perf_counter()
@@ -570,7 +551,12 @@ def speed(results: dict, folder: Path, device: torch.device, ids, first, pad_id:
     sizes = (args.batch_tokens, 4 * args.batch_tokens)
     config = json.loads((folder / "config.json").read_text())
     memories = config["num_hidden_layers"] * config["intermediate_size"]
-    batches = {size: index_batches(ids, first, size, pad_id, memories) for size in sizes}
+    batches = {
+        size: corpus_batches(
+            ids, first, shard_sentences=0, memories=memories, batch_tokens=size, pad_id=pad_id
+        )
+        for size in sizes
+    }
     for dtype in filter(None, args.dtypes.split(",")):  # "": parity only
         loaded = None
         for size in sizes:

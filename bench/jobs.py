@@ -1,4 +1,4 @@
-"""Index jobs (a benchmark, not a test): `make bench` runs it after bench.py and web.py.
+"""Index jobs (a benchmark, not a test): `make bench` runs it after bench.bench and bench.web.
 
 - Checkpoint overhead: the mining loop of a shard (worker/index.IndexPipeline.mine_shard) with its database
   checkpoints when `Checkpoints` says (the run's first shard's early one, then by time) over the same loop
@@ -16,39 +16,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from sqlalchemy import delete, select, text, update
 
-from results import record  # noqa: E402
-from sqlalchemy import create_engine, delete, make_url, select, text, update  # noqa: E402
+from bench import harness
+from ffmem.config import get_settings
+from ffmem.engine.mining.batches import mine_batches, shard_batches
+from ffmem.engine.mining.state import MiningState
+from ffmem.store import jobs, shards
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Job, MinedLayerRow, Run, Shard
+from ffmem.worker.index import Checkpoints, IndexOptions, _layers, _pad_id
+from ffmem.worker.loop import Worker
 
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.mining.batches import mine_batches, shard_batches  # noqa: E402
-from ffmem.engine.mining.state import MiningState  # noqa: E402
-from ffmem.store import jobs, shards  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.models import Job, MinedLayerRow, Run, Shard  # noqa: E402
-from ffmem.worker.index import Checkpoints, IndexOptions, _layers, _pad_id  # noqa: E402
-from ffmem.worker.loop import Worker  # noqa: E402
-
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-SCHEMA = "ffmem_bench_jobs"
-FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
 SENTENCES, SHARD_SENTENCES = 480, 120
-
-
-def bench_url() -> str:
-    admin = create_engine(POSTGRES)
-    with admin.begin() as connection:
-        connection.execute(text(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE'))
-        connection.execute(text(f'CREATE SCHEMA "{SCHEMA}"'))
-    admin.dispose()
-    url = make_url(POSTGRES).update_query_dict({"options": f"-csearch_path={SCHEMA}"})
-    return url.render_as_string(hide_password=False)
 
 
 def prepared_run(url: str) -> tuple[Worker, int, int]:
@@ -143,7 +125,9 @@ def mining_wall(url: str, run_id: int, workers: int) -> float:
     # The machine's cores shared out: each worker's torch gets cores / workers threads.
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // workers)))
     processes = [
-        subprocess.Popen([*FFMEM, "worker", "--once", "--db", url, "--poll", "0.2"], cwd=ROOT, env=env)
+        subprocess.Popen(
+            [*harness.FFMEM, "worker", "--once", "--db", url, "--poll", "0.2"], cwd=harness.ROOT, env=env
+        )
         for _ in range(workers)
     ]
     started = None
@@ -188,7 +172,8 @@ def reset(url: str, job_id: int, run_id: int) -> None:
 
 
 def main() -> None:
-    url = bench_url()
+    args = harness.parser(__doc__).parse_args()
+    url = harness.postgres_schema("ffmem_bench_jobs")
     upgrade(url)
     worker, job_id, run_id = prepared_run(url)
     results = {"checkpoint": checkpoint_overhead(worker, run_id)}
@@ -204,7 +189,7 @@ def main() -> None:
         "cores": os.cpu_count(),
     }
     print(json.dumps(results, indent=2))
-    record("jobs", results)
+    harness.record(args, "jobs", results)
 
 
 if __name__ == "__main__":

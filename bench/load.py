@@ -1,4 +1,4 @@
-"""Mixed load on the explorer (a benchmark, not a test): `make bench` runs it after trace.py.
+"""Mixed load on the explorer (a benchmark, not a test): `make bench` runs it after bench.attribution.
 
 `--clients` (32) concurrent clients (httpx, asyncio) for `--seconds` (60), each sending its next
 request as soon as the last is answered, picked in fixed proportions (MIX): browse (home, model,
@@ -15,38 +15,28 @@ not errors), 429s, errors (anything else but a 200, failed connections included)
 latency of the 200 answers, throughput (answers within the load's seconds). Into bench-results.json
 under "load" with the settings used.
 
-    python bench/load.py [--seconds 60] [--clients 32] [--db URL] [--no-record]
+    python -m bench.load [--seconds 60] [--clients 32] [--db URL] [--no-record]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import random
-import statistics
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import quote
 
 import httpx
 from sqlalchemy import select
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-from results import record  # noqa: E402
-from web import default_run, free_port, serve  # noqa: E402
-
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.store import runs  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.models import Run, Sentence  # noqa: E402
+from bench import harness
+from ffmem.config import get_settings
+from ffmem.store import runs
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.models import Run, Sentence
 
 MIX = {"browse": 0.6, "search": 0.2, "trace": 0.2}
 RATE_LIMIT = "1000000/minute"  # one address for every client: the limit must not be what is measured
@@ -76,7 +66,7 @@ def find_index(url: str, default: bool) -> Index:
     """The default run (built when missing) or, for `--db`, the newest finished run there."""
     settings = get_settings()
     if default:
-        default_run(url)
+        harness.default_run(url)
     upgrade(url)
     sessions = make_sessionmaker(make_engine(url))
     with sessions() as session:
@@ -179,18 +169,6 @@ async def load(base: str, index: Index, clients: int, seconds: float, timeout: f
     return samples, time.monotonic() - start
 
 
-def percentiles(ms: list[float]) -> dict:
-    if len(ms) < 2:
-        return {"p50_ms": round(ms[0], 2) if ms else None, "p95_ms": None, "p99_ms": None, "n": len(ms)}
-    cuts = statistics.quantiles(ms, n=100, method="inclusive")
-    return {
-        "p50_ms": round(cuts[49], 2),
-        "p95_ms": round(cuts[94], 2),
-        "p99_ms": round(cuts[98], 2),
-        "n": len(ms),
-    }
-
-
 def summary(samples: list[Sample], seconds: float) -> dict:
     """Counts and latencies of every request; throughput of those answered within the `seconds`."""
     statuses = Counter(s.status for s in samples)
@@ -206,30 +184,14 @@ def summary(samples: list[Sample], seconds: float) -> dict:
         "errors": len(samples) - len(ok) - busy,
         "requests_per_s": round(len(in_time) / seconds, 1),
         "ok_per_s": round(sum(s.status == "200" for s in in_time) / seconds, 1),
-        "latency_ok": percentiles(ok),
+        "latency_ok": harness.percentiles(ok),
     }
 
 
-def wait_for_worker(base: str, index: Index) -> None:
-    """The worker loads its model after the web process starts: wait for a first trace."""
-    deadline = time.monotonic() + 300
-    while True:
-        response = httpx.get(
-            f"{base}/m/{index.slug}/trace.json", params={"text": index.prompts[0]}, timeout=120
-        )
-        if response.status_code == 200:
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the live worker never answered: {response.status_code} {response.text[:200]}")
-        time.sleep(1)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, db=True)  # no --db: the default index, built when missing
     parser.add_argument("--seconds", type=float, default=60.0, help="Length of the load (default 60).")
     parser.add_argument("--clients", type=int, default=32, help="Concurrent clients (default 32).")
-    parser.add_argument("--db", help="Database URL (default: the default index, built when missing).")
-    parser.add_argument("--no-record", action="store_true", help="Print the figures only.")
     args = parser.parse_args()
     settings = get_settings()
     url = args.db or settings.database_url
@@ -240,15 +202,11 @@ def main() -> None:
     )
     # The server (and its worker, on a port of its own) read these from the environment.
     os.environ["FFMEM_TRACE_RATE_LIMIT"] = RATE_LIMIT
-    os.environ["FFMEM_WORKER_URL"] = f"http://127.0.0.1:{free_port()}"
-    process, base = serve(url, worker=True)
-    try:
-        wait_for_worker(base, index)
+    os.environ["FFMEM_WORKER_URL"] = f"http://127.0.0.1:{harness.free_port()}"
+    with harness.served(url, worker=True) as explorer:
+        harness.wait_for_trace(explorer.base, index.slug, index.prompts[0])
         timeout = settings.worker_timeout + 10
-        samples, total = asyncio.run(load(base, index, args.clients, args.seconds, timeout))
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+        samples, total = asyncio.run(load(explorer.base, index, args.clients, args.seconds, timeout))
     kinds = {kind: summary([s for s in samples if s.kind == kind], args.seconds) for kind in MIX}
     overall = summary(samples, args.seconds)
     results = {
@@ -268,8 +226,7 @@ def main() -> None:
         "overall": {key: value for key, value in overall.items() if key != "latency_ok"},
     }
     print(json.dumps(results, indent=2))
-    if not args.no_record:
-        record("load", results)
+    harness.record(args, "load", results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Mining over the bare backbone forward, interleaved in one process, against an older bookkeeping.
 
-    python bench/mining_ratio.py --sentences 1000 --repeats 3
-    python bench/mining_ratio.py --primed 2000 --sentences 500 --repeats 3
+    python -m bench.mining_ratio --sentences 1000 --repeats 3
+    python -m bench.mining_ratio --primed 2000 --sentences 500 --repeats 3
 
 Per round: the bare backbone forward, mining with `ffmem/engine/mining/state.py` as of git revision
 `--against`, mining with the working tree's, and — for a gated model — the working tree's with the sign
@@ -18,39 +18,37 @@ ffmem.engine.mining.fold_cpu). Figures go into bench-results.json under "mining_
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
-
-from bench import batches_of  # noqa: E402
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine import mining  # noqa: E402
-from ffmem.engine.mining.corpus import read_corpus  # noqa: E402
-from ffmem.engine.model.loading import load_model  # noqa: E402
+from bench import harness
+from bench.bench import batches_of
+from ffmem.config import get_settings
+from ffmem.engine.mining import state as mining
+from ffmem.engine.mining.batches import mine_batches
+from ffmem.engine.mining.corpus import read_corpus
+from ffmem.engine.model.loading import load_model
 
 
 def mining_at(revision: str):
-    """ffmem.engine.mining.state as of `revision`, imported as its own module."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:ffmem/engine/mining/state.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    """ffmem.engine.mining.state as of `revision` (ffmem/engine/mining.py before the engine's folders),
+    imported as its own module."""
+    for path in ("ffmem/engine/mining/state.py", "ffmem/engine/mining.py"):
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:{path}"], cwd=harness.ROOT, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no mining state at git revision {revision}: {shown.stderr.strip()}")
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "mining_then.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("mining_then", path)
@@ -60,9 +58,8 @@ def mining_at(revision: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = harness.parser(__doc__, repeats=3)
     parser.add_argument("--sentences", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against", default="2e3824d", help='git revision of the older mining.py ("": none)')
     parser.add_argument("--primed", type=int, default=0, help="sentences mined before, not timed")
     args = parser.parse_args()
@@ -92,10 +89,11 @@ def main() -> None:
         primed = module.MiningState(
             loaded.n_layers, loaded.n_keys, settings.top_k, device=loaded.device, **gated
         )
-        module.mine_batches(loaded, primer, primed)
+        fold = getattr(module, "mine_batches", mine_batches)  # an older module had its own
+        fold(loaded, primer, primed)
 
         def run() -> None:
-            module.mine_batches(loaded, batches, copy.deepcopy(primed))
+            fold(loaded, batches, copy.deepcopy(primed))
 
         return run
 
@@ -135,7 +133,7 @@ def main() -> None:
         if "quadrants" in m:
             print(f"quadrants: {m['quadrants'] / m['now']:.3f}× the mining without them ({label})")
             figures[f"{label}_quadrants_cost"] = round(m["quadrants"] / m["now"], 3)
-    record("mining_steady" if args.primed else "mining_filling", figures)
+    harness.record(args, "mining_steady" if args.primed else "mining_filling", figures)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The explorer at the scale of real models (a benchmark, not a test): a synthetic finished run of a model's
-shape (tests/synthetic_index.py: written through the store's own writers, no model needed), then its
+shape (bench/synthetic_index.py: written through the store's own writers, no model needed), then its
 storage and its pages' times.
 
 - Build: seconds to write the run, by part (value tokens, value histograms, triggers, key statistics, key
@@ -15,7 +15,7 @@ storage and its pages' times.
   against `ffmem serve` in its own process: requests, errors (non-200 or failed), p50 / p95, and that
   process's peak and final resident memory (VmHWM, VmRSS).
 
-    python bench/scale.py --shape smollm2 --db sqlite [--runs 1] [--sentences 1000] [--no-record]
+    python -m bench.scale --shape smollm2 --backend sqlite [--runs 1] [--sentences 1000] [--no-record]
 
 SQLite: a fresh file under /tmp; Postgres: a private schema (ffmem_scale) of FFMEM_TEST_POSTGRES_URL or
 the local server's `test` database, dropped first. Figures go into bench-results.json under
@@ -24,33 +24,22 @@ the local server's `test` database, dropped first. Figures go into bench-results
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
-import statistics
-import sys
 import time
-from collections import Counter
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import text
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))  # the synthetic index: tests/synthetic_index.py
-
-from results import record  # noqa: E402
-from search import serve  # noqa: E402
-from synthetic_index import Shape, sentence_tokens, token_text, write_run  # noqa: E402
-
-from ffmem.config import Settings  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.memory_reads import KEY_SORTS  # noqa: E402
-from ffmem.web.main import create_app  # noqa: E402
+from bench import harness
+from bench.synthetic_index import Shape, sentence_tokens, token_text, write_run
+from ffmem.config import Settings
+from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.memory_reads import KEY_SORTS
+from ffmem.web.main import create_app
 
 SHAPES = {  # layers × keys (d_ff), vocabulary, d_model
     "smollm2": dict(slug="synthetic-smollm2-135m", n_layers=30, n_keys=1536, vocab_size=49_152, d_model=576),
@@ -61,10 +50,8 @@ SHAPES = {  # layers × keys (d_ff), vocabulary, d_model
         slug="synthetic-llama-3.1-8b", n_layers=32, n_keys=14_336, vocab_size=128_256, d_model=4096
     ),
 }
-POSTGRES_URL = os.environ.get("FFMEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 SCHEMA = "ffmem_scale"
 REQUESTS = 30  # per page kind
-CLIENTS, SECONDS = 32, 20.0
 
 
 def database(kind: str, shape: Shape) -> str:
@@ -74,13 +61,7 @@ def database(kind: str, shape: Shape) -> str:
         path.unlink(missing_ok=True)
         url = f"sqlite:///{path}"
     else:
-        admin = create_engine(POSTGRES_URL)
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE'))
-            connection.execute(text(f'CREATE SCHEMA "{SCHEMA}"'))
-        admin.dispose()
-        url = make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={SCHEMA}"})
-        url = url.render_as_string(hide_password=False)
+        url = harness.postgres_schema(SCHEMA)
     upgrade(url)
     return url
 
@@ -121,11 +102,6 @@ def table_bytes(url: str) -> dict[str, int]:
     return dict(sorted(sizes.items(), key=lambda item: -item[1]))
 
 
-def percentiles(ms: list[float]) -> dict:
-    cuts = statistics.quantiles(ms, n=20, method="inclusive")
-    return {"p50_ms": round(cuts[9], 2), "p95_ms": round(cuts[18], 2), "n": len(ms)}
-
-
 def timed(client: TestClient, paths: list[str]) -> dict:
     """Wall ms of each GET, sequentially; every answer must be a 200."""
     ms = []
@@ -135,7 +111,7 @@ def timed(client: TestClient, paths: list[str]) -> dict:
         ms.append(1000 * (time.perf_counter() - start))
         if response.status_code != 200:
             raise SystemExit(f"{path}: {response.status_code} {response.text[:300]}")
-    return percentiles(ms)
+    return harness.percentiles(ms)
 
 
 def page_paths(shape: Shape, pick: random.Random) -> dict[str, list[str]]:
@@ -180,41 +156,12 @@ def page_paths(shape: Shape, pick: random.Random) -> dict[str, list[str]]:
     return paths
 
 
-async def concurrent(base: str, paths: list[str]) -> dict:
-    latencies, statuses = [], Counter()
-    stop = time.monotonic() + SECONDS
-
-    async def client_loop(client: httpx.AsyncClient, seed: int) -> None:
-        pick = random.Random(seed)
-        while time.monotonic() < stop:
-            start = time.perf_counter()
-            try:
-                status = str((await client.get(pick.choice(paths))).status_code)
-            except httpx.HTTPError as error:
-                status = type(error).__name__
-            latencies.append(1000 * (time.perf_counter() - start))
-            statuses[status] += 1
-
-    limits = httpx.Limits(max_connections=CLIENTS)
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
-        await asyncio.gather(*(client_loop(client, seed) for seed in range(CLIENTS)))
-    return {
-        "clients": CLIENTS,
-        "seconds": SECONDS,
-        "requests": len(latencies),
-        "errors": len(latencies) - statuses["200"],
-        "statuses": dict(sorted(statuses.items())),
-        "requests_per_s": round(len(latencies) / SECONDS, 1),
-        "latency": percentiles(latencies),
-    }
-
-
 def under_load(url: str, paths: list[str]) -> dict:
-    """CLIENTS clients for SECONDS against `ffmem serve` in its own process, and its resident memory."""
-    process, base = serve(url)
-    try:
-        figures = asyncio.run(concurrent(base, paths))
-        status = Path(f"/proc/{process.pid}/status").read_text()
+    """32 clients for 20 s (harness.concurrent) against `ffmem serve` in its own process, and its
+    resident memory."""
+    with harness.served(url) as explorer:
+        figures = asyncio.run(harness.concurrent(explorer.base, paths))
+        status = Path(f"/proc/{explorer.process.pid}/status").read_text()
         memory = dict(
             line.split(":", 1) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))
         )
@@ -222,9 +169,6 @@ def under_load(url: str, paths: list[str]) -> dict:
             name.lower() + "_mb": round(int(value.split()[0]) / 1024) for name, value in memory.items()
         }
         return figures
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def bench(shape: Shape, kind: str, n_runs: int = 1) -> dict:
@@ -300,19 +244,19 @@ def report(results: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="sqlite")
+    parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="sqlite")
     parser.add_argument("--sentences", type=int, default=1000, help="Corpus sentences (default 1000).")
     parser.add_argument("--runs", type=int, default=1, help="Runs of the shape written (default 1).")
-    parser.add_argument("--no-record", action="store_true", help="Print the figures only.")
     args = parser.parse_args()
     shape = Shape(**SHAPES[args.shape], sentences=args.sentences)
-    for kind in ("sqlite", "postgres") if args.db == "both" else (args.db,):
+    for kind in ("sqlite", "postgres") if args.backend == "both" else (args.backend,):
         results = bench(shape, kind, args.runs)
         report(results)
-        if not args.no_record:
-            record(f"scale-{args.shape}-{kind}" + (f"-{args.runs}-runs" if args.runs > 1 else ""), results)
+        harness.record(
+            args, f"scale-{args.shape}-{kind}" + (f"-{args.runs}-runs" if args.runs > 1 else ""), results
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 - storage added per key: the run's token → memories table and neighbour rows (bytes stored, and pages on
   disk for SQLite), and the whole database over its keys.
 
-    .venv/bin/python bench/search.py [--db sqlite:////tmp/ffmem-search/ffmem.db]
+    .venv/bin/python -m bench.search [--db sqlite:////tmp/ffmem-search/ffmem.db]
 
 Builds the default index first (`ffmem index`) when the database has none. The explorer runs as
 `ffmem serve` in its own process (no live worker). Figures go into bench-results.json under "search".
@@ -20,78 +20,22 @@ Builds the default index first (`ffmem index`) when the database has none. The e
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
-import socket
-import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 from sqlalchemy import func, select, text
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench import harness
+from bench.bench import batches_of
+from ffmem.config import get_settings
+from ffmem.store import runs
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import LanguageModel, Neighbours, Shard, Token, TokenMemoryList
+from ffmem.web import token_search
 
-from results import record  # noqa: E402
-
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.store import runs  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.store.models import LanguageModel, Neighbours, Shard, Token, TokenMemoryList  # noqa: E402
-from ffmem.web import token_search  # noqa: E402
-
-FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
 QUERIES, KEYS = 60, 200
-
-
-def default_run(url: str, sentences: int):
-    """The finished default run (model, sentences), built first when missing."""
-    settings = get_settings()
-    upgrade(url)
-    sessions = make_sessionmaker(make_engine(url))
-    find = dict(model_slug=settings.model, n_sentences=sentences)
-    with sessions() as session:
-        run = runs.find_finished_run(session=session, **find)
-    if run is None:
-        print(f"building the default index first (ffmem index --sentences {sentences})", flush=True)
-        subprocess.run([*FFMEM, "index", "--sentences", str(sentences), "--db", url], check=True, cwd=ROOT)
-    with sessions() as session:
-        run = runs.find_finished_run(session=session, **find)
-        model = run.model
-        return sessions, run.id, model.slug, model.id, model.n_layers, model.n_keys
-
-
-def serve(url: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    # No live worker: these pages never ask one (an unused port stands in for its address).
-    command = [*FFMEM, "serve", "--db", url, "--port", str(port), "--worker-url", "http://127.0.0.1:9"]
-    process = subprocess.Popen(command, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/.json", timeout=2).status_code == 200:
-                return process, base
-        except httpx.TransportError:
-            time.sleep(0.2)
-    process.kill()
-    raise SystemExit("the explorer did not start")
-
-
-def server_ms(response: httpx.Response) -> float:
-    assert response.status_code == 200, (response.status_code, response.text[:300])
-    return float(response.headers["server-timing"].split("dur=")[1])
-
-
-def percentiles(samples: list[float]) -> dict:
-    cuts = statistics.quantiles(samples, n=20, method="inclusive")
-    return {"p50_ms": round(cuts[9], 2), "p95_ms": round(cuts[18], 2), "n": len(samples)}
 
 
 def words(sessions, model_id: int, n: int, rng: random.Random) -> list[str]:
@@ -105,34 +49,29 @@ def words(sessions, model_id: int, n: int, rng: random.Random) -> list[str]:
 def web_figures(url: str, sessions, run_id: int, slug: str, model_id: int, layers: int, keys: int) -> dict:
     rng = random.Random(0)
     tokens = words(sessions, model_id, QUERIES, rng)
-    process, base = serve(url)
-    try:
-        with httpx.Client(base_url=base, timeout=60) as client:
-            search = f"/m/{slug}/search.json"
-            first = server_ms(client.get(search, params={"q": tokens[0], "run": run_id}))
-            found = client.get(search, params={"q": tokens[0], "run": run_id}).json()
-            assert found["token_coverage"] == "full" and found["memories"] == layers * keys, found
-            token_ms = [
-                server_ms(client.get(search, params={"q": t, "run": run_id, "by": by}))
-                for t in tokens
-                for by in ("prob", "logit")
-            ]
-            picks = [(rng.randrange(layers), rng.randrange(keys)) for _ in range(KEYS)]
-            related_ms, twin_ms = [], []
-            for layer, key in picks:
-                related = f"/m/{slug}/layers/{layer}/keys/{key}/related"
-                page = client.get(related, params={"run": run_id})
-                assert 'id="neighbours-key"' in page.text, "the related section shows its neighbours"
-                related_ms.append(server_ms(page))
-                twin_ms.append(server_ms(client.get(f"{related}.json", params={"run": run_id})))
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with harness.served(url) as explorer, httpx.Client(base_url=explorer.base, timeout=60) as client:
+        search = f"/m/{slug}/search.json"
+        first = harness.server_ms(client.get(search, params={"q": tokens[0], "run": run_id}))
+        found = client.get(search, params={"q": tokens[0], "run": run_id}).json()
+        assert found["token_coverage"] == "full" and found["memories"] == layers * keys, found
+        token_ms = [
+            harness.server_ms(client.get(search, params={"q": t, "run": run_id, "by": by}))
+            for t in tokens
+            for by in ("prob", "logit")
+        ]
+        picks = [(rng.randrange(layers), rng.randrange(keys)) for _ in range(KEYS)]
+        related_ms, twin_ms = [], []
+        for layer, key in picks:
+            related = f"/m/{slug}/layers/{layer}/keys/{key}/related"
+            page = client.get(related, params={"run": run_id})
+            assert 'id="neighbours-key"' in page.text, "the related section shows its neighbours"
+            related_ms.append(harness.server_ms(page))
+            twin_ms.append(harness.server_ms(client.get(f"{related}.json", params={"run": run_id})))
     return {
-        "token_search": percentiles(token_ms) | {"target_p50_ms": 100},
+        "token_search": harness.percentiles(token_ms) | {"target_p50_ms": 100},
         "first_token_search_ms": round(first, 1),
-        "key_related": percentiles(related_ms),  # the key page itself: bench/web.py
-        "key_related_json": percentiles(twin_ms),
+        "key_related": harness.percentiles(related_ms),  # the key page itself: bench.web
+        "key_related_json": harness.percentiles(twin_ms),
         "queries": "random ' word' vocabulary entries, by prob and logit, limit 50 (and its text search)",
     }
 
@@ -149,7 +88,7 @@ def token_part(sessions, run_id: int, model_id: int) -> dict:
             t0 = time.perf_counter()
             token_search.rank_memories(session, model, run, [t], readout="raw", by="prob", limit=50)
             ranked.append(1000 * (time.perf_counter() - t0))
-    return {"token_part_of_the_page": percentiles(ranked)}
+    return {"token_part_of_the_page": harness.percentiles(ranked)}
 
 
 def storage(url: str, sessions, run_id: int, memories: int) -> dict:
@@ -197,11 +136,14 @@ def neighbours_over_mining(sessions, run_id: int, settings, sample: int) -> dict
     over `sample` sentences times the default corpus's tokens."""
     import torch
 
-    from bench import batches_for  # bench/bench.py
     from ffmem.engine.mining.batches import mine_batches
+    from ffmem.engine.mining.corpus import read_corpus
     from ffmem.engine.mining.state import MiningState
     from ffmem.engine.model.loading import load_model
     from ffmem.engine.relations.neighbours import memory_neighbours
+
+    def batches_for(n_sentences: int) -> list:
+        return batches_of(loaded, read_corpus("wiki-vital", n_sentences).sentences, settings)
 
     with sessions() as session:
         shards = session.scalars(select(Shard).where(Shard.run_id == run_id)).all()
@@ -210,8 +152,8 @@ def neighbours_over_mining(sessions, run_id: int, settings, sample: int) -> dict
     loaded = load_model(
         settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir
     )
-    default_tokens = sum(b.real_tokens for b in batches_for(loaded, settings.sentences, settings))
-    batches = batches_for(loaded, sample, settings)
+    default_tokens = sum(b.real_tokens for b in batches_for(settings.sentences))
+    batches = batches_for(sample)
     t0 = time.perf_counter()
     mine_batches(
         loaded, batches, MiningState(loaded.n_layers, loaded.n_keys, settings.top_k, device=loaded.device)
@@ -237,22 +179,26 @@ def neighbours_over_mining(sessions, run_id: int, settings, sample: int) -> dict
 
 def main() -> None:
     settings = get_settings()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", default=settings.database_url)
+    parser = harness.parser(__doc__, db=True)
     parser.add_argument("--sentences", type=int, default=settings.sentences, help="the index's sentences")
     parser.add_argument("--mining-sample", type=int, default=300, help="sentences mined to time mining")
     args = parser.parse_args()
-    sessions, run_id, slug, model_id, layers, keys = default_run(args.db, args.sentences)
+    url = harness.database_url(args)
+    run = harness.default_run(url, args.sentences)
+    sessions = make_sessionmaker(make_engine(url))
+    with sessions() as session:
+        model_id = runs.get_run(session=session, run_id=run.id).model_id
+    run_id, slug, layers, keys = run.id, run.slug, run.n_layers, run.n_keys
     memories = layers * keys
-    results = {"run": run_id, "memories": memories, "storage": storage(args.db, sessions, run_id, memories)}
+    results = {"run": run_id, "memories": memories, "storage": storage(url, sessions, run_id, memories)}
     print(results, flush=True)
     results["in_process"] = token_part(sessions, run_id, model_id)
     print(results["in_process"], flush=True)
-    results["web"] = web_figures(args.db, sessions, run_id, slug, model_id, layers, keys)
+    results["web"] = web_figures(url, sessions, run_id, slug, model_id, layers, keys)
     print(results["web"], flush=True)
     results["neighbours"] = neighbours_over_mining(sessions, run_id, settings, args.mining_sample)
     print(results["neighbours"], flush=True)
-    record("search", results)
+    harness.record(args, "search", results)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Random-weight models of real shapes, written as Hugging Face folders that `ffmem index` loads.
 
-    python bench/shapes.py list
-    python bench/shapes.py write llama-3.2-1b /tmp/llama-1b --dtype bfloat16
-    python bench/shapes.py tokenizer .whl/tokenizer      # the default model's tokenizer, for the GPU machine
+    python -m bench.shapes list
+    python -m bench.shapes write llama-3.2-1b /tmp/llama-1b --dtype bfloat16
+    python -m bench.shapes tokenizer .whl/tokenizer      # the default model's tokenizer, for the GPU machine
 
 The weights of the models researchers study cannot travel to the GPU machine (no network, 64 MiB), but
 their shapes can: each named shape here is a real model's architecture (layers, widths, heads, vocabulary,
@@ -25,14 +25,10 @@ value tokens and token search read like any other.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -1,7 +1,7 @@
 """Measure bulk-insert speed of the index writes (triggers, value tokens) on one database.
 
-    .venv/bin/python bench/storage.py sqlite:///data/bench.db --layers 30
-    .venv/bin/python bench/storage.py postgresql+psycopg://postgres@127.0.0.1:5432/test --layers 30
+    .venv/bin/python -m bench.storage --db sqlite:///data/bench.db --layers 30
+    .venv/bin/python -m bench.storage --db postgresql+psycopg://postgres@127.0.0.1:5432/test --layers 30
 
 The defaults mimic SmolLM2-135M: 1536 keys, T = 50 triggers per sign, 30 value tokens × 2 directions
 × 2 readouts. The database is upgraded first; the benchmark run is deleted at the end.
@@ -9,26 +9,25 @@ The defaults mimic SmolLM2-135M: 1536 keys, T = 50 triggers per sign, 30 value t
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
+from bench import harness
 from ffmem.store import corpora, memory_writes, runs
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("url")
+    parser = harness.parser(__doc__, db=True, record=False)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--keys", type=int, default=1536)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--value-tokens", type=int, default=30)
     args = parser.parse_args()
-
-    upgrade(args.url)
-    engine = make_engine(args.url)
+    url = harness.database_url(args)
+    upgrade(url)
+    engine = make_engine(url)
     rng = np.random.default_rng(0)
     n, k, v = args.keys, args.top_k, args.value_tokens
     with make_sessionmaker(engine)() as session:

@@ -17,50 +17,22 @@ Figures go into bench-results.json under "weight_graph".
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
-
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.live.edited_forward import intervene  # noqa: E402
-from ffmem.engine.live.interventions import Intervention  # noqa: E402
-from ffmem.engine.model.hooks import capture  # noqa: E402
-from ffmem.engine.model.loading import load_model  # noqa: E402
-from ffmem.engine.relations.weight_graph import read_vectors, value_vectors  # noqa: E402
-from ffmem.store import composition, corpora, memory_reads, runs  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from ffmem.worker.composition import store_weight_graph  # noqa: E402
-
-FFMEM = [sys.executable, "-c", "from ffmem.cli import main; main()"]
-
-
-def default_run(url: str) -> int:
-    """The id of the default index run (the settings' model and sentences) in `url`, built when missing."""
-    settings = get_settings()
-    upgrade(url)
-    sessions = make_sessionmaker(make_engine(url))
-    for attempt in range(2):
-        with sessions() as session:
-            run = runs.find_finished_run(
-                session=session, model_slug=settings.model, n_sentences=settings.sentences
-            )
-            if run is not None:
-                return run.id
-        if attempt == 0:
-            print("building the default index first (ffmem index)", flush=True)
-            subprocess.run([*FFMEM, "index", "--db", url, "--device", "cpu"], check=True, cwd=ROOT)
-    raise SystemExit("the default index could not be built")
+from bench import harness
+from ffmem.config import get_settings
+from ffmem.engine.live.edited_forward import intervene
+from ffmem.engine.live.interventions import Intervention
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.model.loading import load_model
+from ffmem.engine.relations.weight_graph import read_vectors, value_vectors
+from ffmem.store import composition, corpora, memory_reads, runs
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.worker.composition import store_weight_graph
 
 
 def table_bytes(url: str, table: str) -> int | None:
@@ -140,15 +112,14 @@ def validate(sessions, run_id: int, loaded, keys: int, triggers: int, seed: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", help="database URL (default: the settings')")
+    parser = harness.parser(__doc__, db=True)
     parser.add_argument("--keys", type=int, default=100, help="keys sampled for the validation")
     parser.add_argument("--triggers", type=int, default=5, help="top trigger prefixes per key")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     settings = get_settings()
-    url = args.db or settings.database_url
-    run_id = default_run(url)
+    url = harness.database_url(args)
+    run_id = harness.default_run(url).id
     sessions = make_sessionmaker(make_engine(url))
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
     start = time.perf_counter()
@@ -173,7 +144,7 @@ def main() -> None:
         "seconds": round(time.perf_counter() - start, 1),
     }
     print(results["validation"], flush=True)
-    record("weight_graph", results)
+    harness.record(args, "weight_graph", results)
 
 
 if __name__ == "__main__":

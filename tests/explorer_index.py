@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from tiny_models import TRAINING_TEXT
 
+from bench.tiny_tokenizer import TRAINING_TEXT
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import LanguageModel, Run

@@ -2,28 +2,27 @@
 
     bash bench/device/index.sh --out $OUT/index.json                      # on the GPU machine
     bash bench/device/index.sh --shapes llama-3.1-8b:300000               # one shape, 300K corpus tokens
-    PYTHON=.venv/bin/python bash bench/device/index.sh --device cpu --shapes tiny:2000   # the dry run here
+    PYTHON=.venv/bin/python bash bench/device/index.sh --device cpu --shapes tiny:2000   # a dry run on a CPU
 
-For each shape (`--shapes name[:tokens],…`, smallest first, default DEFAULT_SHAPES): bench/shapes.py
-writes its random-weight model (bf16 by default; the random numbers drawn on the GPU), then the real
-`ffmem index` command (its typer app, called in this process with the arguments a user types: the
-model folder, `--sentences`, `--device`, `--dtype`, `--db sqlite:///…`, default settings otherwise)
-indexes it over the first sentences of the bundled corpus, as many as hold about `tokens` tokens
-(TOKENS_PER_SENTENCE). Then the stored run is checked (finished, every layer's keys stored, the
-vocabulary as large as the model's unembedding, the ids past the tokenizer's stored as `⟨unused N⟩`: a
-shape larger than SmolLM2's 49,152 tokens has a padded vocabulary) and a table printed: each stage's
-seconds, its peak GPU memory, the host's resident set when it began and its peak host memory.
+For each shape (`--shapes name[:tokens],…`, smallest first, default DEFAULT_SHAPES): bench.shapes
+writes its random-weight model (bf16 by default; the random numbers drawn on the GPU), loads it as the
+worker does, then builds the index `ffmem index` builds (ffmem.worker.loop.build_index, in this process,
+with the options that command gives for the model folder, `--sentences`, `--device`, `--dtype` and
+`--db sqlite:///…`, default settings otherwise) over the first sentences of the bundled corpus, as many
+as hold about `tokens` tokens (TOKENS_PER_SENTENCE). Then the stored run is checked (finished, every
+layer's keys stored, the vocabulary as large as the model's unembedding, the ids past the tokenizer's
+stored as `⟨unused N⟩`: a shape larger than SmolLM2's 49,152 tokens has a padded vocabulary) and a table
+printed: each stage's seconds, its peak GPU memory, the host's resident set when it began and its peak
+host memory.
 
-The stages are the worker's own timed steps (`IndexPipeline.timed`: projection, which fills the token →
-memories table too since the twentieth session, storing, mining, shading, layers, composition, neighbours,
-closing; seconds read back from the pipeline's `timings`,
-which the worker keeps in memory and stores nowhere) and a few parts of preparing a run that it does not
-time, measured here around the functions it calls (BENCH_STAGES: loading, reading the corpus,
-tokenizing, storing the vocabulary); what neither covers is "other". The worker records no memory at
-all: the peaks are read here, around those same blocks (torch.cuda.max_memory_allocated, reset at each
-stage's start and end; the host's peak resident set from /proc/self/status VmHWM, reset through
-/proc/self/clear_refs). Projection and storing run both in preparing and inside the "layers" step, so
-the "layers" row includes its share of them; shares are of the whole command.
+The stages are the loading, measured here, and the worker's own timed steps (projection, which fills the
+token → memories table too, storing, mining, shading, layers, composition, neighbours, closing), whose
+start, end and seconds the pipeline tells its observer (`IndexOptions.observer`); the rest of preparing a
+run (reading and tokenizing the corpus, storing the vocabulary) is "other". The worker records no memory
+at all: the peaks are read here, at each stage's start and end (torch.cuda.max_memory_allocated, reset
+then; the host's peak resident set from /proc/self/status VmHWM, reset through /proc/self/clear_refs).
+Projection and storing run both in preparing and inside the "layers" step, so the "layers" row includes
+its share of them; shares are of the whole build.
 
 `--out` writes every figure as JSON after each shape, so a run cut short keeps what it measured.
 """
@@ -31,6 +30,7 @@ the "layers" row includes its share of them; shares are of the whole command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -40,37 +40,22 @@ import shutil
 import sys
 import time
 import traceback
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
 os.environ.setdefault("TQDM_MININTERVAL", "30")  # the worker's progress bars: a line every 30 s, not 10 a s
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+from bench.harness import ROOT, log  # noqa: E402
 from bench.shapes import SHAPES, write_shape  # noqa: E402
 
 DEFAULT_SHAPES = "smollm2-135m:100000,llama-3.2-1b:100000,llama-3.1-8b:1000000"
 # The bundled corpus (wiki-vital) under the default model's tokenizer, which every shape shares: 1,050,056
-# tokens in 36,518 sentences (read_corpus + tokenize, max 128 tokens a sentence; bench/gpu.py agrees).
+# tokens in 36,518 sentences (read_corpus + tokenize, max 128 tokens a sentence; bench.gpu agrees).
 CORPUS_SENTENCES = 36_518
 TOKENS_PER_SENTENCE = 1_050_056 / CORPUS_SENTENCES
-# Parts of preparing a run that the worker does not time: (module, function, stage).
-BENCH_STAGES = (
-    ("ffmem.worker.loop", "shared_model", "loading"),
-    ("ffmem.worker.index", "read_corpus", "reading corpus"),
-    ("ffmem.worker.index", "tokenize", "tokenizing"),
-    ("ffmem.worker.index", "store_model", "storing vocabulary"),
-)
-START = time.monotonic()
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - START:6.1f} s] {message}", flush=True)
 
 
 def host_memory(field: str = "VmHWM") -> int | None:
@@ -93,7 +78,7 @@ def reset_host_peak() -> None:
 
 @dataclass
 class Stage:
-    by: str  # "worker": its own `timed` block; "bench": measured here around a function it calls
+    by: str  # "worker": its own timed step (seen through its observer); "bench": measured here
     seconds: float = 0.0
     top_seconds: float = 0.0  # entered outside every other stage (what "other" is the rest of)
     peak_gpu: int = 0
@@ -109,8 +94,6 @@ class Stages:
     device: torch.device
     stages: dict[str, Stage] = field(default_factory=dict)
     open: list[tuple[str, float]] = field(default_factory=list)
-    pipeline: object = None  # the worker's IndexPipeline, seen through its `timed`
-    loaded: object = None  # the LoadedModel the command loaded ("loading"), for the mining ratio
 
     def _fold(self) -> None:
         gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -124,59 +107,35 @@ class Stages:
             torch.cuda.reset_peak_memory_stats(self.device)
         reset_host_peak()
 
-    @contextmanager
-    def stage(self, name: str, by: str):
+    def begin(self, name: str, by: str) -> None:
         if name not in self.stages:
             self.stages[name] = Stage(by, start_host=host_memory("VmRSS"))
         self._fold()
-        top = not self.open
         self.open.append((name, time.perf_counter()))
+
+    def end(self, seconds: float | None = None) -> None:
+        """Close the innermost stage: `seconds` where its timer says (the worker's), else measured here."""
+        self._fold()
+        name, start = self.open.pop()
+        seconds = time.perf_counter() - start if seconds is None else seconds
+        self.stages[name].seconds += seconds
+        if not self.open:
+            self.stages[name].top_seconds += seconds
+
+    def observe(self, name: str, seconds: float | None) -> None:
+        """The index pipeline's observer: a timed step starts (`seconds` None) or ends."""
+        if seconds is None:
+            self.begin(name, "worker")
+        else:
+            self.end(seconds)
+
+    @contextmanager
+    def stage(self, name: str, by: str = "bench"):
+        self.begin(name, by)
         try:
             yield
         finally:
-            self._fold()
-            _, start = self.open.pop()
-            seconds = time.perf_counter() - start
-            self.stages[name].seconds += seconds
-            if top:
-                self.stages[name].top_seconds += seconds
-
-    def watching(self) -> ExitStack:
-        """Patches that measure the worker's timed blocks and BENCH_STAGES while the command runs."""
-        import importlib
-
-        from ffmem.worker.index import IndexPipeline
-
-        stack = ExitStack()
-        original = IndexPipeline.timed
-        stages = self
-
-        @contextmanager
-        def timed(pipeline, name: str):
-            stages.pipeline = pipeline
-            with stages.stage(name, "worker"), original(pipeline, name):
-                yield
-
-        stack.enter_context(mock.patch.object(IndexPipeline, "timed", timed))
-        for module_name, attribute, name in BENCH_STAGES:
-            module = importlib.import_module(module_name)
-            if not hasattr(module, attribute):
-                log(f"  not measured: {module_name}.{attribute} is gone (stage {name!r})")
-                continue
-            stack.enter_context(
-                mock.patch.object(module, attribute, self._measured(name, getattr(module, attribute)))
-            )
-        return stack
-
-    def _measured(self, name: str, function):
-        def measured(*args, **kwargs):
-            with self.stage(name, "bench"):
-                result = function(*args, **kwargs)
-            if name == "loading":
-                self.loaded = result
-            return result
-
-        return measured
+            self.end()
 
 
 def parse_shapes(text: str) -> list[tuple[str, int]]:
@@ -189,19 +148,6 @@ def parse_shapes(text: str) -> list[tuple[str, int]]:
             raise SystemExit(f"unknown shape {name!r}; shapes: {', '.join(SHAPES)}")
         out.append((name, int(tokens or defaults.get(name, 100_000))))
     return out
-
-
-def run_command(arguments: list[str]) -> int:
-    """`ffmem …arguments` through its typer app, in this process; its exit code."""
-    from ffmem.cli import cli
-    from ffmem.config import get_settings
-
-    get_settings.cache_clear()
-    try:
-        code = cli(arguments, standalone_mode=False)
-    except SystemExit as exit_:
-        code = exit_.code
-    return int(code or 0)
 
 
 def stored(url: str, tokenizer_ids: int) -> dict:
@@ -280,16 +226,12 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    with stages.watching():
-        result["exit_code"] = run_command(arguments)
+    loaded = build(folder, sentences, url, args, stages, result)
     result["index_seconds"] = time.perf_counter() - start
-    worker_seconds = stages.pipeline.timings if stages.pipeline is not None else {}
     result["stages"] = {
         stage_name: {
             "by": stage.by,
-            "seconds": worker_seconds.get(stage_name, stage.seconds)
-            if stage.by == "worker"
-            else stage.seconds,
+            "seconds": stage.seconds,
             "top_seconds": stage.top_seconds,
             "peak_gpu_bytes": stage.peak_gpu if device.type == "cuda" else None,
             "peak_host_bytes": stage.peak_host,
@@ -301,14 +243,45 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
     result["database_bytes"] = database.stat().st_size if database.exists() else 0
     if result["exit_code"] == 0:
         result["stored"] = stored(url, tokenizer_ids)
-    pipeline, stages.pipeline = stages.pipeline, None  # its model reference goes with it
-    del pipeline
-    if args.ratio_sentences and stages.loaded is not None:
-        measure_mining(stages.loaded, name, args, result)
-    stages.loaded = None
+    if args.ratio_sentences and loaded is not None:
+        measure_mining(loaded, name, args, result)
+    del loaded
     if not args.keep:
         shutil.rmtree(folder, ignore_errors=True)
     return result
+
+
+def build(folder: Path, sentences: int, url: str, args, stages: Stages, result: dict):
+    """Load the model and build its index as `ffmem index` does, each stage measured into `stages`; the
+    loaded model (None where loading failed). `result["exit_code"]`: 0, or 1 where it raised."""
+    from ffmem.config import get_settings
+    from ffmem.engine.model.loading import shared_model
+    from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+    from ffmem.worker.index import IndexOptions
+    from ffmem.worker.loop import build_index
+
+    settings = get_settings()
+    options = IndexOptions.from_settings(
+        settings, device=args.device, model=str(folder), sentences=sentences, dtype=args.dtype
+    )
+    options = dataclasses.replace(options, observer=stages.observe)
+    loaded = None
+    try:
+        with stages.stage("loading"):
+            loaded = shared_model(
+                str(folder), device=args.device, dtype=args.dtype, cache_dir=options.cache_dir
+            )
+        upgrade(url)
+        engine = make_engine(url)
+        build_index(options, make_sessionmaker(engine), loaded=loaded)
+        engine.dispose()
+        result["exit_code"] = 0
+    except Exception:
+        traceback.print_exc()
+        result["exit_code"] = 1
+        while stages.open:  # a step that raised: its end comes from its timer, which told nobody
+            stages.end()
+    return loaded
 
 
 def measure_mining(loaded, name: str, args, result: dict) -> None:
@@ -327,27 +300,16 @@ def measure_mining(loaded, name: str, args, result: dict) -> None:
 def ratio_batches(loaded, sentences: int) -> list:
     """The index's own batches (default settings) of the corpus's first `sentences` sentences, on the
     model's device."""
+    from bench.bench import batches_of
     from ffmem.config import get_settings
-    from ffmem.engine.mining.batches import shard_batches
-    from ffmem.engine.mining.corpus import mined_from, read_corpus, shard_size, tokenize
-    from ffmem.worker.index import _pad_id
+    from ffmem.engine.mining.corpus import read_corpus
 
-    settings = get_settings()
-    tokenized = tokenize(read_corpus("wiki-vital", sentences).sentences, loaded.tokenizer,
-                         settings.max_sentence_tokens)  # fmt: skip
-    ids = [s.token_ids for s in tokenized]
-    first = mined_from([s.first_position for s in tokenized], first_position=settings.first_position)
-    size = shard_size(settings.shard_sentences, memories=loaded.n_layers * loaded.n_keys,
-                      corpus_tokens=sum(map(len, ids)), corpus_sentences=len(ids))  # fmt: skip
-    batches = []
-    for shard in range(-(-len(ids) // size)):
-        batches += shard_batches(ids, first, shard=shard, shard_sentences=size,
-                                 batch_tokens=settings.batch_tokens, pad_id=_pad_id(loaded))  # fmt: skip
+    batches = batches_of(loaded, read_corpus("wiki-vital", sentences).sentences, get_settings())
     return [b.to(loaded.device) for b in batches]
 
 
 def mining_ratio(loaded, batches: list, rounds: int, budget_s: float) -> dict:
-    """Mining over the bare backbone forward on the model the index loaded (bench/gpu.py's `time_config`:
+    """Mining over the bare backbone forward on the model the index loaded (bench.gpu's `time_config`:
     interleaved, after a warm-up), over the index's own batches: issue 28's figure, on the same card as
     the index's stage times."""
     from bench.gpu import time_config
@@ -467,7 +429,7 @@ def print_ratio(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="name[:corpus tokens],… (bench/shapes.py)")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="name[:corpus tokens],… (bench.shapes)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--tokenizer", type=Path, default=ROOT / ".whl" / "tokenizer", help="saved tokenizer")

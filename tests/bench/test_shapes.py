@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,12 @@ from sqlalchemy import func, select
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from bench.shapes import SHAPES, default_tokenizer, write_shape  # noqa: E402
-from ffmem.cli import cli  # noqa: E402
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.store import memory_reads, vocabularies  # noqa: E402
-from ffmem.store.db import make_engine, make_sessionmaker  # noqa: E402
-from ffmem.store.models import KeyStats, LanguageModel, Run, Token  # noqa: E402
+from bench.shapes import SHAPES, default_tokenizer, write_shape
+from ffmem.cli import cli
+from ffmem.config import get_settings
+from ffmem.store import memory_reads, vocabularies
+from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.models import KeyStats, LanguageModel, Run, Token
 
 TOKENIZER_IDS = 49152  # the default model's tokenizer, every shape's
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from browser_fixtures import serving
 from sqlalchemy import select
-from tiny_models import TRAINING_TEXT
 
+from bench.tiny_tokenizer import TRAINING_TEXT
 from ffmem.config import Settings
 from ffmem.store import comparison
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade

@@ -16,8 +16,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from browser_fixtures import ARTIFACTS, serving
 from sqlalchemy import delete, select
-from tiny_models import TRAINING_TEXT
 
+from bench.tiny_tokenizer import TRAINING_TEXT
 from ffmem.config import Settings
 from ffmem.store import jobs
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade

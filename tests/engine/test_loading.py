@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file, save_model
-from tiny_models import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.tiny_tokenizer import tiny_tokenizer
 from ffmem.engine.model import loading
 from ffmem.engine.model.checks import check_answer
 from ffmem.engine.model.checksums import combined_checksum, tensor_checksums, weights_sha256

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, update
-from synthetic_index import HISTOGRAM_BINS, Shape, layer_arrays, sentence_tokens, write_run
 
+from bench.synthetic_index import HISTOGRAM_BINS, Shape, layer_arrays, sentence_tokens, write_run
 from ffmem.config import Settings
 from ffmem.engine.mining.mined_layer import histogram_edges
 from ffmem.store.db import make_engine, make_sessionmaker

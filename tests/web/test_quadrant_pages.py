@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from fastapi.testclient import TestClient
 from markupsafe import escape
 from sqlalchemy import func, select
-from tiny_models import TRAINING_TEXT, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from bench.tiny_tokenizer import TRAINING_TEXT, tiny_tokenizer
 from ffmem.config import Settings
 from ffmem.engine.mining.corpus import mined_sentences
 from ffmem.store import corpora

@@ -16,8 +16,8 @@ from ffmem.web.main import create_app
 
 def test_deleting_a_run_takes_its_rows_and_jobs(db_url, tiny, tiny_model_dir, tmp_path):
     from sqlalchemy import update
-    from tiny_models import TRAINING_TEXT
 
+    from bench.tiny_tokenizer import TRAINING_TEXT
     from ffmem.store.db import make_engine, make_sessionmaker
     from ffmem.store.models import KeyExamples, KeyStats, LanguageModel, MemoryList, ValueHistogram
     from ffmem.worker.index import IndexOptions

@@ -140,7 +140,7 @@ def test_a_token_without_a_coefficient_is_unshaded():
 def test_token_pieces_put_together_are_the_text():
     """A space goes with the word after it; a BOS (no characters of its own) shows its text; the bytes of
     one split character after the first show nothing (the character is shown once)."""
-    from tiny_models import tiny_tokenizer
+    from bench.tiny_tokenizer import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     for text in ["The capital 東京 é of France", " x  y\n z", "Paris."]:

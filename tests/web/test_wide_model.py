@@ -1,4 +1,4 @@
-"""The explorer at a wide model's shape (a synthetic index, tests/synthetic_index.py): 3 layers × 22,000 keys
+"""The explorer at a wide model's shape (a synthetic index, bench/synthetic_index.py): 3 layers × 22,000 keys
 (66,000 memories, past 65,535), a 130,000-token vocabulary (ids past 65,535 in sentences, value lists and
 search), on SQLite and Postgres. Each page must answer with exactly what was written: a late key of the
 last layer, its examples and related memories, the layer page under every sort and past its first pages,
@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from synthetic_index import Shape, layer_arrays, sentence_tokens, token_table, token_text, write_run
 
+from bench.synthetic_index import Shape, layer_arrays, sentence_tokens, token_table, token_text, write_run
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.memory_lists import TOKEN_LISTS

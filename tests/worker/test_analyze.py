@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from sqlalchemy import func, select
-from tiny_models import TRAINING_TEXT
 
+from bench.tiny_tokenizer import TRAINING_TEXT
 from ffmem.config import Settings
 from ffmem.engine.mining.corpus import tokenize
 from ffmem.engine.paper.analyses import census, token_removal

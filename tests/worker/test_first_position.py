@@ -11,8 +11,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from tiny_models import TRAINING_TEXT
 
+from bench.tiny_tokenizer import TRAINING_TEXT
 from ffmem.config import Settings
 from ffmem.engine.model.hooks import capture
 from ffmem.store import memory_reads

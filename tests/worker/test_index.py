@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from datetime import timedelta
 
 import pytest
 import torch
 from sqlalchemy import func, select
-from tiny_models import TRAINING_TEXT, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.tiny_tokenizer import TRAINING_TEXT, tiny_tokenizer
 from ffmem.config import Settings
 from ffmem.engine.mining import batches as mining
 from ffmem.engine.mining.corpus import mined_from
@@ -325,3 +326,32 @@ def test_a_run_without_a_shard_size_gets_the_models(db_url, tiny, tiny_model_dir
         assert run.provenance["shard_sentences"] == 2048  # 144 memories: the least automatic size
         assert session.scalar(select(func.count()).where(Shard.run_id == run.id)) == 1
         assert summary.sentences == 21 and run.status == RunStatus.done
+
+
+def test_the_observer_is_told_each_timed_step_as_the_summary_counts_it(
+    db_url, tiny, tiny_model_dir, corpus_file, tmp_path
+):
+    """IndexOptions.observer (how bench/device/run_index.py measures the stages): (name, None) as each
+    timed step starts and (name, seconds) as it ends, an inner step ended before its outer one; the
+    seconds it is told are the ones the summary adds up."""
+    told: list[tuple[str, float | None]] = []
+    observed = dataclasses.replace(
+        options(tiny_model_dir, corpus_file, tmp_path),
+        observer=lambda name, seconds: told.append((name, seconds)),
+    )
+    summary = build_index(observed, make_sessionmaker(make_engine(db_url)), loaded=tiny)
+    open_steps, ended = [], {}
+    for name, seconds in told:
+        if seconds is None:
+            open_steps.append(name)
+        else:
+            assert open_steps.pop() == name and seconds >= 0
+            ended.setdefault(name, []).append(seconds)
+    assert open_steps == []
+    finishing = ["shading", "layers", "weight_graph", "explanations", "neighbours", "closing"]
+    assert [name for name, seconds in told if seconds is not None and name in finishing] == finishing
+    assert len(ended["mining"]) == 3  # 21 sentences in shards of 8
+    assert sum(ended["mining"]) == summary.mining_seconds
+    assert sum(ended["projection"]) == summary.projection_seconds
+    assert sum(ended["storing"]) == summary.storing_seconds
+    assert sum(ended["shading"]) == summary.shading_seconds

@@ -12,8 +12,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 from sqlalchemy import select
-from tiny_models import TRAINING_TEXT
 
+from bench.tiny_tokenizer import TRAINING_TEXT
 from ffmem.config import Settings
 from ffmem.engine.model.loaded import ModelLoadError
 from ffmem.store.db import make_engine, make_sessionmaker

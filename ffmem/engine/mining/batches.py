@@ -1,5 +1,5 @@
 """Mining batches: each batch through the model, every layer's coefficients folded into a MiningState;
-the length-bucketed batches of one shard of the corpus."""
+the length-bucketed batches of one shard of the corpus, and of a whole corpus shard by shard."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ffmem.engine.mining.corpus import Batch, length_bucketed_batches, mined_sentences, shard_members
+from ffmem.engine.mining.corpus import (
+    Batch,
+    length_bucketed_batches,
+    mined_sentences,
+    shard_members,
+    shard_size,
+)
 from ffmem.engine.mining.state import MiningState
 from ffmem.engine.model.hooks import capture
 from ffmem.engine.model.loaded import LoadedModel
@@ -62,3 +68,29 @@ def shard_batches(
             pad_id=pad_id,
         )
     )
+
+
+def corpus_batches(
+    token_ids: list[list[int]],
+    first_positions: list[int],
+    *,
+    shard_sentences: int,
+    memories: int,
+    batch_tokens: int,
+    pad_id: int,
+) -> list[Batch]:
+    """Every shard's batches of a whole corpus, in order, its shards sized as a run sizes them
+    (corpus.shard_size: `shard_sentences`, or 0 to size them by the model's `memories`)."""
+    size = shard_size(shard_sentences, memories=memories, corpus_tokens=sum(map(len, token_ids)),
+                      corpus_sentences=len(token_ids))  # fmt: skip
+    batches: list[Batch] = []
+    for shard in range(-(-len(token_ids) // size)):
+        batches += shard_batches(
+            token_ids,
+            first_positions,
+            shard=shard,
+            shard_sentences=size,
+            batch_tokens=batch_tokens,
+            pad_id=pad_id,
+        )
+    return batches

@@ -1,4 +1,4 @@
-"""Live view speed (a benchmark, not a test): `make bench` runs it after web.py.
+"""Live view speed (a benchmark, not a test): `make bench` runs it after bench.web.
 
 1. Engine, in one process, interleaved: a trace of a 32-token prompt (`ffmem.engine.live.trace.trace`: the
    forward pass with every layer captured, the readouts of r, y and o at the position, memories,
@@ -15,24 +15,18 @@ Figures go into bench-results.json under "trace".
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from results import record  # noqa: E402
-from web import default_run, percentiles, serve, server_ms  # noqa: E402
-
-from ffmem.config import get_settings  # noqa: E402
-from ffmem.engine.allocator import keep_freed_memory  # noqa: E402
-from ffmem.engine.live.trace import trace  # noqa: E402
-from ffmem.engine.mining.corpus import read_corpus  # noqa: E402
-from ffmem.engine.model.loading import load_model  # noqa: E402
+from bench import harness
+from ffmem.config import get_settings
+from ffmem.engine.allocator import keep_freed_memory
+from ffmem.engine.live.trace import trace
+from ffmem.engine.mining.corpus import read_corpus
+from ffmem.engine.model.loading import load_model
 
 PROMPT_TOKENS, ROUNDS, BURST, OVERLOAD = 32, 60, 20, 64
 
@@ -56,18 +50,8 @@ def engine_ratio(loaded, ids: list[int]) -> dict:
         with torch.inference_mode():
             loaded.model(tensor)
 
-    def traced():
-        trace(loaded, ids)
-
-    for _ in range(3):  # warm up both
-        bare(), traced()
-    times = {"bare": [], "trace": []}
-    for _ in range(ROUNDS):
-        for name, run in (("bare", bare), ("trace", traced)):
-            start = time.perf_counter()
-            run()
-            times[name].append(1000 * (time.perf_counter() - start))
-    bare_p, trace_p = percentiles(times["bare"]), percentiles(times["trace"])
+    times = harness.interleaved({"bare": bare, "trace": lambda: trace(loaded, ids)}, ROUNDS)
+    bare_p, trace_p = harness.percentiles(times["bare"]), harness.percentiles(times["trace"])
     return {
         "prompt_tokens": len(ids),
         "bare_forward": bare_p,
@@ -78,25 +62,9 @@ def engine_ratio(loaded, ids: list[int]) -> dict:
     }
 
 
-def wait_for_worker(base: str, slug: str, text: str) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        response = httpx.get(f"{base}/m/{slug}/trace.json", params={"text": text}, timeout=60)
-        if response.status_code == 200:
-            return
-        time.sleep(1)
-    raise SystemExit(f"the live worker never answered: {response.status_code} {response.text[:200]}")
-
-
 def sequential(base: str, slug: str, text: str) -> dict:
-    wall, server = [], []
-    for _ in range(30):
-        start = time.perf_counter()
-        response = httpx.get(f"{base}/m/{slug}/trace.json", params={"text": text}, timeout=60)
-        wall.append(1000 * (time.perf_counter() - start))
-        assert response.status_code == 200, response.text
-        server.append(server_ms(response))
-    return {"wall": percentiles(wall), "server": percentiles(server)}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        return harness.sequential(client, [f"/m/{slug}/trace.json?text={quote(text)}"] * 30)
 
 
 async def burst(base: str, slug: str, text: str, concurrent: int) -> dict:
@@ -122,6 +90,7 @@ async def burst(base: str, slug: str, text: str, concurrent: int) -> dict:
 
 
 def main() -> None:
+    args = harness.parser(__doc__, db=True).parse_args()
     kept = keep_freed_memory()  # as `ffmem worker` does: both sides of the ratio run under it
     settings = get_settings()
     loaded = load_model(settings.model, device="cpu", cache_dir=settings.cache_dir)
@@ -131,22 +100,19 @@ def main() -> None:
     print(results["engine"], flush=True)
     del loaded  # the worker process holds its own copy
 
-    url = settings.database_url
-    slug, _, _ = default_run(url)
-    process, base = serve(url, worker=True)
-    try:
-        wait_for_worker(base, slug, text)
+    url = harness.database_url(args)
+    slug = harness.default_run(url).slug
+    with harness.served(url, worker=True) as explorer:
+        base = explorer.base
+        harness.wait_for_trace(base, slug, text, seconds=180)
         results["app_sequential"] = sequential(base, slug, text)
         print(results["app_sequential"], flush=True)
         results["burst"] = asyncio.run(burst(base, slug, text, BURST))
         print(results["burst"], flush=True)
         results["overload"] = asyncio.run(burst(base, slug, text, OVERLOAD))  # past the worker's queue
         print(results["overload"], flush=True)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
     results["device"] = "cpu"
-    record("trace", results)
+    harness.record(args, "trace", results)
 
 
 if __name__ == "__main__":

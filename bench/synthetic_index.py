@@ -3,7 +3,7 @@ store's own writers, as the index build writes one, with no model — random but
 and distributions: coefficients of both signs, token ids spread over the whole vocabulary (ids above 65,535
 when it is larger), band samples and shading, statistics with some NULLs, each value's logit histogram,
 neighbours, the weight graph, explanations and the arrays of token search. tests/web/test_wide_model.py
-checks the pages at a wide shape; bench/scale.py times them at the shapes of real models.
+checks the pages at a wide shape; bench.scale times them at the shapes of real models.
 
 Every array of a layer comes from `layer_arrays(shape, layer)` (seeded by the shape's seed and the layer),
 so a test can compute what a page must show; the run is written one layer at a time (memory-bounded).
