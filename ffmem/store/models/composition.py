@@ -78,7 +78,7 @@ class Explanation(Base):
     `token_table`: the pattern, a table of token weights packed as bytes (ffmem.store.composition.TOKEN_TABLE;
     `composition.explanation_pattern` reads either column); `pattern`: the JSON of runs explained before
     revision 0023, {"final": [...], "ngram": [...], "context": [...]} (NULL since); `details`:
-    {"positions", "matches", "auroc"} (ffmem.engine.explanations.PatternScore)."""
+    {"positions", "matches", "auroc"} (ffmem.engine.explanations.scoring.PatternScore)."""
 
     __tablename__ = "explanations"
 
