@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ffmem.engine.explanations import MAX_PAIRS, MAX_TOKENS
+from ffmem.engine.explanations.fitting import MAX_PAIRS, MAX_TOKENS
 from ffmem.engine.mining.mined_layer import (
     N_BINS,
     QUADRANT_EXAMPLES,

@@ -96,7 +96,7 @@ def has_links(*, session: Session, run_id: int) -> bool:
 
 def store_explanations(*, session: Session, run_id: int, rows: Iterable[tuple]) -> None:
     """Store explanations: rows of (layer, key, source, text, score or None, pattern dict, details dict);
-    the pattern (ffmem.engine.explanations.Pattern.to_dict) packed as TOKEN_TABLE bytes."""
+    the pattern (ffmem.engine.explanations.fitting.Pattern.to_dict) packed as TOKEN_TABLE bytes."""
     columns = ("run_id", "layer", "key", "source", "text", "score", "token_table", "details")
     bulk_insert(
         session,

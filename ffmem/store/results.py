@@ -6,7 +6,7 @@ merged with numpy; no torch). Both answer the same questions with the same row t
 `Trigger` rows and unsaved `KeyStats` rows while mining), so no page branches on the run's state. Values are
 projected when a run is prepared, so they are final already; triggers and statistics are provisional
 until the run is stored, and only a stored run has its sentences shaded (its coefficient at every token).
-`mining_job` and `run_progress` say, for the run and job pages, how far a run still mining has come.
+How far a run still mining has come is ffmem.store.progress's.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Protocol
 
 import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mining.mined_layer import MinedLayer
-from ffmem.store import corpora, jobs, key_examples, memory_lists, memory_reads, models, shards
+from ffmem.store import corpora, key_examples, memory_lists, memory_reads, shards
 from ffmem.store.key_examples import BandSample, QuadrantExample, StoredExamples
 from ffmem.store.memory_lists import TRIGGERS, Trigger, ValueToken
-from ffmem.store.models import QUADRANT_COLUMNS, Job, KeyStats, Run, RunStatus
+from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, Run, RunStatus
+
+# ffmem.store.progress holds these two; the web imports them from here still (web/views.py, web/pages/jobs.py)
+from ffmem.store.progress import mining_job, run_progress  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -362,53 +364,6 @@ class MiningResults:
                 )
             )
         return figures
-
-
-def mining_job(session: Session, run: Run) -> tuple[int, float] | None:
-    """While the run mines: the index job building it and the share of its corpus mined so far (all
-    shards, beyond their checkpoints); None once it is stored or failed."""
-    if run.status != RunStatus.running:
-        return None
-    job = session.scalars(jobs.builders(run.id).order_by(Job.id.desc()).limit(1)).first()
-    return None if job is None else (job, shards.progress(session=session, run=run).fraction)
-
-
-@dataclass(frozen=True)
-class RunProgress:
-    """How far a run's mining has come, over all its shards (a stored run: all of it)."""
-
-    sentences_done: int
-    n_sentences: int
-    fraction: float
-    tokens_done: int
-    shards: int
-    shards_done: int
-    tokens_per_s: float | None  # None once stored, or before a sentence is mined
-    eta_seconds: float | None
-
-
-def run_progress(session: Session, run: Run) -> RunProgress:
-    """The run's mining so far, its rate and the time left at that rate (none once stored)."""
-    done = shards.progress(session=session, run=run)
-    since = done.mining_since
-    elapsed = (models.now() - _aware(since)).total_seconds() if since else 0.0
-    rate = done.sentences_done / elapsed if elapsed > 0 and done.sentences_done else None
-    finished = run.status == RunStatus.done
-    return RunProgress(
-        sentences_done=run.n_sentences if finished else done.sentences_done,
-        n_sentences=run.n_sentences,
-        fraction=1.0 if finished else done.fraction,
-        tokens_done=done.tokens_done,
-        shards=done.shards,
-        shards_done=done.shards_done,
-        tokens_per_s=done.tokens_done / elapsed if rate and not finished else None,
-        eta_seconds=(run.n_sentences - done.sentences_done) / rate if rate and not finished else None,
-    )
-
-
-def _aware(moment: datetime) -> datetime:
-    """SQLite gives back naive datetimes; they were stored as UTC."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
 def has_results(session: Session, run: Run) -> bool:

@@ -1,8 +1,9 @@
 """An optional local model that writes the memories' descriptions (ffmem.worker.explanations): with
 `explainer_url` set, a model behind that OpenAI-compatible URL gets the same evidence as the heuristic
 description, answers in JSON with the endings its pattern matches (a one-token ending weighs 1 at that
-token, a longer one 1 at its last two tokens, ffmem.engine.explanations.Pattern), and is scored the same
-way; a key it fails on keeps the heuristic description. Nothing is sent anywhere unless the setting is set.
+token, a longer one 1 at its last two tokens, ffmem.engine.explanations.fitting.Pattern), and is scored the
+same way; a key it fails on keeps the heuristic description. Nothing is sent anywhere unless the setting is
+set.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from ffmem.engine.explanations import MAX_PAIRS, MAX_TOKENS, Description, Pattern
+from ffmem.engine.explanations.description import Description
+from ffmem.engine.explanations.fitting import MAX_PAIRS, MAX_TOKENS, Pattern
 
 PROMPT_PREFIXES = 10  # trigger prefixes a prompt shows
 PROMPT_TOKENS = 12  # the last tokens of each, the trigger token among them
@@ -30,7 +32,7 @@ class Evidence:
     prefixes: list[list[int]]
     value_tokens: list[int]  # the value's top tokens (norm readout), the strongest first
     shallowness: float | None
-    heuristic: Description  # read off the rest (ffmem.engine.explanations.describe)
+    heuristic: Description  # read off the rest (ffmem.engine.explanations.description.describe)
 
 
 PROMPT = """You describe one memory of a transformer language model's feed-forward layer.

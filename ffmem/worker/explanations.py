@@ -1,5 +1,5 @@
 """The memories' explanations, computed once per run by `compose` (ffmem.worker.composition): for every
-memory a token table fitted on its shaded sentences (ffmem.engine.explanations.fit_pattern; on its top
+memory a token table fitted on its shaded sentences (ffmem.engine.explanations.fitting.fit_pattern; on its top
 triggers alone for runs stored before the shading) and a short description of it (`describe`: the tokens
 and pairs that move its coefficient, its value's top tokens, its shallowness), or one written by a local
 model when `explainer_url` is set (ffmem.worker.explainer), scored on the run's held-out sentences
@@ -22,16 +22,16 @@ from tqdm.auto import tqdm
 
 from ffmem.config import Settings
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.explanations import (
+from ffmem.engine.explanations.description import describe
+from ffmem.engine.explanations.fitting import (
     START,
     CorpusCounts,
     Pattern,
-    PatternScores,
-    describe,
     dominant_sign,
     fit_pattern,
     previous_tokens,
 )
+from ffmem.engine.explanations.scoring import PatternScores
 from ffmem.engine.mining.corpus import length_bucketed_batches
 from ffmem.engine.model.hooks import capture
 from ffmem.engine.model.loaded import LoadedModel

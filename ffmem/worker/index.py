@@ -1,5 +1,6 @@
 """The stages of an index run: prepare (load → corpus → run and shards → project the values), mine a
-shard (checkpointed in the database) and finish (shade → store the layers → compose → neighbours).
+shard (checkpointed in the database) and finish (shade → store the layers → compose → neighbours: the steps of
+ffmem.worker.finishing).
 
 A worker (ffmem.worker.loop) takes each stage up as a step of the run's job: it prepares a queued
 job's run, mines any run's open shards and finishes runs whose shards are all done. Several workers on
@@ -11,7 +12,6 @@ shards merge exactly into the single-worker result.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +20,6 @@ from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
 
-import numpy as np
 import torch
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
@@ -29,16 +28,13 @@ from ffmem.config import Settings
 from ffmem.engine.mining.batches import mine_batches, shard_batches
 from ffmem.engine.mining.corpus import mined_from, mined_sentences, read_corpus, shard_size, tokenize
 from ffmem.engine.mining.mined_layer import MinedLayer, histogram_edges
-from ffmem.engine.mining.sentence_coefficients import sentence_coefficients
 from ffmem.engine.mining.state import MiningState
 from ffmem.engine.model.loaded import LoadedModel
-from ffmem.engine.relations.neighbours import memory_baselines, memory_neighbours, nearest_baseline
-from ffmem.engine.values.projection import project_layer, target_ranks
+from ffmem.engine.values.projection import project_layer
 from ffmem.engine.values.token_memories import TokenMemories
 from ffmem.store import (
     corpora,
     jobs,
-    key_examples,
     memory_search,
     memory_writes,
     runs,
@@ -48,9 +44,8 @@ from ffmem.store import (
 from ffmem.store.memory_lists import READOUTS, TRIGGERS
 from ffmem.store.models import Job, Run, Shard, ShardStatus
 from ffmem.store.specs import RunSpec, fingerprint
-from ffmem.worker.composition import explanations_step, weight_graph_step
-from ffmem.worker.explanations import ExplanationOptions
-from ffmem.worker.layer_results import following_tokens, next_token_ids, store_layer
+from ffmem.worker.finishing import STEPS, Finishing
+from ffmem.worker.layer_results import following_tokens
 from ffmem.worker.leases import Heartbeat
 from ffmem.worker.provenance import provenance, store_model
 
@@ -116,26 +111,8 @@ class IndexSummary:
     mining_seconds: float
     projection_seconds: float
     storing_seconds: float
-    shading_seconds: float = 0.0  # the second pass (IndexPipeline.shade)
+    shading_seconds: float = 0.0  # the second pass (ffmem.worker.finishing.shade)
     already_built: bool = False
-
-
-@dataclass
-class Finishing:
-    """What the steps of finishing a run share: its job and lease, its spec and model, the merged mining
-    state (until its layers are stored), the corpus (token ids, first mined positions, following tokens)
-    and, once shaded, each layer's shading (a key_examples.LayerShading)."""
-
-    job: Job
-    lease: Heartbeat
-    spec: RunSpec
-    loaded: LoadedModel
-    state: MiningState | None
-    token_ids: list[list[int]]
-    first_positions: list[int]
-    following: torch.Tensor
-    positions: int  # mined positions (the state's, kept when the state goes)
-    shading: dict[int, key_examples.LayerShading] = field(default_factory=dict)
 
 
 @dataclass
@@ -369,7 +346,8 @@ class IndexPipeline:
 
     # -- finish -----------------------------------------------------------------------------------
     def finish(self, job: Job, lease: Heartbeat) -> None:
-        """Every shard is mined: store the run, step by step, each step timed into `timings`."""
+        """Every shard is mined: store the run, step by step (ffmem.worker.finishing), each step timed into
+        `timings`."""
         spec = job.spec
         loaded = self.model(spec)
         with self.sessions() as session:
@@ -378,152 +356,26 @@ class IndexPipeline:
             # A finisher that died may have stored some results: they go before it starts again.
             runs.clear_results(session=session, run_id=job.run_id)
             session.commit()
-        run = Finishing(job, lease, spec, loaded, state, *self.corpus(corpus_id), positions=state.positions)
+        token_ids, first_positions, following = self.corpus(corpus_id)
+        run = Finishing(
+            job=job,
+            lease=lease,
+            spec=spec,
+            loaded=loaded,
+            state=state,
+            token_ids=token_ids,
+            first_positions=first_positions,
+            following=following,
+            positions=state.positions,
+            pad_id=_pad_id(loaded),
+            sessions=self.sessions,
+            options=self.options,
+            timed=self.timed,
+        )
         del state
-        for name, step in (
-            ("shading", self.shade),
-            ("layers", self.store_layers),
-            ("weight_graph", self.store_weight_graph),
-            ("explanations", self.explain),
-            ("neighbours", self.store_neighbours),
-            ("closing", self.close),
-        ):
+        for name, step in STEPS:
             with self.timed(name):
                 step(run)
-
-    def shade(self, run: Finishing) -> None:
-        """The second pass: each key's coefficient at every token of its first `shaded_triggers`
-        triggers of each sign and of its band samples (engine.sentence_coefficients), a LayerShading
-        per layer: one flat float32 array of all its sentences, key after key."""
-        state = run.state
-        counts, wanted = {}, {}
-        for layer in range(state.n_layers):
-            blocks = [
-                state.triggers(layer, sign)[1][:, : run.spec.shaded_triggers].numpy() for sign in (1, -1)
-            ]
-            blocks.append(state.layer(layer).sample_sentence.reshape(state.n_keys, -1))  # by bin, then slot
-            valid = [block >= 0 for block in blocks]  # triggers fill ranks 0 … n−1; samples any slot
-            counts[layer] = np.stack([v.sum(axis=1) for v in valid], axis=1)  # [keys, 3]
-            sentences = np.concatenate([block for block in blocks], axis=1)  # [keys, 2S + bins·samples]
-            keep = np.concatenate(valid, axis=1)  # [keys, …]
-            keys = np.broadcast_to(np.arange(state.n_keys)[:, None], keep.shape)
-            wanted[layer] = np.stack([keys[keep], sentences[keep]], axis=1)  # [n, 2] key-major, in order
-        bar = tqdm(desc="shading", unit="sent", disable=not self.options.progress)
-
-        def report(done: int, total: int) -> None:
-            bar.total, bar.n = total, done
-            bar.refresh()
-
-        found = sentence_coefficients(
-            run.loaded,
-            run.token_ids,
-            mined_from(run.first_positions, first_position=run.spec.first_position),
-            wanted,
-            batch_tokens=run.spec.batch_tokens,
-            pad_id=_pad_id(run.loaded),
-            report=report,
-        )
-        bar.close()
-        for layer, (values, offsets) in found.items():
-            run.shading[layer] = key_examples.LayerShading(values, offsets, counts[layer])
-
-    def store_layers(self, run: Finishing) -> None:
-        """Each layer's triggers and key statistics (with key–value agreement) and its key examples,
-        committed a layer at a time."""
-        run_id, loaded, state = run.job.run_id, run.loaded, run.state
-        with self.sessions() as session:
-            for layer in tqdm(
-                range(loaded.n_layers), desc="storing", unit="layer", disable=not self.options.progress
-            ):
-                with self.timed("projection"):
-                    _, sentence, position = state.triggers(layer, 1)  # [keys, T] each
-                    next_tokens = next_token_ids(run.following, sentence, position)  # [keys, T]
-                    ranks = target_ranks(loaded, layer, next_tokens[:, 0])  # [keys]
-                    norms = loaded.value_norms[layer].cpu()  # [keys]
-                with self.timed("storing"):
-                    store_layer(session, run_id, layer, state, next_tokens, ranks, norms)
-                    key_examples.store_key_examples(
-                        session=session,
-                        run_id=run_id,
-                        layer=layer,
-                        mined=state.layer(layer),
-                        shading=run.shading.pop(layer),
-                    )
-                    run.lease.check(session)
-                    session.commit()
-            with self.timed("storing"):
-                self.store_sentence_triggers(session, run)
-                run.lease.check(session)
-                session.commit()
-        run.state = state = None  # all stored: the steps after read the store and the model
-        release_freed_memory()  # the shading and the state: gigabytes at 131,072 memories
-
-    def store_sentence_triggers(self, session: Session, run: Finishing) -> None:
-        """The run's positive triggers grouped by sentence, for free-text search."""
-        n_keys, state = run.loaded.n_keys, run.state
-        parts = []
-        for layer in range(run.loaded.n_layers):
-            coefficient, sentence, position = state.triggers(layer, 1)  # [keys, T] each
-            memory = layer * n_keys + torch.arange(n_keys)[:, None].expand_as(sentence)  # [keys, T]
-            parts.append([t.reshape(-1).numpy() for t in (memory, sentence, position, coefficient)])
-        memory, sentence, position, coefficient = (np.concatenate(p) for p in zip(*parts, strict=True))
-        memory_writes.store_sentence_triggers(
-            session=session,
-            run_id=run.job.run_id,
-            memory=memory,
-            sentence_index=sentence,
-            position=position,
-            coefficient=coefficient,
-        )
-
-    def store_weight_graph(self, run: Finishing) -> None:
-        """Which memories write into which keys, from the weights (ffmem.worker.composition)."""
-        weight_graph_step(self.sessions, run.job.run_id, run.loaded, lease=run.lease)
-
-    def explain(self, run: Finishing) -> None:
-        """Every memory described and scored, as the run's spec says (ffmem.worker.explanations)."""
-        options = ExplanationOptions.of(run.spec, self.options)
-        explanations_step(self.sessions, run.job.run_id, run.loaded, options, lease=run.lease)
-
-    def store_neighbours(self, run: Finishing) -> None:
-        """Each memory's nearest memories by key and by value direction. They need no corpus, but at
-        prepare they would hold back the run's first results; here they add to its finish."""
-        loaded = run.loaded
-        bar = tqdm(desc="neighbours", unit="block pair", disable=not self.options.progress)
-
-        def report(kind: str, done: int, total: int) -> None:  # keys, then values: `total` pairs each
-            bar.total = 2 * total
-            bar.set_description(f"neighbours by {kind}", refresh=False)
-            bar.n = done + (total if kind == "value" else 0)
-            bar.refresh()
-
-        found = memory_neighbours(loaded, report=report)
-        bar.close()
-        neighbours = {kind: (index.numpy(), cosine.numpy()) for kind, (index, cosine) in found.items()}
-        nearest = {
-            kind: nearest_baseline(cosines, loaded.n_keys).numpy() for kind, (_, cosines) in found.items()
-        }
-        with self.sessions() as session:
-            memory_search.store_neighbours(
-                session=session,
-                run_id=run.job.run_id,
-                n_keys=loaded.n_keys,
-                neighbours=neighbours,
-                baselines=memory_baselines(loaded),  # what random pairs reach, per layer
-                nearest=nearest,  # what any memory's r-th nearest reaches, per layer
-            )
-            session.commit()
-
-    def close(self, run: Finishing) -> None:
-        """The run is done: its job too; the analyses waiting for it get it; its mined layers go."""
-        job = run.job
-        with self.sessions() as session:
-            run.lease.check(session)
-            runs.finish_run(session=session, run_id=job.run_id, n_tokens=run.positions)
-            jobs.finish_job(session=session, job_id=job.id)
-            jobs.attach_analyses(session=session, index_job=job)
-            shards.drop_layers(session=session, run_id=job.run_id)
-            session.commit()
 
     # -- what the stages read and measured --------------------------------------------------------
     def corpus(self, corpus_id: int) -> tuple[list[list[int]], list[int], torch.Tensor]:
@@ -607,15 +459,3 @@ def _pad_id(loaded: LoadedModel) -> int:
         if candidate is not None:
             return candidate
     return 0
-
-
-def release_freed_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing where the C library
-    is another). Storing the layers frees gigabytes at 131,072 memories, much of it in blocks under the
-    allocator's mmap threshold that it would keep otherwise: composition then starts from the size the
-    process needs, not the size it reached. Once a finish, as a trim walks the whole heap; and no
-    gc.collect: what is freed here has no cycles, and in the test suite collections doubled a finish."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: glibc's where it is glibc
-    except (OSError, AttributeError):
-        pass

@@ -7,16 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ffmem.engine.explanations import (
-    START,
-    CorpusCounts,
-    LayerPatterns,
-    Pattern,
-    PatternScores,
-    describe,
-    dominant_sign,
-    fit_pattern,
-)
+from ffmem.engine.explanations.description import describe
+from ffmem.engine.explanations.fitting import START, CorpusCounts, Pattern, dominant_sign, fit_pattern
+from ffmem.engine.explanations.scoring import LayerPatterns, PatternScores
 
 TEXTS = ["<pad>", " the", " city", " of", " Paris", " capital", " France", ".", " is", " river", "\n", " a"]
 T = {text.strip() or text: i for i, text in enumerate(TEXTS)}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from ffmem.engine.explanations import Pattern, describe, quoted
+from ffmem.engine.explanations.description import describe, quoted
+from ffmem.engine.explanations.fitting import Pattern
 from ffmem.engine.values.token_display import byte_alphabet, byte_form, piece_bytes, visible
 from ffmem.store import vocabularies
 from ffmem.store.models import LanguageModel, Token

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 import torch
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ffmem.config import Settings
@@ -18,13 +18,23 @@ from ffmem.engine.model.loading import load_model
 from ffmem.engine.relations.weight_graph import weight_graph
 from ffmem.store import composition
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.models import Analysis, Explanation, Job, JobKind, JobStatus, MemoryLinks
+from ffmem.store.models import (
+    Analysis,
+    Explanation,
+    Job,
+    JobKind,
+    JobStatus,
+    MemoryLinks,
+    NeighbourBaseline,
+    Neighbours,
+)
 from ffmem.store.specs import CompositionSpec, fingerprint
 from ffmem.worker.composition import compose, explanations_step, weight_graph_step
 from ffmem.worker.explanations import ExplanationOptions
 from ffmem.worker.index import IndexOptions
 from ffmem.worker.leases import LostLease
 from ffmem.worker.loop import Worker, build_index
+from ffmem.worker.neighbours import neighbours_step
 
 PLANTED = 7  # the key of layer 0 that fires on "Paris"
 PARIS = [
@@ -302,6 +312,31 @@ def test_a_step_that_lost_its_lease_commits_nothing(planted_run, planted):
     with sessions() as session:
         assert {a.name: a.seconds for a in session.scalars(select(Analysis))} == analyses_before
         assert session.scalar(select(func.count()).select_from(MemoryLinks)) == links_before
+
+
+def test_a_neighbours_step_that_lost_its_lease_commits_nothing(planted_run, planted):
+    """Issue 40 (7): the neighbours step checks the lease before it commits, as the steps above do: its rows,
+    gone here, stay gone; with a lease it holds (none here) it stores them again."""
+    sessions, run_id = planted_run
+
+    def count() -> tuple[int, int]:
+        with sessions() as session:
+            return tuple(
+                session.scalar(select(func.count()).select_from(table).where(table.run_id == run_id))
+                for table in (Neighbours, NeighbourBaseline)
+            )
+
+    stored = count()
+    assert stored == (3 * 48, 3 * 2)  # a row a memory (3 layers of 48 keys); a baseline a layer and kind
+    with sessions() as session:
+        for table in (Neighbours, NeighbourBaseline):
+            session.execute(delete(table).where(table.run_id == run_id))
+        session.commit()
+    with pytest.raises(LostLease):
+        neighbours_step(sessions, run_id, planted, lease=_Lost())
+    assert count() == (0, 0)
+    neighbours_step(sessions, run_id, planted)
+    assert count() == stored
 
 
 def test_ffmem_compose_queues_a_composition_job_that_a_worker_takes(planted_run, planted):

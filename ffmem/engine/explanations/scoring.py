@@ -1,25 +1,4 @@
-"""Explanations without an API key: a short description of each memory read off its index, and a score
-for how well that description predicts the key on text the run never mined.
-
-**The pattern** (`fit_pattern`) is a token table fitted on what the index holds about a memory: the
-coefficient at every token of its shaded sentences (its top triggers of each sign and its band samples:
-ffmem.store.key_examples), never on held-out text. The memory's *sign* is the side of its larger
-|coefficient| in the mined corpus (−1 where its strongest triggers are negative); the pattern predicts
-sign · m. Each token's *weight* is its mean sign · m over the shaded positions it ends, shrunk towards the
-mean of all of them by `PRIOR` positions' worth, less that mean: how far above (or below) the memory's
-typical value the token puts it. The pattern keeps the `MAX_TOKENS` tokens that matter most — by their
-count in the corpus × weight², those with at least `LEAST_IMPORTANCE` of the first's — and the
-`MAX_PAIRS` (previous token, token) pairs whose own weight (shrunk towards their token's) differs most
-from their token's, by the same measure.
-
-A position's **match** is the weight of its pair (its token after the previous one) where the pattern
-lists it, else the weight of its token, else 0: the sign · m it expects there, above the typical value.
-
-**The description** (`describe`) names the pattern, each weight in m's units (sign · weight, to three
-significant digits as stored): where the memory is strongest (m > 0, or m < 0 for sign −1: the tokens
-that move it furthest that way), the pairs ("after “ of”: “ Paris” +1.2"), the tokens that move it the
-opposite way, how many more it weighs; then its value's top tokens (what it promotes) and its
-shallowness where the analyses measured it.
+"""A pattern's score on text the run never mined (ffmem.engine.explanations).
 
 **The score** (`PatternScores`) is the Pearson correlation, over every position of the held-out
 sentences (from the first mined position on, never position 0), between the match and sign · m there:
@@ -36,48 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ffmem.engine.values.token_display import visible
+from ffmem.engine.explanations.fitting import MAX_PAIRS, MAX_TOKENS, START, Pattern, pair_code
 
-MAX_TOKENS, MAX_PAIRS = 64, 16  # tokens and (previous token, token) pairs a pattern weighs
-PRIOR = 3.0  # shaded positions' worth of the memory's mean a weight is shrunk towards
-LEAST_IMPORTANCE = 0.01  # a token or pair kept matters at least this share of the first (count × weight²)
-SHOWN_RAISE, SHOWN_LOWER, SHOWN_PAIRS = 6, 3, 3  # tokens and pairs the description names
-VALUE_TOKENS = 3  # promoted tokens named in the description
 MAX_LEVEL = MAX_TOKENS + MAX_PAIRS  # a position's match level: 0 none, then each token, then each pair
-START = -1  # the previous token of a sentence's first
-
-
-@dataclass
-class Pattern:
-    """A memory's token table (see the module docstring)."""
-
-    sign: int = 1  # +1: the pattern predicts m; −1: −m
-    final: list[int] = field(default_factory=list)  # the position's token is one of these…
-    weights: list[float] = field(default_factory=list)  # …and the match is its weight
-    pairs: list[list[int]] = field(default_factory=list)  # [previous token (START: none), token]…
-    pair_weights: list[float] = field(default_factory=list)  # …whose weight wins over the token's
-
-    def to_dict(self) -> dict:
-        """Its fields as plain lists (dataclasses.asdict deep-copies element by element: ~1 ms a pattern,
-        most of describing a run's 46,080 memories)."""
-        return {
-            "sign": self.sign,
-            "final": list(self.final),
-            "weights": list(self.weights),
-            "pairs": [list(pair) for pair in self.pairs],
-            "pair_weights": list(self.pair_weights),
-        }
-
-
-@dataclass
-class Description:
-    text: str
-    pattern: Pattern
+_ABSENT = torch.iinfo(torch.long).max  # a code no token or pair has: ends every sorted lookup
 
 
 @dataclass
@@ -91,140 +37,6 @@ class PatternScore:
 
     def details(self) -> dict:
         return {"positions": self.positions, "matches": self.matches, "auroc": self.auroc}
-
-
-@dataclass
-class CorpusCounts:
-    """How often each token and each (previous token, token) pair occurs in the mined corpus."""
-
-    tokens: np.ndarray  # [vocab] int64
-    pairs: np.ndarray  # [distinct pairs] int64 pair codes (pair_code), sorted
-    pair_counts: np.ndarray  # [distinct pairs] int64
-
-    @classmethod
-    def of(cls, token_ids: Sequence[Sequence[int]], vocab_size: int) -> CorpusCounts:
-        ids = [np.asarray(s, dtype=np.int64) for s in token_ids if len(s)]
-        tokens = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-        codes = np.concatenate([pair_code(previous_tokens(s), s) for s in ids]) if ids else tokens
-        pairs, counts = np.unique(codes, return_counts=True)
-        return cls(np.bincount(tokens, minlength=vocab_size), pairs, counts)
-
-    def of_pairs(self, codes: np.ndarray) -> np.ndarray:
-        """[codes] int64: each pair's count (0 where it never occurs)."""
-        if not len(self.pairs):
-            return np.zeros(len(codes), np.int64)
-        row = np.searchsorted(self.pairs, codes).clip(max=len(self.pairs) - 1)
-        return np.where(self.pairs[row] == codes, self.pair_counts[row], 0)
-
-
-def previous_tokens(ids: np.ndarray) -> np.ndarray:
-    """[len] each position's previous token, START at the first."""
-    return np.concatenate([[START], ids[:-1]]).astype(np.int64)
-
-
-def pair_code(previous, token):
-    """One int64 for a (previous token, token) pair (START allowed), numpy or torch alike."""
-    return (previous + 1) * 2**32 + token
-
-
-def dominant_sign(largest: float | None, smallest: float | None) -> int:
-    """A memory's sign from its largest and smallest coefficients in the mined corpus (None: unknown): −1
-    where the smallest is negative and larger in size than the largest, else +1."""
-    return -1 if smallest is not None and -smallest > (largest if largest is not None else 0.0) else 1
-
-
-def _significant(value: float) -> float:
-    return float(f"{value:.3g}")
-
-
-def fit_pattern(
-    tokens: np.ndarray, previous: np.ndarray, m: np.ndarray, sign: int, counts: CorpusCounts
-) -> Pattern:
-    """The pattern fitted on some mined positions of a memory: their tokens, previous tokens (START at a
-    sentence's start) and coefficients ([positions] each), with the memory's sign and the corpus's counts."""
-    if not len(m):
-        return Pattern(sign=sign)
-    m = sign * np.asarray(m, dtype=np.float64)  # [positions]
-    mean = m.mean()
-    distinct, row = np.unique(np.asarray(tokens, np.int64), return_inverse=True)  # [tokens], [positions]
-    fitted = _shrunk(row, m, mean) - mean  # [tokens]
-    final = _most_important(counts.tokens[distinct] * fitted**2, MAX_TOKENS)
-    weights = np.zeros(len(distinct))  # [tokens] as the pattern has them: 0 where it lists none
-    weights[final] = [_significant(w) for w in fitted[final]]
-    codes, row = np.unique(pair_code(np.asarray(previous, np.int64), distinct[row]), return_inverse=True)
-    alone = weights[np.searchsorted(distinct, codes % 2**32)]  # [pairs] their token's weight
-    own = _shrunk(row, m, mean + alone) - mean  # [pairs]
-    pairs = _most_important(counts.of_pairs(codes) * (own - alone) ** 2, MAX_PAIRS)
-    return Pattern(
-        sign=sign,
-        final=distinct[final].tolist(),
-        weights=weights[final].tolist(),
-        pairs=[[int(c // 2**32) - 1, int(c % 2**32)] for c in codes[pairs]],
-        pair_weights=[_significant(w) for w in own[pairs]],
-    )
-
-
-def _shrunk(row: np.ndarray, m: np.ndarray, towards) -> np.ndarray:
-    """Each group's mean of m (`row`: each position's group), shrunk towards `towards` (per group or one
-    value) by PRIOR positions' worth."""
-    return (np.bincount(row, weights=m) + PRIOR * towards) / (np.bincount(row) + PRIOR)
-
-
-def _most_important(importance: np.ndarray, most: int) -> np.ndarray:
-    """The rows of the `most` largest importances, largest first (ties by row), that are above 0 and at
-    least LEAST_IMPORTANCE of the largest."""
-    order = np.argsort(-importance, kind="stable")[:most]
-    if not len(order) or importance[order[0]] <= 0:
-        return order[:0]
-    return order[importance[order] >= LEAST_IMPORTANCE * importance[order[0]]]
-
-
-def quoted(text: str) -> str:
-    """A token as the description names it: in quotes, made visible as on every page (↵, ⇥, ⟨U+200B⟩,
-    ∅; ffmem.engine.values.token_display) but for its spaces, which the quotes show."""
-    return "“" + visible(text, spaces=False) + "”"
-
-
-def describe(
-    pattern: Pattern, value_tokens: Sequence[int], shallowness: float | None, texts: Sequence[str]
-) -> Description:
-    """A memory's description: its pattern, its value's top tokens (strongest first) and its shallowness
-    (or None); `texts` names every token id (as the pages do: a byte-level token as its bytes, ⟨0x80⟩)."""
-    weighed = sorted(zip(pattern.weights, pattern.final, strict=True), key=lambda item: (-item[0], item[1]))
-    raise_, lower = [i for i in weighed if i[0] > 0], [i for i in weighed[::-1] if i[0] < 0]
-    pairs = sorted(
-        zip(pattern.pair_weights, pattern.pairs, strict=True), key=lambda item: (-abs(item[0]), item[1])
-    )
-
-    def named(items) -> str:  # each weight in m's units: sign · weight
-        return ", ".join(f"{quoted(texts[t])} {pattern.sign * w:+.3g}" for w, t in items)
-
-    parts = []
-    if raise_:
-        parts.append(f"strongest (m {'>' if pattern.sign > 0 else '<'} 0) at " + named(raise_[:SHOWN_RAISE]))
-    for weight, (before, token) in pairs[:SHOWN_PAIRS]:
-        after = "the start" if before == START else quoted(texts[before])
-        parts.append(f"after {after}: {named([(weight, token)])}")
-    if lower:
-        parts.append("opposite at " + named(lower[:SHOWN_LOWER]))
-    more = sum(
-        max(0, len(items) - shown)
-        for items, shown in ((raise_, SHOWN_RAISE), (lower, SHOWN_LOWER), (pairs, SHOWN_PAIRS))
-    )
-    if more:
-        parts.append(f"{more} more weighed")
-    if not parts:
-        parts.append("no token sets it apart in its shaded sentences")
-    if value_tokens:
-        parts.append("promotes " + ", ".join(quoted(texts[t]) for t in list(value_tokens)[:VALUE_TOKENS]))
-    if shallowness is not None:
-        parts.append(f"{'shallow' if shallowness >= 0.5 else 'semantic'} (shallowness {shallowness:.2f})")
-    return Description(text="; ".join(parts), pattern=pattern)
-
-
-# ---- scoring on held-out text -------------------------------------------------------------------
-
-_ABSENT = torch.iinfo(torch.long).max  # a code no token or pair has: ends every sorted lookup
 
 
 def _lookup(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
