@@ -25,9 +25,6 @@ from ffmem.store.key_examples import BandSample, QuadrantExample, StoredExamples
 from ffmem.store.memory_lists import TRIGGERS, Trigger, ValueToken
 from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, Run, RunStatus
 
-# ffmem.store.progress holds these two; the web imports them from here still (web/views.py, web/pages/jobs.py)
-from ffmem.store.progress import mining_job, run_progress  # noqa: F401
-
 
 @dataclass(frozen=True)
 class LayerFigures:

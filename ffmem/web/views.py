@@ -19,7 +19,7 @@ from typing_extensions import TypedDict  # pydantic needs this one before Python
 from ffmem.store.memory_lists import SentenceTrigger
 from ffmem.store.memory_lists import Trigger as TriggerRow
 from ffmem.store.models import JobKind, JobStatus, Label, LanguageModel, Run, Sentence
-from ffmem.store.results import mining_job
+from ffmem.store.progress import mining_job
 
 
 def _utc(moment: datetime) -> datetime:

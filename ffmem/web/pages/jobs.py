@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from ffmem.store import jobs
 from ffmem.store.models import Job, JobKind
-from ffmem.store.results import run_progress
+from ffmem.store.progress import run_progress
 from ffmem.web.views import JobInfo, RunInfo, run_info
 
 
