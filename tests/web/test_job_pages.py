@@ -73,6 +73,8 @@ def test_start_a_run_from_the_browser(client, tmp_path):
         "shard_sentences": 0,
         "value_tokens": 30,
         "token_memories": 32,
+        "explain_sentences": 1000,
+        "explainer_model": "",
     }
     page = client.get("/jobs/1").text
     assert 'hx-trigger="every 1s"' in page and "waiting for a worker" in page
