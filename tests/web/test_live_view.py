@@ -44,7 +44,7 @@ TRACE_FIELDS = {
     "page", "title", "model", "n_layers", "n_keys", "text", "position", "readout", "memories", "generate",
     "interventions", "max_tokens", "worker", "notice", "run", "tokens", "prediction", "top_tokens", "layers",
     "heatmap", "edits", "generation", "cases", "unedited", "heatmap_mode", "notice_field", "target",
-    "attribution", "link", "prediction_prob",
+    "attribution", "link", "prediction_prob", "circuit_url",
 }  # fmt: skip
 LAYER_FIELDS = {
     "layer",
@@ -131,6 +131,20 @@ def test_trace_json_equals_the_engine_named_with_the_index(client, db, slug, tin
             assert memory["url"] == f"/m/{slug}/layers/{m.layer}/keys/{m.key}"
             assert memory["off_url"].endswith(f"intervene=L{m.layer}K{m.key}&memories=5")
         assert layer["agrees"] == any(m["agrees"] for m in layer["memories"])
+
+
+def test_the_circuit_is_opened_from_the_live_views_controls(client, slug):
+    """Issue 39 (5): a link beside the trace button opens this prompt's circuit (position, edits kept)."""
+    params = {"text": PROMPT, "position": 3, "intervene": "L1K7*-1"}
+    body = client.get(f"/m/{slug}/trace.json", params=params).json()
+    want = f"/m/{slug}/trace/circuit?text=The+capital+of+France+is&position=3&intervene=L1K7%2A-1"
+    assert body["circuit_url"] == want
+    page = client.get(f"/m/{slug}/trace", params=params).text
+    start = page.index('<div class="controls">')
+    controls = page[start : page.index("</form>", start)]
+    assert f'<a id="open-circuit" class="button-link" href="{escape(want)}"' in controls
+    assert client.get(want).status_code == 200
+    assert 'id="open-circuit"' not in client.get(f"/m/{slug}/trace").text  # no prompt: no circuit
 
 
 def test_interventions_in_the_url_rerun_the_prediction(client, slug, tiny):

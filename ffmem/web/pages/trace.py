@@ -158,6 +158,9 @@ class TraceContext(ModelPage):
     link: str | None = Field(
         None, description="This trace's URL, its share link; None: too long for a URL (sent by POST)"
     )
+    circuit_url: str | None = Field(
+        None, description="This prompt's memory circuit (its position, edits, readout and target)."
+    )
 
 
 def value_run(session: Session, model: LanguageModel) -> Run | None:
@@ -319,6 +322,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         )
         if unedited
         else None,
+        circuit_url=q.circuit_url(position=position),
         attribution=attribution_view(
             q.model.slug,
             lambda token: q.url(target=f"#{token}"),
