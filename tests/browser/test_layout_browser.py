@@ -1,4 +1,4 @@
-"""Issue 39 (5) in Chromium at 1,280 × 800: the layer table fits without a sideways scroll (its columns
+"""Issue 39 (4, 5) in Chromium at 1,280 × 800: the layer table fits without a sideways scroll (its columns
 balanced, long cells cut with their whole text as a tooltip) and the key page's "try your own text" box is a
 usable size.
 
@@ -53,3 +53,8 @@ def test_the_layer_table_fits_a_laptop_and_the_try_box_is_usable(page, server, s
     page.goto(f"{server}/m/{slug}/layers/1/keys/4")
     text = page.locator("#try-text-input").bounding_box()
     assert text["width"] >= 600 and text["height"] >= 90, text
+    # Issue 39 (4): the log axes of counts label their decades only (not "100, 5, 2, 10").
+    for chart in ("#histogram-chart", "#value-histogram-raw"):
+        page.wait_for_selector(f"{chart} .ytick text", state="attached")
+        labels = page.locator(f"{chart} .ytick text").all_text_contents()
+        assert labels and all(label in ("0.1", "1", "10", "100", "1000", "1k") for label in labels), labels
