@@ -269,11 +269,21 @@ def layer_keys(
     return total, page[::-1] if from_end else page
 
 
+def _dominant_share():
+    """A gated key's share of positions in its dominant quadrant (NULL for an ungated one)."""
+    return case(
+        *((KeyStats.dominant_quadrant == i, getattr(KeyStats, c)) for i, c in enumerate(QUADRANT_COLUMNS))
+    )
+
+
 def _key_order(sort: str, descending: bool, *, reverse: bool) -> list:
     """The layer table's order (`reverse`: backwards): by key, the primary key's (no sort); by a
-    statistic, NULLs last (`IS NULL` sorts false first on both databases), then it, then the key."""
+    statistic, NULLs last (`IS NULL` sorts false first on both databases), then it, then the key. By the
+    dominant quadrant: within each, by its share, the largest first."""
     column = getattr(KeyStats, sort)
     ordering = [column.desc() if descending != reverse else column.asc()]
+    if sort == "dominant_quadrant":
+        ordering.append(_dominant_share().asc() if reverse else _dominant_share().desc())
     if sort != "key":
         nulls = column.is_(None)
         ordering = [

@@ -262,7 +262,10 @@ class MiningResults:
         value = columns[sort][keys]  # NULLs (NaN) last, then by value, then by key
         missing = np.isnan(value)
         primary = np.where(missing, 0.0, -value if descending else value)
-        page = keys[np.lexsort((keys, primary, missing))][offset : offset + limit]
+        within = (
+            -shares.max(axis=1)[keys] if sort == "dominant_quadrant" else np.zeros(len(keys))
+        )  # largest first
+        page = keys[np.lexsort((keys, within, primary, missing))][offset : offset + limit]
         rows = [self._key_stats(mined, layer, int(key), probs[key]) for key in page]
         tops = {}
         for row in rows:

@@ -19,6 +19,7 @@ from ffmem.web.pages.key import MARKED_TOKENS, Histogram, ValueHistogramView, Va
 from ffmem.web.pages.model import LayerSummary
 
 POSITIVE, NEGATIVE, NEUTRAL = "#2b6cb0", "#c05621", "#4a5568"
+LOG_COUNTS = {"type": "log", "dtick": 1}  # a log axis of counts: a tick and a label at each power of ten only
 BASE_LAYOUT = {
     "margin": {"l": 60, "r": 20, "t": 36, "b": 48},
     "height": 320,
@@ -94,7 +95,7 @@ def coefficient_histogram(histogram: Histogram, marker: float | None = None) -> 
         "layout": BASE_LAYOUT
         | {
             "title": {"text": "coefficient histogram (octave bins)"},
-            "yaxis": {"type": "log", "title": {"text": "positions"}},
+            "yaxis": LOG_COUNTS | {"title": {"text": "positions"}},
             "xaxis": {"type": "category", "tickangle": -60, "tickfont": {"size": 9}},
             "margin": {"l": 60, "r": 20, "t": 36, "b": 110},
             "height": 360,
@@ -143,8 +144,8 @@ def value_histogram(view: ValueHistogramView, tokens: ValueReadout, readout: str
         | {
             "title": {"text": f"value → whole vocabulary ({readout})"},
             "xaxis": {"title": {"text": "logit"}},
-            "yaxis": {
-                "type": "log",
+            "yaxis": LOG_COUNTS
+            | {
                 "title": {"text": "tokens"},
                 "range": [math.log10(0.4), math.log10(2 * max(view.counts, default=1))],
             },

@@ -85,19 +85,30 @@ def trace_heatmap(ctx: TraceContext) -> dict:
 
 
 def residual_confidence(ctx: TraceContext) -> dict:
-    """Per layer: the probability of the final prediction under the residual (the paper's Fig. 10); with
-    edits, that of the edited pass and, dashed, the unedited pass's (each of its own final prediction)."""
-    x = [layer.layer for layer in ctx.layers]
+    """The probability of the final prediction under the residual (the paper's Fig. 10): a point per layer
+    for the residual entering its FF, and one after the last layer (the model's own probability of its
+    prediction, so the last FF's jump shows); with edits, that of the edited pass and, dashed, the unedited
+    pass's (each of its own final prediction)."""
+    n = len(ctx.layers)
+    x = [*(layer.layer for layer in ctx.layers), n]  # n: after the last layer
+    where = [f"entering layer {layer.layer}'s FF" for layer in ctx.layers] + ["after the last layer"]
+
+    def points(figures: list, final: float | None) -> list:
+        return [*(f.final_prob for f in figures), final]
+
     data = [
         {
             "type": "scatter",
             "mode": "lines+markers",
             "name": "edited" if ctx.unedited else "p(final | r)",
             "x": x,
-            "y": [layer.final_prob for layer in ctx.layers],
-            "marker": {"color": [POSITIVE if layer.settled else NEUTRAL for layer in ctx.layers]},
+            "y": points(ctx.layers, ctx.prediction_prob),
+            "text": where,
+            "marker": {
+                "color": [POSITIVE if layer.settled else NEUTRAL for layer in ctx.layers] + [POSITIVE]
+            },
             "line": {"color": POSITIVE},
-            "hovertemplate": "layer %{x}<br>p(final | r) %{y:.3f}<extra></extra>",
+            "hovertemplate": "%{text}<br>p(final | r) %{y:.3f}<extra></extra>",
         }
     ]
     if ctx.unedited:
@@ -107,23 +118,30 @@ def residual_confidence(ctx: TraceContext) -> dict:
                 "mode": "lines",
                 "name": "unedited",
                 "x": x,
-                "y": [layer.unedited.final_prob for layer in ctx.layers],
+                "y": points([layer.unedited for layer in ctx.layers], ctx.unedited.prediction_prob),
+                "text": where,
                 "line": {"color": NEUTRAL, "dash": "dash"},
-                "hovertemplate": "layer %{x}<br>unedited p(final | r) %{y:.3f}<extra></extra>",
+                "hovertemplate": "%{text}<br>unedited p(final | r) %{y:.3f}<extra></extra>",
             }
         )
     title = f"p({label(ctx.prediction.token if ctx.prediction else '')} | residual) by layer"
     if ctx.unedited:
         title = f"p(final | residual) by layer; final {label(ctx.prediction.token)} edited, "
         title += f"{label(ctx.unedited.prediction.token)} unedited"
+    step = 1 if n <= 16 else 2 if n <= 32 else 4
+    ticks = list(range(0, n, step))
     return {
         "data": data,
         "layout": BASE_LAYOUT
         | {
             "title": {"text": title},
             "showlegend": ctx.unedited is not None,
-            "height": 260,
-            "xaxis": {"title": {"text": "layer"}, "dtick": 1 if len(ctx.layers) <= 16 else 2},
+            "height": 280,
+            "xaxis": {
+                "title": {"text": "entering layer ℓ's FF · out: after the last layer"},
+                "tickvals": [*ticks, n],
+                "ticktext": [*map(str, ticks), "out"],
+            },
             "yaxis": {"title": {"text": "probability"}, "range": [0, 1]},
         },
     }

@@ -319,3 +319,46 @@ def test_a_search_under_way_is_shown_busy(watched, server, slug):
         and form.get_attribute("aria-busy") is None
     )
     assert page.locator("#results").evaluate("e => getComputedStyle(e).opacity") == "1"
+
+
+# ---- issue 39 (1): busy ends on every answer ----------------------------------------------------
+
+BUSY = "() => [...document.querySelectorAll('[aria-busy]')].map(e => e.id || e.tagName)"
+
+
+def test_busy_ends_after_an_error_or_no_answer_and_errors_are_logged_once(tab, server, slug):
+    """An error answer goes to its message slot; the panel and the form that asked stop being busy all
+    the same (only stale results stay dimmed), and htmx does not log what it showed as a console error."""
+    page, console = tab, []
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+    page.goto(f"{server}/m/{slug}/trace")
+    page.locator("#prompt").fill(LONG)
+    page.locator("#run-trace").click()
+    message_in(page, "#text-error", "Bad text: The prompt has")
+    assert page.evaluate(BUSY) == []
+    assert page.locator("#trace").evaluate("e => getComputedStyle(e).opacity") == "1"
+    page.route(re.compile(r"/trace\?"), lambda route: route.abort(), times=1)  # the network fails
+    page.locator("#prompt").fill(PROMPT)
+    page.locator("#run-trace").click()
+    assert message_in(page, "#trace-request-error", "No answer") == (
+        "No answer: the server could not be reached. Try again."
+    )
+    assert page.evaluate(BUSY) == [] and page.locator("#run-trace").is_enabled()
+    page.goto(f"{server}/m/{slug}/search")
+    page.locator("#q").fill("L99 K1")
+    message_in(page, "#q-error", "Layer not found")
+    assert page.evaluate(BUSY) == []
+    assert page.locator("#results").evaluate("e => getComputedStyle(e).opacity") == "0.4"  # stale
+    page.goto(key_page(server, slug))
+    page.locator("#try-text-input").fill(LONG)
+    page.locator("#try-text-run").click()
+    message_in(page, "#text-error", "Bad text: The prompt has")
+    assert page.evaluate(BUSY) == []
+    # Chromium logs each refused request once, htmx no more; a failed network htmx logs as it always does
+    network = ["htmx:afterRequest, [object HTMLDivElement]", "htmx:sendError, [object HTMLDivElement]"]
+    network.append("Failed to load resource: net::ERR_FAILED")
+    refused = [
+        f"Failed to load resource: the server responded with a status of {s}"
+        for s in ("400 (Bad Request)", "404 (Not Found)", "400 (Bad Request)")
+    ]
+    assert console == [refused[0], *network, *refused[1:]]

@@ -5,7 +5,10 @@ one error shape for bad input, 503 with Retry-After when the worker is down or f
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
+from html import unescape
 
 import httpx
 import pytest
@@ -42,7 +45,7 @@ TRACE_FIELDS = {
     "page", "title", "model", "n_layers", "n_keys", "text", "position", "readout", "memories", "generate",
     "interventions", "max_tokens", "worker", "notice", "run", "tokens", "prediction", "top_tokens", "layers",
     "heatmap", "edits", "generation", "cases", "unedited", "heatmap_mode", "notice_field", "target",
-    "attribution", "link",
+    "attribution", "link", "prediction_prob", "circuit_url",
 }  # fmt: skip
 LAYER_FIELDS = {
     "layer",
@@ -131,6 +134,20 @@ def test_trace_json_equals_the_engine_named_with_the_index(client, db, slug, tin
         assert layer["agrees"] == any(m["agrees"] for m in layer["memories"])
 
 
+def test_the_circuit_is_opened_from_the_live_views_controls(client, slug):
+    """Issue 39 (5): a link beside the trace button opens this prompt's circuit (position, edits kept)."""
+    params = {"text": PROMPT, "position": 3, "intervene": "L1K7*-1"}
+    body = client.get(f"/m/{slug}/trace.json", params=params).json()
+    want = f"/m/{slug}/trace/circuit?text=The+capital+of+France+is&position=3&intervene=L1K7%2A-1"
+    assert body["circuit_url"] == want
+    page = client.get(f"/m/{slug}/trace", params=params).text
+    start = page.index('<div class="controls">')
+    controls = page[start : page.index("</form>", start)]
+    assert f'<a id="open-circuit" class="button-link" href="{escape(want)}"' in controls
+    assert client.get(want).status_code == 200
+    assert 'id="open-circuit"' not in client.get(f"/m/{slug}/trace").text  # no prompt: no circuit
+
+
 def test_interventions_in_the_url_rerun_the_prediction(client, slug, tiny):
     params = {"text": PROMPT, "intervene": "L2K3,L1K7*-1", "generate": 4}
     body = client.get(f"/m/{slug}/trace.json", params=params).json()
@@ -166,6 +183,47 @@ def test_interventions_in_the_url_rerun_the_prediction(client, slug, tiny):
 EDITS = "L0K3=-20,L1K7*-1"  # on PROMPT they change the prediction of the tiny model
 
 
+def test_the_confidence_chart_ends_after_the_last_layer_at_the_prediction(client, slug, tiny):
+    """Issue 39 (2): a point per layer for the residual entering its FF, then one after the last layer: the
+    model's own probability of its prediction (edited and unedited passes alike), and the axis says so."""
+    body = client.get(f"/m/{slug}/trace.json", params={"text": PROMPT, "intervene": EDITS}).json()
+    ids = tiny.tokenizer(PROMPT).input_ids
+    with torch.inference_mode():
+        clean = tiny.model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        with intervene(tiny, [Intervention(0, 3, "set", -20.0), Intervention(1, 7, "scale", -1.0)]):
+            edited = tiny.model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+    prediction, was = body["prediction"]["token_id"], body["unedited"]["prediction"]["token_id"]
+    assert prediction == int(edited.argmax()) and was == int(clean.argmax()) != prediction
+    assert body["prediction_prob"] == pytest.approx(float(edited[prediction]), abs=1e-5)
+    assert body["unedited"]["prediction_prob"] == pytest.approx(float(clean[was]), abs=1e-5)
+    page = client.get(f"/m/{slug}/trace", params={"text": PROMPT, "intervene": EDITS}).text
+    figure = json.loads(unescape(re.search(r'id="confidence-chart" data-figure="([^"]*)"', page).group(1)))
+    mine, theirs = figure["data"]
+    assert mine["x"] == theirs["x"] == [0, 1, 2, 3]  # 3 layers, then after the last one
+    assert mine["y"] == [*(row["final_prob"] for row in body["layers"]), body["prediction_prob"]]
+    assert theirs["y"] == [
+        *(row["unedited"]["final_prob"] for row in body["layers"]),
+        body["unedited"]["prediction_prob"],
+    ]
+    assert mine["text"] == [
+        "entering layer 0's FF",
+        "entering layer 1's FF",
+        "entering layer 2's FF",
+        "after the last layer",
+    ]
+    axis = figure["layout"]["xaxis"]
+    assert (axis["tickvals"], axis["ticktext"]) == ([0, 1, 2, 3], ["0", "1", "2", "out"])
+    assert axis["title"]["text"] == "entering layer ℓ's FF · out: after the last layer"
+    fields = client.get("/openapi.json").json()["components"]["schemas"]
+    assert fields["LayerFiguresView"]["properties"]["final_prob"]["description"] == (
+        "Probability of that pass's final prediction under the residual entering layer ℓ's FF "
+        "(this layer's own FF not yet added; after the last layer: the trace's `prediction_prob`)."
+    )
+    assert fields["TraceContext"]["properties"]["prediction_prob"]["description"].startswith(
+        "The prediction's probability after the last layer (the model's output)"
+    )
+
+
 def test_with_edits_every_figure_is_the_edited_pass_with_the_unedited_beside(client, slug, tiny):
     """Issue 13: the layer table, p(final | r), rank, cases, settled and the heatmaps come from the forward
     pass under the edits (equal to a trace computed by hand under them); the unedited figures beside them
@@ -176,7 +234,12 @@ def test_with_edits_every_figure_is_the_edited_pass_with_the_unedited_beside(cli
     edits = [Intervention(0, 3, "set", -20.0), Intervention(1, 7, "scale", -1.0)]
     edited, clean = trace_by_hand(tiny, ids, p, "norm", edits), trace_by_hand(tiny, ids, p, "norm")
     assert edited.prediction != clean.prediction  # else this test could not tell the passes apart
-    assert set(body) == TRACE_FIELDS and set(body["unedited"]) == {"prediction", "heatmap", "cases"}
+    assert set(body) == TRACE_FIELDS and set(body["unedited"]) == {
+        "prediction",
+        "prediction_prob",
+        "heatmap",
+        "cases",
+    }
     assert body["prediction"]["token_id"] == edited.prediction
     assert body["unedited"]["prediction"]["token_id"] == clean.prediction
     for hand, heatmap, cases, layers in (

@@ -4,6 +4,9 @@ read here apart from ffmem.engine, over the sentences the run mined."""
 
 from __future__ import annotations
 
+import re
+from html import unescape
+
 import numpy as np
 import pytest
 import torch
@@ -126,7 +129,9 @@ def test_the_layer_table_sorts_by_the_dominant_quadrant_and_by_each_share(client
     table = client.get(f"/m/{slug}/layers/{LAYER}.json?sort=dominant_quadrant&per_page=100").json()
     assert table["gated"] is True
     dominant = shares.argmax(axis=1)
-    assert [k["key"] for k in table["keys"]] == np.lexsort((np.arange(len(shares)), dominant)).tolist()
+    keys = np.arange(len(shares))  # by quadrant, then by its share (the largest first), then by key
+    assert [k["key"] for k in table["keys"]] == np.lexsort((keys, -shares.max(axis=1), dominant)).tolist()
+    assert len(set(dominant)) > 1 and len(set(shares.max(axis=1))) > 4  # else the order could not tell
     for row in table["keys"]:
         assert row["dominant_quadrant"] == NAMES[dominant[row["key"]]]
         assert row["dominant_share"] == pytest.approx(shares[row["key"]].max())
@@ -134,7 +139,21 @@ def test_the_layer_table_sorts_by_the_dominant_quadrant_and_by_each_share(client
     assert [k["key"] for k in by_nn["keys"]] == np.lexsort((np.arange(len(shares)), -shares[:, 3]))[
         :5
     ].tolist()
-    assert ">quadrant</a>" in client.get(f"/m/{slug}/layers/{LAYER}").text
+    page = client.get(f"/m/{slug}/layers/{LAYER}").text
+    assert ">quadrant</a>" in page
+    sorts = re.search(r'<span class="share-sorts" id="quadrant-sorts">(.*?)</span>', page, re.S).group(1)
+    links = re.findall(r'<a href="([^"]+)"[^>]*title="([^"]+)">(\w+)</a>', sorts)
+    run = table["run"]["id"]
+    assert [(unescape(href), title, text) for href, title, text in links] == [
+        (
+            f"/m/{slug}/layers/{LAYER}?sort=quadrant_{q}&order=desc&per_page=50&run={run}",
+            f"by the share of positions in {name}",
+            q,
+        )
+        for q, name in zip(
+            NAMES, ("gate+ input+", "gate+ input−", "gate− input+", "gate− input−"), strict=True
+        )
+    ]
 
 
 def test_an_unknown_quadrant_is_refused_in_the_error_shape(client, slug):

@@ -154,10 +154,12 @@ class LayerFigures(BaseModel):
     """One layer at the selected position in one forward pass (token ids under the trace's readout)."""
 
     layer: int
-    top_r: int = Field(description="Top token of the residual before the FF.")
+    top_r: int = Field(description="Top token of the residual entering the layer's FF.")
     top_y: int = Field(description="Top token of the FF output.")
     top_o: int = Field(description="Top token of the layer output o = r + y.")
-    final_prob: float = Field(description="Probability of the pass's final prediction under r.")
+    final_prob: float = Field(
+        description="Probability of the pass's final prediction under r, the residual entering the layer's FF"
+    )
     final_rank: int = Field(description="Its 0-based rank under r.")
     case: Case
     settled: bool = Field(description="top(r) is already the final prediction.")

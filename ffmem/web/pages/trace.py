@@ -54,10 +54,13 @@ class TraceMemory(BaseModel):
 class LayerFiguresView(BaseModel):
     """A layer at the selected position in one forward pass."""
 
-    top_r: TokenRef = Field(description="The residual before the FF.")
+    top_r: TokenRef = Field(description="The residual entering layer ℓ's FF (before it).")
     top_y: TokenRef = Field(description="The FF output.")
     top_o: TokenRef = Field(description="The layer output.")
-    final_prob: float = Field(description="Probability of that pass's final prediction under the residual.")
+    final_prob: float = Field(
+        description="Probability of that pass's final prediction under the residual entering layer ℓ's FF "
+        "(this layer's own FF not yet added; after the last layer: the trace's `prediction_prob`)."
+    )
     final_rank: int
     case: str = Field(description="agreement | residual | ffn | composition.")
     settled: bool = Field(description="top(r) is already the final prediction.")
@@ -96,6 +99,9 @@ class UneditedTrace(BaseModel):
     """The trace's figures without the edits, beside those with them."""
 
     prediction: TokenRef
+    prediction_prob: float | None = Field(
+        description="Its probability after the last layer (the model's output)."
+    )
     heatmap: dict = Field(description='{"active": [layers][positions], "ff_logit": [layers][positions]}.')
     cases: dict[str, int] = Field(description="Layers per case.")
 
@@ -125,6 +131,11 @@ class TraceContext(ModelPage):
     tokens: list[PromptToken] = []
     # prediction, layers, heatmap and cases: the forward pass that was computed, with the edits if any
     prediction: TokenRef | None = None
+    prediction_prob: float | None = Field(
+        None,
+        description="The prediction's probability after the last layer (the model's output): the point "
+        "after the last layer's FF, where each layer's `final_prob` is the residual entering its FF.",
+    )
     top_tokens: list[TokenChangeView] = []
     layers: list[TraceLayer] = []
     heatmap: dict = Field({}, description='{"active": [layers][positions], "ff_logit": [layers][positions]}.')
@@ -146,6 +157,9 @@ class TraceContext(ModelPage):
     attribution: AttributionView | None = Field(None, description="Who pushes the target token, here.")
     link: str | None = Field(
         None, description="This trace's URL, its share link; None: too long for a URL (sent by POST)"
+    )
+    circuit_url: str | None = Field(
+        None, description="This prompt's memory circuit (its position, edits, readout and target)."
     )
 
 
@@ -256,6 +270,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
             )
         )
     position = answer.position
+    output = {c.token_id: c for c in answer.top_tokens}  # each pass's prediction is among them
     return TraceContext(
         **_query_fields(q, max_tokens) | {"position": position},
         worker={"status": "ready"},
@@ -265,6 +280,7 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
             for i, t in enumerate(answer.token_ids)
         ],
         prediction=ref(answer.prediction),
+        prediction_prob=output[answer.prediction].after if answer.prediction in output else None,
         top_tokens=[
             TokenChangeView(
                 before=c.before,
@@ -300,11 +316,13 @@ def trace_page(session: Session, live: LiveWorker, q: TraceQuery, max_tokens: in
         cases=_cases(answer.layers),
         unedited=UneditedTrace(
             prediction=ref(unedited.prediction),
+            prediction_prob=output[unedited.prediction].before if unedited.prediction in output else None,
             heatmap={"active": unedited.active, "ff_logit": unedited.ff_logit},
             cases=_cases(unedited.layers),
         )
         if unedited
         else None,
+        circuit_url=q.circuit_url(position=position),
         attribution=attribution_view(
             q.model.slug,
             lambda token: q.url(target=f"#{token}"),

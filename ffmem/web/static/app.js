@@ -23,6 +23,10 @@ function errorSlot(target) {
   target.insertAdjacentElement("beforebegin", slot);
   return slot;
 }
+// Results that no longer answer the form (data-stale-on-error) are dimmed until the next answer.
+function markStale(target) {
+  if (target && target.hasAttribute("data-stale-on-error")) target.classList.add("stale");
+}
 document.addEventListener("htmx:beforeSwap", function (event) {
   var detail = event.detail;
   if (!detail.isError || !detail.xhr.getResponseHeader("X-Error-Message")) return;
@@ -31,12 +35,23 @@ document.addEventListener("htmx:beforeSwap", function (event) {
   var slot = field ? document.getElementById(field + "-error") : null;
   if (!slot && target) slot = errorSlot(target === document.body ? document.querySelector("main") : target);
   if (!slot) return;
-  // Results that no longer answer the form (data-stale-on-error) are dimmed until the next answer.
-  if (target && target.hasAttribute("data-stale-on-error")) target.classList.add("stale");
+  markStale(target);
   detail.target = slot;
   detail.swapOverride = "innerHTML";
   detail.selectOverride = "unset";  // the whole message, whatever the element selects from an answer (hx-select)
+  detail.isError = false;  // shown where it belongs: htmx need not log it again as a console error
 });
+// No answer at all (the network failed, the request timed out): said just before the element it was for.
+function noAnswer(message) {
+  return function (event) {
+    var target = event.detail.target;
+    if (!target || !target.isConnected) return;
+    markStale(target);
+    errorSlot(target === document.body ? document.querySelector("main") : target).textContent = message;
+  };
+}
+document.addEventListener("htmx:sendError", noAnswer("No answer: the server could not be reached. Try again."));
+document.addEventListener("htmx:timeout", noAnswer("No answer: the server took too long. Try again."));
 // A file input refuses a file larger than the server accepts (data-max-bytes), before it is sent.
 document.addEventListener("change", function (event) {
   var input = event.target;
@@ -59,17 +74,21 @@ document.addEventListener("htmx:beforeRequest", function (event) {
 });
 // Busy while an htmx request runs: the element it will answer into (dimmed by app.css) and the form or
 // element that asked carry aria-busy, so the wait shows (a first token search can take seconds). Not
-// for a section that polls itself (hx-trigger="every 1s"): it would blink.
-function setBusy(detail, busy) {
+// for a section that polls itself (hx-trigger="every 1s"): it would blink. The elements marked are kept per
+// request: an error answer goes to its message slot (detail.target changes), and htmx:afterRequest comes
+// after every answer (success, error, network failure, timeout, abort), so busy always ends.
+var busyMarks = new WeakMap();  // the request's XMLHttpRequest → the elements it marked busy
+document.addEventListener("htmx:beforeRequest", function (event) {
+  var detail = event.detail;
   if (/^every /.test(detail.elt.getAttribute ? detail.elt.getAttribute("hx-trigger") || "" : "")) return;
-  [detail.target, detail.elt].forEach(function (element) {
-    if (!element || !element.setAttribute) return;
-    if (busy) element.setAttribute("aria-busy", "true");
-    else element.removeAttribute("aria-busy");
-  });
-}
-document.addEventListener("htmx:beforeRequest", function (event) { setBusy(event.detail, true); });
-document.addEventListener("htmx:afterRequest", function (event) { setBusy(event.detail, false); });
+  var marked = [detail.target, detail.elt].filter(function (element) { return element && element.setAttribute; });
+  marked.forEach(function (element) { element.setAttribute("aria-busy", "true"); });
+  busyMarks.set(detail.xhr, marked);
+});
+document.addEventListener("htmx:afterRequest", function (event) {
+  (busyMarks.get(event.detail.xhr) || []).forEach(function (element) { element.removeAttribute("aria-busy"); });
+  busyMarks.delete(event.detail.xhr);
+});
 // A field marked data-omit-empty stays out of the URL while it is empty (the live view's target: empty
 // means the default, the prediction, and `target=` is refused), for a plain submit and for htmx alike.
 document.addEventListener("formdata", function (event) {
