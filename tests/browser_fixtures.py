@@ -8,11 +8,13 @@ Skipped when Chromium is not installed, except on CI (env CI set), where that is
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,6 +43,13 @@ def serving(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def run_coroutine(coroutine):
+    """`asyncio.run(coroutine)` on a thread of its own: the session's Playwright keeps an event loop
+    running on the test process's main thread, where a second one cannot start."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from html import unescape
 import httpx
 import pytest
 import torch
+from browser_fixtures import run_coroutine
 from fastapi.testclient import TestClient
 from hand_trace import trace_by_hand
 from markupsafe import escape
@@ -453,7 +454,7 @@ def test_a_full_queue_answers_503_with_retry_after(tiny, tiny_model_dir):
         await asyncio.gather(*blocked)
         return refused.value
 
-    refused = asyncio.run(burst())
+    refused = run_coroutine(burst())
     assert (refused.status, refused.retry_after) == (503, 1)
     assert refused.message == "the live worker is busy (2 traces waiting); try again shortly"
     assert live.pending == 0

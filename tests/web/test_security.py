@@ -5,7 +5,6 @@ and start."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import socket
@@ -13,7 +12,7 @@ import threading
 from select import select as readable
 
 import pytest
-from browser_fixtures import serving
+from browser_fixtures import run_coroutine, serving
 from fastapi.testclient import TestClient
 from sqlalchemy import func, make_url, select
 from sqlalchemy.exc import OperationalError
@@ -218,7 +217,7 @@ class Recorder:
         async def send(message):
             sent.append(message)
 
-        asyncio.run(self.limits(scope, receive, send))
+        run_coroutine(self.limits(scope, receive, send))
         return sent[0]["status"], received[0]
 
 
