@@ -3,6 +3,7 @@ and the store never import torch: import-linter checks the contracts in pyprojec
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -70,3 +71,48 @@ def test_a_module_left_out_of_the_architecture_page_is_caught(tmp_path):
     (package / "store" / "nowhere.py").write_text("")
     found = set(unnamed_modules(doc, package)) - set(unnamed_modules(doc, ROOT / "ffmem"))
     assert found == {"ffmem/engine/mining/unheard_of.py", "ffmem/store/nowhere.py"}
+
+
+SQL_CALLS = {"execute", "scalar", "scalars", "query", "get"}  # a session's ways to run SQL
+
+
+def pages_with_sql(pages: Path) -> list[str]:
+    """The modules of `pages` (ffmem/web/pages/) that import SQLAlchemy or run SQL on a session
+    (`session.execute(…)`, `.scalars`, …): a page asks the store, which owns every query."""
+    found = []
+    for module in sorted(pages.rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                target = node.func.value
+                names = []
+                if isinstance(target, ast.Name) and target.id == "session" and node.func.attr in SQL_CALLS:
+                    found.append(f"{module.name}: session.{node.func.attr}")
+            else:
+                continue
+            found += [f"{module.name}: import {name}" for name in names if name.split(".")[0] == "sqlalchemy"]
+    return found
+
+
+def test_pages_ask_the_store_and_write_no_sql():
+    assert pages_with_sql(ROOT / "ffmem" / "web" / "pages") == []
+
+
+def test_sql_in_a_page_is_caught(tmp_path):
+    pages = tmp_path / "pages"
+    shutil.copytree(ROOT / "ffmem" / "web" / "pages", pages, ignore=shutil.ignore_patterns("__pycache__"))
+    (pages / "planted.py").write_text(
+        "from sqlalchemy.orm import Session\n"
+        "import sqlalchemy as sa\n\n\n"
+        "def rows(session: Session):\n"
+        "    return session.execute(sa.text('SELECT 1')), session.scalars(None)\n"
+    )
+    assert pages_with_sql(pages) == [
+        "planted.py: import sqlalchemy.orm",
+        "planted.py: import sqlalchemy",
+        "planted.py: session.execute",
+        "planted.py: session.scalars",
+    ]

@@ -4,10 +4,9 @@ memory's links in its run's weight graph, its automatic explanation, and explana
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from ffmem.store import composition, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.models import Explanation, Run
 from ffmem.web import urls
 
@@ -132,7 +131,7 @@ def weight_graph_view(session: Session, slug: str, run: Run, layer: int, key: in
     if links is None:
         return None
     others = {(link.layer, link.key) for direction in links.values() for link in direction}
-    texts = explanation_texts(session, run.id, others)
+    texts = composition.explanation_texts(session=session, run_id=run.id, memories=others)
 
     def view(link) -> LinkView:
         return LinkView(
@@ -144,21 +143,6 @@ def weight_graph_view(session: Session, slug: str, run: Run, layer: int, key: in
         )
 
     return WeightGraphView(inbound=[view(x) for x in links["in"]], outbound=[view(x) for x in links["out"]])
-
-
-def explanation_texts(session: Session, run_id: int, memories: set[tuple[int, int]]) -> dict:
-    """(layer, key) → explanation text, for those of `memories` the run explains."""
-    if not memories:
-        return {}
-    # Layers IN and keys IN (then the pairs kept here): primary-key lookups, where a row-value IN makes
-    # SQLite read the whole run's explanations.
-    query = select(Explanation.layer, Explanation.key, Explanation.text).where(
-        Explanation.run_id == run_id,
-        Explanation.layer.in_(sorted({layer for layer, _ in memories})),
-        Explanation.key.in_(sorted({key for _, key in memories})),
-    )
-    found = {(layer, key): text for layer, key, text in session.execute(query)}
-    return {memory: text for memory, text in found.items() if memory in memories}
 
 
 def explanation_view(found: Explanation) -> ExplanationView:

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.config import Settings
 from ffmem.engine.mining.text_files import CorpusError, corpus_file, text_lines
 from ffmem.store import corpora
+from ffmem.store.db import Session
 from ffmem.web.errors import AppError, sentence
 from ffmem.web.security import upload_too_large
 from ffmem.web.views import Moment

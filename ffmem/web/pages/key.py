@@ -7,9 +7,9 @@ import math
 import random
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import corpora, memory_labels, value_histograms, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
