@@ -3,9 +3,11 @@ memory's links in its run's weight graph, its automatic explanation, and explana
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import BaseModel, Field
 
-from ffmem.store import composition, vocabularies
+from ffmem.store import composition
 from ffmem.store.db import Session
 from ffmem.store.models import Explanation, Run
 from ffmem.web import urls
@@ -89,23 +91,25 @@ class ExplanationHit(ExplanationView):
     url: str
 
 
-def key_explanation(session: Session, run: Run, layer: int, key: int) -> KeyExplanation | None:
-    """The key page's automatic explanation with its token table (None where the run has none)."""
+def key_explanation(
+    session: Session, run: Run, layer: int, key: int, texts: Mapping[int, str]
+) -> KeyExplanation | None:
+    """The key page's automatic explanation with its token table (None where the run has none), its tokens
+    named from `texts` (the model's vocabulary, read once by the key page)."""
     found = composition.get_explanation(session=session, run_id=run.id, layer=layer, key=key)
     if found is None:
         return None
     view = KeyExplanation(**explanation_view(found).model_dump())
     pattern = composition.explanation_pattern(found)
     if pattern and "weights" in pattern:
-        view.table = token_table(session, run, pattern)
+        view.table = token_table(pattern, texts)
     return view
 
 
-def token_table(session: Session, run: Run, pattern: dict) -> TokenTable:
-    """A stored token table with its tokens' texts, its weights in m's units as the description gives them
-    (the stored ones are in units of sign · m), each list by |weight|, the largest first."""
-    ids = [*pattern["final"], *(t for pair in pattern["pairs"] for t in pair)]
-    texts = vocabularies.token_texts(session=session, model_id=run.model_id, token_ids=ids)
+def token_table(pattern: dict, texts: Mapping[int, str]) -> TokenTable:
+    """A stored token table with its tokens' texts (from `texts`, token id → text), its weights in m's units
+    as the description gives them (the stored ones are in units of sign · m), each list by |weight|, the
+    largest first."""
     sign = pattern["sign"]
     tokens = [
         WeightedToken(token_id=t, token=texts.get(t, ""), weight=sign * w)
