@@ -85,6 +85,26 @@ def why_not_comparable(a: Run, b: Run) -> str | None:
     return None
 
 
+def comparable_runs(*, session: Session, run: Run, limit: int = 200) -> list[Run]:
+    """Finished runs other than `run` whose models have its model's shape, newest first."""
+    n_layers, n_keys, d_model, gated = shape(run.model)
+    query = (
+        select(Run)
+        .join(LanguageModel, Run.model_id == LanguageModel.id)
+        .where(
+            Run.status == RunStatus.done,
+            Run.id != run.id,
+            LanguageModel.n_layers == n_layers,
+            LanguageModel.n_keys == n_keys,
+            LanguageModel.d_model == d_model,
+            LanguageModel.gated == gated,
+        )
+        .order_by(Run.id.desc())
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
 def basis(a: Run, b: Run) -> str:
     """What the trigger overlap compares: sentence indices in one corpus, else trigger texts."""
     return "sentences" if a.corpus_id == b.corpus_id else "texts"

@@ -163,6 +163,23 @@ def get_explanation(*, session: Session, run_id: int, layer: int, key: int) -> E
     return session.get(Explanation, (run_id, layer, key), options=[undefer(Explanation.token_table)])
 
 
+def explanation_texts(
+    *, session: Session, run_id: int, memories: set[tuple[int, int]]
+) -> dict[tuple[int, int], str]:
+    """(layer, key) → explanation text, for those of `memories` the run explains."""
+    if not memories:
+        return {}
+    # Layers IN and keys IN (then the pairs kept here): primary-key lookups, where a row-value IN makes
+    # SQLite read the whole run's explanations.
+    query = select(Explanation.layer, Explanation.key, Explanation.text).where(
+        Explanation.run_id == run_id,
+        Explanation.layer.in_(sorted({layer for layer, _ in memories})),
+        Explanation.key.in_(sorted({key for _, key in memories})),
+    )
+    found = {(layer, key): text for layer, key, text in session.execute(query)}
+    return {memory: text for memory, text in found.items() if memory in memories}
+
+
 def search_explanations(*, session: Session, run_id: int, text: str, limit: int) -> list[Explanation]:
     """Explanations whose text contains `text` (any case), the best scored first (unscored last). On
     SQLite a needle of 3 characters or more is looked up in the trigram index (EXPLANATION_TEXT,

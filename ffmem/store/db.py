@@ -1,5 +1,6 @@
 """Engines, sessions and migrations. SQLite gets WAL and enforced foreign keys; Postgres a pre-ping pool,
-and at start a few tries (with `tenacity`) while the server does not answer yet (`Retry`)."""
+and at start a few tries (with `tenacity`) while the server does not answer yet (`Retry`). `Session` is
+the type the web's page builders take and pass on to the store (they import no SQLAlchemy)."""
 
 from __future__ import annotations
 

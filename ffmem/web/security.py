@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ffmem.config import Settings
 from ffmem.engine.live.protocol import text_max_length
 from ffmem.web.errors import AppError
+from ffmem.web.pages.corpora import upload_too_large
 from ffmem.web.rendering import render_error
 
 # htmx 2.0.11's indicator <style>; a new htmx may change it (the browser test then reports the violation)
@@ -81,15 +82,6 @@ def live_body_bytes(settings: Settings) -> int:
     """The largest form a live page may POST: the longest text its box sends, every character as
     percent-encoded UTF-8 (at most 12 bytes), and a query string's worth for its other fields."""
     return 12 * text_max_length(settings.max_prompt_tokens) + settings.max_query_bytes
-
-
-def upload_too_large(limit: int) -> AppError:
-    """A corpus upload over `limit` bytes (refused here before it arrives, or by the route as it is read)."""
-    message = (
-        f"The file is larger than {limit:,} bytes, the most this server accepts for a corpus upload "
-        "(FFMEM_MAX_UPLOAD_BYTES); put a larger one where the workers read it and pass its path."
-    )
-    return AppError(413, "Corpus too large", message, field="file")
 
 
 def install(app: FastAPI, settings: Settings) -> None:

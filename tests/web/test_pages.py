@@ -10,10 +10,11 @@ from unittest.mock import ANY
 import pytest
 from explorer_index import HOSTILE
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from ffmem.config import Settings
 from ffmem.store import memory_reads, vocabularies
+from ffmem.store.cache import ProcessCache
 from ffmem.store.models import KeyStats, Sentence, Token
 from ffmem.web.display import coefficient_bar, tok, visible
 from ffmem.web.main import create_app
@@ -664,3 +665,32 @@ def test_key_page_shows_examples_across_the_range(client, db, slug, run):
         assert shown.count('<span class="shaded">') == len(samples)
     for shown in (page, whole, section.text):
         assert "<script>alert(1)" not in shown and "<img src=x" not in shown
+
+
+def vocabulary_reads(client, url: str) -> int:
+    """How many statements one request of `url` runs on the vocabulary's table (`tokens`)."""
+    seen: list[str] = []
+
+    def note(conn, cursor, statement, *args) -> None:
+        seen.append(statement)
+
+    engine = client.app.state.engine
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        assert client.get(url).status_code == 200
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+    return sum(bool(re.search(r"\bFROM tokens\b", statement)) for statement in seen)
+
+
+def test_the_key_page_reads_the_vocabulary_once(client, slug, monkeypatch):
+    """One read of the vocabulary a request, for the triggers, the value's tokens and the explanation's
+    token table alike (key 0 of layer 0 has all three); none while the process keeps it."""
+    url = f"/m/{slug}/layers/0/keys/0"
+    assert json_of(client, url + ".json")["explanation"]["table"]["tokens"]  # a token table to name
+    vocabularies._VOCABULARIES.clear()
+    assert vocabulary_reads(client, url) == 1
+    assert vocabulary_reads(client, url) == 0  # kept: the process read it once
+    monkeypatch.setattr(vocabularies, "_VOCABULARIES", ProcessCache(0))  # kept nowhere: more models than kept
+    assert vocabulary_reads(client, url) == 1
+    assert vocabulary_reads(client, url + ".json") == 1

@@ -4,10 +4,10 @@ how the probabilities of its value's top token and of each prefix's true next to
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.engine.live.protocol import AblationRequest
 from ffmem.store import corpora, memory_reads, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
 from ffmem.web import urls

@@ -5,12 +5,11 @@ Depth is relative (layer / (layers − 1)) so the paper's 16 layers and any mode
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from ffmem.config import Settings
 from ffmem.engine.paper.cases import CASES
-from ffmem.store import jobs
+from ffmem.store import analyses, jobs
+from ffmem.store.db import Session
 from ffmem.store.models import Analysis, LanguageModel, Run
 from ffmem.store.specs import ANALYSIS_SIZES, AnalysisSpec
 from ffmem.web.views import JobInfo, ModelPage, RunInfo, run_info
@@ -58,7 +57,7 @@ def _paper(*points: tuple[float, float]) -> list[list[float]]:
 
 
 def analysis_page(session: Session, settings: Settings, model: LanguageModel, run: Run) -> AnalysisContext:
-    stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run.id))}
+    stored = analyses.stored_analyses(session=session, run_id=run.id)
     layers = list(range(model.n_layers))
     depth = [layer / max(1, model.n_layers - 1) for layer in layers]
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.engine.live.attribution_terms import is_veto, target_id
 from ffmem.engine.live.protocol import AttributionAnswer, ContributionAnswer, MemoryAnswer
 from ffmem.store import vocabularies
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls
 from ffmem.web.display import visible

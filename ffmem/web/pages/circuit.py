@@ -5,11 +5,11 @@ the live worker), each named with its value's own top token from the index and l
 from __future__ import annotations
 
 from pydantic import Field
-from sqlalchemy.orm import Session
 
 from ffmem.engine.live.interventions import format_interventions
 from ffmem.engine.live.protocol import CircuitEdgeAnswer, CircuitNodeAnswer, CircuitOptions
 from ffmem.store import memory_reads, vocabularies
+from ffmem.store.db import Session
 from ffmem.web import urls
 from ffmem.web.pages.trace import PromptToken, value_run
 from ffmem.web.pages.trace_query import TraceQuery

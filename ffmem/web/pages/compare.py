@@ -8,11 +8,10 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, Field
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from ffmem.store import comparison, runs
-from ffmem.store.models import Comparison, JobStatus, KeyChange, LanguageModel, Run, RunStatus
+from ffmem.store.db import Session
+from ffmem.store.models import Comparison, JobStatus, KeyChange, LanguageModel, Run
 from ffmem.web import urls
 from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_layer, run_or_404
@@ -208,21 +207,6 @@ def run_view(run: Run) -> ComparedRun:
 
 def choices(session: Session, first: Run) -> list[RunChoice]:
     """Finished runs whose models have run `first`'s shape, newest first."""
-    shape = comparison.shape(first.model)
-    query = (
-        select(Run)
-        .join(LanguageModel, Run.model_id == LanguageModel.id)
-        .where(
-            Run.status == RunStatus.done,
-            Run.id != first.id,
-            LanguageModel.n_layers == shape[0],
-            LanguageModel.n_keys == shape[1],
-            LanguageModel.d_model == shape[2],
-            LanguageModel.gated == shape[3],
-        )
-        .order_by(Run.id.desc())
-        .limit(200)
-    )
     return [
         RunChoice(
             id=run.id,
@@ -232,7 +216,7 @@ def choices(session: Session, first: Run) -> list[RunChoice]:
             top_k=run.top_k,
             url=urls.compare_url(first.model.slug, a=first.id, b=run.id),
         )
-        for run in session.scalars(query)
+        for run in comparison.comparable_runs(session=session, run=first)
     ]
 
 

@@ -3,11 +3,12 @@ memory's links in its run's weight graph, its automatic explanation, and explana
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from collections.abc import Mapping
 
-from ffmem.store import composition, vocabularies
+from pydantic import BaseModel, Field
+
+from ffmem.store import composition
+from ffmem.store.db import Session
 from ffmem.store.models import Explanation, Run
 from ffmem.web import urls
 
@@ -90,23 +91,25 @@ class ExplanationHit(ExplanationView):
     url: str
 
 
-def key_explanation(session: Session, run: Run, layer: int, key: int) -> KeyExplanation | None:
-    """The key page's automatic explanation with its token table (None where the run has none)."""
+def key_explanation(
+    session: Session, run: Run, layer: int, key: int, texts: Mapping[int, str]
+) -> KeyExplanation | None:
+    """The key page's automatic explanation with its token table (None where the run has none), its tokens
+    named from `texts` (the model's vocabulary, read once by the key page)."""
     found = composition.get_explanation(session=session, run_id=run.id, layer=layer, key=key)
     if found is None:
         return None
     view = KeyExplanation(**explanation_view(found).model_dump())
     pattern = composition.explanation_pattern(found)
     if pattern and "weights" in pattern:
-        view.table = token_table(session, run, pattern)
+        view.table = token_table(pattern, texts)
     return view
 
 
-def token_table(session: Session, run: Run, pattern: dict) -> TokenTable:
-    """A stored token table with its tokens' texts, its weights in m's units as the description gives them
-    (the stored ones are in units of sign · m), each list by |weight|, the largest first."""
-    ids = [*pattern["final"], *(t for pair in pattern["pairs"] for t in pair)]
-    texts = vocabularies.token_texts(session=session, model_id=run.model_id, token_ids=ids)
+def token_table(pattern: dict, texts: Mapping[int, str]) -> TokenTable:
+    """A stored token table with its tokens' texts (from `texts`, token id → text), its weights in m's units
+    as the description gives them (the stored ones are in units of sign · m), each list by |weight|, the
+    largest first."""
     sign = pattern["sign"]
     tokens = [
         WeightedToken(token_id=t, token=texts.get(t, ""), weight=sign * w)
@@ -132,7 +135,7 @@ def weight_graph_view(session: Session, slug: str, run: Run, layer: int, key: in
     if links is None:
         return None
     others = {(link.layer, link.key) for direction in links.values() for link in direction}
-    texts = explanation_texts(session, run.id, others)
+    texts = composition.explanation_texts(session=session, run_id=run.id, memories=others)
 
     def view(link) -> LinkView:
         return LinkView(
@@ -144,21 +147,6 @@ def weight_graph_view(session: Session, slug: str, run: Run, layer: int, key: in
         )
 
     return WeightGraphView(inbound=[view(x) for x in links["in"]], outbound=[view(x) for x in links["out"]])
-
-
-def explanation_texts(session: Session, run_id: int, memories: set[tuple[int, int]]) -> dict:
-    """(layer, key) → explanation text, for those of `memories` the run explains."""
-    if not memories:
-        return {}
-    # Layers IN and keys IN (then the pairs kept here): primary-key lookups, where a row-value IN makes
-    # SQLite read the whole run's explanations.
-    query = select(Explanation.layer, Explanation.key, Explanation.text).where(
-        Explanation.run_id == run_id,
-        Explanation.layer.in_(sorted({layer for layer, _ in memories})),
-        Explanation.key.in_(sorted({key for _, key in memories})),
-    )
-    found = {(layer, key): text for layer, key, text in session.execute(query)}
-    return {memory: text for memory, text in found.items() if memory in memories}
 
 
 def explanation_view(found: Explanation) -> ExplanationView:

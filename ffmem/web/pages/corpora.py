@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.config import Settings
 from ffmem.engine.mining.text_files import CorpusError, corpus_file, text_lines
 from ffmem.store import corpora
+from ffmem.store.db import Session
 from ffmem.web.errors import AppError, sentence
-from ffmem.web.security import upload_too_large
 from ffmem.web.views import Moment
 
 SUFFIXES = (".txt", ".jsonl")
@@ -99,6 +98,16 @@ class CorporaContext(BaseModel):
     )
     max_upload_bytes: int
     skip_reasons: dict[str, str] = Field(description="What each skip reason means.")
+
+
+def upload_too_large(limit: int) -> AppError:
+    """A corpus upload over `limit` bytes (refused by ffmem.web.security before it arrives, or here as it is
+    read)."""
+    message = (
+        f"The file is larger than {limit:,} bytes, the most this server accepts for a corpus upload "
+        "(FFMEM_MAX_UPLOAD_BYTES); put a larger one where the workers read it and pass its path."
+    )
+    return AppError(413, "Corpus too large", message, field="file")
 
 
 def safe_name(filename: str) -> str:

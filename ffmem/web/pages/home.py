@@ -4,9 +4,9 @@ form that starts an index run."""
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import jobs, runs
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls
 from ffmem.web.pages.corpora import CorpusChoice

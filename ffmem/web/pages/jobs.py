@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import jobs
+from ffmem.store.db import Session
 from ffmem.store.models import Job, JobKind
 from ffmem.store.progress import run_progress
 from ffmem.web.views import JobInfo, RunInfo, run_info

@@ -7,9 +7,9 @@ import math
 import random
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import corpora, memory_labels, value_histograms, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
@@ -178,7 +178,8 @@ def key_page(
     )
     endings = [sentences[t.sentence_index].token_ids[: t.position + 1] for t in positive]
     history = memory_labels.label_history(session=session, model_id=model.id, layer=layer, key=key)
-    texts = vocabularies.vocabulary(session=session, model_id=model.id)  # the whole (cached): ~1,500 lookups
+    # The whole vocabulary (cached per process), read once a request: ~1,500 lookups here and below.
+    texts = vocabularies.vocabulary(session=session, model_id=model.id)
     top_ids = [v.token_id for v in value_rows["raw", 1]]
     bottom_ids = [v.token_id for v in value_rows["raw", -1]]
     triggers = [trigger_view(t, sentences[t.sentence_index], texts, top_ids) for t in positive]
@@ -227,7 +228,7 @@ def key_page(
         label=label_view(history[0]) if history else None,
         label_history=[label_view(label) for label in history[1:]],
         label_url=urls.label_url(slug, layer, key),
-        explanation=key_explanation(session, run, layer, key),
+        explanation=key_explanation(session, run, layer, key, texts),
         quadrants=quadrant_panel(results, slug, run, layer, key),
         value_histograms=value_histogram_views(session, run, layer, key),
         agreement=Agreement(

@@ -11,9 +11,9 @@ from datetime import timezone
 from typing import Literal
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import memory_labels
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel
 from ffmem.web import urls
 from ffmem.web.views import LabelHit, LabelView, ModelPage, label_view

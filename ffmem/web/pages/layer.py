@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import corpora, memory_labels, memory_reads, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, LanguageModel, Run
 from ffmem.store.results import results_for
 from ffmem.web import urls

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import LayerFigures, results_for
 from ffmem.web.views import ModelInfo, Provisional, RunInfo, model_info, run_info

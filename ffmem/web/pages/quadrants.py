@@ -5,9 +5,9 @@ page's 2×2 panel (the share of mined positions in each) and one page per quadra
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import corpora
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import Quadrants, RunResults, results_for
 from ffmem.web import urls

@@ -4,9 +4,9 @@ value direction across all layers, and who feeds it and whom it feeds in the run
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import memory_search
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import urls
 from ffmem.web.pages.composition import WeightGraphView, weight_graph_view

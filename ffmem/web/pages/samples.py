@@ -4,9 +4,9 @@ of its coefficient histogram, each shaded by the key's coefficient once the run 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import corpora, key_examples, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run, Sentence
 from ffmem.store.results import results_for
 from ffmem.web.pages.key import bin_labels

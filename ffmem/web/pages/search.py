@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.store import corpora, memory_labels, memory_reads, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.memory_lists import ValueToken
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import token_search, urls

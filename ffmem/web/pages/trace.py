@@ -11,12 +11,12 @@ marks, come from the same run's value tokens.
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.engine.live.interventions import Intervention, format_interventions
 from ffmem.engine.live.protocol import LayerFigures
 from ffmem.engine.paper.cases import CASES
 from ffmem.store import jobs, memory_reads, runs, vocabularies
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web import urls
 from ffmem.web.pages.attribution import AttributionView, attributed, attribution_view, other_spelling, signed

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
 
 from ffmem.engine.live.protocol import CoefficientsRequest, text_max_length
+from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import results_for
 from ffmem.web.errors import AppError
