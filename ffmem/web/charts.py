@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 
 from ffmem.web.display import visible
 from ffmem.web.pages.analysis import AnalysisFigure
@@ -30,6 +31,20 @@ BASE_LAYOUT = {
 
 def label(text: str | None) -> str:
     return html.escape(visible(text), quote=False)
+
+
+HOVER_WIDTH, HOVER_LINES = 60, 3  # a hover's prose: lines of at most 60 characters, at most 3 of them
+
+
+def hover_prose(text: str) -> str:
+    """Prose (an explanation) for a hover: its spaces kept, wrapped into HOVER_LINES lines of HOVER_WIDTH
+    characters at most (the last cut with "…"), each escaped, joined by <br>."""
+    lines = textwrap.wrap(visible(text, spaces=False), HOVER_WIDTH)
+    if len(lines) > HOVER_LINES:
+        lines = lines[: HOVER_LINES - 1] + [
+            textwrap.shorten(" ".join(lines[HOVER_LINES - 1 :]), HOVER_WIDTH, placeholder=" …")
+        ]
+    return "<br>".join(html.escape(line, quote=False) for line in lines)
 
 
 def value_bars(value: ValueReadout, readout: str, by: str = "logit") -> dict:
@@ -315,7 +330,7 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
     centre has no label (the page names it; its hover does) and the page heads the chart (a title wraps
     there, not in plotly)."""
     strongest = max([abs(link.score) for link in graph.inbound + graph.outbound] or [1.0]) or 1.0
-    edges, nodes = [], []
+    edges, nodes, hovers = [], [], []  # hovers: who feeds whom
     for links, side in ((graph.inbound, "middle left"), (graph.outbound, "middle right")):
         for rank, link in enumerate(links):
             y = (len(links) - 1) / 2 - rank
@@ -332,6 +347,8 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
                 }
             )
             nodes.append((link, y, color, side))
+            node = f"L{link.layer} K{link.key}"
+            hovers.append((node, "this key") if side == "middle left" else ("this value", node))
     node_trace = {
         "type": "scatter",
         "mode": "markers+text",
@@ -342,8 +359,16 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
         "textfont": {"size": 11, "shadow": "auto"},  # a halo in the background colour over the edges
         "cliponaxis": False,  # a label may run into the margin beside the axis
         "marker": {"size": 11, "color": [color for _, _, color, _ in nodes]},
-        "customdata": [[link.url, f"{link.score:+.3g}", label(link.explanation or "")] for link, *_ in nodes],
-        "hovertemplate": "%{text} · score %{customdata[1]}<br>%{customdata[2]}<extra></extra>",
+        "customdata": [
+            [
+                link.url,
+                f"{name} → {to}",
+                f"{link.score:+.3g}",
+                hover_prose(link.explanation or "not explained"),
+            ]
+            for (link, *_), (name, to) in zip(nodes, hovers, strict=True)
+        ],
+        "hovertemplate": "%{customdata[1]}<br>score %{customdata[2]}<br>%{customdata[3]}<extra></extra>",
     }
     centre = {
         "type": "scatter",
