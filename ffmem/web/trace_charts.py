@@ -4,8 +4,8 @@ layers × positions heatmap of a trace and the residual's confidence in the fina
 
 from __future__ import annotations
 
-from ffmem.web.charts import BASE_LAYOUT, NEGATIVE, NEUTRAL, POSITIVE, label
 from ffmem.engine.live.protocol import CircuitEdgeAnswer
+from ffmem.web.charts import BASE_LAYOUT, NEGATIVE, NEUTRAL, POSITIVE, label
 from ffmem.web.pages.circuit import CircuitContext, CircuitMemory
 from ffmem.web.pages.trace import TraceContext
 
@@ -167,7 +167,7 @@ def circuit_graph(ctx: CircuitContext) -> dict:
     spaced), the memories of a layer stacked (hop 0 first, then by |contribution|); a node's size is its
     |contribution| to the target, its colour the contribution's sign (blue promotes, orange suppresses), hop 0
     a diamond; an edge's width is its |term|, its colour the term's sign (blue: the upstream memory raised the
-    downstream coefficient here). A click on a node opens its key page (`layout.meta.links`: static/charts.js).
+    downstream coefficient here). A click on a node opens its key page (static/charts.js).
 
     Drawn: the memories that push the target (hop 0) and those on a drawn edge (`circuit_edges`). Named: the
     CIRCUIT_LABELS that push most, above their node in even columns and below it in odd ones (so neighbouring

@@ -111,7 +111,11 @@ def labels_apart_and_inside(page, chart: str) -> list[str]:
     drawn = page.evaluate(CHART_LABELS, chart)
     (left, top, right, bottom), labels = drawn["svg"], drawn["labels"]
     for text, (x0, y0, x1, y1) in labels:
-        assert left - 1 <= x0 and x1 <= right + 1 and top - 1 <= y0 and y1 <= bottom + 1, (chart, text, drawn["svg"])
+        assert left - 1 <= x0 and x1 <= right + 1 and top - 1 <= y0 and y1 <= bottom + 1, (
+            chart,
+            text,
+            drawn["svg"],
+        )
     for i, (text, (x0, y0, x1, y1)) in enumerate(labels):
         for other, (a0, b0, a1, b1) in labels[i + 1 :]:
             assert x1 <= a0 + 1 or a1 <= x0 + 1 or y1 <= b0 + 1 or b1 <= y0 + 1, (chart, text, other)

@@ -173,7 +173,6 @@ def test_the_live_view_links_its_target_s_circuit(client, slug):
     assert client.get(url).status_code == 200
 
 
-
 def node(layer: int, key: int, hop: int, contribution: float) -> CircuitMemory:
     url = f"/m/x/layers/{layer}/keys/{key}"
     return CircuitMemory(
@@ -203,9 +202,9 @@ def test_the_circuit_chart_names_only_its_layers_and_strongest_memories():
     edges = [edge(up, hop0[i % 6], term=1 + i) for i, up in enumerate(hop1)]  # hop 1: terms 1 … 30
     edges += [edge(up, hop1[0], term=0.01 * (i + 1)) for i, up in enumerate(hop2)]  # hop 2: 0.01 … 0.4
     ctx = CircuitContext(
-        title="circuit", model="x", text="a prompt", position=0, readout="norm", target=None, interventions="",
-        options=CircuitOptions(hops=2), max_tokens=56, trace_url="/m/x/trace", nodes=hop0 + hop1 + hop2,
-        edges=edges,
+        title="circuit", model="x", text="a prompt", position=0, readout="norm", target=None,
+        interventions="", options=CircuitOptions(hops=2), max_tokens=56, trace_url="/m/x/trace",
+        nodes=hop0 + hop1 + hop2, edges=edges,
     )  # fmt: skip
     figure = trace_charts.circuit_graph(ctx)
     *lines, nodes = figure["data"]
@@ -223,7 +222,16 @@ def test_the_circuit_chart_names_only_its_layers_and_strongest_memories():
     assert layout["tickvals"] == list(range(11)) and layout["range"] == [-0.6, 10.6]
     assert nodes["x"][:6] == [9, 10, 6, 4, 2, 1]  # L28 … L5: their columns
     names = [text for text in nodes["text"] if text]
-    assert names == ["L28K0", "L29K1", "L20K2", "L12K3", "L7K4", "L5K5", "L3K129", "L5K128"]  # the 8 strongest
+    assert names == [
+        "L28K0",
+        "L29K1",
+        "L20K2",
+        "L12K3",
+        "L7K4",
+        "L5K5",
+        "L3K129",
+        "L5K128",
+    ]  # the 8 strongest
     positions = dict(zip(nodes["x"], nodes["textposition"], strict=True))
     assert positions == {i: "top center" if i % 2 == 0 else "bottom center" for i in range(11)}
     assert "%{text}" not in nodes["hovertemplate"]  # every node, named or not, names itself on hover

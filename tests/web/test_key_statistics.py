@@ -153,8 +153,8 @@ def test_the_octave_bins_name_a_few_edges_level_and_readable():
     axis, bars = figure["layout"]["xaxis"], figure["data"][0]
     assert axis["tickvals"] == [0.5, 5.5, 10.5, 15.5, 21, 26.5, 31.5, 36.5, 41.5]  # between bins; +0's centre
     assert axis["ticktext"] == [
-        "−2<sup>10</sup>", "−2<sup>5</sup>", "−1", "−2<sup>−5</sup>", "0", "2<sup>−5</sup>", "1", "2<sup>5</sup>",
-        "2<sup>10</sup>",
+        "−2<sup>10</sup>", "−2<sup>5</sup>", "−1", "−2<sup>−5</sup>", "0", "2<sup>−5</sup>", "1",
+        "2<sup>5</sup>", "2<sup>10</sup>",
     ]  # fmt: skip
     assert (axis["tickangle"], axis["tickfont"], axis["range"]) == (0, {"size": 11}, [-0.5, 42.5])
     assert bars["x"] == list(range(43)) and bars["customdata"] == bin_labels(edges)
