@@ -144,3 +144,23 @@ def test_chart_labels_lie_inside_and_apart(watched, server, slug, width):
         ticks = page.locator("#circuit-chart .xtick text").all_text_contents()
         assert ticks and all(tick.startswith("L") for tick in ticks), ticks  # the layers present only
         assert sum("K" in name for name in names) >= 3, names  # memories named
+
+
+SEEN_BUSY = """document.addEventListener("DOMContentLoaded", () => {
+  const busy = document.querySelector("#ablation #ablation-computing[aria-busy='true']");
+  window.sawBusy = busy !== null && busy.checkVisibility();
+});"""
+
+
+def test_the_ablation_page_shows_it_is_computing_until_its_result_replaces_it(watched, server, slug):
+    """Issue 39 (5): the page shows at once, a visible busy mark where the result will go; htmx loads the
+    result into that place, and no busy mark is left."""
+    page = watched
+    page.add_init_script(SEEN_BUSY)
+    page.goto(f"{server}/m/{slug}/layers/{LAYER}/keys/{KEY}/ablation?triggers=3")
+    assert page.evaluate("window.sawBusy") is True  # shown before the result came
+    page.wait_for_selector("#ablation table.ablation")
+    assert page.locator("#ablation tbody tr").count() == 3
+    assert (
+        page.locator("#ablation-computing").count() == 0 and page.locator("[aria-busy='true']").count() == 0
+    )
