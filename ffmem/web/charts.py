@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 
 from ffmem.web.display import visible
 from ffmem.web.pages.analysis import AnalysisFigure
@@ -30,6 +31,20 @@ BASE_LAYOUT = {
 
 def label(text: str | None) -> str:
     return html.escape(visible(text), quote=False)
+
+
+HOVER_WIDTH, HOVER_LINES = 60, 3  # a hover's prose: lines of at most 60 characters, at most 3 of them
+
+
+def hover_prose(text: str) -> str:
+    """Prose (an explanation) for a hover: its spaces kept, wrapped into HOVER_LINES lines of HOVER_WIDTH
+    characters at most (the last cut with "…"), each escaped, joined by <br>."""
+    lines = textwrap.wrap(visible(text, spaces=False), HOVER_WIDTH)
+    if len(lines) > HOVER_LINES:
+        lines = lines[: HOVER_LINES - 1] + [
+            textwrap.shorten(" ".join(lines[HOVER_LINES - 1 :]), HOVER_WIDTH, placeholder=" …")
+        ]
+    return "<br>".join(html.escape(line, quote=False) for line in lines)
 
 
 def value_bars(value: ValueReadout, readout: str, by: str = "logit") -> dict:
@@ -60,14 +75,33 @@ def value_bars(value: ValueReadout, readout: str, by: str = "logit") -> dict:
     }
 
 
+OCTAVE_TICKS = (-5, 0, 5, 10)  # the bin edges ±2^k named on the coefficient histogram's axis, and 0
+
+
+def octave_ticks(edges: list[float]) -> tuple[list[float], list[str]]:
+    """The coefficient histogram's x-axis (x: a bin's index): a tick at each edge ±2^k, k in OCTAVE_TICKS
+    (between the two bins it parts), and one at the +0 bin; "2<sup>5</sup>", "−1", "0"."""
+
+    def power(edge: float) -> str:
+        k = round(math.log2(abs(edge)))
+        sign = "−" if edge < 0 else ""
+        return f"{sign}1" if k == 0 else f"{sign}2<sup>{str(k).replace('-', '−')}</sup>"
+
+    at = [(b + 0.5, power(e)) for b, e in enumerate(edges) if e and round(math.log2(abs(e))) in OCTAVE_TICKS]
+    at.append((len(edges) // 2, "0"))  # the +0 bin (len(edges) + 1 bins: negative, +0, positive)
+    at.sort()
+    return [x for x, _ in at], [text for _, text in at]
+
+
 def coefficient_histogram(histogram: Histogram, marker: float | None = None) -> dict:
-    """Counts per octave bin of the coefficient, negative bins left, positive right (log counts); `marker`:
-    a coefficient (a text tried: its max m) marked by a line through its bin."""
+    """Counts per octave bin of the coefficient, negative bins left, positive right (log counts); the axis
+    names a few edges (`octave_ticks`, level and 11 px: readable on a phone), a bin's hover its range.
+    `marker`: a coefficient (a text tried: its max m) marked by a line through its bin."""
     middle = len(histogram.counts) // 2
     colors = [NEGATIVE] * middle + [NEUTRAL] + [POSITIVE] * middle
     marked = {}
     if marker is not None:
-        at = histogram_bin(histogram.edges, marker)  # the category axis: x is the bin's index
+        at = histogram_bin(histogram.edges, marker)  # x is the bin's index
         line = {"color": "#1a202c", "width": 2, "dash": "dash"}
         marked = {
             "shapes": [{"type": "line", "x0": at, "x1": at, "yref": "paper", "y0": 0, "y1": 1, "line": line}],
@@ -82,35 +116,56 @@ def coefficient_histogram(histogram: Histogram, marker: float | None = None) -> 
                 }
             ],
         }
+    tickvals, ticktext = octave_ticks(histogram.edges)
     return {
         "data": [
             {
                 "type": "bar",
-                "x": histogram.labels,
+                "x": list(range(len(histogram.counts))),
                 "y": histogram.counts,
                 "marker": {"color": colors},
-                "hovertemplate": "%{x}: %{y} positions<extra></extra>",
+                "customdata": histogram.labels,
+                "hovertemplate": "m in %{customdata}: %{y} positions<extra></extra>",
             }
         ],
         "layout": BASE_LAYOUT
         | {
             "title": {"text": "coefficient histogram (octave bins)"},
             "yaxis": LOG_COUNTS | {"title": {"text": "positions"}},
-            "xaxis": {"type": "category", "tickangle": -60, "tickfont": {"size": 9}},
-            "margin": {"l": 60, "r": 20, "t": 36, "b": 110},
-            "height": 360,
+            "xaxis": {
+                "title": {"text": "m (a bar per octave)"},
+                "tickvals": tickvals,
+                "ticktext": ticktext,
+                "tickangle": 0,
+                "tickfont": {"size": 11},
+                "range": [-0.5, len(histogram.counts) - 0.5],
+                "zeroline": False,
+            },
+            "meta": {"declutter": True},
         }
         | marked,
     }
 
 
+NAMED_TOKENS = 3  # of a value's marked tokens, the strongest named on its histogram, each way
+NAME_LEVELS = (0.8, 2.4, 7.2)  # their names' heights (counts, on the log axis): the strongest lowest
+
+
 def value_histogram(view: ValueHistogramView, tokens: ValueReadout, readout: str) -> dict:
     """A value's logits over the whole vocabulary: tokens per equal bin (log counts), its first
-    MARKED_TOKENS bottom and top tokens (`tokens`) marked along the logit axis (the first three named)."""
+    MARKED_TOKENS bottom and top tokens (`tokens`) marked along the logit axis, the NAMED_TOKENS strongest
+    each way named. Their logits lie close, so the names step up (NAME_LEVELS, one height per rank) and run
+    inward, away from the chart's edges (a bottom token's name right of it, a top token's left of it);
+    static/charts.js hides a name that would still cover another (`layout.meta.declutter`), the strongest
+    kept first: every token is named on hover."""
     bins = list(zip(view.edges, view.edges[1:], strict=False))  # (from, to) per bin
     bottom, top = tokens.bottom[:MARKED_TOKENS], tokens.top[:MARKED_TOKENS]
     marked = [*bottom, *top]
-    named = {id(t) for t in (*bottom[:3], *top[:3])}
+    named = []  # (token, rank, where its name runs), the strongest first: top, bottom, second top, …
+    for rank in range(NAMED_TOKENS):
+        for side, inward in ((top, "top left"), (bottom, "top right")):
+            if rank < len(side):
+                named.append((side[rank], rank, inward))
     return {
         "data": [
             {
@@ -125,7 +180,7 @@ def value_histogram(view: ValueHistogramView, tokens: ValueReadout, readout: str
             },
             {
                 "type": "scatter",
-                "mode": "markers+text",
+                "mode": "markers",
                 "x": [t.logit for t in marked],
                 "y": [0.6] * len(marked),  # on the log axis, just above its floor: along the logit axis
                 "marker": {
@@ -133,11 +188,18 @@ def value_histogram(view: ValueHistogramView, tokens: ValueReadout, readout: str
                     "size": 9,
                     "color": [NEGATIVE] * len(bottom) + [POSITIVE] * len(top),
                 },
-                "text": [label(t.token) if id(t) in named else "" for t in marked],
-                "textposition": "top center",
-                "textfont": {"size": 10},
                 "customdata": [f"{label(t.token)} #{t.token_id}" for t in marked],
                 "hovertemplate": "%{customdata}<br>logit %{x:.3f}<extra></extra>",
+            },
+            {
+                "type": "scatter",
+                "mode": "text",
+                "x": [t.logit for t, _, _ in named],
+                "y": [NAME_LEVELS[rank] for _, rank, _ in named],
+                "text": [label(t.token) for t, _, _ in named],
+                "textposition": [side for _, _, side in named],
+                "textfont": {"size": 10, "shadow": "auto"},
+                "hoverinfo": "skip",
             },
         ],
         "layout": BASE_LAYOUT
@@ -147,9 +209,13 @@ def value_histogram(view: ValueHistogramView, tokens: ValueReadout, readout: str
             "yaxis": LOG_COUNTS
             | {
                 "title": {"text": "tokens"},
-                "range": [math.log10(0.4), math.log10(2 * max(view.counts, default=1))],
+                "range": [
+                    math.log10(0.4),
+                    math.log10(max(2 * max(view.counts, default=1), 3 * NAME_LEVELS[-1])),
+                ],
             },
             "bargap": 0,
+            "meta": {"declutter": True},
         },
     }
 
@@ -315,7 +381,7 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
     centre has no label (the page names it; its hover does) and the page heads the chart (a title wraps
     there, not in plotly)."""
     strongest = max([abs(link.score) for link in graph.inbound + graph.outbound] or [1.0]) or 1.0
-    edges, nodes = [], []
+    edges, nodes, hovers = [], [], []  # hovers: who feeds whom
     for links, side in ((graph.inbound, "middle left"), (graph.outbound, "middle right")):
         for rank, link in enumerate(links):
             y = (len(links) - 1) / 2 - rank
@@ -332,6 +398,8 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
                 }
             )
             nodes.append((link, y, color, side))
+            node = f"L{link.layer} K{link.key}"
+            hovers.append((node, "this key") if side == "middle left" else ("this value", node))
     node_trace = {
         "type": "scatter",
         "mode": "markers+text",
@@ -342,8 +410,16 @@ def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) ->
         "textfont": {"size": 11, "shadow": "auto"},  # a halo in the background colour over the edges
         "cliponaxis": False,  # a label may run into the margin beside the axis
         "marker": {"size": 11, "color": [color for _, _, color, _ in nodes]},
-        "customdata": [[link.url, f"{link.score:+.3g}", label(link.explanation or "")] for link, *_ in nodes],
-        "hovertemplate": "%{text} · score %{customdata[1]}<br>%{customdata[2]}<extra></extra>",
+        "customdata": [
+            [
+                link.url,
+                f"{name} → {to}",
+                f"{link.score:+.3g}",
+                hover_prose(link.explanation or "not explained"),
+            ]
+            for (link, *_), (name, to) in zip(nodes, hovers, strict=True)
+        ],
+        "hovertemplate": "%{customdata[1]}<br>score %{customdata[2]}<br>%{customdata[3]}<extra></extra>",
     }
     centre = {
         "type": "scatter",

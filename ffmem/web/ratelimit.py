@@ -15,6 +15,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 from ffmem.web.errors import AppError
+from ffmem.web.rendering import wants_result
 
 SCOPE = "live"
 
@@ -74,5 +75,12 @@ async def spend_on_text(request: Request) -> AppError | None:
     return None if request.query_params.get("text") is None else await spend(request)
 
 
+async def spend_on_result(request: Request) -> AppError | None:
+    """Dependency of a live page that renders at once and has htmx load its result (the ablation page):
+    spends one of the client's live requests on the result only (its htmx fragment or its JSON twin)."""
+    return await spend(request) if wants_result(request) else None
+
+
 LiveBudget = Annotated[AppError | None, Depends(spend)]
 LiveTextBudget = Annotated[AppError | None, Depends(spend_on_text)]
+LiveResultBudget = Annotated[AppError | None, Depends(spend_on_result)]

@@ -94,6 +94,11 @@ def wants_fragment(request: Request) -> bool:
     return bool(request.headers.get("HX-Request"))
 
 
+def wants_result(request: Request) -> bool:
+    """The JSON twin or an htmx fragment: what a page that renders at once (the ablation page) loads after."""
+    return wants_json(request) or wants_fragment(request)
+
+
 def render_error(request: Request, error: AppError) -> Response:
     """The one error shape. To an htmx request, the message alone (`X-Error-Message`): the page keeps
     everything else, the element the answer was going to included, and shows it next to the field that

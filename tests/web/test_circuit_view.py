@@ -12,9 +12,17 @@ from markupsafe import escape
 from ffmem.config import Settings
 from ffmem.engine.live.circuit import circuit
 from ffmem.engine.live.interventions import Intervention
-from ffmem.engine.live.protocol import CircuitAnswer, CircuitEdgeAnswer, CircuitNodeAnswer
+from ffmem.engine.live.protocol import (
+    CircuitAnswer,
+    CircuitEdgeAnswer,
+    CircuitNodeAnswer,
+    CircuitOptions,
+    MemoryRefAnswer,
+)
 from ffmem.store import memory_reads
+from ffmem.web import trace_charts
 from ffmem.web.main import create_app
+from ffmem.web.pages.circuit import CircuitContext, CircuitMemory
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.live_app import create_live_app
 from ffmem.worker.live_executor import Live
@@ -163,3 +171,69 @@ def test_the_live_view_links_its_target_s_circuit(client, slug):
     page = client.get(f"/m/{slug}/trace", params=params).text
     assert f'<a id="circuit-of-target" href="{escape(url)}">Memory circuit</a>' in page
     assert client.get(url).status_code == 200
+
+
+def node(layer: int, key: int, hop: int, contribution: float) -> CircuitMemory:
+    url = f"/m/x/layers/{layer}/keys/{key}"
+    return CircuitMemory(
+        layer=layer, key=key, coefficient=1.0, contribution=contribution, hop=hop, upstream_sum=None,
+        top_token=None, url=url,
+    )  # fmt: skip
+
+
+def edge(up: CircuitMemory, down: CircuitMemory, term: float) -> CircuitEdgeAnswer:
+    return CircuitEdgeAnswer(
+        upstream=MemoryRefAnswer(layer=up.layer, key=up.key),
+        downstream=MemoryRefAnswer(layer=down.layer, key=down.key),
+        term=term,
+        coefficient=1.0,
+    )
+
+
+def test_the_circuit_chart_names_only_its_layers_and_strongest_memories():
+    """Issue 39 (4): at hops = 2 the chart was a hairball over an axis from −1 to 31 with every node named.
+    Now a column per layer present, named "L12"; the CIRCUIT_LABELS strongest memories named, above their
+    node in even columns and below it in odd ones; per hop the CIRCUIT_EDGES strongest edges drawn, and only
+    the memories on them (with hop 0's)."""
+    layers = [28, 29, 20, 12, 7, 5]
+    hop0 = [node(layer, key, hop=0, contribution=10 - key) for key, layer in enumerate(layers)]  # 10 … 5
+    hop1 = [node(layer - 2, 100 + i, hop=1, contribution=0.1 * (i + 1)) for i, layer in enumerate(layers * 5)]
+    hop2 = [node(3, 500 + i, hop=2, contribution=0.01) for i in range(40)]
+    edges = [edge(up, hop0[i % 6], term=1 + i) for i, up in enumerate(hop1)]  # hop 1: terms 1 … 30
+    edges += [edge(up, hop1[0], term=0.01 * (i + 1)) for i, up in enumerate(hop2)]  # hop 2: 0.01 … 0.4
+    ctx = CircuitContext(
+        title="circuit", model="x", text="a prompt", position=0, readout="norm", target=None,
+        interventions="", options=CircuitOptions(hops=2), max_tokens=56, trace_url="/m/x/trace",
+        nodes=hop0 + hop1 + hop2, edges=edges,
+    )  # fmt: skip
+    figure = trace_charts.circuit_graph(ctx)
+    *lines, nodes = figure["data"]
+    assert len(lines) == 2 * trace_charts.CIRCUIT_EDGES == 40  # per hop the strongest 20 of 30 and of 40
+    terms = [1 + i for i in range(29, 9, -1)] + [0.01 * (i + 1) for i in range(39, 19, -1)]
+    assert [line["line"]["width"] for line in lines] == pytest.approx([1 + 6 * term / 30 for term in terms])
+    kept = {(e.upstream.layer, e.upstream.key) for e in edges[10:30] + edges[50:]} | {(26, 100)}
+    drawn = [(n.layer, n.key) for n in hop0] + sorted(
+        [(n.layer, n.key) for n in hop1 + hop2 if (n.layer, n.key) in kept],
+        key=lambda m: (m[0] == 3 and m[1] >= 500, -m[1] if m[1] < 500 else m[1]),
+    )  # hop 0, hop 1 by |contribution|, hop 2
+    assert [row[1] for row in nodes["customdata"]] == [f"L{layer}K{key}" for layer, key in drawn]
+    layout = figure["layout"]["xaxis"]
+    assert layout["ticktext"] == ["L3", "L5", "L7", "L10", "L12", "L18", "L20", "L26", "L27", "L28", "L29"]
+    assert layout["tickvals"] == list(range(11)) and layout["range"] == [-0.6, 10.6]
+    assert nodes["x"][:6] == [9, 10, 6, 4, 2, 1]  # L28 … L5: their columns
+    names = [text for text in nodes["text"] if text]
+    assert names == [
+        "L28K0",
+        "L29K1",
+        "L20K2",
+        "L12K3",
+        "L7K4",
+        "L5K5",
+        "L3K129",
+        "L5K128",
+    ]  # the 8 strongest
+    positions = dict(zip(nodes["x"], nodes["textposition"], strict=True))
+    assert positions == {i: "top center" if i % 2 == 0 else "bottom center" for i in range(11)}
+    assert "%{text}" not in nodes["hovertemplate"]  # every node, named or not, names itself on hover
+    assert nodes["hovertemplate"].startswith("%{customdata[1]} · hop %{customdata[4]}<br>")
+    assert figure["layout"]["meta"] == {"links": True, "declutter": True}

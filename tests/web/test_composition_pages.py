@@ -84,6 +84,51 @@ def test_the_weight_graph_keeps_its_labels_apart_and_inside():
     assert first["margin"]["l"] < first["margin"]["r"]  # no writers: no room kept for their labels
 
 
+def test_the_weight_graph_hover_names_the_node_its_score_and_its_explanation_wrapped():
+    """Issue 39 (1): the hover showed the explanation on one clipped line with a ␣ for every space. Now: who
+    feeds whom, the score, and the explanation with its spaces, escaped, in lines of at most 60 characters
+    (at most three, the last cut with …)."""
+    words = "fires on “ Paris”, “ London” & <b>capitals</b> of countries in Europe, after “the capital of”"
+    long = words + " and also on many more tokens that a hover has no room for at all"
+
+    def link(layer: int, key: int, score: float, explanation: str | None) -> LinkView:
+        url = f"/m/x/layers/{layer}/keys/{key}"
+        return LinkView(layer=layer, key=key, score=score, url=url, explanation=explanation)
+
+    graph = WeightGraphView(
+        inbound=[link(3, 17, 0.25, words)], outbound=[link(9, 4, -1.5, long), link(8, 2, 1, None)]
+    )
+    nodes = next(trace for trace in charts.weight_graph(graph, 5, 6, 12)["data"] if trace.get("customdata"))
+    assert (
+        nodes["hovertemplate"]
+        == "%{customdata[1]}<br>score %{customdata[2]}<br>%{customdata[3]}<extra></extra>"
+    )
+    assert nodes["customdata"] == [
+        [
+            "/m/x/layers/3/keys/17",
+            "L3 K17 → this key",
+            "+0.25",
+            "fires on “ Paris”, “ London” &amp; &lt;b&gt;capitals&lt;/b&gt; of countries<br>"
+            "in Europe, after “the capital of”",
+        ],
+        [
+            "/m/x/layers/9/keys/4",
+            "this value → L9 K4",
+            "-1.5",
+            "fires on “ Paris”, “ London” &amp; &lt;b&gt;capitals&lt;/b&gt; of countries<br>"
+            "in Europe, after “the capital of” and also on many more<br>"
+            "tokens that a hover has no room for at all",
+        ],
+        ["/m/x/layers/8/keys/2", "this value → L8 K2", "+1", "not explained"],
+    ]
+    longer = WeightGraphView(inbound=[], outbound=[link(9, 4, 1, long + " " + long)])
+    prose = next(t for t in charts.weight_graph(longer, 5, 6, 12)["data"] if t.get("customdata"))[
+        "customdata"
+    ][0][3]
+    lines = unescape(prose).split("<br>")
+    assert len(lines) == 3 and lines[-1].endswith(" …") and all(len(line) <= 60 for line in lines), lines
+
+
 def test_layer_zero_reads_no_earlier_memory(client, slug):
     body = client.get(f"/m/{slug}/layers/0/keys/0/related.json").json()
     assert body["weight_graph"]["inbound"] == [] and len(body["weight_graph"]["outbound"]) == 10

@@ -21,9 +21,9 @@ from ffmem.config import Settings
 from ffmem.engine.mining.mined_layer import histogram_edges
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Token, ValueHistogram
-from ffmem.web.charts import label
+from ffmem.web.charts import coefficient_histogram, label
 from ffmem.web.main import create_app
-from ffmem.web.pages.key import MARKED_TOKENS, bin_labels, histogram_bin
+from ffmem.web.pages.key import MARKED_TOKENS, Histogram, bin_labels, histogram_bin
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.live_app import create_live_app
 from ffmem.worker.live_executor import Live
@@ -125,16 +125,41 @@ def test_the_page_draws_the_panel_with_token_texts_escaped(client, arrays):
         found = re.search(rf'id="value-histogram-{readout}" data-figure="([^"]*)"', text)
         assert found, readout
         figures[readout] = json.loads(html.unescape(found.group(1)))
-    bars, marks = figures["raw"]["data"]
+    bars, marks, names = figures["raw"]["data"]
     low, high, counts = (a[KEY] for a in arrays.histograms["raw"])
     assert bars["y"] == counts.tolist() and figures["raw"]["layout"]["yaxis"]["type"] == "log"
     assert bars["x"][0] - bars["width"][0] / 2 == pytest.approx(float(low))
     ids, logits = (a[KEY, :MARKED_TOKENS] for a in arrays.values["raw", 1])
     assert marks["x"][-MARKED_TOKENS:] == pytest.approx(logits.tolist())  # the top tokens, on the logit axis
-    assert (
-        marks["text"][MARKED_TOKENS] == label(HOSTILE) == '&lt;img␣src=x␣onerror=alert(1)&gt;&amp;"'
-    )  # as text
     assert marks["customdata"][MARKED_TOKENS] == f"{label(HOSTILE)} #{ids[0]}"
+    assert names["text"][0] == label(HOSTILE) == '&lt;img␣src=x␣onerror=alert(1)&gt;&amp;"'  # as text
+    # Issue 39 (2): the names of close logits ran into one blob. Three each way, the strongest first, each
+    # rank a step higher, running inward from the chart's edges; charts.js hides one that still overlaps.
+    bottom_logits = arrays.values["raw", -1][1][KEY, :3]
+    assert names["mode"] == "text" and names["hoverinfo"] == "skip" and len(names["text"]) == 6
+    assert names["x"] == pytest.approx(
+        [v for pair in zip(logits[:3], bottom_logits, strict=True) for v in pair]
+    )
+    assert names["y"] == [0.8, 0.8, 2.4, 2.4, 7.2, 7.2]
+    assert names["textposition"] == ["top left", "top right"] * 3
+    assert figures["raw"]["layout"]["meta"] == {"declutter": True}
+
+
+def test_the_octave_bins_name_a_few_edges_level_and_readable():
+    """Issue 39 (3): all 43 bins' ranges were written at 60° in 9 px. Now the axis names the edges ±2^k every
+    5 octaves and 0, level, in 11 px; a bar's hover gives its bin's range."""
+    edges = histogram_edges()
+    figure = coefficient_histogram(Histogram(edges=edges, labels=bin_labels(edges), counts=list(range(43))))
+    axis, bars = figure["layout"]["xaxis"], figure["data"][0]
+    assert axis["tickvals"] == [0.5, 5.5, 10.5, 15.5, 21, 26.5, 31.5, 36.5, 41.5]  # between bins; +0's centre
+    assert axis["ticktext"] == [
+        "−2<sup>10</sup>", "−2<sup>5</sup>", "−1", "−2<sup>−5</sup>", "0", "2<sup>−5</sup>", "1",
+        "2<sup>5</sup>", "2<sup>10</sup>",
+    ]  # fmt: skip
+    assert (axis["tickangle"], axis["tickfont"], axis["range"]) == (0, {"size": 11}, [-0.5, 42.5])
+    assert bars["x"] == list(range(43)) and bars["customdata"] == bin_labels(edges)
+    assert bars["customdata"][31:33] == ["[2^-1, 2^0)", "[2^0, 2^1)"]  # the tick "1" at 31.5 parts them
+    assert bars["hovertemplate"] == "m in %{customdata}: %{y} positions<extra></extra>"
 
 
 def test_a_memory_without_a_stored_value_histogram_still_renders(client, arrays):
@@ -180,7 +205,10 @@ def test_try_text_marks_where_its_max_falls(live_client, slug):
     figure = _marked(page.text)
     assert [(s["x0"], s["x1"]) for s in figure["layout"]["shapes"]] == [(at, at)]
     assert figure["layout"]["annotations"][0]["text"] == f"your text: max m {m:.3g}"
-    assert body["histogram"]["labels"][at] == figure["data"][0]["x"][at]
+    assert (
+        figure["data"][0]["x"][at] == at
+        and body["histogram"]["labels"][at] == figure["data"][0]["customdata"][at]
+    )
     untried = _marked(live_client.get(url).text)
     assert "shapes" not in untried["layout"]  # no text: no marker
     headers = {"HX-Request": "true", "HX-Target": "try_text"}

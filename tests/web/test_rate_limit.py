@@ -152,10 +152,13 @@ def test_the_page_answers_with_the_form_and_the_notice(make_app, slug, clock):
     meta = re.search(r"<meta name=\"htmx-config\" content='([^']*)'>", page.text).group(1)
     rule = next(r for r in json.loads(meta)["responseHandling"] if re.search(r["code"], "429"))
     assert rule == {"code": "[45]..", "swap": True, "error": True}
-    ablation = client.get(f"/m/{slug}/layers/1/keys/4/ablation")
-    assert ablation.status_code == 429 and ablation.headers["retry-after"] == "61"
-    assert "<h1>429 · Too many live requests</h1>" in ablation.text
-    assert f'<p class="message">{limited("1 per minute", 61)}</p>' in ablation.text
+    ablation = client.get(f"/m/{slug}/layers/1/keys/4/ablation")  # the page at once; its result: refused
+    assert ablation.status_code == 200 and 'id="ablation-computing"' in ablation.text
+    result = client.get(
+        f"/m/{slug}/layers/1/keys/4/ablation", headers={"HX-Request": "true", "HX-Target": "ablation"}
+    )
+    assert result.status_code == 429 and result.headers["retry-after"] == "61"
+    assert "<html" not in result.text and limited("1 per minute", 61) in result.text
 
 
 def test_a_burst_limit_beside_the_steady_one(make_app, slug, clock):
@@ -228,3 +231,27 @@ def test_serve_tells_uvicorn_which_proxies_to_trust(tmp_path, monkeypatch, optio
     get_settings.cache_clear()
     assert result.exit_code == 0, result.output
     assert (started["proxy_headers"], started["forwarded_allow_ips"]) == (proxy_headers, trusted)
+
+
+def test_the_ablation_page_renders_at_once_and_htmx_loads_its_result(make_app, slug, run):
+    """Issue 39 (5): the page computed before it answered, so the browser showed nothing for seconds. Now it
+    answers without the worker (and spends no live request): its heading and a busy region whose result htmx
+    asks on load; the result (the fragment) and the JSON twin ask the worker."""
+    app = make_app("1/minute")
+    client = TestClient(app, client=("10.0.0.3", 1000))
+    url = f"/m/{slug}/layers/1/keys/4/ablation"
+    page = client.get(url, params={"triggers": 3})
+    assert page.status_code == 200 and app.state.live.calls == 0
+    result = f"{url}?run={run.id}&amp;triggers=3"
+    region = f'<div id="ablation" aria-live="polite" hx-get="{result}" hx-trigger="load" hx-swap="innerHTML">'
+    assert "<h1>Layer 1, key 4, switched off</h1>" in page.text and region in page.text
+    busy = '<p id="ablation-computing" class="computing" role="status" aria-busy="true">'
+    assert busy in page.text and 'class="ablation"' not in page.text  # no result yet
+    assert client.get(url).status_code == 200 and app.state.live.calls == 0  # pages spend no live request
+    htmx = {"HX-Request": "true", "HX-Target": "ablation"}
+    fragment = client.get(result.replace("&amp;", "&"), headers=htmx)
+    assert fragment.status_code == 200 and app.state.live.calls == 1
+    assert "<html" not in fragment.text and "ablation-computing" not in fragment.text
+    assert fragment.text.count("<tr>") == 1 + 3  # the head and the 3 prefixes
+    twin = client.get(f"{url}.json", params={"triggers": 3})
+    assert twin.status_code == 429  # the result spent this minute's one live request

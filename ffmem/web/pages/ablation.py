@@ -1,5 +1,6 @@
 """The ablation page: one memory switched off on its own top trigger prefixes (asked of the live worker):
-how the probabilities of its value's top token and of each prefix's true next token change."""
+how the probabilities of its value's top token and of each prefix's true next token change. The page
+renders at once (`AblationPending`: its heading and a busy region) and htmx loads the result into it."""
 
 from __future__ import annotations
 
@@ -26,18 +27,45 @@ class AblationRow(BaseModel):
     next_after: float | None
 
 
-class AblationContext(ModelPage):
-    """One memory switched off on its top trigger prefixes."""
+class AblationMemory(ModelPage):
+    """The memory the ablation page switches off, and the run whose triggers it takes."""
 
     page: str = "ablation"
     layer: int
     key: int
     run: int
+
+
+class AblationContext(AblationMemory):
+    """One memory switched off on its top trigger prefixes."""
+
     value_token: TokenRef = Field(description="The value's top token (raw readout)")
     rows: list[AblationRow]
     mean_value_change: float
     mean_next_change: float | None
     trace_url: str = Field(description="The top trigger's prefix in the live view, with this memory off.")
+
+
+class AblationPending(AblationMemory):
+    """The ablation page before its result: the heading, and the region htmx loads the result into."""
+
+    triggers: int = Field(description="Top trigger prefixes it tests on.")
+    result_url: str = Field(description="The result, the page's `ablation` fragment (htmx asks it on load).")
+
+
+def ablation_memory(model: LanguageModel, run: Run, layer: int, key: int) -> dict:
+    """The fields of `AblationMemory`: what both the page and its result name."""
+    title = f"{model.slug}: switching off layer {layer}, key {key}"
+    return dict(title=title, model=model.slug, layer=layer, key=key, run=run.id)
+
+
+def ablation_pending(model: LanguageModel, run: Run, layer: int, key: int, *, limit: int) -> AblationPending:
+    """The page before its result: nothing asked of the live worker yet."""
+    return AblationPending(
+        **ablation_memory(model, run, layer, key),
+        triggers=limit,
+        result_url=urls.ablation_url(model.slug, layer, key, run=run.id, triggers=limit),
+    )
 
 
 def ablation_page(
@@ -89,11 +117,7 @@ def ablation_page(
         )
     with_next = [r for r in rows if r.next_before is not None]
     return AblationContext(
-        title=f"{model.slug}: switching off layer {layer}, key {key}",
-        model=model.slug,
-        layer=layer,
-        key=key,
-        run=run.id,
+        **ablation_memory(model, run, layer, key),
         value_token=TokenRef(token_id=value_token, token=texts.get(value_token, "")),
         rows=rows,
         mean_value_change=sum(r.value_after - r.value_before for r in rows) / len(rows),

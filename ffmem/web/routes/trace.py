@@ -23,12 +23,12 @@ from ffmem.engine.live.protocol import (
 from ffmem.store.models import LanguageModel
 from ffmem.web.deps import KeyDep, LayerDep, ModelDep, RunDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError
-from ffmem.web.pages.ablation import AblationContext, ablation_page
+from ffmem.web.pages.ablation import AblationContext, ablation_page, ablation_pending
 from ffmem.web.pages.circuit import CircuitContext, circuit_form, circuit_page
 from ffmem.web.pages.trace import TraceContext, trace_form, trace_page
 from ffmem.web.pages.trace_query import TraceQuery
-from ffmem.web.ratelimit import LiveBudget
-from ffmem.web.rendering import render, render_unanswered
+from ffmem.web.ratelimit import LiveBudget, LiveResultBudget
+from ffmem.web.rendering import render, render_unanswered, wants_result
 from ffmem.web.routes import page, posted_page
 from ffmem.web.trace_charts import HEATMAP_MODES
 
@@ -151,7 +151,7 @@ def circuit(
 def ablation(
     request: Request,
     session: SessionDep,
-    refused: LiveBudget,
+    refused: LiveResultBudget,
     model: ModelDep,
     layer: LayerDep,
     key: KeyDep,
@@ -161,6 +161,8 @@ def ablation(
     ] = 10,
 ):
     """Switch one memory off on its own top triggers: its value's top token and the true next token."""
+    if not wants_result(request):  # the page at once, without the worker; htmx asks for its result
+        return render(request, "ablation.html", ablation_pending(model, run, layer, key, limit=triggers))
     if refused:
         raise refused
     ctx = ablation_page(session, request.app.state.live, model, run, layer, key, limit=triggers)

@@ -2,13 +2,40 @@
 (function () {
   var HEATMAP = "heatmap"; // the live view's query parameter that keeps the heatmap's mode (trace_charts.HEATMAP_MODES)
 
+  // A figure with `layout.meta.declutter` (the circuit): an x-axis label or a node's name that would cover one
+  // already shown, or leave the chart, is hidden: the axis left to right, then the names in their trace's
+  // order (the strongest first). Redone after every redraw (a resize), each label shown again first.
+  function overlap(a, b) {
+    return a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1;
+  }
+  function declutter(el) {
+    var svg = el.querySelector(".main-svg");
+    if (!svg) return;
+    var chart = svg.getBoundingClientRect();
+    var shown = [];
+    el.querySelectorAll(".xtick text, .textpoint text").forEach(function (text) {
+      text.style.display = "";
+      var box = text.getBoundingClientRect();
+      if (box.width === 0 || box.height === 0) return; // an unnamed node
+      var inside = box.left >= chart.left && box.right <= chart.right && box.top >= chart.top && box.bottom <= chart.bottom;
+      if (!inside || shown.some(function (other) { return overlap(box, other); })) text.style.display = "none";
+      else shown.push(box);
+    });
+  }
+
   function draw(root) {
     if (!window.Plotly) return;
     root.querySelectorAll(".chart[data-figure]").forEach(function (el) {
       if (el.dataset.drawn) return;
       var figure = JSON.parse(el.dataset.figure);
-      window.Plotly.newPlot(el, figure.data, figure.layout, { displayModeBar: false, responsive: true });
+      var plotted = window.Plotly.newPlot(el, figure.data, figure.layout, { displayModeBar: false, responsive: true });
       el.dataset.drawn = "1";
+      if (figure.layout.meta && figure.layout.meta.declutter) {
+        plotted.then(function () {
+          declutter(el);
+          el.on("plotly_afterplot", function () { declutter(el); });
+        });
+      }
       if (figure.layout.meta && figure.layout.meta.links) {
         // A figure whose points are links (the weight graph): a click opens the point's customdata[0].
         el.on("plotly_click", function (data) {
