@@ -15,7 +15,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 from ffmem.web.errors import AppError
-from ffmem.web.rendering import wants_result
+from ffmem.web.wants import wants_result
 
 SCOPE = "live"
 

@@ -30,6 +30,7 @@ from ffmem.web.display import (
 )
 from ffmem.web.errors import AppError
 from ffmem.web.shading import shaded_html
+from ffmem.web.wants import wants_fragment, wants_json
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 templates = Jinja2Templates(directory=TEMPLATES)
@@ -45,10 +46,6 @@ templates.env.globals.update(label_author=label_author, duration=duration, shade
 templates.env.globals.update(tok=tok, coefficient_bar=coefficient_bar, signed=signed)  # ffmem.web.display
 templates.env.globals.update(text_max_length=text_max_length)  # what the live boxes may send
 templates.env.globals.update(JobKind=JobKind, JobStatus=JobStatus)  # templates compare with these
-
-
-def wants_json(request: Request) -> bool:
-    return request.url.path.endswith(".json")
 
 
 def render(
@@ -87,16 +84,6 @@ def twin_url(request: Request) -> str:
     path = request.url.path
     twin = "/.json" if path == "/" else f"{path}.json"
     return f"{twin}?{request.url.query}" if request.url.query else twin
-
-
-def wants_fragment(request: Request) -> bool:
-    """An htmx request: it swaps a part of the page."""
-    return bool(request.headers.get("HX-Request"))
-
-
-def wants_result(request: Request) -> bool:
-    """The JSON twin or an htmx fragment: what a page that renders at once (the ablation page) loads after."""
-    return wants_json(request) or wants_fragment(request)
 
 
 def render_error(request: Request, error: AppError) -> Response:

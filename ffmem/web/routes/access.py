@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from ffmem.web import access, urls
 from ffmem.web.pages.login import LoginContext, back, login_page
-from ffmem.web.rendering import render, wants_json
+from ffmem.web.rendering import render
 from ffmem.web.routes import action, page
+from ffmem.web.wants import wants_json
 
 router = APIRouter()
 Next = Annotated[str, Query(max_length=500, description="A path of this site to go back to.")]

@@ -11,8 +11,9 @@ from pydantic import BeforeValidator, Field
 from ffmem.web import urls
 from ffmem.web.deps import ModelDep, SessionDep
 from ffmem.web.pages.compare import SORTS, CompareContext, compare_page, start_comparison
-from ffmem.web.rendering import render, wants_json
+from ffmem.web.rendering import render
 from ffmem.web.routes import action, page
+from ffmem.web.wants import wants_json
 
 router = APIRouter()
 Sort = Literal[SORTS]  # the sorts of the key list

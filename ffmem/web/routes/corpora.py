@@ -11,8 +11,9 @@ from ffmem.web import urls
 from ffmem.web.deps import SessionDep, SettingsDep
 from ffmem.web.pages import corpora
 from ffmem.web.pages.corpora import CorporaContext, CorpusUpload
-from ffmem.web.rendering import render, wants_fragment, wants_json
+from ffmem.web.rendering import render
 from ffmem.web.routes import action, page
+from ffmem.web.wants import wants_fragment, wants_json
 
 router = APIRouter()
 

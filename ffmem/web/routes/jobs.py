@@ -20,8 +20,9 @@ from ffmem.web.errors import AppError, sentence
 from ffmem.web.pages import corpora
 from ffmem.web.pages.home import home_page
 from ffmem.web.pages.jobs import JobContext, JobsContext, job_page, jobs_page
-from ffmem.web.rendering import render, wants_json
+from ffmem.web.rendering import render
 from ffmem.web.routes import action, page
+from ffmem.web.wants import wants_json
 
 router = APIRouter()
 

@@ -24,9 +24,10 @@ from ffmem.web.pages.quadrants import QuadrantContext, quadrant_page
 from ffmem.web.pages.related import RelatedContext, related_page
 from ffmem.web.pages.samples import SamplesContext, samples_page
 from ffmem.web.ratelimit import LiveBudget, LiveTextBudget
-from ffmem.web.rendering import render, render_unanswered, wants_fragment, wants_json
+from ffmem.web.rendering import render, render_unanswered
 from ffmem.web.routes import action, page, posted_page
 from ffmem.web.views import label_view
+from ffmem.web.wants import wants_fragment, wants_json
 
 router = APIRouter()
 

@@ -13,8 +13,9 @@ from ffmem.web.deps import LayerDep, ModelDep, PinnedDep, RunDep, SessionDep
 from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_key
 from ffmem.web.pages.layer import LayerContext, layer_page
-from ffmem.web.rendering import render, wants_fragment, wants_json
+from ffmem.web.rendering import render
 from ffmem.web.routes import page
+from ffmem.web.wants import wants_fragment, wants_json
 
 router = APIRouter()
 Sort = Literal[memory_reads.KEY_SORTS]  # the columns the layer table sorts by

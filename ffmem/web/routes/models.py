@@ -21,8 +21,9 @@ from ffmem.web.pages.home import HomeContext, home_page
 from ffmem.web.pages.jobs import JobContext, job_page
 from ffmem.web.pages.labels import LabelsContext, LabelSort, labels_csv, labels_page
 from ffmem.web.pages.model import ModelContext, model_page
-from ffmem.web.rendering import render, wants_json
+from ffmem.web.rendering import render
 from ffmem.web.routes import ERRORS, _errors, action, page
+from ffmem.web.wants import wants_json
 
 router = APIRouter()
 

@@ -12,8 +12,9 @@ from ffmem.store.models import LanguageModel
 from ffmem.web.deps import ModelDep, PinnedDep, SessionDep
 from ffmem.web.errors import AppError
 from ffmem.web.pages.search import SearchContext, named_key, search_page
-from ffmem.web.rendering import render, wants_fragment, wants_json
+from ffmem.web.rendering import render
 from ffmem.web.routes import page
+from ffmem.web.wants import wants_fragment, wants_json
 
 router = APIRouter()
 MAX_LENGTH = 200  # the longest q accepted; the search box says so too (maxlength)

@@ -28,9 +28,10 @@ from ffmem.web.pages.circuit import CircuitContext, circuit_form, circuit_page
 from ffmem.web.pages.trace import TraceContext, trace_form, trace_page
 from ffmem.web.pages.trace_query import TraceQuery
 from ffmem.web.ratelimit import LiveBudget, LiveResultBudget
-from ffmem.web.rendering import render, render_unanswered, wants_result
+from ffmem.web.rendering import render, render_unanswered
 from ffmem.web.routes import page, posted_page
 from ffmem.web.trace_charts import HEATMAP_MODES
+from ffmem.web.wants import wants_result
 
 router = APIRouter()
 HeatmapMode = Literal[HEATMAP_MODES]
