@@ -136,7 +136,7 @@ def test_its_samples_and_related_memories(client, last_layer):
 
 
 def expected_order(stats: dict, sort: str, descending: bool, keys: np.ndarray | None = None) -> list[int]:
-    """The layer table's order: NULLs last, then the column, then the key ascending."""
+    """The layer table's order: NULLs last, then the column (a quadrant: then its share), then the key."""
     keys = np.arange(SHAPE.n_keys) if keys is None else keys
     quadrants = {"dominant_quadrant": stats["quadrant_shares"].argmax(axis=1)}  # [keys] each
     quadrants.update(zip(QUADRANT_COLUMNS, stats["quadrant_shares"].T, strict=True))
@@ -144,7 +144,10 @@ def expected_order(stats: dict, sort: str, descending: bool, keys: np.ndarray | 
     value = keys.astype(float) if sort == "key" else np.asarray(column, float)[keys]
     missing = value < 0 if sort == "next_token_rank" else np.isnan(value)  # −1 is stored as NULL
     primary = np.where(missing, 0.0, -value if descending else value)
-    return keys[np.lexsort((keys, primary, missing))].tolist()
+    # By the dominant quadrant, each quadrant's keys by its share, the largest first either way.
+    shares = stats["quadrant_shares"][keys]  # [keys, 4]
+    within = -shares.max(axis=1) if sort == "dominant_quadrant" else np.zeros(len(keys))
+    return keys[np.lexsort((keys, within, primary, missing))].tolist()
 
 
 @pytest.mark.parametrize("sort", KEY_SORTS)
