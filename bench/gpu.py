@@ -82,7 +82,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class TorchFold(MiningState):
+class TorchFoldedState(MiningState):
     """A MiningState that folds with the torch code on every device (layers gathered into groups, as
     `update` does on every device but the CPU): on a CUDA device what `update` does anyway; on a CPU it
     makes the dry run's parity compare the torch fold with the compiled one."""
@@ -326,7 +326,7 @@ def parity(
         ids, first, shard_sentences=0, memories=memories, batch_tokens=batch_tokens, pad_id=pad_id
     )
     states = []
-    for loaded, fold in ((reference, MiningState), (other, TorchFold)):
+    for loaded, fold in ((reference, MiningState), (other, TorchFoldedState)):
         start = time.perf_counter()
         gated = loaded.adapter.gates is not None
         state = fold(loaded.n_layers, loaded.n_keys, top_k, device=loaded.device, gated=gated)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ffmem.engine.mining import state as mining
+from ffmem.engine.mining import fold_torch as mining
 from ffmem.engine.mining.corpus import Batch
 from ffmem.engine.mining.state import MiningState
 

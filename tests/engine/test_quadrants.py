@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ffmem.engine.mining import state as mining
+from ffmem.engine.mining import fold_torch as mining
 from ffmem.engine.mining.batches import mine_batches, shard_batches
 from ffmem.engine.mining.corpus import Batch
 from ffmem.engine.mining.mined_layer import MinedLayer

@@ -4,8 +4,9 @@ Keys are split into one block per thread. Per sentence, one loop over its mined 
 key's maximum and minimum (a vectorised loop), the sum and the histogram (a float's sign and exponent
 bits name its bin through a 512-entry table); then, where the sentence's order key beats a list's last
 one, it is inserted into the key's top-T of that sign or into its band samples, and only then is the
-extreme's position looked up (its first occurrence). The state is the one ffmem.engine.mining.state's torch
-fold (other devices) gives, tested equal: the same order keys and ties, the same positions.
+extreme's position looked up (its first occurrence). The state is the one the torch fold of other
+devices (ffmem.engine.mining.fold_torch) gives, tested equal: the same order keys and ties, the same
+positions.
 
 A gated layer's sign quadrants (mined_layer.QUADRANTS) come in the same loop: each position's quadrant
 from the signs of m and of its input x·u, counted, and per sentence the largest |m| in each quadrant,
