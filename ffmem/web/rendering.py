@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -14,7 +15,7 @@ from pydantic import BaseModel
 
 from ffmem.engine.live.protocol import text_max_length
 from ffmem.store.models import JobKind, JobStatus
-from ffmem.web import charts, trace_charts, urls
+from ffmem.web import urls
 from ffmem.web.access import admin_name, can_write, label_author, login_offered
 from ffmem.web.display import (
     coefficient_bar,
@@ -29,6 +30,7 @@ from ffmem.web.display import (
     without_bidi_controls,
 )
 from ffmem.web.errors import AppError
+from ffmem.web.pages import analysis, circuit, compare, composition, key_charts, model, trace_charts
 from ffmem.web.shading import shaded_html
 from ffmem.web.wants import wants_fragment, wants_json
 
@@ -39,9 +41,20 @@ templates.env.finalize = without_bidi_controls  # every shown value, before esca
 templates.env.filters.update(visible=visible, number=number, percent=percent, tail_words=tail_words)
 templates.env.filters.update(sentences=sentences)  # a run's sentences: a count, or all
 templates.env.globals.update(
-    urls=urls, charts=charts, can_write=can_write, admin_name=admin_name, login_offered=login_offered
+    urls=urls, can_write=can_write, admin_name=admin_name, login_offered=login_offered
 )
-templates.env.globals.update(trace_charts=trace_charts)  # the live view's charts
+# Each page's figures, beside the page: `pages.model.layer_lines(…)`, `pages.key_charts.value_bars(…)`.
+templates.env.globals.update(
+    pages=SimpleNamespace(
+        analysis=analysis,
+        circuit=circuit,
+        compare=compare,
+        composition=composition,
+        key_charts=key_charts,
+        model=model,
+        trace_charts=trace_charts,
+    )
+)
 templates.env.globals.update(label_author=label_author, duration=duration, shaded=shaded_html)
 templates.env.globals.update(tok=tok, coefficient_bar=coefficient_bar, signed=signed)  # ffmem.web.display
 templates.env.globals.update(text_max_length=text_max_length)  # what the live boxes may send

@@ -20,9 +20,8 @@ from ffmem.engine.live.protocol import (
     MemoryRefAnswer,
 )
 from ffmem.store import memory_reads
-from ffmem.web import trace_charts
 from ffmem.web.main import create_app
-from ffmem.web.pages.circuit import CircuitContext, CircuitMemory
+from ffmem.web.pages.circuit import CIRCUIT_EDGES, CircuitContext, CircuitMemory, circuit_graph
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.live_app import create_live_app
 from ffmem.worker.live_executor import Live
@@ -206,9 +205,9 @@ def test_the_circuit_chart_names_only_its_layers_and_strongest_memories():
         interventions="", options=CircuitOptions(hops=2), max_tokens=56, trace_url="/m/x/trace",
         nodes=hop0 + hop1 + hop2, edges=edges,
     )  # fmt: skip
-    figure = trace_charts.circuit_graph(ctx)
+    figure = circuit_graph(ctx)
     *lines, nodes = figure["data"]
-    assert len(lines) == 2 * trace_charts.CIRCUIT_EDGES == 40  # per hop the strongest 20 of 30 and of 40
+    assert len(lines) == 2 * CIRCUIT_EDGES == 40  # per hop the strongest 20 of 30 and of 40
     terms = [1 + i for i in range(29, 9, -1)] + [0.01 * (i + 1) for i in range(39, 19, -1)]
     assert [line["line"]["width"] for line in lines] == pytest.approx([1 + 6 * term / 30 for term in terms])
     kept = {(e.upstream.layer, e.upstream.key) for e in edges[10:30] + edges[50:]} | {(26, 100)}

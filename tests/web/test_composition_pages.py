@@ -12,9 +12,9 @@ from sqlalchemy import select
 
 from ffmem.store import composition, vocabularies
 from ffmem.store.models import Explanation
-from ffmem.web import charts, urls
+from ffmem.web import urls
 from ffmem.web.display import number, visible
-from ffmem.web.pages.composition import LinkView, WeightGraphView
+from ffmem.web.pages.composition import NODE_LABEL_PX, LinkView, WeightGraphView, weight_graph
 
 
 def test_the_key_page_shows_who_feeds_whom(client, db, run, slug):
@@ -66,7 +66,7 @@ def test_the_weight_graph_keeps_its_labels_apart_and_inside():
         ]
 
     graph = WeightGraphView(inbound=links([0, 14, 14], 1073), outbound=links([29, 16, 29, 29], 287))
-    figure = charts.weight_graph(graph, 15, 287, 30)
+    figure = weight_graph(graph, 15, 287, 30)
     nodes = next(trace for trace in figure["data"] if trace.get("text"))
     assert nodes["text"][:4] == ["L0 K1073", "L14 K1073", "L14 K1073", "L29 K287"]  # in full
     assert nodes["textposition"] == ["middle left"] * 3 + ["middle right"] * 4  # away from the centre
@@ -74,13 +74,13 @@ def test_the_weight_graph_keeps_its_labels_apart_and_inside():
     for side in (nodes["y"][:3], nodes["y"][3:]):
         assert len(set(side)) == len(side)  # one writer and one reader a row
     layout = figure["layout"]
-    assert layout["margin"]["l"] >= charts.NODE_LABEL_PX * len("L14 K1073") + nodes["marker"]["size"] / 2
-    assert layout["margin"]["r"] >= charts.NODE_LABEL_PX * len("L29 K287") + nodes["marker"]["size"] / 2
+    assert layout["margin"]["l"] >= NODE_LABEL_PX * len("L14 K1073") + nodes["marker"]["size"] / 2
+    assert layout["margin"]["r"] >= NODE_LABEL_PX * len("L29 K287") + nodes["marker"]["size"] / 2
     assert layout["xaxis"]["range"] == [-0.5, 29.5] and layout["title"]["text"] == ""
     centre = figure["data"][-1]
     assert "text" not in centre and "L15 K287" in centre["hovertemplate"]  # the page names it
     assert not any(trace.get("text") for trace in figure["data"][:-2])  # edges carry no labels
-    first = charts.weight_graph(WeightGraphView(inbound=[], outbound=links([1], 5)), 0, 3, 30)["layout"]
+    first = weight_graph(WeightGraphView(inbound=[], outbound=links([1], 5)), 0, 3, 30)["layout"]
     assert first["margin"]["l"] < first["margin"]["r"]  # no writers: no room kept for their labels
 
 
@@ -98,7 +98,7 @@ def test_the_weight_graph_hover_names_the_node_its_score_and_its_explanation_wra
     graph = WeightGraphView(
         inbound=[link(3, 17, 0.25, words)], outbound=[link(9, 4, -1.5, long), link(8, 2, 1, None)]
     )
-    nodes = next(trace for trace in charts.weight_graph(graph, 5, 6, 12)["data"] if trace.get("customdata"))
+    nodes = next(trace for trace in weight_graph(graph, 5, 6, 12)["data"] if trace.get("customdata"))
     assert (
         nodes["hovertemplate"]
         == "%{customdata[1]}<br>score %{customdata[2]}<br>%{customdata[3]}<extra></extra>"
@@ -122,7 +122,7 @@ def test_the_weight_graph_hover_names_the_node_its_score_and_its_explanation_wra
         ["/m/x/layers/8/keys/2", "this value → L8 K2", "+1", "not explained"],
     ]
     longer = WeightGraphView(inbound=[], outbound=[link(9, 4, 1, long + " " + long)])
-    prose = next(t for t in charts.weight_graph(longer, 5, 6, 12)["data"] if t.get("customdata"))[
+    prose = next(t for t in weight_graph(longer, 5, 6, 12)["data"] if t.get("customdata"))[
         "customdata"
     ][0][3]
     lines = unescape(prose).split("<br>")

@@ -14,11 +14,10 @@ from sqlalchemy import select
 
 from ffmem.config import Settings
 from ffmem.store.models import Job, Label
-from ffmem.web import charts
 from ffmem.web.display import signed, tail_words
 from ffmem.web.main import create_app
-from ffmem.web.pages.analysis import AnalysisFigure
-from ffmem.web.pages.model import LayerSummary
+from ffmem.web.pages.analysis import AnalysisFigure, analysis_chart
+from ffmem.web.pages.model import LayerSummary, layer_lines
 
 TOKEN = "s3cret-token"
 HTMX = {"HX-Request": "true"}
@@ -444,13 +443,13 @@ def summary(layer: int, positive_share: float) -> LayerSummary:
 
 def test_the_model_charts_have_honest_axes():
     layers = [summary(layer, 0.498 + layer * 0.0002) for layer in range(30)]
-    share = charts.layer_lines(layers, "positive_share")["layout"]
+    share = layer_lines(layers, "positive_share")["layout"]
     assert share["yaxis"]["range"] == [0, 1]  # noise near 50% stays flat
     assert share["shapes"][0]["y0"] == 0.5
     assert share["xaxis"]["range"] == [-0.5, 29.5] and share["xaxis"]["dtick"] == 5
-    agreement = charts.layer_lines(layers, "agreement_rate")["layout"]
+    agreement = layer_lines(layers, "agreement_rate")["layout"]
     assert agreement["yaxis"]["range"][0] == 0 and agreement["yaxis"]["tickformat"] == ".1%"
-    assert charts.layer_lines(layers[:3], "density")["layout"]["xaxis"]["dtick"] == 1
+    assert layer_lines(layers[:3], "density")["layout"]["xaxis"]["dtick"] == 1
 
 
 def test_the_analysis_charts_label_their_log_axis_and_keep_the_paper_visible():
@@ -461,11 +460,11 @@ def test_the_analysis_charts_label_their_log_axis_and_keep_the_paper_visible():
         )  # fmt: skip
 
     ranks = figure("rank", {}).model_copy(update={"series": {"q0.5": [3.0, 17_000.0, None]}})
-    rank = charts.analysis_chart(ranks)["layout"]["yaxis"]
+    rank = analysis_chart(ranks)["layout"]["yaxis"]
     assert rank["type"] == "log"
     assert rank["tickvals"] == [2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
     assert rank["ticktext"][-3:] == ["5,000", "10,000", "20,000"]  # every label in full, none ambiguous
-    band = charts.analysis_chart(
+    band = analysis_chart(
         figure("share", {"paper: low end": [[0, 0.1], [1, 0.1]], "paper: high end": [[0, 0.5], [1, 0.5]]})
     )["data"]
     assert [trace["name"] for trace in band] == ["paper: low end", "paper: high end", "ours"]  # ours on top

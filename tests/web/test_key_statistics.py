@@ -21,9 +21,10 @@ from ffmem.config import Settings
 from ffmem.engine.mining.mined_layer import histogram_edges
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.models import Token, ValueHistogram
-from ffmem.web.charts import coefficient_histogram, label
+from ffmem.web.charts import label
 from ffmem.web.main import create_app
 from ffmem.web.pages.key import MARKED_TOKENS, Histogram, bin_labels, histogram_bin
+from ffmem.web.pages.key_charts import coefficient_histogram
 from ffmem.web.worker_client import LiveWorker
 from ffmem.worker.live_app import create_live_app
 from ffmem.worker.live_executor import Live

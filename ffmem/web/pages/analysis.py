@@ -4,6 +4,9 @@ Depth is relative (layer / (layers − 1)) so the paper's 16 layers and any mode
 
 from __future__ import annotations
 
+import html
+import math
+
 from pydantic import BaseModel, Field
 
 from ffmem.config import Settings
@@ -12,6 +15,7 @@ from ffmem.store import analyses, jobs
 from ffmem.store.db import Session
 from ffmem.store.models import Analysis, LanguageModel, Run
 from ffmem.store.specs import ANALYSIS_SIZES, AnalysisSpec
+from ffmem.web.charts import BASE_LAYOUT
 from ffmem.web.views import JobInfo, ModelPage, RunInfo, run_info
 
 NAMES = ("agreement", "census", "token_removal")
@@ -238,3 +242,83 @@ def computed_text(name: str, analysis: Analysis) -> str:
     }.get(name, name.replace("_", " ").capitalize())
     when = analysis.created_at.strftime("%Y-%m-%d %H:%M")
     return f"{read}; computed in {analysis.seconds:.1f} s on {when} UTC."
+
+
+SERIES_COLORS = ("#2b6cb0", "#c05621", "#2f855a", "#6b46c1", "#b7791f")
+
+
+def log_ticks(low: float, high: float) -> list[int]:
+    """1, 2 and 5 times the powers of ten from below `low` to above `high`."""
+    ticks, power = [], 1
+    while power <= 10 * high:
+        ticks += [step * power for step in (1, 2, 5)]
+        power *= 10
+    below = max([tick for tick in ticks if tick <= low], default=1)
+    above = min([tick for tick in ticks if tick >= high], default=ticks[-1])
+    return [tick for tick in ticks if below <= tick <= above]
+
+
+PAPER_LINE = {"color": "rgba(113, 128, 150, 0.55)", "width": 5, "dash": "dash"}
+PAPER_BAND = "rgba(113, 128, 150, 0.15)"
+
+
+def analysis_chart(figure: AnalysisFigure) -> dict:
+    """Our per-layer series (solid, by relative depth) and the paper's values (dashed, approximate).
+
+    The paper's lines are drawn first, wide and translucent, so where ours runs on top of one both stay
+    visible; a paper range (a "low end" and a "high end", Fig. 7) is a shaded band between them."""
+    paper = []
+    for name, points in figure.paper.items():
+        band = name.endswith("high end") and paper and paper[-1]["name"].endswith("low end")
+        paper.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": html.escape(name, quote=False),
+                "x": [x for x, _ in points],
+                "y": [y for _, y in points],
+                "line": PAPER_LINE,
+                **({"fill": "tonexty", "fillcolor": PAPER_BAND} if band else {}),
+                "hovertemplate": "paper: %{y:.3g}<extra></extra>",
+            }
+        )
+    data = paper + [
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": html.escape(name, quote=False),
+            "x": figure.depth,
+            "y": values,
+            "customdata": figure.layers,
+            "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
+            "hovertemplate": "layer %{customdata}<br>%{y:.3g}<extra>"
+            + html.escape(name, quote=False)
+            + "</extra>",
+        }
+        for i, (name, values) in enumerate(figure.series.items())
+    ]
+    if figure.unit == "rank":  # log scale, every tick written out in full: 1, 2, 5, 10, 20, …, 20,000
+        ranks = [v for values in figure.series.values() for v in values if v is not None and v > 0]
+        ticks = log_ticks(min(ranks, default=1), max(ranks, default=10))
+        yaxis = {"title": {"text": "rank (0 = top; log scale)"}, "type": "log"}
+        yaxis |= {"tickvals": ticks, "ticktext": [f"{tick:,}" for tick in ticks]}
+        yaxis["range"] = [math.log10(ticks[0]), math.log10(ticks[-1])]  # from the tick below to the one above
+    elif figure.unit in ("share", "probability"):
+        yaxis = {"title": {"text": figure.unit}, "rangemode": "tozero"}
+        if figure.unit == "share":
+            yaxis["tickformat"] = ".0%"
+    else:
+        yaxis = {"title": {"text": figure.unit}}
+    return {
+        "data": data,
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": ""},  # the page heads the chart with its title (it wraps there)
+            "margin": {"l": 60, "r": 20, "t": 16, "b": 48},
+            "showlegend": True,
+            "legend": {"orientation": "h", "y": -0.3},
+            "height": 360,
+            "xaxis": {"title": {"text": "relative depth (layer / last layer)"}, "range": [-0.02, 1.02]},
+            "yaxis": yaxis,
+        },
+    }

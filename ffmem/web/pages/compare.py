@@ -13,6 +13,7 @@ from ffmem.store import comparison, runs
 from ffmem.store.db import Session
 from ffmem.store.models import Comparison, JobStatus, KeyChange, LanguageModel, Run
 from ffmem.web import urls
+from ffmem.web.charts import BASE_LAYOUT, NEGATIVE, NEUTRAL, POSITIVE, layer_axis
 from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_layer, run_or_404
 from ffmem.web.views import JobInfo, ModelPage
@@ -264,3 +265,43 @@ def start_comparison(session: Session, model: LanguageModel, a: int, b: int) -> 
     first = run_or_404(session, model, a)
     second = other_run_or_error(session, first, b)
     comparison.enqueue_comparison(session=session, run_a=first.id, run_b=second.id)
+
+
+COMPARISON_SERIES = {  # LayerChange field → legend, colour
+    "mean_overlap": ("mean trigger overlap (positive)", POSITIVE),
+    "mean_key_cosine": ("mean key cosine", NEGATIVE),
+    "mean_value_cosine": ("mean value cosine", NEUTRAL),
+}
+
+
+def comparison_layers(layers: list[LayerChange]) -> dict:
+    """Two runs side by side, per layer: the mean overlap of the memories' top triggers and the mean
+    cosine of their keys and values between the two models (1: unchanged), on one axis up to 1."""
+    lowest = min(
+        [getattr(s, field) for s in layers for field in COMPARISON_SERIES if getattr(s, field) is not None]
+        or [0.0]
+    )
+    return {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": name,
+                "x": [s.layer for s in layers],
+                "y": [getattr(s, field) for s in layers],
+                "line": {"color": color},
+                "hovertemplate": f"layer %{{x}}: %{{y:.4f}}<extra>{name}</extra>",
+            }
+            for field, (name, color) in COMPARISON_SERIES.items()
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": "per layer: trigger overlap and weight cosines (1 = unchanged)"},
+            "xaxis": layer_axis(len(layers)),
+            "yaxis": {"range": [min(0.0, lowest) - 0.02, 1.05], "zeroline": True},
+            "showlegend": True,
+            "legend": {"orientation": "h", "y": -0.25},
+            "height": 340,
+            "margin": BASE_LAYOUT["margin"] | {"b": 90},
+        },
+    }

@@ -3,6 +3,8 @@ memory's links in its run's weight graph, its automatic explanation, and explana
 
 from __future__ import annotations
 
+import html
+import textwrap
 from collections.abc import Mapping
 
 from pydantic import BaseModel, Field
@@ -11,6 +13,8 @@ from ffmem.store import composition
 from ffmem.store.db import Session
 from ffmem.store.models import Explanation, Run
 from ffmem.web import urls
+from ffmem.web.charts import BASE_LAYOUT, NEGATIVE, NEUTRAL, POSITIVE
+from ffmem.web.display import visible
 
 
 class LinkView(BaseModel):
@@ -175,3 +179,98 @@ def explanation_hits(session: Session, slug: str, run: Run, q: str, limit: int) 
         )
         for e in found
     ]
+
+
+HOVER_WIDTH, HOVER_LINES = 60, 3  # a hover's prose: lines of at most 60 characters, at most 3 of them
+
+
+def hover_prose(text: str) -> str:
+    """Prose (an explanation) for a hover: its spaces kept, wrapped into HOVER_LINES lines of HOVER_WIDTH
+    characters at most (the last cut with "…"), each escaped, joined by <br>."""
+    lines = textwrap.wrap(visible(text, spaces=False), HOVER_WIDTH)
+    if len(lines) > HOVER_LINES:
+        lines = lines[: HOVER_LINES - 1] + [
+            textwrap.shorten(" ".join(lines[HOVER_LINES - 1 :]), HOVER_WIDTH, placeholder=" …")
+        ]
+    return "<br>".join(html.escape(line, quote=False) for line in lines)
+
+
+NODE_LABEL_PX = 7  # the most a character of a node label ("L29 K1073", 11 px) takes, in pixels
+
+
+def weight_graph(graph: WeightGraphView, layer: int, key: int, n_layers: int) -> dict:
+    """The memory (centre) between the earlier memories whose values write into its key (left) and the
+    later keys that read its value (right), each at its layer, the strongest highest; an edge's width is
+    its |score|, its colour the sign (blue: a positive coefficient of the writer raises the reader's).
+    A click on a node opens that memory (`layout.meta.links`: static/charts.js).
+
+    Labels never overlap or leave the chart, whatever its width: each link has its own row (one writer and
+    one reader a row), a writer's label sits left of it and a reader's right of it, away from the centre;
+    labels may run past the axis into the side margins, which are as wide as the longest label there. The
+    centre has no label (the page names it; its hover does) and the page heads the chart (a title wraps
+    there, not in plotly)."""
+    strongest = max([abs(link.score) for link in graph.inbound + graph.outbound] or [1.0]) or 1.0
+    edges, nodes, hovers = [], [], []  # hovers: who feeds whom
+    for links, side in ((graph.inbound, "middle left"), (graph.outbound, "middle right")):
+        for rank, link in enumerate(links):
+            y = (len(links) - 1) / 2 - rank
+            color = POSITIVE if link.score > 0 else NEGATIVE
+            width = 1 + 5 * abs(link.score) / strongest
+            edges.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "x": [link.layer, layer],
+                    "y": [y, 0],
+                    "line": {"color": color, "width": width},
+                    "hoverinfo": "skip",
+                }
+            )
+            nodes.append((link, y, color, side))
+            node = f"L{link.layer} K{link.key}"
+            hovers.append((node, "this key") if side == "middle left" else ("this value", node))
+    node_trace = {
+        "type": "scatter",
+        "mode": "markers+text",
+        "x": [link.layer for link, *_ in nodes],
+        "y": [y for _, y, *_ in nodes],
+        "text": [f"L{link.layer} K{link.key}" for link, *_ in nodes],
+        "textposition": [side for *_, side in nodes],
+        "textfont": {"size": 11, "shadow": "auto"},  # a halo in the background colour over the edges
+        "cliponaxis": False,  # a label may run into the margin beside the axis
+        "marker": {"size": 11, "color": [color for _, _, color, _ in nodes]},
+        "customdata": [
+            [
+                link.url,
+                f"{name} → {to}",
+                f"{link.score:+.3g}",
+                hover_prose(link.explanation or "not explained"),
+            ]
+            for (link, *_), (name, to) in zip(nodes, hovers, strict=True)
+        ],
+        "hovertemplate": "%{customdata[1]}<br>score %{customdata[2]}<br>%{customdata[3]}<extra></extra>",
+    }
+    centre = {
+        "type": "scatter",
+        "mode": "markers",
+        "x": [layer],
+        "y": [0],
+        "marker": {"size": 16, "color": NEUTRAL, "symbol": "diamond"},
+        "hovertemplate": f"this memory: L{layer} K{key}<extra></extra>",
+    }
+
+    def margin(links: list) -> int:  # the widest label on that side, and the marker's half beside it
+        return 20 + NODE_LABEL_PX * max([len(f"L{link.layer} K{link.key}") for link in links] or [0])
+
+    return {
+        "data": [*edges, node_trace, centre],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": ""},
+            "height": 380,
+            "margin": {"l": margin(graph.inbound), "r": margin(graph.outbound), "t": 16, "b": 48},
+            "xaxis": {"title": {"text": "layer"}, "range": [-0.5, n_layers - 0.5]},
+            "yaxis": {"visible": False},
+            "meta": {"links": True},
+        },
+    }

@@ -7,6 +7,7 @@ from pydantic import BaseModel, Field
 from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import LayerFigures, results_for
+from ffmem.web.charts import BASE_LAYOUT, NEUTRAL, POSITIVE, layer_axis
 from ffmem.web.views import ModelInfo, Provisional, RunInfo, model_info, run_info
 
 LayerSummary = LayerFigures  # the model page's rows are the store's per-layer figures, as they are
@@ -32,3 +33,57 @@ def model_page(session: Session, model: LanguageModel, run: Run) -> ModelContext
         layers=results.layer_figures(),
         provisional=results.coverage(),
     )
+
+
+LAYER_SERIES = {
+    "positive_share": "share of positive coefficients (m > 0)",
+    "density": "density (|m| near each key's peak)",
+    "max_prob": "max value probability",
+    "agreement_rate": "agreement rate (value's top token = next token)",
+}
+SHARES = ("positive_share", "density", "agreement_rate")  # drawn as percentages
+
+
+def layer_lines(layers: list[LayerSummary], field: str) -> dict:
+    """One statistic across layers, as a line with markers, on an honest y-axis: from 0; the positive
+    share over 0–100% with 50% marked, so a layer at 50.3% does not look far from one at 49.8%."""
+    values = [getattr(s, field) for s in layers]
+    top = max((v for v in values if v is not None), default=0.0)
+    yaxis: dict = {"range": [0, 1.15 * top if top > 0 else 0.05 if field in SHARES else 1], "zeroline": True}
+    shapes = []
+    if field == "positive_share":
+        yaxis["range"] = [0, 1]
+        shapes = [
+            {
+                "type": "line",
+                "xref": "paper",
+                "x0": 0,
+                "x1": 1,
+                "y0": 0.5,
+                "y1": 0.5,
+                "line": {"color": NEUTRAL, "width": 1, "dash": "dot"},
+            }
+        ]
+    if field in SHARES:
+        yaxis["tickformat"] = ".0%" if field == "positive_share" else ".1%"
+    hover = "%{y:.2%}" if field in SHARES else "%{y:.4g}"
+    return {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "x": [s.layer for s in layers],
+                "y": values,
+                "line": {"color": POSITIVE},
+                "hovertemplate": "layer %{x}: " + hover + "<extra></extra>",
+            }
+        ],
+        "layout": BASE_LAYOUT
+        | {
+            "title": {"text": LAYER_SERIES[field]},
+            "xaxis": layer_axis(len(layers)),
+            "yaxis": yaxis,
+            "shapes": shapes,
+            "height": 280,
+        },
+    }

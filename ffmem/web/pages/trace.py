@@ -146,7 +146,7 @@ class TraceContext(ModelPage):
         None, description="The same without the edits (None without edits)"
     )
     heatmap_mode: str = Field(
-        "ff_logit", description="The heatmap shown first (`heatmap=`; trace_charts.HEATMAP_MODES)"
+        "ff_logit", description="The heatmap shown first (`heatmap=`; pages/trace_charts.HEATMAP_MODES)"
     )
     notice_field: str | None = Field(
         None, description="The form field the notice is about: shown next to it."

@@ -26,11 +26,11 @@ from ffmem.web.errors import AppError
 from ffmem.web.pages.ablation import AblationContext, ablation_page, ablation_pending
 from ffmem.web.pages.circuit import CircuitContext, circuit_form, circuit_page
 from ffmem.web.pages.trace import TraceContext, trace_form, trace_page
+from ffmem.web.pages.trace_charts import HEATMAP_MODES
 from ffmem.web.pages.trace_query import TraceQuery
 from ffmem.web.ratelimit import LiveBudget, LiveResultBudget
 from ffmem.web.rendering import render, render_unanswered
 from ffmem.web.routes import page, posted_page
-from ffmem.web.trace_charts import HEATMAP_MODES
 from ffmem.web.wants import wants_result
 
 router = APIRouter()
