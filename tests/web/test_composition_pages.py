@@ -122,9 +122,7 @@ def test_the_weight_graph_hover_names_the_node_its_score_and_its_explanation_wra
         ["/m/x/layers/8/keys/2", "this value → L8 K2", "+1", "not explained"],
     ]
     longer = WeightGraphView(inbound=[], outbound=[link(9, 4, 1, long + " " + long)])
-    prose = next(t for t in weight_graph(longer, 5, 6, 12)["data"] if t.get("customdata"))[
-        "customdata"
-    ][0][3]
+    prose = next(t for t in weight_graph(longer, 5, 6, 12)["data"] if t.get("customdata"))["customdata"][0][3]
     lines = unescape(prose).split("<br>")
     assert len(lines) == 3 and lines[-1].endswith(" …") and all(len(line) <= 60 for line in lines), lines
 
