@@ -1,6 +1,6 @@
 // Draw every plotly figure spec found in a `.chart[data-figure]` element (also after htmx swaps).
 (function () {
-  var HEATMAP = "heatmap"; // the live view's query parameter that keeps the heatmap's mode (trace_charts.HEATMAP_MODES)
+  var HEATMAP = "heatmap"; // the live view's query parameter that keeps the heatmap's mode (pages/trace_charts.py HEATMAP_MODES)
 
   // A figure with `layout.meta.declutter` (the circuit): an x-axis label or a node's name that would cover one
   // already shown, or leave the chart, is hidden: the axis left to right, then the names in their trace's
