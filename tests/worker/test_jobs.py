@@ -12,10 +12,13 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from click.testing import Result
 from sqlalchemy import select
 from test_index import SENTENCES, options, stored_rows
+from typer.testing import CliRunner
 
-from ffmem.config import Settings
+from ffmem.cli import cli as app
+from ffmem.config import Settings, get_settings
 from ffmem.store import jobs, models, shards
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import Job, Run, RunStatus, Shard
@@ -41,8 +44,16 @@ def env_for(tmp_path, **settings) -> dict:
     return env
 
 
-def cli(*args, env, check=True, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([*FFMEM, *args], env=env, capture_output=True, text=True, check=check, **kwargs)
+def cli(*args, env) -> Result:
+    """`ffmem *args` with the environment `env`, in this process (typer's runner sets it around the call):
+    the same command as a child's, without a second import of torch. It must succeed."""
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, list(args), env=env)
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    return result
 
 
 def reference(tmp_path, tiny, tiny_model_dir, corpus, **changes):
@@ -159,14 +170,14 @@ def test_sigkill_mid_run_then_the_same_command_resumes_it(tmp_path, tiny, tiny_m
     with make_sessionmaker(engine)() as session:
         assert session.scalars(select(Job.status)).one() == "running"
         assert session.scalars(select(Run.status)).one() == "running"
-    finished = cli(*command, env=env, timeout=300)
+    finished = cli(*command, env=env)
     assert "resumed 1 shard(s) from checkpoints" in finished.stdout, finished.stdout + finished.stderr
     with make_sessionmaker(engine)() as session:
         assert len(session.scalars(select(Run)).all()) == 1
         result = stored_rows(session, 1)
     engine.dispose()
     same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus, shard_sentences=128))
-    again = cli(*command, env=env, timeout=300)
+    again = cli(*command, env=env)
     assert "already indexes" in again.stdout and "--again" in again.stdout
 
 
@@ -221,7 +232,9 @@ def test_sqlite_runs_one_worker(tmp_path):
             session=session, worker="elsewhere:1:abc", lease=timedelta(seconds=600), max_attempts=3
         )
         session.commit()
-    refused = cli("worker", "--once", "--db", url, env=dict(os.environ), check=False, timeout=120)
+    refused = subprocess.run(
+        [*FFMEM, "worker", "--once", "--db", url], capture_output=True, text=True, timeout=120
+    )
     assert refused.returncode == 2
     assert refused.stderr.strip() == (
         f"error: SQLite runs one worker at a time and elsewhere:1:abc is working on {url}; "
