@@ -93,6 +93,9 @@ def slug(db) -> str:
     return db.scalars(select(LanguageModel.slug)).one()
 
 
+NO_WORKER = "http://127.0.0.1:9"
+
+
 @pytest.fixture(scope="module")
 def run(db) -> Run:
     """The tiny index's one run."""
@@ -101,8 +104,9 @@ def run(db) -> Run:
 
 @pytest.fixture(scope="module")
 def client(explorer_db):
-    """The explorer over the tiny index, no live worker (modules that need one define their own)."""
-    app = create_app(Settings(database_url=explorer_db))
+    """The explorer over the tiny index, no live worker (modules that need one define their own): its URL
+    the discard port, where nothing answers (whatever else runs on this machine's 8001)."""
+    app = create_app(Settings(database_url=explorer_db, worker_url=NO_WORKER))
     with TestClient(app) as client:
         yield client
     app.state.engine.dispose()

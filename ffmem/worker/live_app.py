@@ -22,6 +22,8 @@ from ffmem.engine.live.protocol import (
     CircuitRequest,
     CoefficientsAnswer,
     CoefficientsRequest,
+    TokenMemoriesAnswer,
+    TokenMemoriesRequest,
     TraceAnswer,
     TraceRequest,
 )
@@ -32,7 +34,8 @@ log = logging.getLogger("ffmem.worker")
 
 
 def create_live_app(live: Live) -> FastAPI:
-    """The worker's HTTP face: GET /health, POST /trace, /circuit, /coefficients, /ablation."""
+    """The worker's HTTP face: GET /health, POST /trace, /circuit, /coefficients, /ablation,
+    /token-memories."""
     app = FastAPI(title="ffmem live worker", version="0.1.0")
     app.state.live = live
 
@@ -60,6 +63,11 @@ def create_live_app(live: Live) -> FastAPI:
     async def ablate(request: AblationRequest) -> AblationAnswer:
         """Target probabilities after each prefix with one memory as it is and switched off."""
         return await live.run(request.model, lambda loaded: live.ablation(loaded, request))
+
+    @app.post(TokenMemoriesRequest.path)
+    async def token_memories(request: TokenMemoriesRequest) -> TokenMemoriesAnswer:
+        """The memories whose values promote and suppress tokens most, past a run's stored depth."""
+        return await live.run(request.model, lambda loaded: live.token_memories(loaded, request))
 
     @app.exception_handler(LiveError)
     async def live_error(request: Request, error: LiveError) -> JSONResponse:

@@ -7,6 +7,11 @@ that, or while the requested model is still loading, it refuses with a `LiveErro
 `ffmem worker` serves it beside its index work, on the same copy of the model (`shared_model`): a trace
 holds the model's lock, so it waits for the batch being mined, and the other way round. Its HTTP face is
 ffmem/worker/live_app.py.
+
+A token search ranked by probability needs every value's log Z under its readout, a pass over the whole
+vocabulary per value: the first such search of a model computes it (seconds on a GPU; on a CPU about as long
+as the index's projection of that readout) and the executor keeps it, [memories] float32, while it holds the
+model.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from ffmem.config import Settings
 from ffmem.engine.live.attribution_terms import target_tokens
 from ffmem.engine.live.circuit import circuit
@@ -34,10 +41,15 @@ from ffmem.engine.live.protocol import (
     CoefficientsAnswer,
     CoefficientsRequest,
     PromptRequest,
+    TokenMemoriesAnswer,
+    TokenMemoriesRequest,
+    TokenMemoryAnswer,
     TraceAnswer,
     TraceRequest,
 )
+from ffmem.engine.live.token_search import token_search, value_log_z
 from ffmem.engine.live.trace import ablation, trace
+from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.loaded import LoadedModel, ModelLoadError
 from ffmem.engine.model.loading import shared_model
 
@@ -74,6 +86,7 @@ class Live:
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.loading: str | None = None
         self.failed: dict[str, str] = {}
+        self.log_z: dict[tuple[str, str], torch.Tensor] = {}  # (source, readout) → [memories]
         self.pending = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ffmem-live")
         self._lock = threading.Lock()
@@ -107,7 +120,8 @@ class Live:
             self.failed.pop(source, None)
             self.models[source] = loaded
             while len(self.models) > self.capacity:
-                self.models.popitem(last=False)
+                gone, _ = self.models.popitem(last=False)
+                self.log_z = {k: z for k, z in self.log_z.items() if k[0] != gone}
         return loaded
 
     async def run(self, source: str, work: Callable[[LoadedModel], Answer]) -> Answer:
@@ -244,6 +258,37 @@ class Live:
             raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
         before, after = ablation(loaded, request.layer, request.key, request.prefixes, request.targets)
         return AblationAnswer(before=before, after=after)
+
+    def token_memories(self, loaded: LoadedModel, request: TokenMemoriesRequest) -> TokenMemoriesAnswer:
+        vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]
+        if max(request.token_ids) >= vocab:
+            raise LiveError(400, f"token ids must lie in 0–{vocab - 1}", field="token_ids")
+        log_z = None
+        if request.by == "prob":
+            cached = (request.model, request.readout)
+            if cached not in self.log_z:
+                self.log_z[cached] = value_log_z(loaded, request.readout)  # [memories]
+            log_z = self.log_z[cached]
+        found = token_search(
+            loaded,
+            request.token_ids,
+            readout=request.readout,
+            by=request.by,
+            limit=request.limit,
+            log_z=log_z,
+        )
+        return TokenMemoriesAnswer(
+            memories=loaded.n_layers * loaded.n_keys,
+            **{
+                name: [
+                    TokenMemoryAnswer(
+                        layer=m // loaded.n_keys, key=m % loaded.n_keys, token_id=t, score=score
+                    )
+                    for m, t, score in found[direction]
+                ]
+                for name, direction in (("promote", 1), ("suppress", -1))
+            },
+        )
 
 
 def _check_memory(loaded: LoadedModel, layer: int, key: int) -> None:

@@ -33,6 +33,9 @@ TARGET_FIELD_CHARS = 10_000  # the longest a target field takes (past TARGET_CHA
 CIRCUIT_NODES, CIRCUIT_TOP, CIRCUIT_THRESHOLD, CIRCUIT_HOPS = 10, 5, 0.1, 1
 MAX_CIRCUIT_NODES, MAX_CIRCUIT_TOP, MAX_CIRCUIT_HOPS = 50, 20, 2
 MAX_ABLATION_PREFIXES = 100  # prefixes a memory is switched off on
+# A token search (ffmem.engine.live.token_memories): memories listed each way at most (the search page's
+# `limit` too), vocabulary tokens ranked together at most.
+MAX_SEARCH_MEMORIES, MAX_SEARCH_TOKENS = 200, 16
 
 
 def text_max_length(max_tokens: int) -> int:
@@ -42,6 +45,7 @@ def text_max_length(max_tokens: int) -> int:
 
 # -- the fields the requests and the web's forms share ----------------------------------------------------
 Readout = Literal["norm", "raw"]
+RankedBy = Literal["logit", "prob"]
 Memories = Annotated[int, Field(ge=1, le=MAX_MEMORIES, description="Memories listed per layer.")]
 Generate = Annotated[
     int, Field(ge=0, le=MAX_GENERATE, description="Greedy tokens generated with and without the edits.")
@@ -133,6 +137,21 @@ class CoefficientsRequest(BaseModel):
     text: str = Field(description="The text whose tokens are read.")
     layer: int = Field(ge=0)
     key: int = Field(ge=0)
+
+
+class TokenMemoriesRequest(BaseModel):
+    """POST /token-memories: over every memory of every layer, the (memory, token) pairs whose value promotes
+    and suppresses these tokens most (answered with a TokenMemoriesAnswer): what a token search shows past
+    the depth its run's token → memories table stores."""
+
+    path: ClassVar[str] = "/token-memories"
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    token_ids: Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_SEARCH_TOKENS)
+    ] = Field(description="The vocabulary tokens ranked together.")
+    readout: Readout = "raw"
+    by: RankedBy = Field("prob", description="logit, or log-probability (logit − the value's log Z).")
+    limit: int = Field(ge=1, le=MAX_SEARCH_MEMORIES, description="Pairs listed each way.")
 
 
 # -- the answers --------------------------------------------------------------------------------------------
@@ -273,6 +292,24 @@ class CoefficientsAnswer(BaseModel):
     max_position: int = Field(description="… and where (the first such token).")
     min: float = Field(description="The smallest m over all tokens…")
     min_position: int = Field(description="… and where (the first such token).")
+
+
+class TokenMemoryAnswer(BaseModel):
+    """One (memory, token) pair of a token search."""
+
+    layer: int
+    key: int
+    token_id: int
+    score: float = Field(description="The token's logit in the value's readout, or its log-probability (by).")
+
+
+class TokenMemoriesAnswer(BaseModel):
+    """POST /token-memories: the strongest pairs each way, equal scores by memory (layer-major), then token
+    (ffmem.engine.live.token_memories)."""
+
+    memories: int = Field(description="Memories ranked: every memory of every layer.")
+    promote: list[TokenMemoryAnswer] = Field(description="The highest scores first.")
+    suppress: list[TokenMemoryAnswer] = Field(description="The lowest scores first.")
 
 
 class MemoryRefAnswer(BaseModel):
