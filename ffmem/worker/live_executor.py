@@ -10,8 +10,8 @@ ffmem/worker/live_app.py.
 
 A token search ranked by probability needs every value's log Z under its readout, a pass over the whole
 vocabulary per value: the first such search of a model computes it (seconds on a GPU; on a CPU about as long
-as the index's projection of that readout) and the executor keeps it, [memories] float32, while it holds the
-model.
+as the index's projection of that readout), and one under the norm readout each value's part of the final
+norm; the executor keeps them, [memories] float32 each, while it holds the model.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
-
-import torch
 
 from ffmem.config import Settings
 from ffmem.engine.live.attribution_terms import target_tokens
@@ -47,7 +45,7 @@ from ffmem.engine.live.protocol import (
     TraceAnswer,
     TraceRequest,
 )
-from ffmem.engine.live.token_search import token_search, value_log_z
+from ffmem.engine.live.token_search import token_search, value_log_z, value_scales
 from ffmem.engine.live.trace import ablation, trace
 from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.loaded import LoadedModel, ModelLoadError
@@ -86,7 +84,7 @@ class Live:
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.loading: str | None = None
         self.failed: dict[str, str] = {}
-        self.log_z: dict[tuple[str, str], torch.Tensor] = {}  # (source, readout) → [memories]
+        self.kept: dict[tuple[str, str], object] = {}  # (source, name) → per-memory figures (token search)
         self.pending = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ffmem-live")
         self._lock = threading.Lock()
@@ -121,7 +119,7 @@ class Live:
             self.models[source] = loaded
             while len(self.models) > self.capacity:
                 gone, _ = self.models.popitem(last=False)
-                self.log_z = {k: z for k, z in self.log_z.items() if k[0] != gone}
+                self.kept = {k: kept for k, kept in self.kept.items() if k[0] != gone}
         return loaded
 
     async def run(self, source: str, work: Callable[[LoadedModel], Answer]) -> Answer:
@@ -259,24 +257,26 @@ class Live:
         before, after = ablation(loaded, request.layer, request.key, request.prefixes, request.targets)
         return AblationAnswer(before=before, after=after)
 
+    def _kept(self, source: str, name: str, compute: Callable):
+        """What `compute` gives for `source`'s model, computed once while the model is held."""
+        if (source, name) not in self.kept:
+            self.kept[source, name] = compute()
+        return self.kept[source, name]
+
     def token_memories(self, loaded: LoadedModel, request: TokenMemoriesRequest) -> TokenMemoriesAnswer:
         vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]
         if max(request.token_ids) >= vocab:
             raise LiveError(400, f"token ids must lie in 0–{vocab - 1}", field="token_ids")
-        log_z = None
+        source, readout = request.model, request.readout
+        log_z = scales = None
         if request.by == "prob":
-            cached = (request.model, request.readout)
-            if cached not in self.log_z:
-                self.log_z[cached] = value_log_z(loaded, request.readout)  # [memories]
-            log_z = self.log_z[cached]
+            log_z = self._kept(source, f"log_z {readout}", lambda: value_log_z(loaded, readout))  # [memories]
+        if readout == "norm":
+            scales = self._kept(source, "scales", lambda: value_scales(loaded))
         found = token_search(
-            loaded,
-            request.token_ids,
-            readout=request.readout,
-            by=request.by,
-            limit=request.limit,
-            log_z=log_z,
-        )
+            loaded, request.token_ids, readout=readout, by=request.by, limit=request.limit, log_z=log_z,
+            scales=scales,
+        )  # fmt: skip
         return TokenMemoriesAnswer(
             memories=loaded.n_layers * loaded.n_keys,
             **{

@@ -269,7 +269,8 @@ def test_the_worker_refuses_bad_tokens_in_its_error_shape(worker, model, tiny):
         400,
         {
             "ok": False,
-            "error": f"token_ids: List should have at most {MAX_SEARCH_TOKENS} items after validation, not 17",
+            "error": f"token_ids: List should have at most {MAX_SEARCH_TOKENS} items after validation, "
+            f"not {MAX_SEARCH_TOKENS + 1}",
             "status": 400,
         },
     )
@@ -279,17 +280,22 @@ def test_the_worker_refuses_bad_tokens_in_its_error_shape(worker, model, tiny):
     assert negative.json()["error"] == "token_ids.0: Input should be greater than or equal to 0"
 
 
-def test_the_worker_keeps_each_readouts_log_z(worker, live, model, word, by_hand):
+def test_the_worker_keeps_each_readouts_log_z_and_the_norms_scales(worker, live, model, word, by_hand):
     _, tokens = word
-    live.log_z.clear()
+    live.kept.clear()
     for by in ("logit", "prob", "prob"):
         worker.post(
             "/token-memories", json={"model": model.source, "token_ids": tokens, "by": by, "limit": 3}
         )
-    assert set(live.log_z) == {(model.source, "raw")}, "computed once, by the first search by probability"
-    np.testing.assert_allclose(
-        live.log_z[(model.source, "raw")].numpy(), by_hand["raw"][1].numpy(), rtol=1e-6
+    assert set(live.kept) == {(model.source, "log_z raw")}, (
+        "computed once, by the first search by probability"
     )
+    np.testing.assert_allclose(
+        live.kept[model.source, "log_z raw"].numpy(), by_hand["raw"][1].numpy(), rtol=1e-6
+    )
+    ask = {"model": model.source, "token_ids": tokens, "readout": "norm", "by": "logit", "limit": 3}
+    worker.post("/token-memories", json=ask)
+    assert set(live.kept) == {(model.source, "log_z raw"), (model.source, "scales")}
 
 
 def test_equal_scores_rank_by_memory_then_token():
