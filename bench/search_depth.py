@@ -61,7 +61,8 @@ def main() -> None:
     with TestClient(create_live_app(live), base_url="http://worker") as worker:
 
         def search(tokens: list[int], readout: str, by: str) -> tuple[float, dict]:
-            body = {"model": settings.model, "token_ids": tokens, "readout": readout, "by": by, "limit": LIMIT}
+            body = {"model": settings.model, "token_ids": tokens, "readout": readout, "by": by}
+            body["limit"] = LIMIT
             t0 = time.perf_counter()
             response = worker.post("/token-memories", json=body)
             ms = 1000 * (time.perf_counter() - t0)

@@ -19,8 +19,8 @@ from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_key, run_or_404
 from ffmem.web.pages.composition import ExplanationHit, explanation_hits
 from ffmem.web.token_search import TokenHit
-from ffmem.web.worker_client import LiveWorker
 from ffmem.web.views import LabelHit, ModelPage, RunInfo, label_view, run_info, trigger_token_ids
+from ffmem.web.worker_client import LiveWorker
 
 KEY_JUMP = re.compile(
     r"^\s*(?:L\s*)?(\d+)\s*(?:/|\s+|,)\s*(?:K\s*)?(\d+)\s*$|^\s*L\s*(\d+)\s*K\s*(\d+)\s*$", re.I
