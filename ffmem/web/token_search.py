@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ffmem.engine.live.protocol import MAX_SEARCH_TOKENS, TokenMemoriesRequest
@@ -38,15 +39,21 @@ class TokenHit:
     rank: int | None  # the token's rank among the value's stored top / bottom tokens; None: not there
 
 
-@dataclass
-class Depth:
-    """How deep a search's lists go: the table's depth, and whether the pairs past it came from the live
-    worker ("live") or the search shows the stored ones only ("stored"; `reason`: why, when the limit asked
-    for more than the table holds)."""
+class Depth(BaseModel):
+    """How deep a token search's lists go (full coverage): the run's token → memories table stores `stored`
+    memories per token each way; past them, the live worker's (`source` "live") or none ("stored")."""
 
-    stored: int  # each token's memories stored per list
-    source: Literal["stored", "live"] = "stored"
-    reason: str | None = None
+    stored: int = Field(0, description="Memories the run stores per token, each way.")
+    source: Literal["stored", "live"] = Field(
+        "stored",
+        description="live: the lists go to the limit, the pairs past the stored ones from the live worker "
+        "(one product of the tokens' output embedding with every value); stored: the stored ones only.",
+    )
+    reason: str | None = Field(
+        None,
+        description="Why only the stored ones are shown though the limit asks for more (no live worker, "
+        "it failed or was slow); null when they were all there is to show or the worker answered.",
+    )
 
 
 @dataclass
@@ -56,7 +63,7 @@ class Ranked:
     promote: list[TokenHit]
     suppress: list[TokenHit]
     memories: int  # memories ranked (every memory of every layer)
-    depth: Depth = field(default_factory=lambda: Depth(0))
+    depth: Depth
 
 
 def rank_memories(
@@ -88,7 +95,7 @@ def rank_memories(
         chosen[direction] = sorted(entries, key=lambda e: (-direction * e[2], e[0], e[1]))[
             : min(limit, stored)
         ]
-    depth = Depth(stored)
+    depth = Depth(stored=stored)
     pairs = model.n_layers * model.n_keys * len(lists)
     if lists and limit > stored and pairs > stored:  # asked for more than the table holds, and there are more
         asked = dict(readout=readout, by=by, limit=limit, live=live, timeout=timeout)
@@ -124,10 +131,10 @@ def deeper(
     way with the live worker's pairs that are not among them, in the worker's order; the depth that came of
     it."""
     if live is None:
-        return Depth(stored, reason="No live worker is configured.")
+        return Depth(stored=stored, reason="No live worker is configured.")
     if len(token_ids) > MAX_SEARCH_TOKENS:
         many = f"The query means {len(token_ids)} tokens; the live worker ranks at most {MAX_SEARCH_TOKENS}"
-        return Depth(stored, reason=f"{many} at once.")
+        return Depth(stored=stored, reason=f"{many} at once.")
     request = TokenMemoriesRequest(
         model=model.source, token_ids=token_ids, readout=readout, by=by, limit=limit
     )
@@ -135,9 +142,9 @@ def deeper(
         answer = live.token_memories(request, timeout)
     except AppError as error:
         if error.status != 504:
-            return Depth(stored, reason=error.message)
+            return Depth(stored=stored, reason=error.message)
         waited = f" ({timeout:g} s, search_worker_timeout)" if timeout else ""
-        return Depth(stored, reason=f"The live worker did not answer in time{waited}.")
+        return Depth(stored=stored, reason=f"The live worker did not answer in time{waited}.")
     if answer.memories != (memories := model.n_layers * model.n_keys):
         return Depth(
             stored, reason=f"The live worker's model has {answer.memories} memories, not {memories}."
@@ -150,7 +157,7 @@ def deeper(
             memory = pair.layer * model.n_keys + pair.key
             if (memory, pair.token_id) not in have:
                 chosen[direction].append((memory, pair.token_id, pair.score))
-    return Depth(stored, source="live")
+    return Depth(stored=stored, source="live")
 
 
 def lists_of(lists: dict, by: str, direction: int) -> list[tuple[int, int, float]]:

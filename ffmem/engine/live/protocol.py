@@ -33,7 +33,7 @@ TARGET_FIELD_CHARS = 10_000  # the longest a target field takes (past TARGET_CHA
 CIRCUIT_NODES, CIRCUIT_TOP, CIRCUIT_THRESHOLD, CIRCUIT_HOPS = 10, 5, 0.1, 1
 MAX_CIRCUIT_NODES, MAX_CIRCUIT_TOP, MAX_CIRCUIT_HOPS = 50, 20, 2
 MAX_ABLATION_PREFIXES = 100  # prefixes a memory is switched off on
-# A token search (ffmem.engine.live.token_memories): memories listed each way at most (the search page's
+# A token search (ffmem.engine.live.token_search): memories listed each way at most (the search page's
 # `limit` too), vocabulary tokens ranked together at most.
 MAX_SEARCH_MEMORIES, MAX_SEARCH_TOKENS = 200, 16
 
@@ -305,7 +305,7 @@ class TokenMemoryAnswer(BaseModel):
 
 class TokenMemoriesAnswer(BaseModel):
     """POST /token-memories: the strongest pairs each way, equal scores by memory (layer-major), then token
-    (ffmem.engine.live.token_memories)."""
+    (ffmem.engine.live.token_search)."""
 
     memories: int = Field(description="Memories ranked: every memory of every layer.")
     promote: list[TokenMemoryAnswer] = Field(description="The highest scores first.")

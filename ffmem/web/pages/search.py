@@ -4,7 +4,6 @@ text (with the keys they trigger), labels and explanations by text, or a jump to
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -18,7 +17,7 @@ from ffmem.web.display import visible
 from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_key, run_or_404
 from ffmem.web.pages.composition import ExplanationHit, explanation_hits
-from ffmem.web.token_search import TokenHit
+from ffmem.web.token_search import Depth, TokenHit
 from ffmem.web.views import LabelHit, ModelPage, RunInfo, label_view, run_info, trigger_token_ids
 from ffmem.web.worker_client import LiveWorker
 
@@ -74,23 +73,6 @@ class SentenceMatch(BaseModel):
     keys: list[SentenceKey] = Field(description="The strongest first.")
 
 
-class TokenDepth(BaseModel):
-    """How deep the token sections go (full coverage): the run's token → memories table stores `stored`
-    memories per token each way; past them, the live worker's (`source` "live") or none ("stored")."""
-
-    stored: int = Field(0, description="Memories the run stores per token, each way.")
-    source: Literal["stored", "live"] = Field(
-        "stored",
-        description="live: the sections go to the limit, the pairs past the stored ones from the live worker "
-        "(one product of the tokens' output embedding with every value); stored: the stored ones only.",
-    )
-    reason: str | None = Field(
-        None,
-        description="Why only the stored ones are shown though the limit asks for more (no live worker, "
-        "it failed or was slow); null when they were all there is to show or the worker answered.",
-    )
-
-
 class SearchContext(ModelPage):
     """What a search found in one index run."""
 
@@ -114,8 +96,8 @@ class SearchContext(ModelPage):
         "before 0018: index them again for full).",
     )
     memories: int = Field(0, description="Memories ranked (full).")
-    depth: TokenDepth = Field(
-        TokenDepth(),
+    depth: Depth = Field(
+        Depth(),
         description="How deep the token sections go (full): the stored depth and what lies past it.",
     )
     sentences: list[SentenceMatch] = Field(
@@ -191,7 +173,7 @@ def search_page(
         suppress=suppress,
         token_coverage=coverage,
         memories=ranked.memories if ranked else 0,
-        depth=TokenDepth(**vars(ranked.depth)) if ranked else TokenDepth(),
+        depth=ranked.depth if ranked else Depth(),
         sentences=sentences,
         labels=label_hits,
         explanations=explanation_hits(session, slug, run, q, limit),
