@@ -14,6 +14,8 @@ from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web.main import create_app
 from ffmem.worker.index import IndexOptions
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 from ffmem.worker.loop import build_index
 
 HOSTILE = [
@@ -110,6 +112,14 @@ def client(explorer_db):
     with TestClient(app) as client:
         yield client
     app.state.engine.dispose()
+
+
+def tiny_worker(tiny, tiny_model_dir, **options) -> tuple[Live, TestClient]:
+    """A live worker holding the tiny model (its executor, `options` its own, and its app's client at
+    http://worker), for a module that serves live requests in-process."""
+    live = Live(device="cpu", **({"max_tokens": 56, "queue": 4} | options))
+    live.models[str(tiny_model_dir)] = tiny
+    return live, TestClient(create_live_app(live), base_url="http://worker")
 
 
 def four_shard_options(tiny_model_dir, tmp_path) -> IndexOptions:

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from explorer_index import NO_WORKER
+from explorer_index import NO_WORKER, tiny_worker
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
@@ -22,7 +22,6 @@ from ffmem.store.models import LanguageModel, Token
 from ffmem.web.main import create_app
 from ffmem.web.token_search import rank_memories
 from ffmem.web.worker_client import START, LiveWorker
-from ffmem.worker.live_app import create_live_app
 from ffmem.worker.live_executor import Live
 
 pytestmark = [
@@ -47,15 +46,18 @@ class Wire:
 
 
 @pytest.fixture(scope="module")
-def live(tiny, tiny_model_dir) -> Live:
-    live = Live(device="cpu", max_tokens=56, queue=4)
-    live.models[str(tiny_model_dir)] = tiny
-    return live
+def live_worker(tiny, tiny_model_dir) -> tuple[Live, TestClient]:
+    return tiny_worker(tiny, tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
-def worker(live):
-    return TestClient(create_live_app(live), base_url="http://worker")
+def live(live_worker) -> Live:
+    return live_worker[0]
+
+
+@pytest.fixture(scope="module")
+def worker(live_worker) -> TestClient:
+    return live_worker[1]
 
 
 @pytest.fixture(scope="module")
