@@ -26,7 +26,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import JSON, Boolean, DateTime, Float, Integer, LargeBinary, SmallInteger, Table, select
@@ -139,7 +139,7 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
             "revision": run.model.revision,
             "corpus": run.corpus.name,
             "corpus_fingerprint": run.corpus.fingerprint,
-            "started_at": run.started_at.isoformat(),
+            "started_at": utc(run.started_at).isoformat(),
         },
         "files": files,
     }
@@ -150,6 +150,11 @@ def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict
 def _own_id(exported: ExportedTable) -> str:
     """The ids key of a table that is an owner itself (its `id` column)."""
     return next(key for key, model in OWNERS.items() if model.__table__ is exported.table)
+
+
+def utc(moment: datetime) -> datetime:
+    """A timestamp as an aware UTC datetime (SQLite gives back naive UTC ones, Postgres aware ones)."""
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
 
 
 def require_pyarrow() -> None:
@@ -189,7 +194,7 @@ def _jsonl_encoder(kind):
     if isinstance(kind, LargeBinary):
         return lambda value: None if value is None else base64.b64encode(value).decode("ascii")
     if isinstance(kind, DateTime):
-        return lambda value: None if value is None else value.isoformat()
+        return lambda value: None if value is None else utc(value).isoformat()
     if hasattr(kind, "enums"):  # a status stored as text
         return lambda value: None if value is None else str(value.value if hasattr(value, "value") else value)
     return lambda value: value

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import insert, select
@@ -31,6 +30,7 @@ from ffmem.store.export import (
     read_rows,
     require_pyarrow,
     sha256,
+    utc,
 )
 from ffmem.store.models import Corpus, Label, LanguageModel, Run
 
@@ -146,16 +146,11 @@ def _same_run(session: Session, model_id: int, corpus_id: int, run_row: dict) ->
     query = select(Run.id, Run.started_at, Run.provenance).where(
         Run.model_id == model_id, Run.corpus_id == corpus_id
     )
-    started = _utc(run_row["started_at"])
+    started = utc(run_row["started_at"])
     for run_id, started_at, provenance in session.execute(query):
-        if _utc(started_at) == started and provenance == run_row["provenance"]:
+        if utc(started_at) == started and provenance == run_row["provenance"]:
             return run_id
     return None
-
-
-def _utc(moment: datetime) -> datetime:
-    """A timestamp as an aware UTC datetime (SQLite gives back naive UTC ones)."""
-    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
 
 
 def _insert_owner(session: Session, exported: ExportedTable, row: dict) -> int:
@@ -182,7 +177,7 @@ def _labels(session: Session, exported: ExportedTable, rows, model_id: int) -> i
     """Add the export's labels the model lacks (same memory, text, tag, author and time), oldest first."""
     fields = ("layer", "key", "pattern", "tag", "author", "created_at")
     have = {
-        (*row[:5], _utc(row[5]))
+        (*row[:5], utc(row[5]))
         for row in session.execute(
             select(*(Label.__table__.c[f] for f in fields)).where(Label.model_id == model_id)
         )
@@ -190,7 +185,7 @@ def _labels(session: Session, exported: ExportedTable, rows, model_id: int) -> i
     added = 0
     for row in rows:
         label = dict(zip(exported.columns, row, strict=True))
-        mark = (*(label[f] for f in fields[:5]), _utc(label["created_at"]))
+        mark = (*(label[f] for f in fields[:5]), utc(label["created_at"]))
         if mark not in have:
             session.execute(insert(Label.__table__).values(model_id=model_id, **label))
             have.add(mark)

@@ -69,12 +69,7 @@ def test_export_writes_every_table_with_a_manifest(explorer_db, db, tmp_path, fm
         lists = _read(out / f"memory_lists.{fmt}")
         assert set(lists[0]) == {"kind", "sign", "layer", "key", "data"}
         first = lists[0]
-        stored = db.scalar(
-            select(MemoryList.data).where(
-                MemoryList.run_id == run.id, MemoryList.kind == first["kind"], MemoryList.sign == first["sign"],
-                MemoryList.layer == first["layer"], MemoryList.key == first["key"],
-            )
-        )  # fmt: skip
+        stored = db.get(MemoryList, (run.id, first["kind"], first["sign"], first["layer"], first["key"])).data
         assert (base64.b64decode(first["data"]) if fmt == "jsonl" else first["data"]) == stored
         sentence = _read(out / f"sentences.{fmt}")[3]
         token_ids = sentence["token_ids"] if fmt == "jsonl" else json.loads(sentence["token_ids"])
