@@ -27,6 +27,7 @@ from ffmem.store import (
     memory_reads,
     memory_search,
     runs,
+    value_histograms,
     vocabularies,
 )
 from ffmem.store.db import make_engine, make_sessionmaker
@@ -262,6 +263,14 @@ class Key:
         return Quadrants(dict(zip(QUADRANTS, found.shares, strict=True)), _table(QuadrantRow, examples))
 
     @cached_property
+    def value_histograms(self) -> dict | None:
+        """readout → the value's logits over the whole vocabulary in equal bins (`edges`, `counts`); None
+        where the run stores none."""
+        return value_histograms.value_histogram(
+            session=self._session, run_id=self.run.id, layer=self.layer, key=self.key
+        )
+
+    @cached_property
     def neighbours(self) -> Table[NeighbourRow]:
         """The nearest memories by key, then by value, the nearest first."""
         found = memory_search.get_neighbours(
@@ -341,6 +350,12 @@ class Run:
 
     def key(self, layer: int, key: int) -> Key:
         return self.layer(layer).key(key)
+
+    def sentences(self, indices) -> dict:
+        """These sentences of the run's corpus, by index: rows of text, token_ids, offsets."""
+        return corpora.get_sentences(
+            session=self.model.index.session, corpus_id=self.stored.corpus_id, indices=indices
+        )
 
     def key_stats(self):
         """Every key's statistics, a row a key (layer, key, then KeyStats' columns) as a DataFrame."""

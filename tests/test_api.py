@@ -138,9 +138,11 @@ def test_the_api_never_imports_torch(explorer_db):
     code = (
         "import sys, ffmem\n"
         "assert 'ffmem.api' not in sys.modules\n"
-        f"key = ffmem.open({explorer_db!r}).model().run().key(1, 4)\n"
+        f"index = ffmem.open({explorer_db!r})\n"
+        "key = index.model().run().key(1, 4)\n"
         "assert key.triggers and key.value_tokens and key.stats\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "index.close()\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

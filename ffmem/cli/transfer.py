@@ -10,6 +10,7 @@ import typer
 
 from ffmem.cli.common import DbOption, fail_cleanly
 from ffmem.config import get_settings
+from ffmem.engine.errors import FfmemError
 
 
 def export(
@@ -27,16 +28,18 @@ def export(
 
     def work():
         from ffmem.store.db import make_engine, make_sessionmaker
+        from ffmem.store.export import FORMATS, export_run
+
+        if format not in (*FORMATS, "neuronpedia"):
+            raise FfmemError(f"unknown export format {format!r}; choose jsonl, parquet or neuronpedia")
+        if format == "neuronpedia":
+            from ffmem.neuronpedia import export_neuronpedia
+
+            return export_neuronpedia(url=url, run_id=run, folder=folder)
 
         engine = make_engine(url)
         try:
             with make_sessionmaker(engine)() as session:
-                if format == "neuronpedia":
-                    from ffmem.store.neuronpedia import export_neuronpedia
-
-                    return export_neuronpedia(session=session, run_id=run, folder=folder)
-                from ffmem.store.export import export_run
-
                 return export_run(session=session, run_id=run, folder=folder, fmt=format)
         finally:
             engine.dispose()
