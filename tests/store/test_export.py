@@ -92,4 +92,7 @@ def test_export_refuses_bad_input_in_one_line(explorer_db, tmp_path):
     result = CliRunner().invoke(
         cli, ["export", "1", "--format", "csv", "--db", explorer_db, "--out", str(tmp_path / "x")]
     )
-    assert result.exit_code == 2 and "unknown export format 'csv'; choose jsonl, parquet or neuronpedia" in result.output
+    assert (
+        result.exit_code == 2
+        and "unknown export format 'csv'; choose jsonl, parquet or neuronpedia" in result.output
+    )
