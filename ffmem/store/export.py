@@ -22,7 +22,6 @@ pyarrow (`pip install 'ffmem[parquet]'`); a decoded view of the memories for not
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from sqlalchemy import JSON, Boolean, DateTime, Float, Integer, LargeBinary, Sma
 from sqlalchemy.orm import Session
 
 from ffmem.engine.errors import FfmemError
+from ffmem.engine.mining.text_files import sha256
 from ffmem.store.db import json_dumps
 from ffmem.store.models import (
     Analysis,
@@ -162,14 +162,6 @@ def require_pyarrow() -> None:
         import pyarrow  # noqa: F401
     except ImportError:
         raise FfmemError("Parquet needs pyarrow: pip install pyarrow (or --format jsonl)") from None
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as data:
-        while block := data.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _stream(session: Session, query) -> Iterator[tuple]:

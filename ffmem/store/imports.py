@@ -23,6 +23,7 @@ from ffmem.engine.errors import FfmemError
 from ffmem.store import bulk, runs
 from ffmem.store.export import (
     FORMAT,
+    FORMATS,
     MANIFEST,
     TABLES,
     VERSION,
@@ -67,10 +68,13 @@ def read_manifest(folder: Path) -> dict:
     fmt = manifest.get("encoding")
     if fmt == "parquet":
         require_pyarrow()
+    if fmt not in FORMATS:
+        raise FfmemError(f"{path}: unknown encoding {fmt!r}")
+    files = manifest.get("files")
     for exported in TABLES:
         name = f"{exported.name}.{fmt}"
-        listed = manifest.get("files", {}).get(name)
-        if listed is None:
+        listed = files.get(name) if isinstance(files, dict) else None
+        if not isinstance(listed, dict) or not isinstance(listed.get("sha256"), str):
             raise FfmemError(f"{path}: lists no {name}")
         if not (folder / name).is_file():
             raise FfmemError(f"{folder / name}: missing")
@@ -112,19 +116,16 @@ def import_run(*, session: Session, folder: Path) -> Imported:
             raise FfmemError(f"already imported: run {twin} of this database is this run; nothing added")
     written = {exported.name: 0 for exported in TABLES}
     new_model, new_corpus = model is None, corpus is None
-    if new_model:
-        model_id = _insert_owner(session, by_name["language_models"], model_row)
-        written["language_models"] = 1
-        written["tokens"] = _bulk(session, by_name["tokens"], rows("tokens"), model_id)
-    else:
-        model_id = model.id
+
+    def owner(name: str, row: dict, contents: str) -> int:
+        """Insert a model or corpus row and its rows (vocabulary, sentences): its new id."""
+        owner_id = _insert_owner(session, by_name[name], row)
+        written[name], written[contents] = 1, _bulk(session, by_name[contents], rows(contents), owner_id)
+        return owner_id
+
+    model_id = owner("language_models", model_row, "tokens") if new_model else model.id
     written["labels"] = _labels(session, by_name["labels"], rows("labels"), model_id)
-    if new_corpus:
-        corpus_id = _insert_owner(session, by_name["corpora"], corpus_row)
-        written["corpora"] = 1
-        written["sentences"] = _bulk(session, by_name["sentences"], rows("sentences"), corpus_id)
-    else:
-        corpus_id = corpus.id
+    corpus_id = owner("corpora", corpus_row, "sentences") if new_corpus else corpus.id
     run_id = _insert_owner(
         session, by_name["runs"], {**run_row, "model_id": model_id, "corpus_id": corpus_id}
     )

@@ -146,6 +146,10 @@ def test_refusals_name_the_file_and_write_nothing(explorer_db, run, tmp_path, db
     (folder / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
     newer = "export format version 2 is newer than this ffmem reads (1); upgrade ffmem"
     refused(f"{folder / 'manifest.json'}: {newer}")
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "files": {}}))
+    refused(f"{folder / 'manifest.json'}: lists no language_models.jsonl")
+    (folder / "manifest.json").write_text("{")
+    refused(f"{folder / 'manifest.json'}: not JSON")
     (folder / "manifest.json").unlink()
     refused(f"{folder / 'manifest.json'}: missing; not an ffmem export folder")
 
