@@ -90,7 +90,12 @@ def test_a_run_moves_to_the_other_backend_and_back_unchanged(
             before, after = _rows(tmp_path / "first" / name), _rows(tmp_path / "second" / name)
             assert [_float32(row) for row in before] == [_float32(row) for row in after]
         # The explorer serves the imported run as it served the original.
-        for path in (f"/m/{slug}/layers/1/keys/4.json", f"/m/{slug}/layers/2.json"):
+        for path in (
+            f"/m/{slug}/layers/1/keys/4.json", f"/m/{slug}/layers/1/keys/4/samples.json",
+            f"/m/{slug}/layers/1/keys/4/related.json", f"/m/{slug}/layers/2/keys/7/quadrants/pn.json",
+            f"/m/{slug}/layers/2.json", f"/m/{slug}/analysis.json", f"/m/{slug}/search.json?q=Paris",
+            f"/m/{slug}/search.json?token=+Paris", f"/m/{slug}.json",
+        ):  # fmt: skip
             _same(_page(there, path), _page(explorer_db, path))
 
 
