@@ -4,10 +4,10 @@ and any failure rolls back, so nothing half-written stays.
 
 Refused, with the file and the reason: a folder without a manifest, a file it lists that is missing or whose
 sha256 differs (truncated or changed), a format version newer than this ffmem reads, a model of the same
-name already here with other weights (its revision: the checksum of its weights), the same run imported
-before ("already imported": nothing is added). A model already here (same weights) gets a run more, its
-vocabulary kept and the export's labels added where it lacks them; a corpus already here (same fingerprint:
-the same sentences, tokenized alike) is shared.
+name already here with other weights (its revision, or the weights' checksum its runs recorded), the same
+run imported before ("already imported": nothing is added). A model already here (same weights) gets a run
+more, its vocabulary kept and the export's labels added where it lacks them; a corpus already here (same
+fingerprint: the same sentences, tokenized alike) is shared.
 """
 
 from __future__ import annotations
@@ -103,11 +103,8 @@ def import_run(*, session: Session, folder: Path) -> Imported:
     model = session.scalars(
         select(LanguageModel).where(LanguageModel.slug == model_row["slug"])
     ).one_or_none()
-    if model is not None and model.revision != model_row["revision"]:
-        raise FfmemError(
-            f"model {model.slug} is already here with other weights (revision {model.revision} here, "
-            f"{model_row['revision']} in the export); import into another database"
-        )
+    if model is not None:
+        _same_weights(session, model, model_row["revision"], run_row["provenance"].get("weights_sha256"))
     corpus_query = select(Corpus).where(Corpus.fingerprint == corpus_row["fingerprint"])
     corpus = session.scalars(corpus_query).one_or_none()
     if model is not None and corpus is not None:
@@ -140,6 +137,24 @@ def import_run(*, session: Session, folder: Path) -> Imported:
     session.flush()
     runs._gather_statistics(session)
     return Imported(run_id, model_row["slug"], new_model, new_corpus, written)
+
+
+def _same_weights(session: Session, model: LanguageModel, revision: str | None, weights: str | None) -> None:
+    """Refuse a model here under the export's name whose weights differ: its revision (a commit hash or the
+    file's sha256), or the weights' checksum its runs recorded (their provenance's weights_sha256)."""
+    here = {
+        provenance.get("weights_sha256")
+        for provenance in session.scalars(select(Run.provenance).where(Run.model_id == model.id))
+    } - {None}
+    if model.revision != revision:
+        differ = f"revision {model.revision} here, {revision} in the export"
+    elif weights and here and weights not in here:
+        differ = f"weights sha256 {', '.join(sorted(here))} here, {weights} in the export"
+    else:
+        return
+    raise FfmemError(
+        f"model {model.slug} is already here with other weights ({differ}); import into another database"
+    )
 
 
 def _same_run(session: Session, model_id: int, corpus_id: int, run_row: dict) -> int | None:

@@ -220,3 +220,19 @@ def test_a_model_here_with_other_weights_is_refused(explorer_db, run, tmp_path, 
         "export); import into another database"
     ) in result.output.replace("\n", "")
     assert _counts(db_url) == before
+    # The same revision, but the weights its runs recorded differ (their provenance's checksum).
+    engine = make_engine(db_url)
+    with make_sessionmaker(engine)() as session:
+        session.scalars(select(LanguageModel)).one().revision = theirs
+        stored = session.get(Run, 1)
+        recorded = stored.provenance["weights_sha256"]
+        stored.provenance = {**stored.provenance, "weights_sha256": "1" * 64}
+        session.commit()
+    engine.dispose()
+    result = _invoke("import", folder, "--db", db_url)
+    assert result.exit_code == 2
+    assert (
+        f"error: model {slug} is already here with other weights (weights sha256 {'1' * 64} here, "
+        f"{recorded} in the export); import into another database"
+    ) in result.output.replace("\n", "")
+    assert _counts(db_url) == before
