@@ -112,7 +112,8 @@ class Bf16Logits:
         read = read.detach().float().contiguous()  # [c, d]
         rounded = read.bfloat16()  # [c, d]
         logits = (rounded @ table.weight_bf16.T).float()  # [c, vocab]
-        logits += table.bias
+        if table.bias.any():  # (a pass over the logits saved where there is none)
+            logits += table.bias
         widened = rounded.float()  # [c, d]
         return cls(
             read=read,
