@@ -127,3 +127,13 @@ def test_the_projection_in_bf16_stores_the_float32_tokens(loaded_model):
 def test_an_unknown_arithmetic_is_refused(tiny):
     with pytest.raises(ValueError, match="unknown arithmetic 'fp8'"):
         next(project_layer(tiny, 0, arithmetic="fp8"))
+
+
+def test_the_prepared_embedding_is_kept_until_forgotten(tiny):
+    first = Unembedding.of(tiny)
+    assert Unembedding.of(tiny) is first
+    raw = Unembedding.of(tiny, bias=False)  # the raw readout, v·Eᵀ: the same weights, no bias
+    assert raw.weight_bf16 is first.weight_bf16 and not raw.bias.any()
+    Unembedding.forget(tiny)  # what the worker does once the projection is done
+    assert Unembedding.of(tiny) is not first
+    Unembedding.forget(tiny)

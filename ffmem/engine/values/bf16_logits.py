@@ -70,6 +70,12 @@ class Unembedding:
             cached = _PREPARED[linear] = cls.prepare(linear.weight, getattr(linear, "bias", None))
         return cached if bias else cached.without_bias()
 
+    @staticmethod
+    def forget(loaded: LoadedModel) -> None:
+        """Drop the model's prepared copy (its bf16 weight: 0.5 GiB at Llama-3.2-1B) once the projection
+        is done."""
+        _PREPARED.pop(resolve(loaded.model, loaded.adapter.unembedding), None)
+
     def without_bias(self) -> Unembedding:
         zeros = torch.zeros_like(self.bias)  # [vocab]
         return replace(self, bias=zeros, bias_slack=zeros + 1e-30)
