@@ -209,32 +209,51 @@ def _candidates(logits, rounding, norm, token_norm, token_rounding, token_slack,
     """Per row of logits [c, vocab]: λ₊ the n-th largest of L̃ − β and λ₋ that of −L̃ − β (lower bounds
     of the true n-th largest and of minus the n-th smallest), then the tokens with L̃ + β ≥ λ₊ into
     ids[row, 0] and those with −L̃ + β ≥ λ₋ into ids[row, 1] (the first `capacity` of each; counts
-    [c, 2] says how many there were)."""
+    [c, 2] says how many there were). One pass keeps every token that reaches the running λ (never
+    above the final one: a superset), then drops those below the final λ; a row whose superset
+    overflows `capacity` is read a second time."""
     rows, vocab = logits.shape
     capacity = ids.shape[2]
     for row in numba.prange(rows):
         a, b = rounding[row], norm[row]
         top = np.full(n, -np.inf)  # float64: λ is not rounded up
         bottom = np.full(n, -np.inf)
+        above = below = 0
         for t in range(vocab):
             x = logits[row, t]
             beta = _bound(x, a, b, token_norm[t], token_rounding[t], token_slack[t])
             _insert(top, x - beta)
             _insert(bottom, -x - beta)
-        high, low = top[n - 1], bottom[n - 1]
-        above = below = 0
-        for t in range(vocab):
-            x = logits[row, t]
-            beta = _bound(x, a, b, token_norm[t], token_rounding[t], token_slack[t])
-            if x + beta >= high:
+            if x + beta >= top[n - 1]:
                 if above < capacity:
                     ids[row, 0, above] = t
                 above += 1
-            if beta - x >= low:
+            if beta - x >= bottom[n - 1]:
                 if below < capacity:
                     ids[row, 1, below] = t
                 below += 1
-        counts[row, 0], counts[row, 1] = above, below
+        limits = (top[n - 1], bottom[n - 1])
+        for slot in range(2):
+            sign = 1.0 if slot == 0 else -1.0
+            seen = above if slot == 0 else below
+            kept = 0
+            if seen <= capacity:  # the superset is whole: keep those reaching the final λ
+                for j in range(seen):
+                    t = ids[row, slot, j]
+                    x = logits[row, t]
+                    beta = _bound(x, a, b, token_norm[t], token_rounding[t], token_slack[t])
+                    if sign * x + beta >= limits[slot]:
+                        ids[row, slot, kept] = t
+                        kept += 1
+            else:  # read the row again against the final λ
+                for t in range(vocab):
+                    x = logits[row, t]
+                    beta = _bound(x, a, b, token_norm[t], token_rounding[t], token_slack[t])
+                    if sign * x + beta >= limits[slot]:
+                        if kept < capacity:
+                            ids[row, slot, kept] = t
+                        kept += 1
+            counts[row, slot] = kept
 
 
 @numba.njit(nogil=True, inline="always")
