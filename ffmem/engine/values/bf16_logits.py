@@ -171,7 +171,7 @@ def extreme_tokens(table: Unembedding, chunk: Bf16Logits, n: int, capacity: int 
         found[direction] = [top, torch.from_numpy(ids[:, slot]).gather(1, where)]
     # log Z: Σ exp(L̃ − m) over all tokens, the top candidates' terms swapped for their exact ones
     candidates = torch.from_numpy(ids[:, 0])  # [c, capacity]
-    high = logits.amax(dim=1, keepdim=True)  # [c, 1]
+    high = found[1][0][:, :1]  # [c, 1]: the exact largest logit (every L̃ − high ≤ β: no overflow)
     total = (logits - high).exp_().sum(dim=1)  # [c]
     approximate = (logits.gather(1, candidates) - high).exp() * held[1]  # [c, capacity]
     exact_terms = (torch.from_numpy(exact[:, 0]) - high).exp() * held[1]  # [c, capacity]
