@@ -49,6 +49,12 @@ SHAPES = {  # layers × keys (d_ff), vocabulary, d_model
     "llama-8b": dict(
         slug="synthetic-llama-3.1-8b", n_layers=32, n_keys=14_336, vocab_size=128_256, d_model=4096
     ),
+    "qwen3-32b": dict(
+        slug="synthetic-qwen3-32b", n_layers=64, n_keys=25_600, vocab_size=151_936, d_model=5120
+    ),
+    "llama-3.3-70b": dict(
+        slug="synthetic-llama-3.3-70b", n_layers=80, n_keys=28_672, vocab_size=128_256, d_model=8192
+    ),
 }
 SCHEMA = "ffmem_scale"
 REQUESTS = 30  # per page kind

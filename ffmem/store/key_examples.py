@@ -8,10 +8,13 @@ shaded yet; a finished run stores both.
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
 
 import numpy as np
 from sqlalchemy import select
@@ -152,8 +155,14 @@ def encode_shading(values: np.ndarray, lengths: np.ndarray) -> bytes:
     into sentences by `lengths` [sentences]) as int8 codes with one float32 step per sentence: the steps
     [sentences] then the codes [tokens], sentence after sentence, deflated (zlib: about 0.7 of the bytes).
     A sentence's step is its largest |m| / 127, so its peak is stored to float32's precision and every
-    value to within half a step (0.4 % of the peak); NaN is the code NOT_MINED. All sentences at once (a
-    layer of 8B stores 14,336 keys × ~50 sentences)."""
+    value to within half a step (0.4 % of the peak); NaN is the code NOT_MINED."""
+    steps, codes = _steps_and_codes(values, lengths)
+    return zlib.compress(steps.tobytes() + codes.tobytes())
+
+
+def _steps_and_codes(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """encode_shading's steps [sentences] float32 and codes [tokens] int8, any number of sentences at once
+    (each sentence's own: a layer's together give each key's)."""
     lengths = np.asarray(lengths, np.int64)  # [sentences]
     values = np.asarray(values, np.float32)  # [tokens]
     mined = ~np.isnan(values)  # [tokens]
@@ -166,7 +175,29 @@ def encode_shading(values: np.ndarray, lengths: np.ndarray) -> bytes:
     step = np.repeat(steps, lengths)  # [tokens]
     scaled = np.rint(np.divide(values, step, out=np.zeros_like(values), where=mined & (step > 0)))  # [tokens]
     codes = np.where(mined, np.clip(scaled, -STEPS, STEPS), NOT_MINED).astype(np.int8)  # [tokens]
-    return zlib.compress(steps.tobytes() + codes.tobytes())
+    return steps, codes
+
+
+def encode_layer_shading(shading: LayerShading) -> list[bytes]:
+    """encode_shading's bytes of every key of a layer (byte for byte what it gives a key alone): the steps
+    and codes of all the layer's sentences at once, then each key's deflated, on every core (zlib lets go
+    of the interpreter while it compresses)."""
+    steps, codes = _steps_and_codes(shading.values, np.diff(shading.offsets))  # [sentences], [tokens]
+    firsts = shading.firsts  # [keys + 1]: each key's first sentence
+    steps, codes = steps.tobytes(), codes.tobytes()
+    size = np.dtype(np.float32).itemsize
+    parts = [
+        (steps[size * first : size * last], codes[shading.offsets[first] : shading.offsets[last]])
+        for first, last in zip(firsts[:-1].tolist(), firsts[1:].tolist(), strict=True)
+    ]  # [keys]: (steps, codes) bytes
+    workers = os.cpu_count() or 1
+    share = -(-len(parts) // workers)
+
+    def deflate(start: int) -> list[bytes]:
+        return [zlib.compress(step + code) for step, code in parts[start : start + share]]
+
+    with ThreadPoolExecutor(workers) as pool:
+        return [blob for blobs in pool.map(deflate, range(0, len(parts), share)) for blob in blobs]
 
 
 def decode_shading(data: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
@@ -219,18 +250,18 @@ def store_key_examples(
     """Store one layer's rows: per key its band samples (from `mined`) and the shading of its first
     positive and negative triggers and of each sample (encode_shading packs each key's part). Returns the
     shading's bytes."""
-    rows, size = [], 0
-    quadrants = layer_quadrant_examples(mined)
-    for key, bands in enumerate(layer_bands(mined)):
-        positive, negative, samples = (int(n) for n in shading.counts[key])
-        assert samples * BAND.itemsize == len(bands), "one shading per band sample"
-        data = encode_shading(*shading.key(key))
-        size += len(data)
-        examples = None if quadrants is None else quadrants[key]
-        rows.append((key, bands, positive, negative, data, examples))
+    bands = layer_bands(mined)
+    positive, negative, samples = (column.tolist() for column in shading.counts.T)  # [keys] each
+    if [len(b) // BAND.itemsize for b in bands] != samples:
+        raise ValueError("the shading has not one sentence per band sample")
+    shaded = encode_layer_shading(shading)
+    quadrants = layer_quadrant_examples(mined) or repeat(None)
+    rows = zip(
+        repeat(run_id), repeat(int(layer)), range(len(bands)), bands, positive, negative, shaded, quadrants
+    )
     columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading", "quadrants")
-    bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
-    return size
+    bulk_insert(session, KeyExamples.__table__, columns, rows)
+    return sum(map(len, shaded))
 
 
 @dataclass(frozen=True)

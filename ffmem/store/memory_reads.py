@@ -301,7 +301,8 @@ def promoting_keys(
     database keeps the lists whose bytes hold one of the ids (`holds_bytes`, a byte search in C over the
     layer's 14,336 lists at 8B) and only those are decoded here, where the ids are checked in place (a
     byte match may straddle an id and a logit)."""
-    patterns = [int(t).to_bytes(2 if t < 2**16 else 4, "little") for t in token_ids]  # as stored (2 or 4 B)
+    # As stored: an id's low bytes lead its 2, 3 or 4 (little-endian), so 2 or 3 of them find it in any.
+    patterns = [int(t).to_bytes(2 if t < 2**16 else 3 if t < 2**24 else 4, "little") for t in token_ids]
     if not patterns:
         return []
     query = select(MemoryList.key, MemoryList.data).where(

@@ -135,3 +135,24 @@ def test_a_layers_flat_shading_cuts_into_each_keys_sentences():
         np.testing.assert_array_equal(values, np.concatenate(mine or [np.zeros(0, np.float32)]))
         assert key_examples.encode_shading(values, lengths) == encode_shading(mine)
         first += n
+
+
+def test_a_layers_shading_at_once_is_each_keys_byte_for_byte():
+    """Issue 41: store_key_examples encodes a layer's shading at once; each key's bytes are what
+    encode_shading gives that key alone (NaN, all-zero and empty sentences, keys with no sentence)."""
+    rng = np.random.default_rng(3)
+    counts = np.array([[2, 1, 3], [0, 0, 0], [1, 1, 0], [0, 2, 4]])  # [keys, 3]
+    lengths = rng.integers(0, 9, int(counts.sum()))  # [sentences], some empty
+    values = rng.normal(0, 2, int(lengths.sum())).astype(np.float32)  # [tokens]
+    values[rng.random(len(values)) < 0.2] = np.nan
+    values[: lengths[0]] = 0.0  # a sentence of zeros: step 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)])  # [sentences + 1]
+    shading = key_examples.LayerShading(values, offsets, counts)
+    alone = [key_examples.encode_shading(*shading.key(key)) for key in range(len(counts))]
+    assert key_examples.encode_layer_shading(shading) == alone
+    for key, data in enumerate(alone):
+        part, widths = shading.key(key)
+        decoded = key_examples.decode_shading(data, widths.tolist())
+        assert len(decoded) == len(widths) and all(len(d) == n for d, n in zip(decoded, widths, strict=True))
+        if len(part):
+            np.testing.assert_array_equal(np.isnan(np.concatenate(decoded)), np.isnan(part))
