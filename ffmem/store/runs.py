@@ -221,10 +221,8 @@ def count_entries(*, session: Session, run_id: int, kind: str) -> int:
     if kind == TRIGGERS:  # by header (the packed lists': their widths; the fixed ones' before 0031: even)
         header, packed = func.substr(data, 1, 2), func.length(data) % 2
         total = 0
-        for first, odd, lists, size in session.execute(
-            select(header, packed, func.count(), func.sum(func.length(data)))
-            .where(*where)
-            .group_by(header, packed)
+        for first, odd, size in session.execute(
+            select(header, packed, func.sum(func.length(data))).where(*where).group_by(header, packed)
         ):
             if not odd:
                 total += size // memory_lists.TRIGGER.itemsize

@@ -306,9 +306,8 @@ def test_packed_lists_round_trip():
 
 def test_packed_widths_follow_the_largest_value():
     """Issue 41: an integer column takes the bytes its largest value needs (1 to 4), −1 (none) all ones."""
-    assert [memory_lists.int_width(np.array([v])) for v in (0, 255, 256, 65_535, 65_536, 2**24 - 1, 2**24)] == [
-        1, 1, 2, 2, 3, 3, 4
-    ]  # fmt: skip
+    largest = (0, 255, 256, 65_535, 65_536, 2**24 - 1, 2**24)
+    assert [memory_lists.int_width(np.array([v])) for v in largest] == [1, 1, 2, 2, 3, 3, 4]
     assert memory_lists.int_width(np.array([255]), none=True) == 2  # 255 would read as none
     columns = (np.array([-1, 0, 70_000]), np.array([1.5, -2.0, 0.25], np.float32))
     raw = memory_lists.pack_columns(columns, (3, memory_lists.FLOAT))  # [3, 7]
