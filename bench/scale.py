@@ -38,7 +38,7 @@ from bench import harness
 from bench.synthetic_index import Shape, sentence_tokens, token_text, write_run
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.memory_reads import KEY_SORTS
+from ffmem.store.layer_table import KEY_SORTS
 from ffmem.web.main import create_app
 
 SHAPES = {  # layers × keys (d_ff), vocabulary, d_model

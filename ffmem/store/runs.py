@@ -18,6 +18,7 @@ from ffmem.store.models import (
     Job,
     JobKind,
     KeyExamples,
+    KeyOrder,
     KeyStats,
     LanguageModel,
     MemoryLinks,
@@ -207,10 +208,10 @@ def latest_finished_run(*, session: Session, model_id: int | None = None) -> Run
 
 def clear_results(*, session: Session, run_id: int) -> None:
     """Delete what storing a run writes before its values' lists (its triggers, by key and by sentence, key
-    statistics and key examples), so that a finisher taken up again starts clean: one that died may have
-    stored some."""
+    statistics with their orders, and key examples), so that a finisher taken up again starts clean: one
+    that died may have stored some."""
     session.execute(delete(MemoryList).where(MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS))
-    for table in (SentenceTriggers, KeyStats, KeyExamples):
+    for table in (SentenceTriggers, KeyStats, KeyOrder, KeyExamples):
         session.execute(delete(table).where(table.run_id == run_id))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select, text
 
-from ffmem.store import corpora, memory_lists, memory_reads, memory_writes, runs, vocabularies
+from ffmem.store import corpora, layer_table, memory_lists, memory_reads, memory_writes, runs, vocabularies
 from ffmem.store.models import KeyStats, LanguageModel, MemoryList, Run, RunStatus, Sentence, Token
 from ffmem.store.results import MiningResults, StoredResults
 
@@ -541,7 +541,7 @@ def test_every_page_of_a_layer_in_every_order_from_either_end(session, run):
             expected = np.lexsort((np.arange(n), primary, missing)).tolist()
             for per_page in (1, 3, 4, 11, 20):
                 for offset in range(0, n + per_page, per_page):
-                    total, page = memory_reads.layer_keys(
+                    total, page = layer_table.layer_keys(
                         session=session, run_id=run.id, layer=0, sort=sort, descending=descending,
                         offset=offset, limit=per_page,
                     )  # fmt: skip

@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from bench.synthetic_index import Shape, layer_arrays, sentence_tokens, token_table, token_text, write_run
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.layer_table import KEY_SORTS
 from ffmem.store.memory_lists import TOKEN_LISTS
-from ffmem.store.memory_reads import KEY_SORTS
 from ffmem.store.models import QUADRANT_COLUMNS
 from ffmem.web.main import create_app
 

@@ -1,4 +1,5 @@
-"""What a stored run holds per memory: its ranked lists (`MemoryList`), statistics (`KeyStats`), examples
+"""What a stored run holds per memory: its ranked lists (`MemoryList`), statistics (`KeyStats`) and its place
+in each sort of the layer table (`KeyOrder`), examples
 (`KeyExamples`) and value histogram (`ValueHistogram`); per token, its memories (`TokenMemoryList`); per
 sentence, its triggers (`SentenceTriggers`)."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     ForeignKey,
     Integer,
     LargeBinary,
@@ -72,6 +74,22 @@ class KeyStats(Base):
     quadrant_np: Mapped[float | None] = mapped_column(Float32)
     quadrant_nn: Mapped[float | None] = mapped_column(Float32)
     dominant_quadrant: Mapped[int | None] = mapped_column(SmallInteger)
+
+
+class KeyOrder(Base):
+    """A layer's keys in the order of one of the layer table's sorts (ffmem.store.memory_reads.KEY_SORTS, but
+    the key's own), descending or not, as the database sorts them (NULLs last, ties by key), written with
+    the key statistics (revision 0031): a page of the table is a slice of `data` (memory_lists.pack_columns
+    keys after a width byte), not a sort of the layer's every row. Runs stored before 0031 have none: their
+    pages sort the statistics."""
+
+    __tablename__ = "key_orders"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    sort: Mapped[str] = mapped_column(String(24), primary_key=True)
+    descending: Mapped[bool] = mapped_column(Boolean, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
 
 
 class TokenMemoryList(Base):
