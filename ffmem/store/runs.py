@@ -134,6 +134,7 @@ def finish_run(*, session: Session, run_id: int, n_tokens: int) -> Run:
 RESULT_TABLES = (
     MemoryList,
     KeyStats,
+    KeyOrder,
     KeyExamples,
     Neighbours,
     MemoryLinks,

@@ -8,10 +8,10 @@ from datetime import datetime
 
 import numpy as np
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import delete, func, select, text
 
 from ffmem.store import corpora, layer_table, memory_lists, memory_reads, memory_writes, runs, vocabularies
-from ffmem.store.models import KeyStats, LanguageModel, MemoryList, Run, RunStatus, Sentence, Token
+from ffmem.store.models import KeyOrder, KeyStats, LanguageModel, MemoryList, Run, RunStatus, Sentence, Token
 from ffmem.store.results import MiningResults, StoredResults
 
 MODEL = dict(
@@ -551,3 +551,54 @@ def test_every_page_of_a_layer_in_every_order_from_either_end(session, run):
                         per_page,
                         offset,
                     )
+
+
+def test_the_stored_key_orders_page_as_the_database_sorts(session, run):
+    """Issue 41: a finished layer's pages are slices of the orders stored with its statistics (key_orders),
+    not a sort of the layer's rows; every sort, both directions, any page equals what the database's sort
+    of the rows gives (the path of runs stored before 0031): NULLs and infinities last, ties by key, the
+    dominant quadrant by its share within. The order itself is checked against a sort written here."""
+    rng = np.random.default_rng(5)
+    n = 23
+    stats = {name: np.resize(values, n) for name, values in three_key_stats().items()}
+    stats["histogram"] = np.zeros((n, 2), dtype=np.int64)
+    stats["max_coefficient"] = rng.choice([1.0, 2.0, np.nan, np.inf], size=n)  # ties, NULLs
+    stats["positive_share"] = rng.choice([0.25, 0.5, 0.75], size=n)
+    stats["density"] = rng.random(n)
+    stats["next_token_rank"] = rng.choice([-1, 0, 3], size=n)
+    shares = rng.dirichlet([1.0] * 4, n)  # [keys, 4]
+    shares[:4] = [0.4, 0.3, 0.2, 0.1]  # the same dominant quadrant and share: by key
+    memory_writes.store_key_stats(session=session, run_id=run.id, layer=0, quadrant_shares=shares, **stats)
+    reread(session)
+    assert session.scalar(select(func.count()).select_from(KeyOrder)) == 2 * (len(layer_table.KEY_SORTS) - 1)
+
+    def pages(descending: bool, sort: str) -> list[tuple[int, list[int]]]:
+        found = []
+        for offset in range(0, n + 10, 5):  # every page, one past the last
+            total, page = layer_table.layer_keys(
+                session=session,
+                run_id=run.id,
+                layer=0,
+                sort=sort,
+                descending=descending,
+                offset=offset,
+                limit=5,
+            )
+            found.append((total, [s.key for s in page]))
+        return found
+
+    stored = {(sort, d): pages(d, sort) for sort in layer_table.KEY_SORTS for d in (True, False)}
+    density = stats["density"]
+    by_hand = sorted(range(n), key=lambda k: (-density[k], k))  # no NULLs: by value, then key
+    assert stored["density", True] == [(n, by_hand[at : at + 5]) for at in range(0, n + 10, 5)]
+    by_rank = sorted(
+        range(n), key=lambda k: (stats["next_token_rank"][k] < 0, stats["next_token_rank"][k], k)
+    )
+    assert [k for _, page in stored["next_token_rank", False] for k in page] == by_rank
+    quadrant = [k for _, page in stored["dominant_quadrant", False] for k in page]
+    by_share = sorted(range(n), key=lambda k: (shares[k].argmax(), -np.float32(shares[k].max()), k))
+    assert quadrant == by_share and quadrant.index(1) == quadrant.index(0) + 1  # an equal share: by key
+    session.execute(delete(KeyOrder))  # the database's sort of the rows
+    reread(session)
+    for (sort, descending), found in stored.items():
+        assert found == pages(descending, sort), (sort, descending)
