@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 from sqlalchemy.orm import Session
@@ -418,15 +419,22 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     )
     session.commit()
     start = timed("links", start)
-    composition.store_explanations(session=session, run_id=run.id, rows=_explanations(shape, lengths))
+    explanations = _explanations(shape, lengths)
+    for _ in range(shape.n_layers):  # a layer's rows made (generating), then stored
+        rows = list(islice(explanations, shape.n_keys))
+        start = timed("generating", start)
+        composition.store_explanations(session=session, run_id=run.id, rows=rows)
+        start = timed("explanations", start)
     session.commit()
     start = timed("explanations", start)
     if shape.token_memories:
         for readout in READOUTS:
             memories, scores = token_table(shape, readout)
+            start = timed("generating", start)
             memory_search.store_token_memories(
                 session=session, run_id=run.id, readout=readout, memories=memories, scores=scores
             )
+            start = timed("token table", start)
         session.commit()
         start = timed("token table", start)
     runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))

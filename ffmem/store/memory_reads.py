@@ -7,7 +7,6 @@ one kind once per process. The index build writes them (ffmem.store.memory_write
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import repeat
 
 import numpy as np
 from sqlalchemy import Boolean, LargeBinary, Row, case, func, literal, or_, select, union_all
@@ -379,12 +378,18 @@ def triggers_from(
             SentenceTriggers.run_id == run_id, SentenceTriggers.sentence_index.in_(sorted(first_positions))
         )
     ).all()
-    found = []
+    parts = []  # per sentence: [its triggers past the first position, 5] (layer, key, sentence, position, m)
     for sentence_index, data in rows:
         entries = memory_lists.decode_sentence_triggers(data)  # [triggers in the sentence]
         entries = entries[entries["position"] >= first_positions[sentence_index]]
         layer, key = np.divmod(entries["memory"].astype(np.int64), n_keys)
-        found += zip(layer.tolist(), key.tolist(), repeat(sentence_index), entries["position"].tolist(),
-                     entries["coefficient"].tolist())  # fmt: skip
-    found.sort(key=lambda t: (-t[4], t[0], t[1]))
-    return [SentenceTrigger(*t) for t in found[:limit]]
+        sentence = np.full(len(entries), sentence_index, np.int64)
+        parts.append((layer, key, sentence, entries["position"].astype(np.int64), entries["coefficient"]))
+    if not parts:
+        return []
+    layer, key, sentence, position, coefficient = (np.concatenate(c) for c in zip(*parts, strict=True))
+    best = np.lexsort((key, layer, -coefficient.astype(np.float64)))[:limit]  # strongest; by layer, key
+    return [
+        SentenceTrigger(int(layer[i]), int(key[i]), int(sentence[i]), int(position[i]), float(coefficient[i]))
+        for i in best.tolist()
+    ]
