@@ -289,16 +289,21 @@ class Written:
 
     run_id: int
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time (all threads)
 
 
 def write_run(session: Session, shape: Shape, report: Callable[[str], None] | None = None) -> Written:
     """Write a finished run of `shape` (its model, vocabulary and corpus too, each once per database),
     committing a layer at a time."""
     seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    clock = [time.process_time()]
 
     def timed(name: str, start: float) -> float:
-        now = time.perf_counter()
+        now, cpu_now = time.perf_counter(), time.process_time()
         seconds[name] = seconds.get(name, 0.0) + now - start
+        cpu[name] = cpu.get(name, 0.0) + cpu_now - clock[0]
+        clock[0] = cpu_now
         return now
 
     start = time.perf_counter()
@@ -440,7 +445,7 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))
     session.commit()
     timed("closing", start)
-    return Written(run.id, seconds)
+    return Written(run.id, seconds, cpu)
 
 
 def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tuple[int, int]], int]:
