@@ -183,16 +183,25 @@ def encode_triggers(sentence_index: np.ndarray, position: np.ndarray, coefficien
     ]
 
 
+def records(data: bytes, dtype: np.dtype, none: Sequence[bool] | None = None) -> np.ndarray:
+    """A blob's entries as `dtype` records (its integer fields first, then its float32 ones): a packed
+    blob's unpacked (`none`: the fields whose all-ones code is −1), one of the fixed records stored before
+    0031 as it is."""
+    if not is_packed(data):
+        return np.frombuffer(data, dtype)
+    floats = sum(np.issubdtype(dtype[name], np.floating) for name in dtype.names)
+    widths, raw = unpacked(data, len(dtype.names) - floats, floats)
+    found = np.empty(len(raw), dtype)  # [entries]
+    none = none or [False] * len(dtype.names)
+    columns = unpack_columns(raw, (*widths, *[FLOAT] * floats), none)
+    for name, column in zip(dtype.names, columns, strict=True):
+        found[name] = column
+    return found
+
+
 def decode_triggers(data: bytes) -> np.ndarray:
     """A blob's triggers: [T] records of TRIGGER, strongest first."""
-    if not is_packed(data):
-        return np.frombuffer(data, TRIGGER)
-    widths, raw = unpacked(data, 2, 1)
-    found = np.empty(len(raw), TRIGGER)  # [T]
-    found["sentence_index"], found["position"], found["coefficient"] = unpack_columns(
-        raw, (*widths, FLOAT), (False, False, False)
-    )
-    return found
+    return records(data, TRIGGER)
 
 
 def trigger_count(data: bytes) -> int:
@@ -256,14 +265,7 @@ def encode_sentence_triggers(
 
 def decode_sentence_triggers(data: bytes) -> np.ndarray:
     """A blob's triggers: [n] SENTENCE_TRIGGER records, by memory."""
-    if not is_packed(data):
-        return np.frombuffer(data, SENTENCE_TRIGGER)
-    widths, raw = unpacked(data, 2, 1)
-    found = np.empty(len(raw), SENTENCE_TRIGGER)  # [n]
-    found["memory"], found["position"], found["coefficient"] = unpack_columns(
-        raw, (*widths, FLOAT), (False, False, False)
-    )
-    return found
+    return records(data, SENTENCE_TRIGGER)
 
 
 def encode_token_memories(memories: np.ndarray, scores: np.ndarray) -> list[bytes]:
@@ -277,12 +279,7 @@ def encode_token_memories(memories: np.ndarray, scores: np.ndarray) -> list[byte
 
 def decode_token_memories(data: bytes) -> np.ndarray:
     """A blob's lists: [lists, depth] records of TOKEN_MEMORY, in TOKEN_LISTS order."""
-    if not is_packed(data):
-        return np.frombuffer(data, TOKEN_MEMORY).reshape(len(TOKEN_LISTS), -1)
-    widths, raw = unpacked(data, 1, 1)
-    found = np.empty(len(raw), TOKEN_MEMORY)  # [lists · depth]
-    found["memory"], found["score"] = unpack_columns(raw, (*widths, FLOAT), (True, False))
-    return found.reshape(len(TOKEN_LISTS), -1)
+    return records(data, TOKEN_MEMORY, none=(True, False)).reshape(len(TOKEN_LISTS), -1)
 
 
 def probabilities(logits: np.ndarray, log_z: np.ndarray | float) -> np.ndarray:
