@@ -19,6 +19,7 @@ storage and its pages' times.
 
     python -m bench.scale --shape smollm2 --backend sqlite [--runs 1] [--sentences 1000] [--no-record]
     python -m bench.scale --shape llama-3.3-70b --backend both --store-only     # the store's time and bytes
+    python -m bench.scale --shape llama-3.3-70b --layers 4     # its width's pages, 4 of its 80 layers
 
 Shapes: smollm2 (30 × 1,536), llama-1b (16 × 8,192), llama-8b (32 × 14,336), qwen3-32b (64 × 25,600,
 151,936 tokens), llama-3.3-70b (80 × 28,672, 128,256 tokens).
@@ -34,6 +35,7 @@ import asyncio
 import os
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -294,12 +296,18 @@ def main() -> None:
     parser.add_argument(
         "--store-only", action="store_true", help="Write the run and count its bytes; time no pages."
     )
+    parser.add_argument(
+        "--layers", type=int, help="Only this many of the shape's layers (its width and vocabulary kept)."
+    )
     args = parser.parse_args()
     shape = Shape(**SHAPES[args.shape], sentences=args.sentences)
+    if args.layers:
+        shape = replace(shape, n_layers=args.layers, slug=f"{shape.slug}-{args.layers}-layers")
     for kind in ("sqlite", "postgres") if args.backend == "both" else (args.backend,):
         results = bench(shape, kind, args.runs, args.store_only)
         report(results)
         suffix = (f"-{args.runs}-runs" if args.runs > 1 else "") + ("-store" if args.store_only else "")
+        suffix += f"-{args.layers}-layers" if args.layers else ""
         harness.record(args, f"scale-{args.shape}-{kind}{suffix}", results)
 
 
