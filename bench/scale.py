@@ -24,8 +24,8 @@ storage and its pages' times.
 Shapes: smollm2 (30 × 1,536), llama-1b (16 × 8,192), llama-8b (32 × 14,336), qwen3-32b (64 × 25,600,
 151,936 tokens), llama-3.3-70b (80 × 28,672, 128,256 tokens).
 
-SQLite: a fresh file under /tmp; Postgres: a private schema (ffmem_scale) of FFMEM_TEST_POSTGRES_URL or
-the local server's `test` database, dropped first. Figures go into bench-results.json under
+SQLite: a fresh file under /tmp; Postgres: a private schema (ffmem_scale_<shape>) of FFMEM_TEST_POSTGRES_URL
+or the local server's `test` database, dropped first. Figures go into bench-results.json under
 "scale-<shape>-<db>" ("-store" with --store-only).
 """
 
@@ -64,7 +64,7 @@ SHAPES = {  # layers × keys (d_ff), vocabulary, d_model
         slug="synthetic-llama-3.3-70b", n_layers=80, n_keys=28_672, vocab_size=128_256, d_model=8192
     ),
 }
-SCHEMA = "ffmem_scale"
+SCHEMA = "ffmem_scale"  # and the shape's slug: shapes measured at once keep their own
 REQUESTS = 30  # per page kind
 
 
@@ -75,7 +75,7 @@ def database(kind: str, shape: Shape) -> str:
         path.unlink(missing_ok=True)
         url = f"sqlite:///{path}"
     else:
-        url = harness.postgres_schema(SCHEMA)
+        url = harness.postgres_schema(f"{SCHEMA}_{shape.slug.replace('-', '_').replace('.', '_')}")
     upgrade(url)
     return url
 
