@@ -122,8 +122,9 @@ class SentenceTriggers(Base):
 class KeyExamples(Base):
     """What the key page shows of a key beyond its triggers (ffmem.store.key_examples encodes both blobs):
     its band samples (examples across the coefficient range: per histogram bin, up to MinedLayer's SAMPLES
-    sentences whose extreme falls in it), `bands` = key_examples.BAND records (bin, sentence index,
-    position, coefficient: 12 B) by bin then slot; and `shading`: the key's coefficient at every token of
+    sentences whose extreme falls in it), `bands` = (bin, sentence index, position, coefficient) by bin
+    then slot, packed as narrow as the layer needs (key_examples.layer_bands; key_examples.BAND, 12 B,
+    before revision 0031); and `shading`: the key's coefficient at every token of
     its top `positive` and `negative` triggers (by rank) and then of each sample, one sentence after
     another (each as long as the sentence), as int8 codes with a float32 step per sentence (its largest
     |m| / 127: a value is stored to within half a step, the peak to float32's precision; code −128: NaN,
