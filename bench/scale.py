@@ -2,9 +2,11 @@
 shape (bench/synthetic_index.py: written through the store's own writers, no model needed), then its
 storage and its pages' times.
 
-- Build: seconds to write the run, by part (value tokens, value histograms, triggers, key statistics, key
-  examples, neighbours, links, explanations, the token → memories table); `--runs 2` writes two runs of the
-  shape (their bytes are counted over both runs' memories; the pages read the newest).
+- Build: seconds to write the run, by part (value tokens, value histograms, triggers, key statistics with
+  their orders, key examples, neighbours, links, explanations, the token → memories table), and their sum,
+  the store's time (`store_seconds`: the synthetic finished state's making, "generating", left out);
+  `--runs 2` writes two runs of the shape (their bytes are counted over both runs' memories; the pages read
+  the newest).
 - Storage: bytes per memory, every table with its indexes (SQLite: dbstat; Postgres:
   pg_total_relation_size), the vocabulary and corpus included.
 - Pages, with the app's own TestClient, sequentially (wall ms, p50 / p95 over REQUESTS each): the key page
@@ -16,10 +18,15 @@ storage and its pages' times.
   process's peak and final resident memory (VmHWM, VmRSS).
 
     python -m bench.scale --shape smollm2 --backend sqlite [--runs 1] [--sentences 1000] [--no-record]
+    python -m bench.scale --shape llama-3.3-70b --backend both --store-only     # the store's time and bytes
+    python -m bench.scale --shape llama-3.3-70b --layers 4     # its width's pages, 4 of its 80 layers
 
-SQLite: a fresh file under /tmp; Postgres: a private schema (ffmem_scale) of FFMEM_TEST_POSTGRES_URL or
-the local server's `test` database, dropped first. Figures go into bench-results.json under
-"scale-<shape>-<db>".
+Shapes: smollm2 (30 × 1,536), llama-1b (16 × 8,192), llama-8b (32 × 14,336), qwen3-32b (64 × 25,600,
+151,936 tokens), llama-3.3-70b (80 × 28,672, 128,256 tokens).
+
+SQLite: a fresh file under /tmp; Postgres: a private schema (ffmem_scale_<shape>) of FFMEM_TEST_POSTGRES_URL
+or the local server's `test` database, dropped first. Figures go into bench-results.json under
+"scale-<shape>-<db>" ("-store" with --store-only).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import asyncio
 import os
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -38,7 +46,7 @@ from bench import harness
 from bench.synthetic_index import Shape, sentence_tokens, token_text, write_run
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.memory_reads import KEY_SORTS
+from ffmem.store.layer_table import KEY_SORTS
 from ffmem.web.main import create_app
 
 SHAPES = {  # layers × keys (d_ff), vocabulary, d_model
@@ -49,8 +57,14 @@ SHAPES = {  # layers × keys (d_ff), vocabulary, d_model
     "llama-8b": dict(
         slug="synthetic-llama-3.1-8b", n_layers=32, n_keys=14_336, vocab_size=128_256, d_model=4096
     ),
+    "qwen3-32b": dict(
+        slug="synthetic-qwen3-32b", n_layers=64, n_keys=25_600, vocab_size=151_936, d_model=5120
+    ),
+    "llama-3.3-70b": dict(
+        slug="synthetic-llama-3.3-70b", n_layers=80, n_keys=28_672, vocab_size=128_256, d_model=8192
+    ),
 }
-SCHEMA = "ffmem_scale"
+SCHEMA = "ffmem_scale"  # and the shape's slug: shapes measured at once keep their own
 REQUESTS = 30  # per page kind
 
 
@@ -61,7 +75,7 @@ def database(kind: str, shape: Shape) -> str:
         path.unlink(missing_ok=True)
         url = f"sqlite:///{path}"
     else:
-        url = harness.postgres_schema(SCHEMA)
+        url = harness.postgres_schema(f"{SCHEMA}_{shape.slug.replace('-', '_').replace('.', '_')}")
     upgrade(url)
     return url
 
@@ -171,7 +185,7 @@ def under_load(url: str, paths: list[str]) -> dict:
         return figures
 
 
-def bench(shape: Shape, kind: str, n_runs: int = 1) -> dict:
+def bench(shape: Shape, kind: str, n_runs: int = 1, store_only: bool = False) -> dict:
     url = database(kind, shape)
     print(f"{kind}: writing {n_runs} × {shape.slug} ({shape.memories:,} memories)", flush=True)
     start = time.perf_counter()
@@ -184,6 +198,37 @@ def bench(shape: Shape, kind: str, n_runs: int = 1) -> dict:
     analyzed = analyze(url)
     sizes = table_bytes(url)
     total = sum(sizes.values())
+    parts = {name: round(s, 1) for name, s in written[-1].seconds.items()}
+    stored = {
+        "store_seconds": round(sum(s for name, s in written[-1].seconds.items() if name != "generating"), 1),
+        # this process's CPU seconds storing (SQLite's work is in it, Postgres's server is not): on a
+        # machine other processes load, wall time measures them too
+        "store_cpu_seconds": round(
+            sum(s for name, s in written[-1].cpu_seconds.items() if name != "generating"), 1
+        ),
+        "build_parts_cpu_seconds": {name: round(s, 1) for name, s in written[-1].cpu_seconds.items()},
+        "build_seconds": round(build, 1),
+        "build_parts_seconds": parts,
+        "analyze_seconds": analyzed,
+        "bytes": total,
+        "bytes_per_memory": round(total / (n_runs * shape.memories)),
+        "table_bytes_per_memory": {
+            name: round(size / (n_runs * shape.memories)) for name, size in sizes.items()
+        },
+    }
+    print(
+        f"  stored in {stored['store_seconds']} s ({stored['store_cpu_seconds']} s of this process's CPU; "
+        f"generating the synthetic state apart: "
+        f"{parts.get('generating')} s); {stored['bytes_per_memory']:,} B a memory",
+        flush=True,
+    )
+    if store_only:
+        return {
+            "shape": {**vars(shape), "memories": shape.memories},
+            "database": kind,
+            "runs": n_runs,
+            **stored,
+        }
     paths = page_paths(shape, random.Random(0))
     pages = {}
     with TestClient(create_app(Settings(database_url=url))) as client:
@@ -206,14 +251,7 @@ def bench(shape: Shape, kind: str, n_runs: int = 1) -> dict:
         "shape": {**vars(shape), "memories": shape.memories},
         "database": kind,
         "runs": n_runs,
-        "build_seconds": round(build, 1),
-        "build_parts_seconds": {name: round(s, 1) for name, s in written[-1].seconds.items()},
-        "analyze_seconds": analyzed,
-        "bytes": total,
-        "bytes_per_memory": round(total / (n_runs * shape.memories)),
-        "table_bytes_per_memory": {
-            name: round(size / (n_runs * shape.memories)) for name, size in sizes.items()
-        },
+        **stored,
         "first_token_search_ms": round(first_search, 1),
         "pages": pages,
         "concurrent": load,
@@ -224,12 +262,18 @@ def bench(shape: Shape, kind: str, n_runs: int = 1) -> dict:
 def report(results: dict) -> None:
     print(
         f"\n{results['shape']['slug']} on {results['database']}: {results['shape']['memories']:,} memories, "
-        f"built in {results['build_seconds']} s; {results['bytes_per_memory']:,} B a memory "
-        f"({results['bytes'] / 2**20:,.0f} MiB); first token search {results['first_token_search_ms']} ms"
+        f"stored in {results['store_seconds']} s (built in {results['build_seconds']} s with the synthetic "
+        f"state's making); {results['bytes_per_memory']:,} B a memory ({results['bytes'] / 2**20:,.0f} MiB)"
     )
+    cpu = results.get("build_parts_cpu_seconds", {})
+    for name, seconds in results["build_parts_seconds"].items():
+        print(f"  {name:<28} {seconds:>8.1f} s  (CPU {cpu.get(name, 0):>6.1f} s)")
     for name, size in results["table_bytes_per_memory"].items():
         if size:
             print(f"  {name:<22} {size:>8,} B/memory")
+    if "pages" not in results:
+        return
+    print(f"  first token search {results['first_token_search_ms']} ms")
     print(f"  {'page':<28} {'p50 ms':>8} {'p95 ms':>8}")
     for name, figures in results["pages"].items():
         print(f"  {name:<28} {figures['p50_ms']:>8.1f} {figures['p95_ms']:>8.1f}")
@@ -249,14 +293,22 @@ def main() -> None:
     parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="sqlite")
     parser.add_argument("--sentences", type=int, default=1000, help="Corpus sentences (default 1000).")
     parser.add_argument("--runs", type=int, default=1, help="Runs of the shape written (default 1).")
+    parser.add_argument(
+        "--store-only", action="store_true", help="Write the run and count its bytes; time no pages."
+    )
+    parser.add_argument(
+        "--layers", type=int, help="Only this many of the shape's layers (its width and vocabulary kept)."
+    )
     args = parser.parse_args()
     shape = Shape(**SHAPES[args.shape], sentences=args.sentences)
+    if args.layers:
+        shape = replace(shape, n_layers=args.layers, slug=f"{shape.slug}-{args.layers}-layers")
     for kind in ("sqlite", "postgres") if args.backend == "both" else (args.backend,):
-        results = bench(shape, kind, args.runs)
+        results = bench(shape, kind, args.runs, args.store_only)
         report(results)
-        harness.record(
-            args, f"scale-{args.shape}-{kind}" + (f"-{args.runs}-runs" if args.runs > 1 else ""), results
-        )
+        suffix = (f"-{args.runs}-runs" if args.runs > 1 else "") + ("-store" if args.store_only else "")
+        suffix += f"-{args.layers}-layers" if args.layers else ""
+        harness.record(args, f"scale-{args.shape}-{kind}{suffix}", results)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 from sqlalchemy.orm import Session
@@ -288,16 +289,21 @@ class Written:
 
     run_id: int
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time (all threads)
 
 
 def write_run(session: Session, shape: Shape, report: Callable[[str], None] | None = None) -> Written:
     """Write a finished run of `shape` (its model, vocabulary and corpus too, each once per database),
     committing a layer at a time."""
     seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    clock = [time.process_time()]
 
     def timed(name: str, start: float) -> float:
-        now = time.perf_counter()
+        now, cpu_now = time.perf_counter(), time.process_time()
         seconds[name] = seconds.get(name, 0.0) + now - start
+        cpu[name] = cpu.get(name, 0.0) + cpu_now - clock[0]
+        clock[0] = cpu_now
         return now
 
     start = time.perf_counter()
@@ -418,21 +424,28 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     )
     session.commit()
     start = timed("links", start)
-    composition.store_explanations(session=session, run_id=run.id, rows=_explanations(shape, lengths))
+    explanations = _explanations(shape, lengths)
+    for _ in range(shape.n_layers):  # a layer's rows made (generating), then stored
+        rows = list(islice(explanations, shape.n_keys))
+        start = timed("generating", start)
+        composition.store_explanations(session=session, run_id=run.id, rows=rows)
+        start = timed("explanations", start)
     session.commit()
     start = timed("explanations", start)
     if shape.token_memories:
         for readout in READOUTS:
             memories, scores = token_table(shape, readout)
+            start = timed("generating", start)
             memory_search.store_token_memories(
                 session=session, run_id=run.id, readout=readout, memories=memories, scores=scores
             )
+            start = timed("token table", start)
         session.commit()
         start = timed("token table", start)
     runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))
     session.commit()
     timed("closing", start)
-    return Written(run.id, seconds)
+    return Written(run.id, seconds, cpu)
 
 
 def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tuple[int, int]], int]:

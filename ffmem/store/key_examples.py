@@ -8,16 +8,20 @@ shaded yet; a finished run stores both.
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
 
 import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mining.mined_layer import QUADRANTS, MinedLayer
+from ffmem.store import memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.models import KeyExamples
 
@@ -66,7 +70,10 @@ class QuadrantExample:
         return self.coefficient / self.input if self.input else None
 
 
-# A quadrant example as stored: `quadrants` holds a key's, by quadrant then rank (15 B each).
+# A quadrant example as stored before revision 0031: `quadrants` held a key's, by quadrant then rank (15 B
+# each). From 0031 a blob is packed (`_pack`): PACKED, the widths of the sentence index and the position,
+# then the examples' quadrant (1 B), sentence index, position, coefficient and input (float32): 12 B each
+# for ≤ 65,535 sentences of ≤ 255 tokens. An old blob's first byte is a quadrant (≤ 3), never PACKED.
 QUADRANT_EXAMPLE = np.dtype(
     [
         ("quadrant", "u1"),
@@ -76,28 +83,54 @@ QUADRANT_EXAMPLE = np.dtype(
         ("input", "<f4"),
     ]
 )
+PACKED = 0x80  # the first byte of a packed `bands` or `quadrants` blob (an old one's is a bin or quadrant)
+
+
+def _pack(columns: Sequence[np.ndarray], floats: int, counts: np.ndarray) -> list[bytes]:
+    """Each key's part of flat [entries] columns (a 1-byte number, the sentence index, the position, then
+    `floats` float32 ones), its `counts` [keys] entries, as packed blobs: PACKED, the two widths, the
+    entries; the integers as wide as the layer's largest need; b"" for a key with none."""
+    widths = (1, memory_lists.int_width(columns[1]), memory_lists.int_width(columns[2]))
+    header = bytes([PACKED, *widths[1:]])
+    packed = memory_lists.pack_columns(columns, (*widths, *[memory_lists.FLOAT] * floats))  # [entries, size]
+    return [
+        header + part.tobytes() if len(part) else b"" for part in np.split(packed, np.cumsum(counts)[:-1])
+    ]
+
+
+def _unpack_entries(data: bytes, floats: int) -> list[tuple]:
+    """A packed blob's entries as tuples (the number, sentence index, position, then the floats)."""
+    widths = (1, data[1], data[2], *[memory_lists.FLOAT] * floats)
+    size = memory_lists.entry_bytes(widths)
+    raw = np.frombuffer(data, np.uint8, offset=3).reshape(-1, size)  # [entries, size]
+    columns = memory_lists.unpack_columns(raw, widths, [False] * len(widths))
+    return list(zip(*(c.tolist() for c in columns), strict=True))
 
 
 def layer_quadrant_examples(mined: MinedLayer) -> list[bytes] | None:
-    """Every key's quadrant examples as QUADRANT_EXAMPLE records (by quadrant, then rank); None for an
-    ungated layer."""
+    """Every key's quadrant examples packed (by quadrant, then rank); None for an ungated layer."""
     if not mined.gated:
         return None
     sentence = mined.quadrant_sentence  # [keys, 4, E]
     present = sentence >= 0  # [keys, 4, E]
     _, quadrant, _ = np.nonzero(present)  # row-major: by key, quadrant, rank
-    records = np.empty(len(quadrant), QUADRANT_EXAMPLE)  # [examples]
-    records["quadrant"], records["sentence_index"] = quadrant, sentence[present]
-    records["position"] = mined.quadrant_position[present]
-    records["coefficient"] = mined.quadrant_coefficient[present]
-    records["input"] = mined.quadrant_input[present]
-    counts = present.reshape(len(present), -1).sum(axis=1)  # [keys]
-    return [part.tobytes() for part in np.split(records, np.cumsum(counts)[:-1])]
+    columns = (
+        quadrant,
+        sentence[present],
+        mined.quadrant_position[present],
+        mined.quadrant_coefficient[present],
+        mined.quadrant_input[present],
+    )  # [examples] each
+    return _pack(columns, 2, present.reshape(len(present), -1).sum(axis=1))
 
 
 def decode_quadrant_examples(data: bytes) -> list[QuadrantExample]:
     """The quadrant examples a `quadrants` blob holds, in order."""
-    rows = np.frombuffer(data, QUADRANT_EXAMPLE).tolist()
+    rows = (
+        _unpack_entries(data, 2)
+        if data[:1] == bytes([PACKED])
+        else np.frombuffer(data, QUADRANT_EXAMPLE).tolist()
+    )
     return [QuadrantExample(int(q), int(s), int(p), float(c), float(u)) for q, s, p, c, u in rows]
 
 
@@ -120,31 +153,27 @@ def quadrant_examples_of(mined: MinedLayer, key: int) -> list[QuadrantExample] |
     return found
 
 
-# A band sample as stored: `bands` holds a key's samples as consecutive records (12 B each).
+# A band sample as stored before revision 0031: `bands` held a key's samples as consecutive records (12 B
+# each; an old blob's first byte is a bin, < 43). From 0031 packed as the quadrant examples are (`_pack`):
+# the bin (1 B), sentence index, position, coefficient float32: 8 B for ≤ 65,535 sentences of ≤ 255 tokens.
 BAND = np.dtype([("bin", "<i2"), ("sentence_index", "<i4"), ("position", "<i2"), ("coefficient", "<f4")])
 NOT_MINED = -128  # the int8 code of NaN (a position the run does not mine); the others are −127 … 127
 STEPS = 127  # codes on each side of 0: a sentence's step is its largest |m| / 127
 
 
 def layer_bands(mined: MinedLayer) -> list[bytes]:
-    """Every key's band samples as BAND records (by bin, then slot; decode_bands reads them), the layer
-    at once."""
+    """Every key's band samples packed (by bin, then slot; decode_bands reads them), the layer at once."""
     sentence = mined.sample_sentence  # [keys, bins, S]
     present = sentence >= 0  # [keys, bins, S]
     _, bins, _ = np.nonzero(present)  # row-major: by key, bin, slot, as boolean indexing reads them
-    records = np.empty(len(bins), BAND)  # [samples]
-    records["bin"], records["sentence_index"] = bins, sentence[present]
-    records["position"], records["coefficient"] = (
-        mined.sample_position[present],
-        mined.sample_coefficient[present],
-    )
-    counts = present.reshape(len(present), -1).sum(axis=1)  # [keys]
-    return [part.tobytes() for part in np.split(records, np.cumsum(counts)[:-1])]
+    columns = (bins, sentence[present], mined.sample_position[present], mined.sample_coefficient[present])
+    return _pack(columns, 1, present.reshape(len(present), -1).sum(axis=1))
 
 
 def decode_bands(data: bytes) -> list[BandSample]:
     """The band samples a `bands` blob holds, in order."""
-    return [BandSample(int(b), int(s), int(p), float(c)) for b, s, p, c in np.frombuffer(data, BAND).tolist()]
+    rows = _unpack_entries(data, 1) if data[:1] == bytes([PACKED]) else np.frombuffer(data, BAND).tolist()
+    return [BandSample(int(b), int(s), int(p), float(c)) for b, s, p, c in rows]
 
 
 def encode_shading(values: np.ndarray, lengths: np.ndarray) -> bytes:
@@ -152,8 +181,14 @@ def encode_shading(values: np.ndarray, lengths: np.ndarray) -> bytes:
     into sentences by `lengths` [sentences]) as int8 codes with one float32 step per sentence: the steps
     [sentences] then the codes [tokens], sentence after sentence, deflated (zlib: about 0.7 of the bytes).
     A sentence's step is its largest |m| / 127, so its peak is stored to float32's precision and every
-    value to within half a step (0.4 % of the peak); NaN is the code NOT_MINED. All sentences at once (a
-    layer of 8B stores 14,336 keys × ~50 sentences)."""
+    value to within half a step (0.4 % of the peak); NaN is the code NOT_MINED."""
+    steps, codes = _steps_and_codes(values, lengths)
+    return zlib.compress(steps.tobytes() + codes.tobytes())
+
+
+def _steps_and_codes(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """encode_shading's steps [sentences] float32 and codes [tokens] int8, any number of sentences at once
+    (each sentence's own: a layer's together give each key's)."""
     lengths = np.asarray(lengths, np.int64)  # [sentences]
     values = np.asarray(values, np.float32)  # [tokens]
     mined = ~np.isnan(values)  # [tokens]
@@ -166,7 +201,29 @@ def encode_shading(values: np.ndarray, lengths: np.ndarray) -> bytes:
     step = np.repeat(steps, lengths)  # [tokens]
     scaled = np.rint(np.divide(values, step, out=np.zeros_like(values), where=mined & (step > 0)))  # [tokens]
     codes = np.where(mined, np.clip(scaled, -STEPS, STEPS), NOT_MINED).astype(np.int8)  # [tokens]
-    return zlib.compress(steps.tobytes() + codes.tobytes())
+    return steps, codes
+
+
+def encode_layer_shading(shading: LayerShading) -> list[bytes]:
+    """encode_shading's bytes of every key of a layer (byte for byte what it gives a key alone): the steps
+    and codes of all the layer's sentences at once, then each key's deflated, on every core (zlib lets go
+    of the interpreter while it compresses)."""
+    steps, codes = _steps_and_codes(shading.values, np.diff(shading.offsets))  # [sentences], [tokens]
+    firsts = shading.firsts  # [keys + 1]: each key's first sentence
+    steps, codes = steps.tobytes(), codes.tobytes()
+    size = np.dtype(np.float32).itemsize
+    parts = [
+        (steps[size * first : size * last], codes[shading.offsets[first] : shading.offsets[last]])
+        for first, last in zip(firsts[:-1].tolist(), firsts[1:].tolist(), strict=True)
+    ]  # [keys]: (steps, codes) bytes
+    workers = os.cpu_count() or 1
+    share = -(-len(parts) // workers)
+
+    def deflate(start: int) -> list[bytes]:
+        return [zlib.compress(step + code) for step, code in parts[start : start + share]]
+
+    with ThreadPoolExecutor(workers) as pool:
+        return [blob for blobs in pool.map(deflate, range(0, len(parts), share)) for blob in blobs]
 
 
 def decode_shading(data: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
@@ -219,18 +276,18 @@ def store_key_examples(
     """Store one layer's rows: per key its band samples (from `mined`) and the shading of its first
     positive and negative triggers and of each sample (encode_shading packs each key's part). Returns the
     shading's bytes."""
-    rows, size = [], 0
-    quadrants = layer_quadrant_examples(mined)
-    for key, bands in enumerate(layer_bands(mined)):
-        positive, negative, samples = (int(n) for n in shading.counts[key])
-        assert samples * BAND.itemsize == len(bands), "one shading per band sample"
-        data = encode_shading(*shading.key(key))
-        size += len(data)
-        examples = None if quadrants is None else quadrants[key]
-        rows.append((key, bands, positive, negative, data, examples))
+    bands = layer_bands(mined)
+    positive, negative, samples = (column.tolist() for column in shading.counts.T)  # [keys] each
+    if (mined.sample_sentence >= 0).sum(axis=(1, 2)).tolist() != samples:
+        raise ValueError("the shading has not one sentence per band sample")
+    shaded = encode_layer_shading(shading)
+    quadrants = layer_quadrant_examples(mined) or repeat(None)
+    rows = zip(
+        repeat(run_id), repeat(int(layer)), range(len(bands)), bands, positive, negative, shaded, quadrants
+    )
     columns = ("run_id", "layer", "key", "bands", "positive", "negative", "shading", "quadrants")
-    bulk_insert(session, KeyExamples.__table__, columns, ((run_id, int(layer), *row) for row in rows))
-    return size
+    bulk_insert(session, KeyExamples.__table__, columns, rows)
+    return sum(map(len, shaded))
 
 
 @dataclass(frozen=True)

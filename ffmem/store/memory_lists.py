@@ -2,21 +2,31 @@
 key; numpy, no torch, no SQL): its top-T triggers of one sign, and its value's top (sign +1) or bottom
 (−1) tokens under one readout.
 
-    kind "triggers"     entries of TRIGGER (10 B): sentence index int32, position int16, coefficient
-                        float32, strongest first (rank = place in the list)
-    kind "raw", "norm"  a VALUE_HEADER (5 B): the token ids' width in bytes (2: uint16 when every id of the
-                        stored layer fits, else 4: int32) and log_z, the log-sum-exp of the value's full
-                        readout; then entries of value_entry(width): token id, logit float32, by rank.
+Integers are packed in as few bytes as the largest of their layer (or table) needs, 1 to 4, little-endian
+(`int_width`, `pack_columns`): a blob starts with its integer columns' widths, one byte each, and is padded
+to an odd length, so that the fixed-width blobs stored before revision 0031 (always of even length) still
+read as they were written.
+
+    kind "triggers"     a header (2 B: the widths of the sentence index and the position), then entries of
+                        sentence index, position, coefficient float32, strongest first (rank = place in the
+                        list): 7 B an entry for ≤ 65,535 sentences of ≤ 255 tokens, 8 B for ≤ 16.7 M
+                        (before 0031: TRIGGER, 10 B, no header)
+    kind "raw", "norm"  a VALUE_HEADER (5 B): the token ids' width in bytes (2 when every id of the stored
+                        layer is < 65,536, 3 below 16,777,216, else 4) and log_z, the log-sum-exp of the
+                        value's full readout; then entries of token id, logit float32, by rank.
                         A token's probability is exp(logit − log_z), the softmax over the vocabulary.
 
 A vocabulary token's memories (the `token_memories` table, one row per run, readout and token; ffmem.engine.
-token_memories builds them): its lists of TOKEN_LISTS, each of `depth` entries of TOKEN_MEMORY (8 B): the
-memory (layer · keys + key, int32; −1: none, where the model has fewer memories than `depth`) and its
-score (float32: the token's logit, or its log-probability logit − log_z, in the value's readout), best first.
+token_memories builds them): a header (1 B: the memory's width), then its lists of TOKEN_LISTS, each of
+`depth` entries of the memory (layer · keys + key; all ones: none, where the model has fewer memories than
+`depth`) and its score (float32: the token's logit, or its log-probability logit − log_z, in the value's
+readout), best first; read back as TOKEN_MEMORY records (memory −1: none). Before 0031: TOKEN_MEMORY
+(8 B), no header.
 
-A sentence's triggers (the `sentence_triggers` table, one row per run and sentence): every positive trigger
-of the run in that sentence, as SENTENCE_TRIGGER records (10 B): the memory (layer · keys + key, int32),
-the trigger's position (int16) and its coefficient (float32), by memory.
+A sentence's triggers (the `sentence_triggers` table, one row per run and sentence): a header (2 B: the
+widths of the memory and the position), then every positive trigger of the run in that sentence: the
+memory (layer · keys + key), the trigger's position and its coefficient (float32), by memory; read back as
+SENTENCE_TRIGGER records. Before 0031: SENTENCE_TRIGGER (10 B), no header.
 
 `Trigger` and `ValueToken` are the decoded entries the pages read (ffmem.store.memory_reads); the index
 build writes the lists (ffmem.store.memory_writes).
@@ -41,11 +51,73 @@ TOKEN_MEMORY = np.dtype([("memory", "<i4"), ("score", "<f4")])  # 8 B
 TOKEN_LISTS = (("logit", 1), ("logit", -1), ("prob", 1), ("prob", -1))
 # Another memory and its score (a neighbour's cosine, a weight-graph link's score): 10 B.
 SCORED_MEMORY = np.dtype([("layer", "<i2"), ("key", "<i4"), ("score", "<f4")])
+FLOAT = 0  # a column's width code for float32 in pack_columns (integers: 1 to 4 bytes)
 
 
-def value_entry(token_bytes: int) -> np.dtype:
-    """One value token as stored: its id (uint16 or int32) and logit (float32)."""
-    return np.dtype([("token_id", "<u2" if token_bytes == 2 else "<i4"), ("logit", "<f4")])
+def int_width(values: np.ndarray, *, none: bool = False) -> int:
+    """Bytes (1 to 4) that these non-negative integers need, unsigned; with `none`, the all-ones code of
+    that width (−1, none) stays free above the largest."""
+    top = (int(np.max(values)) if np.size(values) else 0) + (1 if none else 0)
+    return next((width for width in (1, 2, 3) if top < 256**width), 4)
+
+
+def pack_columns(columns: Sequence[np.ndarray], widths: Sequence[int]) -> np.ndarray:
+    """The columns (one shape [...] each) as [..., entry bytes] uint8: each integer column little-endian in
+    its width (two's complement: −1 is all ones), FLOAT columns as float32."""
+    parts = []
+    for values, width in zip(columns, widths, strict=True):
+        if width == FLOAT:
+            values = np.ascontiguousarray(values, "<f4")
+            parts.append(values.reshape(*values.shape, 1).view(np.uint8))  # [..., 4]
+        else:
+            values = np.ascontiguousarray(values, "<i8")
+            parts.append(values.reshape(*values.shape, 1).view(np.uint8)[..., :width])  # [..., width]
+    return np.concatenate(parts, axis=-1)  # [..., entry bytes]
+
+
+def unpack_columns(raw: np.ndarray, widths: Sequence[int], none: Sequence[bool]) -> list[np.ndarray]:
+    """pack_columns' bytes [n, entry bytes] back as columns [n]: integers int64 (all ones → −1 where
+    `none`), floats float32."""
+    columns, at = [], 0
+    for width, maybe_none in zip(widths, none, strict=True):
+        if width == FLOAT:
+            columns.append(np.ascontiguousarray(raw[:, at : at + 4]).view("<f4")[:, 0])  # [n]
+            at += 4
+            continue
+        wide = np.zeros((len(raw), 8), np.uint8)  # [n, 8]
+        wide[:, :width] = raw[:, at : at + width]
+        values = wide.view("<i8")[:, 0]  # [n]
+        if maybe_none:
+            values[values == 256**width - 1] = -1
+        columns.append(values)
+        at += width
+    return columns
+
+
+def entry_bytes(widths: Sequence[int]) -> int:
+    """Bytes of one entry of these column widths."""
+    return sum(4 if width == FLOAT else width for width in widths)
+
+
+def packed_blob(header: bytes, entries: np.ndarray) -> bytes:
+    """A blob of the packed format: the header, the entries' bytes, and a zero byte when that is even."""
+    data = header + entries.tobytes()
+    return data if len(data) % 2 else data + b"\0"
+
+
+def is_packed(data: bytes) -> bool:
+    """Whether a blob has the packed format (odd length) rather than the fixed records before 0031."""
+    return len(data) % 2 == 1
+
+
+def unpacked(data: bytes, ints: int, floats: int) -> tuple[list[int], np.ndarray]:
+    """A packed blob's integer widths (its header: `ints` bytes) and its entries [n, entry bytes] uint8
+    (integer columns first, then `floats` float32 columns), the padding left out."""
+    widths = list(data[:ints])
+    size = entry_bytes(widths) + 4 * floats
+    count = (len(data) - ints) // size
+    raw = np.frombuffer(data, np.uint8, count=count * size, offset=ints).reshape(count, size)
+    return widths, raw
 
 
 @dataclass(frozen=True)
@@ -98,28 +170,56 @@ class ValueToken:
 
 
 def encode_triggers(sentence_index: np.ndarray, position: np.ndarray, coefficient: np.ndarray) -> list[bytes]:
-    """One blob per key from [keys, T] arrays (rank = column); entries with sentence index −1 (fewer
-    sentences than T) are left out."""
-    packed = np.empty(sentence_index.shape, TRIGGER)  # [keys, T]
-    packed["sentence_index"], packed["position"], packed["coefficient"] = (
-        sentence_index,
-        position,
-        coefficient,
-    )
+    """One blob per key from [keys, T] arrays (rank = column), its integers as wide as the layer's largest
+    need; entries with sentence index −1 (fewer sentences than T) are left out, a key with none is b""."""
     kept = sentence_index >= 0  # [keys, T]
+    widths = (int_width(sentence_index[kept]), int_width(position[kept]))
+    header = bytes(widths)
+    packed = pack_columns((sentence_index, position, coefficient), (*widths, FLOAT))  # [keys, T, entry]
     if kept.all():
-        return [row.tobytes() for row in packed]
-    return [row[keep].tobytes() for row, keep in zip(packed, kept, strict=True)]
+        return [packed_blob(header, row) for row in packed]
+    return [
+        packed_blob(header, row[keep]) if keep.any() else b"" for row, keep in zip(packed, kept, strict=True)
+    ]
+
+
+def records(data: bytes, dtype: np.dtype, none: Sequence[bool] | None = None) -> np.ndarray:
+    """A blob's entries as `dtype` records (its integer fields first, then its float32 ones): a packed
+    blob's unpacked (`none`: the fields whose all-ones code is −1), one of the fixed records stored before
+    0031 as it is."""
+    if not is_packed(data):
+        return np.frombuffer(data, dtype)
+    floats = sum(np.issubdtype(dtype[name], np.floating) for name in dtype.names)
+    widths, raw = unpacked(data, len(dtype.names) - floats, floats)
+    found = np.empty(len(raw), dtype)  # [entries]
+    none = none or [False] * len(dtype.names)
+    columns = unpack_columns(raw, (*widths, *[FLOAT] * floats), none)
+    for name, column in zip(dtype.names, columns, strict=True):
+        found[name] = column
+    return found
 
 
 def decode_triggers(data: bytes) -> np.ndarray:
     """A blob's triggers: [T] records of TRIGGER, strongest first."""
-    return np.frombuffer(data, TRIGGER)
+    return records(data, TRIGGER)
+
+
+def trigger_count(data: bytes) -> int:
+    """How many triggers a blob holds (without decoding them)."""
+    if not is_packed(data):
+        return len(data) // TRIGGER.itemsize
+    return (len(data) - 2) // (entry_bytes(data[:2]) + 4)
 
 
 def token_bytes(token_ids: np.ndarray) -> int:
-    """2 when every id fits uint16 (vocabularies up to 65,536 tokens), else 4."""
-    return 2 if token_ids.size == 0 or int(token_ids.max()) < 2**16 else 4
+    """2 when every id fits uint16 (vocabularies up to 65,536 tokens), 3 up to 16,777,216, else 4."""
+    return max(2, int_width(token_ids))
+
+
+def value_entry(token_bytes: int) -> np.dtype:
+    """One value token as read back: its id (uint16, or int32 for the wider ids) and logit (float32); as
+    stored when the width is 2 or 4."""
+    return np.dtype([("token_id", "<u2" if token_bytes == 2 else "<i4"), ("logit", "<f4")])
 
 
 def encode_value_tokens(token_ids: np.ndarray, logits: np.ndarray, log_z: np.ndarray) -> list[bytes]:
@@ -127,15 +227,19 @@ def encode_value_tokens(token_ids: np.ndarray, logits: np.ndarray, log_z: np.nda
     width = token_bytes(token_ids)
     header = np.empty((len(log_z), 1), VALUE_HEADER)  # [keys, 1]
     header["token_bytes"], header["log_z"] = width, np.asarray(log_z).reshape(-1, 1)
-    entries = np.empty(token_ids.shape, value_entry(width))  # [keys, n]
-    entries["token_id"], entries["logit"] = token_ids, logits
+    entries = pack_columns((token_ids, logits), (width, FLOAT))  # [keys, n, width + 4]
     return [h.tobytes() + e.tobytes() for h, e in zip(header, entries, strict=True)]
 
 
 def decode_value_tokens(data: bytes) -> tuple[np.ndarray, float]:
     """A blob's (entries, log_z): [n] records of value_entry (token_id, logit), by rank."""
     header = np.frombuffer(data, VALUE_HEADER, count=1)[0]
-    entries = np.frombuffer(data, value_entry(int(header["token_bytes"])), offset=VALUE_HEADER.itemsize)
+    width = int(header["token_bytes"])
+    if width != 3:
+        return np.frombuffer(data, value_entry(width), offset=VALUE_HEADER.itemsize), float(header["log_z"])
+    raw = np.frombuffer(data, np.uint8, offset=VALUE_HEADER.itemsize).reshape(-1, width + 4)  # [n, 7]
+    entries = np.empty(len(raw), value_entry(4))  # [n]
+    entries["token_id"], entries["logit"] = unpack_columns(raw, (width, FLOAT), (False, False))
     return entries, float(header["log_z"])
 
 
@@ -143,37 +247,39 @@ def encode_sentence_triggers(
     memory: np.ndarray, sentence_index: np.ndarray, position: np.ndarray, coefficient: np.ndarray
 ) -> tuple[list[int], list[bytes]]:
     """(sentence indices, one blob each) from triggers as flat [triggers] arrays, any order; a blob's
-    entries by memory (then position). Entries with sentence index −1 (empty slots) are left out."""
+    entries by memory (then position), its integers as wide as the run's largest need. Entries with
+    sentence index −1 (empty slots) are left out."""
     real = sentence_index >= 0
     memory, sentence_index, position, coefficient = (
         a[real] for a in (memory, sentence_index, position, coefficient)
     )
     order = np.lexsort((position, memory, sentence_index))  # [triggers]: by sentence, then memory
-    packed = np.empty(len(order), SENTENCE_TRIGGER)  # [triggers]
-    packed["memory"], packed["position"], packed["coefficient"] = (
-        memory[order],
-        position[order],
-        coefficient[order],
-    )
+    widths = (int_width(memory), int_width(position))
+    packed = pack_columns(
+        (memory[order], position[order], coefficient[order]), (*widths, FLOAT)
+    )  # [triggers, entry]
     sentences, starts = np.unique(sentence_index[order], return_index=True)  # [sentences] each
-    return sentences.tolist(), [part.tobytes() for part in np.split(packed, starts[1:])]
+    header = bytes(widths)
+    return sentences.tolist(), [packed_blob(header, part) for part in np.split(packed, starts[1:])]
 
 
 def decode_sentence_triggers(data: bytes) -> np.ndarray:
     """A blob's triggers: [n] SENTENCE_TRIGGER records, by memory."""
-    return np.frombuffer(data, SENTENCE_TRIGGER)
+    return records(data, SENTENCE_TRIGGER)
 
 
 def encode_token_memories(memories: np.ndarray, scores: np.ndarray) -> list[bytes]:
-    """One blob per token from memories and scores [vocab, lists, depth]."""
-    entries = np.empty(memories.shape, TOKEN_MEMORY)  # [vocab, lists, depth]
-    entries["memory"], entries["score"] = memories, scores
-    return [row.tobytes() for row in entries]
+    """One blob per token from memories and scores [vocab, lists, depth] (memory −1: none), the memories
+    as wide as the table's largest needs."""
+    width = int_width(memories[memories >= 0], none=True)
+    packed = pack_columns((memories, scores), (width, FLOAT))  # [vocab, lists, depth, width + 4]
+    header = bytes([width])
+    return [packed_blob(header, row) for row in packed]
 
 
 def decode_token_memories(data: bytes) -> np.ndarray:
     """A blob's lists: [lists, depth] records of TOKEN_MEMORY, in TOKEN_LISTS order."""
-    return np.frombuffer(data, TOKEN_MEMORY).reshape(len(TOKEN_LISTS), -1)
+    return records(data, TOKEN_MEMORY, none=(True, False)).reshape(len(TOKEN_LISTS), -1)
 
 
 def probabilities(logits: np.ndarray, log_z: np.ndarray | float) -> np.ndarray:
@@ -243,8 +349,9 @@ class Lists:
 def decode_many(kind: str, layers: Sequence[int], keys: Sequence[int], blobs: Sequence[bytes]) -> Lists:
     """The lists of many memories of one kind (their blobs, with each one's layer and key) as one Lists."""
     if kind == TRIGGERS:
-        counts = np.array([len(b) // TRIGGER.itemsize for b in blobs], np.int64)  # [memories]
-        entries = np.frombuffer(b"".join(blobs), TRIGGER)  # [entries]
+        decoded = [decode_triggers(b) for b in blobs]
+        counts = np.array([len(d) for d in decoded], np.int64)  # [memories]
+        entries = np.concatenate(decoded) if decoded else np.empty(0, TRIGGER)  # [entries]
         log_z = None
     else:
         parts = [decode_value_tokens(b) for b in blobs]

@@ -7,7 +7,6 @@ one kind once per process. The index build writes them (ffmem.store.memory_write
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import repeat
 
 import numpy as np
 from sqlalchemy import Boolean, LargeBinary, Row, case, func, literal, or_, select, union_all
@@ -18,7 +17,13 @@ from sqlalchemy.sql.functions import FunctionElement
 from ffmem.store import memory_lists
 from ffmem.store.cache import ProcessCache, database_of
 from ffmem.store.memory_lists import TRIGGERS, Lists, SentenceTrigger, Trigger, ValueToken
-from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, MemoryList, Run, RunStatus, SentenceTriggers
+from ffmem.store.models import (
+    KeyStats,
+    MemoryList,
+    Run,
+    RunStatus,
+    SentenceTriggers,
+)
 
 
 def _list(session: Session, run_id: int, kind: str, sign: int, layer: int, key: int) -> bytes | None:
@@ -170,21 +175,6 @@ def run_key_stats(*, session: Session, run_id: int, columns: Sequence[str]) -> l
     return list(session.execute(query))
 
 
-KEY_SORTS = (
-    "key",
-    "max_coefficient",
-    "min_coefficient",
-    "positive_share",
-    "density",
-    "agreement",
-    "max_prob",
-    "next_token_rank",
-    "value_norm",
-    "dominant_quadrant",
-    *QUADRANT_COLUMNS,
-)
-
-
 # The model page's figures aggregate every key's statistics (458,752 rows at 8B: ~150 ms): a finished run's
 # are computed once per process, 32 rows a run.
 _LAYER_SUMMARIES = ProcessCache(64)  # (database, run id, started_at) -> rows
@@ -224,76 +214,6 @@ def _layer_summaries(session: Session, run_id: int) -> list[Row]:
     return list(session.execute(query))
 
 
-def layer_keys(
-    *,
-    session: Session,
-    run_id: int,
-    layer: int,
-    sort: str,
-    descending: bool,
-    offset: int,
-    limit: int,
-    token_ids: Sequence[int] | None = None,
-    readout: str = "raw",
-) -> tuple[int, list[KeyStats]]:
-    """(number of keys that pass the filter, one page of them) for the layer table.
-
-    `token_ids`: keep only keys whose value has one of these among its top tokens. NULLs sort last.
-    """
-    if sort not in KEY_SORTS:
-        raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(KEY_SORTS)}")
-    where = [KeyStats.run_id == run_id, KeyStats.layer == layer]
-    if token_ids is not None:
-        keys = promoting_keys(
-            session=session, run_id=run_id, layer=layer, token_ids=token_ids, readout=readout
-        )
-        where.append(KeyStats.key.in_(keys))
-    total = session.scalar(select(func.count()).select_from(KeyStats).where(*where))
-    # A page nearer the end is read from the other end in the reverse order: the database's sort of a
-    # page keeps offset + limit rows (a late page of 14,336 keys: all of them), from the end only the few.
-    from_end = offset > total - offset - limit
-    if from_end:
-        offset, limit = max(total - offset - limit, 0), max(min(limit, total - offset), 0)
-    order = _key_order(sort, descending, reverse=from_end)
-    if sort == "key":  # the primary key's order: the page's rows at once
-        page = list(
-            session.scalars(select(KeyStats).where(*where).order_by(*order).offset(offset).limit(limit))
-        )
-    else:  # the sort carries the key alone (half the time of whole rows at 14,336 keys), then the page's rows
-        keys = list(
-            session.scalars(select(KeyStats.key).where(*where).order_by(*order).offset(offset).limit(limit))
-        )
-        found = session.scalars(select(KeyStats).where(*where[:2], KeyStats.key.in_(keys)))
-        rows = {row.key: row for row in found}
-        page = [rows[key] for key in keys]
-    return total, page[::-1] if from_end else page
-
-
-def _dominant_share():
-    """A gated key's share of positions in its dominant quadrant (NULL for an ungated one)."""
-    return case(
-        *((KeyStats.dominant_quadrant == i, getattr(KeyStats, c)) for i, c in enumerate(QUADRANT_COLUMNS))
-    )
-
-
-def _key_order(sort: str, descending: bool, *, reverse: bool) -> list:
-    """The layer table's order (`reverse`: backwards): by key, the primary key's (no sort); by a
-    statistic, NULLs last (`IS NULL` sorts false first on both databases), then it, then the key. By the
-    dominant quadrant: within each, by its share, the largest first."""
-    column = getattr(KeyStats, sort)
-    ordering = [column.desc() if descending != reverse else column.asc()]
-    if sort == "dominant_quadrant":
-        ordering.append(_dominant_share().asc() if reverse else _dominant_share().desc())
-    if sort != "key":
-        nulls = column.is_(None)
-        ordering = [
-            nulls.desc() if reverse else nulls,
-            *ordering,
-            KeyStats.key.desc() if reverse else KeyStats.key,
-        ]
-    return ordering
-
-
 def promoting_keys(
     *, session: Session, run_id: int, layer: int, token_ids: Sequence[int], readout: str = "raw"
 ) -> list[int]:
@@ -301,7 +221,8 @@ def promoting_keys(
     database keeps the lists whose bytes hold one of the ids (`holds_bytes`, a byte search in C over the
     layer's 14,336 lists at 8B) and only those are decoded here, where the ids are checked in place (a
     byte match may straddle an id and a logit)."""
-    patterns = [int(t).to_bytes(2 if t < 2**16 else 4, "little") for t in token_ids]  # as stored (2 or 4 B)
+    # As stored: an id's low bytes lead its 2, 3 or 4 (little-endian), so 2 or 3 of them find it in any.
+    patterns = [int(t).to_bytes(2 if t < 2**16 else 3 if t < 2**24 else 4, "little") for t in token_ids]
     if not patterns:
         return []
     query = select(MemoryList.key, MemoryList.data).where(
@@ -457,12 +378,18 @@ def triggers_from(
             SentenceTriggers.run_id == run_id, SentenceTriggers.sentence_index.in_(sorted(first_positions))
         )
     ).all()
-    found = []
+    parts = []  # per sentence: [its triggers past the first position, 5] (layer, key, sentence, position, m)
     for sentence_index, data in rows:
         entries = memory_lists.decode_sentence_triggers(data)  # [triggers in the sentence]
         entries = entries[entries["position"] >= first_positions[sentence_index]]
         layer, key = np.divmod(entries["memory"].astype(np.int64), n_keys)
-        found += zip(layer.tolist(), key.tolist(), repeat(sentence_index), entries["position"].tolist(),
-                     entries["coefficient"].tolist())  # fmt: skip
-    found.sort(key=lambda t: (-t[4], t[0], t[1]))
-    return [SentenceTrigger(*t) for t in found[:limit]]
+        sentence = np.full(len(entries), sentence_index, np.int64)
+        parts.append((layer, key, sentence, entries["position"].astype(np.int64), entries["coefficient"]))
+    if not parts:
+        return []
+    layer, key, sentence, position, coefficient = (np.concatenate(c) for c in zip(*parts, strict=True))
+    best = np.lexsort((key, layer, -coefficient.astype(np.float64)))[:limit]  # strongest; by layer, key
+    return [
+        SentenceTrigger(int(layer[i]), int(key[i]), int(sentence[i]), int(position[i]), float(coefficient[i]))
+        for i in best.tolist()
+    ]

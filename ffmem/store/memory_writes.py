@@ -14,7 +14,7 @@ from itertools import repeat
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ffmem.store import memory_lists
+from ffmem.store import layer_table, memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import TRIGGERS
 from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, MemoryList, SentenceTriggers
@@ -154,6 +154,23 @@ def store_key_stats(
         "dominant_quadrant",
     )
     bulk_insert(session, KeyStats.__table__, columns, rows)
+    as_stored = {
+        "max_coefficient": max_coefficient,
+        "min_coefficient": min_coefficient,
+        "positive_share": positive_share,
+        "density": density,
+        "agreement": agreement.astype(int),
+        "max_prob": max_prob,
+        "next_token_rank": np.where(next_token_rank.astype(int) < 0, np.nan, next_token_rank),
+        "value_norm": value_norm,
+    }
+    # As the database holds them: SQLite every REAL in 8 bytes, Postgres a statistic in 4 (models.Float32).
+    stored = np.float64 if session.connection().dialect.name == "sqlite" else np.float32
+    as_stored = {name: np.asarray(values, stored) for name, values in as_stored.items()}  # [keys] each
+    quadrants = _quadrant_columns(quadrant_shares, mean.shape[0])
+    for name, values in zip((*QUADRANT_COLUMNS, "dominant_quadrant"), quadrants, strict=True):
+        as_stored[name] = np.array(values, stored)  # [keys]; None → NaN
+    layer_table.store_key_orders(session=session, run_id=run_id, layer=layer, statistics=as_stored)
 
 
 def same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:

@@ -20,7 +20,7 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mining.mined_layer import MinedLayer
-from ffmem.store import corpora, key_examples, memory_lists, memory_reads, shards
+from ffmem.store import corpora, key_examples, layer_table, memory_lists, memory_reads, shards
 from ffmem.store.key_examples import BandSample, QuadrantExample, StoredExamples
 from ffmem.store.memory_lists import TRIGGERS, Trigger, ValueToken
 from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, Run, RunStatus
@@ -133,7 +133,7 @@ class StoredResults:
 
     def layer_keys(self, layer, *, sort, descending, offset, limit, token_ids):
         where = dict(session=self.session, run_id=self.run.id, layer=layer)
-        total, stats = memory_reads.layer_keys(
+        total, stats = layer_table.layer_keys(
             **where, sort=sort, descending=descending, offset=offset, limit=limit, token_ids=token_ids
         )
         return total, stats, memory_reads.top_triggers(**where, keys=[s.key for s in stats])
@@ -252,7 +252,7 @@ class MiningResults:
         columns.update(zip(QUADRANT_COLUMNS, shares.T, strict=True))
         columns["dominant_quadrant"] = shares.argmax(axis=1).astype(float) if mined.gated else unknown
         if sort not in columns:
-            raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(memory_reads.KEY_SORTS)}")
+            raise ValueError(f"unknown sort {sort!r}; choose from {', '.join(layer_table.KEY_SORTS)}")
         keys = np.arange(n_keys)
         if token_ids is not None:
             promoting = memory_reads.promoting_keys(

@@ -18,6 +18,7 @@ from ffmem.store.models import (
     Job,
     JobKind,
     KeyExamples,
+    KeyOrder,
     KeyStats,
     LanguageModel,
     MemoryLinks,
@@ -133,6 +134,7 @@ def finish_run(*, session: Session, run_id: int, n_tokens: int) -> Run:
 RESULT_TABLES = (
     MemoryList,
     KeyStats,
+    KeyOrder,
     KeyExamples,
     Neighbours,
     MemoryLinks,
@@ -207,10 +209,10 @@ def latest_finished_run(*, session: Session, model_id: int | None = None) -> Run
 
 def clear_results(*, session: Session, run_id: int) -> None:
     """Delete what storing a run writes before its values' lists (its triggers, by key and by sentence, key
-    statistics and key examples), so that a finisher taken up again starts clean: one that died may have
-    stored some."""
+    statistics with their orders, and key examples), so that a finisher taken up again starts clean: one
+    that died may have stored some."""
     session.execute(delete(MemoryList).where(MemoryList.run_id == run_id, MemoryList.kind == TRIGGERS))
-    for table in (SentenceTriggers, KeyStats, KeyExamples):
+    for table in (SentenceTriggers, KeyStats, KeyOrder, KeyExamples):
         session.execute(delete(table).where(table.run_id == run_id))
 
 
@@ -218,15 +220,26 @@ def count_entries(*, session: Session, run_id: int, kind: str) -> int:
     """How many entries the run's lists of one kind hold: "triggers" (both signs), or a readout's value
     tokens ("raw" or "norm"; both directions)."""
     data, where = MemoryList.data, (MemoryList.run_id == run_id, MemoryList.kind == kind)
-    if kind == TRIGGERS:
-        size = session.scalar(select(func.sum(func.length(data))).where(*where))
-        return (size or 0) // memory_lists.TRIGGER.itemsize
+    if kind == TRIGGERS:  # by header (the packed lists': their widths; the fixed ones' before 0031: even)
+        header, packed = func.substr(data, 1, 2), func.length(data) % 2
+        total = 0
+        for first, odd, size in session.execute(
+            select(header, packed, func.sum(func.length(data))).where(*where).group_by(header, packed)
+        ):
+            if not odd:
+                total += size // memory_lists.TRIGGER.itemsize
+                continue
+            entry = memory_lists.entry_bytes(bytes(first)) + 4  # the padding byte is less than an entry
+            total += session.scalar(
+                select(func.sum((func.length(data) - 2) // entry)).where(*where, header == first, packed == 1)
+            )
+        return total
     width = func.substr(data, 1, 1)  # a value list's token width (memory_lists.VALUE_HEADER)
     total = 0
     for first, lists, size in session.execute(
         select(width, func.count(), func.sum(func.length(data))).where(*where).group_by(width)
     ):
-        entry = memory_lists.value_entry(bytes(first)[0]).itemsize
+        entry = bytes(first)[0] + 4  # the token id, its logit (float32)
         total += (size - lists * memory_lists.VALUE_HEADER.itemsize) // entry
     return total
 

@@ -3,15 +3,18 @@ layer and key; numpy, no torch): what the key page's statistics panel draws. The
 them in the projection's pass (ffmem.engine.values.projection.ValueHistogram) and stores them with the value
 tokens, so a run still mining shows them.
 
-A row's `data` is one `histogram_record(bins)` per readout, in READOUTS order (raw, then norm):
+A row's `data` is a width byte (the counts' bytes: 2 when the layer's largest count is below 65,536, else 4),
+then one record per readout, in READOUTS order (raw, then norm):
 
     low     float32         the value's lowest logit under the readout
     high    float32         its highest
-    counts  uint32[bins]    tokens per bin: bin b holds the logits from low + b·w to low + (b + 1)·w,
+    counts  uint[bins]      tokens per bin: bin b holds the logits from low + b·w to low + (b + 1)·w,
                             w = (high − low) / bins, the highest in the last bin; they sum to the
                             vocabulary size
 
-8 + 4·bins bytes a readout (272 B a memory at 32 bins); `bins` is read off the blob's length.
+1 + 2 · (8 + width · bins) bytes, always odd (145 B a memory at 32 bins of uint16); `bins` is read off the
+blob's length. Before revision 0031 a row held the records alone with uint32 counts (8 + 4·bins bytes a
+readout, always even: read as they were written).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from ffmem.store.models import ValueHistogram
 COLUMNS = ("run_id", "layer", "key", "data")
 
 
-def histogram_record(bins: int) -> np.dtype:
-    """One readout's histogram as stored (8 + 4·bins B)."""
-    return np.dtype([("low", "<f4"), ("high", "<f4"), ("counts", "<u4", (bins,))])
+def histogram_record(bins: int, width: int = 4) -> np.dtype:
+    """One readout's histogram as stored with counts of 2 or 4 bytes (8 + width·bins B)."""
+    return np.dtype([("low", "<f4"), ("high", "<f4"), ("counts", f"<u{width}", (bins,))])
 
 
 @dataclass(frozen=True)
@@ -64,19 +67,22 @@ def encode(low: np.ndarray, high: np.ndarray, counts: np.ndarray) -> list[bytes]
             f"expected counts [readouts, keys, bins] and extremes [readouts, keys], readouts {READOUTS}; "
             f"got counts {counts.shape}"
         )
-    records = np.empty(counts.shape[1::-1], histogram_record(counts.shape[2]))  # [keys, readouts]
+    width = 2 if counts.max(initial=0) < 2**16 else 4
+    records = np.empty(counts.shape[1::-1], histogram_record(counts.shape[2], width))  # [keys, readouts]
     records["low"], records["high"], records["counts"] = (
         np.asarray(low).T,
         np.asarray(high).T,
         counts.transpose(1, 0, 2),
     )
-    return [row.tobytes() for row in records]
+    header = bytes([width])
+    return [header + row.tobytes() for row in records]
 
 
 def decode(data: bytes) -> dict[str, LogitHistogram]:
     """A blob's histograms: readout → LogitHistogram."""
-    bins = (len(data) // len(READOUTS) - 8) // 4
-    records = np.frombuffer(data, histogram_record(bins))  # [readouts]
+    width, offset = (4, 0) if len(data) % 2 == 0 else (data[0], 1)  # even: stored before 0031
+    bins = ((len(data) - offset) // len(READOUTS) - 8) // width
+    records = np.frombuffer(data, histogram_record(bins, width), offset=offset)  # [readouts]
     return {
         readout: LogitHistogram(float(r["low"]), float(r["high"]), r["counts"].tolist())
         for readout, r in zip(READOUTS, records, strict=True)

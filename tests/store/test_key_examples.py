@@ -117,7 +117,9 @@ def test_a_layers_band_samples_packed_at_once_read_back_as_each_keys():
     )
     packed = layer_bands(mined)
     assert [decode_bands(bands) for bands in packed] == [samples_of(mined, key) for key in range(keys)]
-    assert packed[2] == b"" and sum(map(len, packed)) == 12 * int((order != EMPTY_SAMPLE).sum())
+    # A PACKED byte and the widths, then 10 B a sample: bin, sentence index (3 B: < 10⁶), position (2 B), m
+    assert packed[2] == b"" and packed[0][:3] == bytes([key_examples.PACKED, 3, 2])
+    assert sum(map(len, packed)) == 3 * (keys - 1) + 10 * int((order != EMPTY_SAMPLE).sum())
 
 
 def test_a_layers_flat_shading_cuts_into_each_keys_sentences():
@@ -135,3 +137,65 @@ def test_a_layers_flat_shading_cuts_into_each_keys_sentences():
         np.testing.assert_array_equal(values, np.concatenate(mine or [np.zeros(0, np.float32)]))
         assert key_examples.encode_shading(values, lengths) == encode_shading(mine)
         first += n
+
+
+def test_a_layers_shading_at_once_is_each_keys_byte_for_byte():
+    """Issue 41: store_key_examples encodes a layer's shading at once; each key's bytes are what
+    encode_shading gives that key alone (NaN, all-zero and empty sentences, keys with no sentence)."""
+    rng = np.random.default_rng(3)
+    counts = np.array([[2, 1, 3], [0, 0, 0], [1, 1, 0], [0, 2, 4]])  # [keys, 3]
+    lengths = rng.integers(0, 9, int(counts.sum()))  # [sentences], some empty
+    values = rng.normal(0, 2, int(lengths.sum())).astype(np.float32)  # [tokens]
+    values[rng.random(len(values)) < 0.2] = np.nan
+    values[: lengths[0]] = 0.0  # a sentence of zeros: step 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)])  # [sentences + 1]
+    shading = key_examples.LayerShading(values, offsets, counts)
+    alone = [key_examples.encode_shading(*shading.key(key)) for key in range(len(counts))]
+    assert key_examples.encode_layer_shading(shading) == alone
+    for key, data in enumerate(alone):
+        part, widths = shading.key(key)
+        decoded = key_examples.decode_shading(data, widths.tolist())
+        assert len(decoded) == len(widths) and all(len(d) == n for d, n in zip(decoded, widths, strict=True))
+        if len(part):
+            np.testing.assert_array_equal(np.isnan(np.concatenate(decoded)), np.isnan(part))
+
+
+def test_band_samples_and_quadrant_examples_pack_and_old_blobs_read():
+    """Issue 41: a key's band samples and quadrant examples are packed as narrow as the layer needs (a
+    PACKED byte, the widths); blobs stored before 0031 (fixed records) still read as they were written."""
+    from ffmem.store.key_examples import BAND, PACKED, QUADRANT_EXAMPLE, _pack, decode_bands
+
+    counts = np.array([2, 0, 1])  # [keys]
+    bands = _pack(
+        (
+            np.array([3, 40, 7]),
+            np.array([5, 70_000, 9]),
+            np.array([1, 2, 300]),
+            np.array([0.5, -2, 8], np.float32),
+        ),
+        1,
+        counts,
+    )
+    assert [b[:3] for b in bands] == [bytes([PACKED, 3, 2]), b"", bytes([PACKED, 3, 2])]  # widths 3, 2
+    assert [len(b) for b in bands] == [3 + 2 * 10, 0, 3 + 10]
+    assert [decode_bands(b) for b in bands] == [
+        [BandSample(3, 5, 1, 0.5), BandSample(40, 70_000, 2, -2.0)],
+        [],
+        [BandSample(7, 9, 300, 8.0)],
+    ]
+    old = np.array([(3, 5, 1, 0.5), (40, 70_000, 2, -2.0)], BAND).tobytes()
+    assert decode_bands(old) == decode_bands(bands[0])
+    (quadrants,) = _pack(
+        (np.array([0, 3]), np.array([4, 6]), np.array([1, 2]), np.array([1.5, -1], np.float32),
+         np.array([0.5, 2], np.float32)),
+        2,
+        np.array([2]),
+    )  # fmt: skip
+    assert len(quadrants) == 3 + 2 * (1 + 1 + 1 + 8)
+    old = np.array([(0, 4, 1, 1.5, 0.5), (3, 6, 2, -1.0, 2.0)], QUADRANT_EXAMPLE).tobytes()
+    expected = [
+        key_examples.QuadrantExample(0, 4, 1, 1.5, 0.5),
+        key_examples.QuadrantExample(3, 6, 2, -1.0, 2.0),
+    ]
+    assert key_examples.decode_quadrant_examples(quadrants) == expected
+    assert key_examples.decode_quadrant_examples(old) == expected

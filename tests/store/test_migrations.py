@@ -462,7 +462,7 @@ def test_0019_indexes_an_older_runs_positive_triggers_by_sentence_as_the_worker_
         _old_run(connection)  # 2 layers × 4 keys
         lists = sa.table("memory_lists", *map(sa.column, ("run_id", "kind", "sign", "layer", "key", "data")))
         for (layer, key, sign), rows in triggers.items():
-            blob = memory_lists.encode_triggers(*(np.array([list(c)]) for c in zip(*rows, strict=True)))[0]
+            blob = np.array(rows, memory_lists.TRIGGER).tobytes()  # as stored before 0031
             connection.execute(
                 sa.insert(lists).values(run_id=1, kind="triggers", sign=sign, layer=layer, key=key, data=blob)
             )
@@ -477,7 +477,9 @@ def test_0019_indexes_an_older_runs_positive_triggers_by_sentence_as_the_worker_
     ]
     memory, sentence, position, coefficient = (np.array(c) for c in zip(*positive, strict=True))
     sentences, blobs = memory_lists.encode_sentence_triggers(memory, sentence, position, coefficient)
-    assert {s: bytes(b) for s, b in stored.items()} == dict(zip(sentences, blobs, strict=True))
+    decoded = {s: memory_lists.decode_sentence_triggers(bytes(b)).tolist() for s, b in stored.items()}
+    expected = zip(sentences, map(memory_lists.decode_sentence_triggers, blobs), strict=True)
+    assert decoded == {s: entries.tolist() for s, entries in expected}
     assert memory_lists.decode_sentence_triggers(stored[2]).tolist() == [(1, 5, 3.5), (7, 0, 0.5)]
     assert sorted(stored) == [0, 2, 70_000]
     _migrate(empty_url, "0018", down=True)

@@ -8,10 +8,10 @@ from datetime import datetime
 
 import numpy as np
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import delete, func, select, text
 
-from ffmem.store import corpora, memory_lists, memory_reads, memory_writes, runs, vocabularies
-from ffmem.store.models import KeyStats, LanguageModel, MemoryList, Run, RunStatus, Sentence, Token
+from ffmem.store import corpora, layer_table, memory_lists, memory_reads, memory_writes, runs, vocabularies
+from ffmem.store.models import KeyOrder, KeyStats, LanguageModel, MemoryList, Run, RunStatus, Sentence, Token
 from ffmem.store.results import MiningResults, StoredResults
 
 MODEL = dict(
@@ -279,10 +279,12 @@ def test_packed_lists_round_trip():
     position = np.array([[0, 511, 0], [0, 0, 0]])
     coefficient = np.array([[2.5, -1.25, 0.0], [0.0, 0.0, 0.0]], dtype=np.float32)
     first, second = memory_lists.encode_triggers(sentence_index, position, coefficient)
-    assert len(first) == 2 * memory_lists.TRIGGER.itemsize == 20 and second == b""
+    # The widths (3 B: 70,000 sentences; 2 B: position 511), 2 entries of 3 + 2 + 4 B, a byte to an odd length
+    assert first[:2] == bytes([3, 2]) and len(first) == 2 + 2 * 9 + 1 and second == b""
     decoded = memory_lists.decode_triggers(first)
     assert decoded.tolist() == [(7, 0, 2.5), (70_000, 511, -1.25)]
-    for widest, width in ((65_535, 2), (65_536, 4)):
+    assert memory_lists.trigger_count(first) == 2
+    for widest, width in ((65_535, 2), (65_536, 3), (2**24 - 1, 3), (2**24, 4)):
         token_ids = np.array([[widest, 3], [0, 1]])  # [keys, n]
         logits = np.array([[1.5, -2.0], [0.25, 0.125]], dtype=np.float32)
         blobs = memory_lists.encode_value_tokens(token_ids, logits, np.array([4.0, 5.0]))
@@ -300,6 +302,51 @@ def test_packed_lists_round_trip():
             [0, 1] * 2,
         )
         assert many.entries["token_id"].tolist() == [widest, 3, 0, 1] and many.log_z.tolist() == [4, 4, 5, 5]
+
+
+def test_packed_widths_follow_the_largest_value():
+    """Issue 41: an integer column takes the bytes its largest value needs (1 to 4), −1 (none) all ones."""
+    largest = (0, 255, 256, 65_535, 65_536, 2**24 - 1, 2**24)
+    assert [memory_lists.int_width(np.array([v])) for v in largest] == [1, 1, 2, 2, 3, 3, 4]
+    assert memory_lists.int_width(np.array([255]), none=True) == 2  # 255 would read as none
+    columns = (np.array([-1, 0, 70_000]), np.array([1.5, -2.0, 0.25], np.float32))
+    raw = memory_lists.pack_columns(columns, (3, memory_lists.FLOAT))  # [3, 7]
+    assert raw[0].tobytes() == b"\xff\xff\xff" + np.float32(1.5).tobytes()
+    assert raw[2, :3].tobytes() == (70_000).to_bytes(3, "little")
+    memory, score = memory_lists.unpack_columns(raw, (3, memory_lists.FLOAT), (True, False))
+    assert memory.tolist() == [-1, 0, 70_000] and score.tolist() == [1.5, -2.0, 0.25]
+
+
+def test_lists_stored_before_0031_read_as_written():
+    """The fixed records of the lists stored before revision 0031 (even lengths, no header) still read."""
+    triggers = np.array([(7, 0, 2.5), (70_000, 511, -1.25)], memory_lists.TRIGGER).tobytes()
+    assert memory_lists.decode_triggers(triggers).tolist() == [(7, 0, 2.5), (70_000, 511, -1.25)]
+    assert memory_lists.trigger_count(triggers) == 2
+    many = memory_lists.decode_many("triggers", [1, 1], [4, 5], [triggers, memory_lists.encode_triggers(
+        np.array([[3]]), np.array([[2]]), np.array([[0.5]], np.float32))[0]])  # fmt: skip
+    assert many.entries.tolist() == [(7, 0, 2.5), (70_000, 511, -1.25), (3, 2, 0.5)]
+    assert (many.key.tolist(), many.rank.tolist()) == ([4, 4, 5], [0, 1, 0])
+    sentence = np.array([(3, 5, 1.5), (70_000, 2, -0.5)], memory_lists.SENTENCE_TRIGGER).tobytes()
+    assert memory_lists.decode_sentence_triggers(sentence).tolist() == [(3, 5, 1.5), (70_000, 2, -0.5)]
+    lists = np.array([(9, 2.0), (-1, 0.0)] * 4, memory_lists.TOKEN_MEMORY).tobytes()  # 4 lists of depth 2
+    assert memory_lists.decode_token_memories(lists).tolist() == [[(9, 2.0), (-1, 0.0)]] * 4
+
+
+def test_token_and_sentence_lists_round_trip_packed():
+    memories = np.array([[[70_000, -1], [0, 1], [2, 3], [4, -1]]])  # [1 token, 4 lists, depth 2]
+    scores = np.arange(8, dtype=np.float32).reshape(1, 4, 2) - 3.5
+    (blob,) = memory_lists.encode_token_memories(memories, scores)
+    assert blob[0] == 3 and len(blob) == 1 + 8 * 7  # uint24 memories (all ones: none), float32 scores
+    found = memory_lists.decode_token_memories(blob)
+    assert found["memory"].tolist() == memories[0].tolist() and found["score"].tolist() == scores[0].tolist()
+    memory, sentence = np.array([9, 70_000, 9, 4]), np.array([1, 0, 0, -1])
+    position, coefficient = np.array([3, 1, 2, 0]), np.array([0.5, 1.5, 2.5, 9.0], np.float32)
+    sentences, blobs = memory_lists.encode_sentence_triggers(memory, sentence, position, coefficient)
+    assert sentences == [0, 1] and blobs[0][:2] == bytes([3, 1]) and all(len(b) % 2 for b in blobs)
+    assert [memory_lists.decode_sentence_triggers(b).tolist() for b in blobs] == [
+        [(9, 2, 2.5), (70_000, 1, 1.5)],
+        [(9, 3, 0.5)],
+    ]
 
 
 def test_key_stats_round_trip_with_null_extremes(session, run):
@@ -494,7 +541,7 @@ def test_every_page_of_a_layer_in_every_order_from_either_end(session, run):
             expected = np.lexsort((np.arange(n), primary, missing)).tolist()
             for per_page in (1, 3, 4, 11, 20):
                 for offset in range(0, n + per_page, per_page):
-                    total, page = memory_reads.layer_keys(
+                    total, page = layer_table.layer_keys(
                         session=session, run_id=run.id, layer=0, sort=sort, descending=descending,
                         offset=offset, limit=per_page,
                     )  # fmt: skip
@@ -504,3 +551,54 @@ def test_every_page_of_a_layer_in_every_order_from_either_end(session, run):
                         per_page,
                         offset,
                     )
+
+
+def test_the_stored_key_orders_page_as_the_database_sorts(session, run):
+    """Issue 41: a finished layer's pages are slices of the orders stored with its statistics (key_orders),
+    not a sort of the layer's rows; every sort, both directions, any page equals what the database's sort
+    of the rows gives (the path of runs stored before 0031): NULLs and infinities last, ties by key, the
+    dominant quadrant by its share within. The order itself is checked against a sort written here."""
+    rng = np.random.default_rng(5)
+    n = 23
+    stats = {name: np.resize(values, n) for name, values in three_key_stats().items()}
+    stats["histogram"] = np.zeros((n, 2), dtype=np.int64)
+    stats["max_coefficient"] = rng.choice([1.0, 2.0, np.nan, np.inf], size=n)  # ties, NULLs
+    stats["positive_share"] = rng.choice([0.25, 0.5, 0.75], size=n)
+    stats["density"] = rng.random(n)
+    stats["next_token_rank"] = rng.choice([-1, 0, 3], size=n)
+    shares = rng.dirichlet([1.0] * 4, n)  # [keys, 4]
+    shares[:4] = [0.4, 0.3, 0.2, 0.1]  # the same dominant quadrant and share: by key
+    memory_writes.store_key_stats(session=session, run_id=run.id, layer=0, quadrant_shares=shares, **stats)
+    reread(session)
+    assert session.scalar(select(func.count()).select_from(KeyOrder)) == 2 * (len(layer_table.KEY_SORTS) - 1)
+
+    def pages(descending: bool, sort: str) -> list[tuple[int, list[int]]]:
+        found = []
+        for offset in range(0, n + 10, 5):  # every page, one past the last
+            total, page = layer_table.layer_keys(
+                session=session,
+                run_id=run.id,
+                layer=0,
+                sort=sort,
+                descending=descending,
+                offset=offset,
+                limit=5,
+            )
+            found.append((total, [s.key for s in page]))
+        return found
+
+    stored = {(sort, d): pages(d, sort) for sort in layer_table.KEY_SORTS for d in (True, False)}
+    density = stats["density"]
+    by_hand = sorted(range(n), key=lambda k: (-density[k], k))  # no NULLs: by value, then key
+    assert stored["density", True] == [(n, by_hand[at : at + 5]) for at in range(0, n + 10, 5)]
+    by_rank = sorted(
+        range(n), key=lambda k: (stats["next_token_rank"][k] < 0, stats["next_token_rank"][k], k)
+    )
+    assert [k for _, page in stored["next_token_rank", False] for k in page] == by_rank
+    quadrant = [k for _, page in stored["dominant_quadrant", False] for k in page]
+    by_share = sorted(range(n), key=lambda k: (shares[k].argmax(), -np.float32(shares[k].max()), k))
+    assert quadrant == by_share and quadrant.index(1) == quadrant.index(0) + 1  # an equal share: by key
+    session.execute(delete(KeyOrder))  # the database's sort of the rows
+    reread(session)
+    for (sort, descending), found in stored.items():
+        assert found == pages(descending, sort), (sort, descending)

@@ -14,7 +14,7 @@ from sqlalchemy import delete, func, insert, select, update
 
 from ffmem.engine.relations.neighbours import BASELINE_PAIRS, baseline_pairs
 from ffmem.engine.values.projection import value_logits
-from ffmem.store import memory_reads
+from ffmem.store import memory_lists, memory_reads
 from ffmem.store.models import LanguageModel, NeighbourBaseline, Neighbours, Sentence, Token, TokenMemoryList
 from ffmem.web.lookups import model_or_404
 from ffmem.web.pages import search
@@ -391,7 +391,9 @@ def test_the_worker_stored_token_tables_and_neighbours_for_every_memory(db, run,
         .group_by(TokenMemoryList.readout)
     ).all()
     vocab = tiny.model.get_output_embeddings().weight.shape[0]
-    assert {tuple(row) for row in tables} == {("raw", vocab, 4 * 32 * 8), ("norm", vocab, 4 * 32 * 8)}
+    # A width byte, then 4 lists of 32 memories (as wide as the largest, n − 1, needs) and float32 scores
+    size = 1 + 4 * 32 * (memory_lists.int_width(np.array([n - 1]), none=True) + 4)
+    assert {tuple(row) for row in tables} == {("raw", vocab, size), ("norm", vocab, size)}
 
 
 def test_marked_parts_cut_at_every_occurrence_as_typed():

@@ -1,8 +1,10 @@
-"""The explorer at a wide model's shape (a synthetic index, bench/synthetic_index.py): 3 layers × 22,000 keys
-(66,000 memories, past 65,535), a 130,000-token vocabulary (ids past 65,535 in sentences, value lists and
-search), on SQLite and Postgres. Each page must answer with exactly what was written: a late key of the
-last layer, its examples and related memories, the layer page under every sort and past its first pages,
-filtered by a token near the vocabulary's end, token search for its last token, the model page.
+"""The explorer at a wide model's shape (a synthetic index, bench/synthetic_index.py): 3 layers × 28,672 keys
+(Llama-3.3-70B's width: 86,016 memories, past 65,535; layers past 16,384 keys), Qwen3's 151,936-token
+vocabulary (ids past 65,535 and 131,072 in sentences, value lists and search: nothing assumes int16 ids or
+a 17-bit vocabulary), on SQLite and Postgres. Each page must answer with exactly what was written: a late
+key of the last layer, its examples and related memories, the layer page under every sort and past its
+first pages, filtered by a token near the vocabulary's end, token search for its last token, the model
+page.
 """
 
 from __future__ import annotations
@@ -16,16 +18,16 @@ from fastapi.testclient import TestClient
 from bench.synthetic_index import Shape, layer_arrays, sentence_tokens, token_table, token_text, write_run
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker
+from ffmem.store.layer_table import KEY_SORTS
 from ffmem.store.memory_lists import TOKEN_LISTS
-from ffmem.store.memory_reads import KEY_SORTS
 from ffmem.store.models import QUADRANT_COLUMNS
 from ffmem.web.main import create_app
 
 SHAPE = Shape(
     slug="wide",
     n_layers=3,
-    n_keys=22_000,
-    vocab_size=130_000,
+    n_keys=28_672,
+    vocab_size=151_936,
     d_model=32,
     top_k=4,
     value_tokens=10,
@@ -154,11 +156,13 @@ def expected_order(stats: dict, sort: str, descending: bool, keys: np.ndarray | 
 def test_the_layer_page_sorts_every_column_past_its_first_pages(client, last_layer, sort):
     for order in ("desc", "asc"):
         page = json_of(client, f"{M}/layers/{LAST}.json", sort=sort, order=order, page=3, per_page=50)
-        assert (page["total"], page["pages"]) == (SHAPE.n_keys, SHAPE.n_keys // 50)
+        assert (page["total"], page["pages"]) == (SHAPE.n_keys, -(-SHAPE.n_keys // 50))
         expected = expected_order(last_layer.stats, sort, order == "desc")
         assert [row["key"] for row in page["keys"]] == expected[100:150], (sort, order)
-    last = json_of(client, f"{M}/layers/{LAST}.json", sort=sort, order="desc", page=SHAPE.n_keys // 50)
-    assert [row["key"] for row in last["keys"]] == expected_order(last_layer.stats, sort, True)[-50:]
+    final = -(-SHAPE.n_keys // 50)  # a short last page (28,672 = 573 · 50 + 22)
+    last = json_of(client, f"{M}/layers/{LAST}.json", sort=sort, order="desc", page=final)
+    expected = expected_order(last_layer.stats, sort, True)[(final - 1) * 50 :]
+    assert [row["key"] for row in last["keys"]] == expected and len(expected) == SHAPE.n_keys % 50
     # pages past the middle are read from the other end: a short last page and the one before it
     per_page = 37
     pages = -(-SHAPE.n_keys // per_page)
@@ -218,7 +222,7 @@ def test_token_search_finds_a_token_near_the_end_of_the_vocabulary(client, reado
 def test_the_model_page(client, last_layer):
     page = json_of(client, f"{M}.json")
     model = page["model"]
-    assert (model["n_layers"], model["n_keys"], model["vocab_size"]) == (3, 22_000, 130_000)
+    assert (model["n_layers"], model["n_keys"], model["vocab_size"]) == (3, 28_672, 151_936)
     assert [row["keys"] for row in page["layers"]] == [SHAPE.n_keys] * SHAPE.n_layers
     assert page["layers"][LAST]["max_coefficient"] == pytest.approx(
         float(last_layer.stats["max_coefficient"].max())

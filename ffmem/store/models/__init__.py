@@ -15,6 +15,7 @@ from ffmem.store.models.language_models import LanguageModel, Token
 from ffmem.store.models.memories import (
     QUADRANT_COLUMNS,
     KeyExamples,
+    KeyOrder,
     KeyStats,
     MemoryList,
     SentenceTriggers,
@@ -38,6 +39,7 @@ __all__ = [
     "JobStatus",
     "KeyChange",
     "KeyExamples",
+    "KeyOrder",
     "KeyStats",
     "Label",
     "LanguageModel",

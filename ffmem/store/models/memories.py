@@ -1,4 +1,5 @@
-"""What a stored run holds per memory: its ranked lists (`MemoryList`), statistics (`KeyStats`), examples
+"""What a stored run holds per memory: its ranked lists (`MemoryList`), statistics (`KeyStats`) and its place
+in each sort of the layer table (`KeyOrder`), examples
 (`KeyExamples`) and value histogram (`ValueHistogram`); per token, its memories (`TokenMemoryList`); per
 sentence, its triggers (`SentenceTriggers`)."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     ForeignKey,
     Integer,
     LargeBinary,
@@ -74,6 +76,22 @@ class KeyStats(Base):
     dominant_quadrant: Mapped[int | None] = mapped_column(SmallInteger)
 
 
+class KeyOrder(Base):
+    """A layer's keys in the order of one of the layer table's sorts (ffmem.store.memory_reads.KEY_SORTS, but
+    the key's own), descending or not, as the database sorts them (NULLs last, ties by key), written with
+    the key statistics (revision 0031): a page of the table is a slice of `data` (memory_lists.pack_columns
+    keys after a width byte), not a sort of the layer's every row. Runs stored before 0031 have none: their
+    pages sort the statistics."""
+
+    __tablename__ = "key_orders"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    sort: Mapped[str] = mapped_column(String(24), primary_key=True)
+    descending: Mapped[bool] = mapped_column(Boolean, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+
+
 class TokenMemoryList(Base):
     """One vocabulary token's memories under one readout: the memories whose value promotes it most and
     those that suppress it most, ranked by its logit and by its probability, packed as bytes
@@ -104,8 +122,9 @@ class SentenceTriggers(Base):
 class KeyExamples(Base):
     """What the key page shows of a key beyond its triggers (ffmem.store.key_examples encodes both blobs):
     its band samples (examples across the coefficient range: per histogram bin, up to MinedLayer's SAMPLES
-    sentences whose extreme falls in it), `bands` = key_examples.BAND records (bin, sentence index,
-    position, coefficient: 12 B) by bin then slot; and `shading`: the key's coefficient at every token of
+    sentences whose extreme falls in it), `bands` = (bin, sentence index, position, coefficient) by bin
+    then slot, packed as narrow as the layer needs (key_examples.layer_bands; key_examples.BAND, 12 B,
+    before revision 0031); and `shading`: the key's coefficient at every token of
     its top `positive` and `negative` triggers (by rank) and then of each sample, one sentence after
     another (each as long as the sentence), as int8 codes with a float32 step per sentence (its largest
     |m| / 127: a value is stored to within half a step, the peak to float32's precision; code −128: NaN,

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
-from ffmem.store import memory_reads
+from ffmem.store import layer_table
 from ffmem.web import urls
 from ffmem.web.deps import LayerDep, ModelDep, PinnedDep, RunDep, SessionDep
 from ffmem.web.errors import AppError
@@ -18,7 +18,7 @@ from ffmem.web.routes import page
 from ffmem.web.wants import wants_fragment, wants_json
 
 router = APIRouter()
-Sort = Literal[memory_reads.KEY_SORTS]  # the columns the layer table sorts by
+Sort = Literal[layer_table.KEY_SORTS]  # the columns the layer table sorts by
 
 
 @page(
