@@ -10,10 +10,11 @@ corpus and the model's labels — as files another database imports (ffmem.store
 
 The tables (`TABLES`): the model (`language_models`, `tokens`, `labels`), the corpus (`corpora`,
 `sentences`), the run (`runs`) and its results: triggers and value tokens (`memory_lists`), statistics
-(`key_stats`), band samples, shading and quadrant examples (`key_examples`), value histograms, the
-token → memories table (`token_memories`), each sentence's triggers (`sentence_triggers`), neighbours and
-their baselines, the weight graph (`memory_links`), explanations with their token tables, and the paper's
-analyses. Not exported: comparisons (they join two runs), jobs and shards (how it was built).
+(`key_stats`) and the layer table's stored orders (`key_orders`), band samples, shading and quadrant
+examples (`key_examples`), value histograms, the token → memories table (`token_memories`), each
+sentence's triggers (`sentence_triggers`), neighbours and their baselines, the weight graph
+(`memory_links`), explanations with their token tables, and the paper's analyses. Not exported:
+comparisons (they join two runs), jobs, shards and mined layers (how it was built).
 
 Rows stream from the database in chunks, so a full index exports in bounded memory. Parquet (zstd) needs
 pyarrow (`pip install 'ffmem[parquet]'`); a decoded view of the memories for notebooks is ffmem.api.
@@ -39,6 +40,7 @@ from ffmem.store.models import (
     Corpus,
     Explanation,
     KeyExamples,
+    KeyOrder,
     KeyStats,
     Label,
     LanguageModel,
@@ -96,8 +98,8 @@ TABLES = (
     *(
         _run_table(model)
         for model in (
-            MemoryList, KeyStats, KeyExamples, ValueHistogram, TokenMemoryList, SentenceTriggers, Neighbours,
-            NeighbourBaseline, MemoryLinks, Explanation, Analysis,
+            MemoryList, KeyStats, KeyOrder, KeyExamples, ValueHistogram, TokenMemoryList, SentenceTriggers,
+            Neighbours, NeighbourBaseline, MemoryLinks, Explanation, Analysis,
         )
     ),
 )  # fmt: skip
