@@ -1,0 +1,191 @@
+"""TokenChange: what a memory's value does to the next token, measured by real forward passes (Gur-Arieh et
+al. 2025), and how well its vocabulary projection (VocabProj, ffmem.engine.values.projection) predicts it.
+
+For a memory (layer ℓ, key i) and a context — a sentence and a position p where its key fires — the model
+reads the sentence once (its attention keys and values cached); then it runs position p again from that cache
+twice: with m_i at p multiplied by `factor` (amplified) and with m_i = 0 there (switched off). Every later
+layer, the final norm and the unembedding run for real: this is not the value's direct logits. Only position
+p is edited (the earlier positions never see it), so a context costs one token per edit.
+
+A memory's TokenChange is, per vocabulary token t, the mean over its contexts of
+    log p_amplified(t) − log p_off(t)
+> 0: t rises when the memory is amplified and falls when it is switched off (what it promotes); < 0: the
+reverse (what it suppresses). Its output score compares it with the value's own logits (`output_score`):
+the overlap of the two top-`top` token sets, and the rank correlation over the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ffmem.engine.model.loaded import LoadedModel
+
+ROWS = 64  # edited rows run at once from one sentence's cache (each holds the sentence's cache)
+
+
+@dataclass(frozen=True)
+class Context:
+    """One place where a memory's key fires: the sentence (its index in the list passed) and the position
+    whose next token is read."""
+
+    sentence: int
+    position: int
+
+
+@dataclass
+class TokenChange:
+    """Memories' TokenChange over their contexts (rows in the order of the memories passed)."""
+
+    change: torch.Tensor  # [memories, vocab] float32: mean log p_amplified − log p_off
+    base: torch.Tensor  # [memories, vocab] float32: mean p unedited
+    amplified: torch.Tensor  # [memories, vocab] float32: mean p with m·factor at the context's position
+    off: torch.Tensor  # [memories, vocab] float32: mean p with m = 0 there
+    contexts: list[int]  # per memory, the contexts averaged
+
+
+def token_change(
+    loaded: LoadedModel,
+    sentences: Sequence[Sequence[int]],
+    memories: Sequence[tuple[int, int]],
+    contexts: Sequence[Sequence[Context]],
+    *,
+    factor: float,
+) -> TokenChange:
+    """Each memory's TokenChange over its own contexts (`contexts[j]` for `memories[j]`, positions into
+    `sentences`). A memory without contexts keeps zeros. Memory grows with memories × vocabulary: a
+    caller with thousands passes them in chunks."""
+    vocab = loaded.vocab_size
+    n = len(memories)
+    sums = {name: torch.zeros(n, vocab) for name in ("change", "base", "amplified", "off")}  # [n, vocab]
+    at: dict[int, list[tuple[int, int]]] = defaultdict(list)  # sentence → [(memory row, position)]
+    for row, found in enumerate(contexts):
+        for context in found:
+            at[context.sentence].append((row, context.position))
+    with torch.inference_mode():
+        for sentence, wanted in at.items():
+            cache = _sentence_cache(loaded, sentences[sentence], max(p for _, p in wanted))
+            for start in range(0, len(wanted), ROWS):
+                chunk = wanted[start : start + ROWS]
+                _fold(loaded, sentences[sentence], cache, memories, chunk, factor, sums)
+    counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
+    means = {name: total / counts for name, total in sums.items()}  # [n, vocab] each
+    return TokenChange(**means, contexts=[len(found) for found in contexts])
+
+
+def _sentence_cache(loaded: LoadedModel, token_ids: Sequence[int], last: int) -> DynamicCache | None:
+    """The attention cache of the sentence's positions before `last` (None when `last` is 0)."""
+    if last == 0:
+        return None
+    ids = torch.tensor([list(token_ids[:last])], device=loaded.device)  # [1, last]
+    cache = DynamicCache(config=loaded.model.config)
+    loaded.model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def _fold(
+    loaded: LoadedModel,
+    token_ids: Sequence[int],
+    cache: DynamicCache | None,
+    memories: Sequence[tuple[int, int]],
+    chunk: list[tuple[int, int]],
+    factor: float,
+    sums: dict[str, torch.Tensor],
+) -> None:
+    """Run the chunk's contexts (memory row, position) of one sentence: per context an unedited, an amplified
+    and a switched-off row, each position p from the cache of the positions before it; add their
+    probabilities to `sums`."""
+    positions = torch.tensor([p for _, p in chunk for _ in range(3)], device=loaded.device)  # [rows]
+    rows = len(positions)
+    ids = torch.tensor([[token_ids[p]] for _, p in chunk for _ in range(3)], device=loaded.device)  # [rows, 1]
+    width = 0 if cache is None else cache.get_seq_length()
+    # Row r sees the cached positions before its own p, and itself: [rows, width + 1].
+    mask = torch.arange(width + 1, device=loaded.device)[None, :] < positions[:, None]
+    mask[:, -1] = True
+    scales = torch.tensor([s for _ in chunk for s in (1.0, factor, 0.0)], device=loaded.device)  # [rows]
+    edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
+    for index, (row, _) in enumerate(chunk):
+        layer, key = memories[row]
+        edits[layer] += [(3 * index + 1, key), (3 * index + 2, key)]
+    blocks = loaded.adapter.blocks(loaded.model)
+    handles = [
+        loaded.adapter.value_projection(blocks[layer]).register_forward_pre_hook(_scale(found, scales, rows))
+        for layer, found in edits.items()
+    ]
+    try:
+        logits = loaded.model(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            position_ids=positions[:, None],
+            cache=_repeated(loaded, cache, rows),
+            use_cache=cache is not None,
+        ).logits[:, -1].float()  # [rows, vocab]
+    finally:
+        for handle in handles:
+            handle.remove()
+    log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), 3, -1)  # [contexts, 3, vocab]
+    memory_rows = torch.tensor([row for row, _ in chunk])  # [contexts]
+    p = log_p.exp()  # [contexts, 3, vocab]
+    sums["change"].index_add_(0, memory_rows, log_p[:, 1] - log_p[:, 2])
+    for index, name in enumerate(("base", "amplified", "off")):
+        sums[name].index_add_(0, memory_rows, p[:, index])
+
+
+def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int):
+    """A hook on a layer's value projection: each (row, key)'s coefficient at the row's one position
+    multiplied by the row's scale."""
+    row_ids = torch.tensor([row for row, _ in found])  # [edits]
+    key_ids = torch.tensor([key for _, key in found])  # [edits]
+
+    def hook(module, inputs):
+        coefficients = inputs[0].clone()  # [rows, 1, d_ff] ([rows, d_ff] for OPT)
+        flat = coefficients.view(rows, -1)  # [rows, d_ff]: one position a row
+        flat[row_ids, key_ids] *= scales[row_ids].to(flat.dtype)
+        return (coefficients, *inputs[1:])
+
+    return hook
+
+
+def _repeated(loaded: LoadedModel, cache: DynamicCache | None, rows: int) -> DynamicCache | None:
+    """A fresh cache holding `cache`'s keys and values once per row (the rows' pass appends to it)."""
+    if cache is None:
+        return None
+    repeated = DynamicCache(config=loaded.model.config)
+    for index, layer in enumerate(cache.layers):
+        keys = layer.keys.expand(rows, -1, -1, -1)  # [rows, heads, width, head_dim]
+        values = layer.values.expand(rows, -1, -1, -1)  # [rows, heads, width, head_dim]
+        repeated.update(keys, values, index)
+    return repeated
+
+
+@dataclass(frozen=True)
+class OutputScore:
+    """How well a value's logits (VocabProj) predict a TokenChange."""
+
+    overlap: float  # |top-k of TokenChange ∩ top-k of the value's logits| / k
+    spearman: float  # rank correlation of the two over the whole vocabulary
+
+
+def output_score(change: torch.Tensor, value_logits: torch.Tensor, top: int) -> OutputScore:
+    """The agreement of one TokenChange [vocab] with one value's logits [vocab]."""
+    promoted = set(change.topk(top).indices.tolist())
+    read = set(value_logits.topk(top).indices.tolist())
+    return OutputScore(overlap=len(promoted & read) / top, spearman=_spearman(change, value_logits))
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two [n] vectors (ties broken by order: logits of floats rarely tie)."""
+    ranks = [x.double().argsort().argsort().double() for x in (a, b)]  # [n] each
+    centered = [r - r.mean() for r in ranks]
+    denominator = (centered[0].norm() * centered[1].norm()).item()
+    return float((centered[0] @ centered[1]).item() / denominator) if denominator else 0.0
+
+
+def control_key(key: int, n_keys: int) -> int:
+    """The control memory of `key` in its layer: a fixed shuffle (the key half a layer away), never itself
+    when the layer has two keys or more."""
+    return (key + n_keys // 2) % n_keys
