@@ -17,6 +17,8 @@ from ffmem.engine.live.protocol import (
     CircuitRequest,
     CoefficientsAnswer,
     CoefficientsRequest,
+    TokenChangeReport,
+    TokenChangeRequest,
     TraceAnswer,
     TraceRequest,
 )
@@ -47,6 +49,9 @@ class LiveWorker:
 
     def ablation(self, request: AblationRequest) -> AblationAnswer:
         return self._parse(AblationAnswer, self._post(request.path, request))
+
+    def token_change(self, request: TokenChangeRequest) -> TokenChangeReport:
+        return self._parse(TokenChangeReport, self._post(request.path, request))
 
     def _parse(self, model: type[Answer], answer: dict) -> Answer:
         """The worker's answer as `model`; one of another shape (a worker of another version) is a 502."""

@@ -1,8 +1,9 @@
 """Finishing an index run, once every shard is mined: its named steps, each timed by the pipeline
 (`IndexPipeline.finish` runs `STEPS` in order) — shading (the second pass), layers (triggers, value tokens
 and key statistics: ffmem.store.memory_writes), weight_graph and explanations (ffmem.worker.composition, as
-the job's RunSpec says), neighbours (ffmem.worker.neighbours), closing (the run finished, its analyses
-attached, the checkpoints dropped). Every step commits only after `lease.check(session)`: a worker that
+the job's RunSpec says), neighbours (ffmem.worker.neighbours), token_change (a sample of memories'
+TokenChange: ffmem.worker.token_changes), closing (the run finished, its analyses attached, the checkpoints
+dropped). Every step commits only after `lease.check(session)`: a worker that
 lost its lease stops before it commits.
 """
 
@@ -32,6 +33,7 @@ from ffmem.worker.explanations import ExplanationOptions
 from ffmem.worker.layer_results import next_token_ids, store_layer
 from ffmem.worker.leases import Heartbeat
 from ffmem.worker.neighbours import neighbours_step
+from ffmem.worker.token_changes import token_change_step
 
 if TYPE_CHECKING:
     from ffmem.worker.index import IndexOptions
@@ -180,6 +182,7 @@ STEPS: tuple[tuple[str, Callable[[Finishing], None]], ...] = (
     ("weight_graph", store_weight_graph),
     ("explanations", explain),
     ("neighbours", store_neighbours),
+    ("token_change", token_change_step),
     ("closing", close),
 )  # the names of `IndexPipeline.timings`
 

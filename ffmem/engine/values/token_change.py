@@ -23,7 +23,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from ffmem.engine.mining.corpus import Batch, length_bucketed_batches
+from ffmem.engine.model.adapters.base import resolve
+from ffmem.engine.model.hooks import capture
 from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.projection import value_logits
 
 ROWS = 64  # edited rows run at once from one sentence's cache (each holds the sentence's cache)
 
@@ -46,6 +50,7 @@ class TokenChange:
     amplified: torch.Tensor  # [memories, vocab] float32: mean p with m·factor at the context's position
     off: torch.Tensor  # [memories, vocab] float32: mean p with m = 0 there
     contexts: list[int]  # per memory, the contexts averaged
+    coefficients: list[list[float]]  # per memory, m at each of its contexts (unedited), in their order
 
 
 def token_change(
@@ -59,22 +64,25 @@ def token_change(
     """Each memory's TokenChange over its own contexts (`contexts[j]` for `memories[j]`, positions into
     `sentences`). A memory without contexts keeps zeros. Memory grows with memories × vocabulary: a
     caller with thousands passes them in chunks."""
-    vocab = loaded.vocab_size
+    vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]  # the logits' width
     n = len(memories)
     sums = {name: torch.zeros(n, vocab) for name in ("change", "base", "amplified", "off")}  # [n, vocab]
-    at: dict[int, list[tuple[int, int]]] = defaultdict(list)  # sentence → [(memory row, position)]
+    at: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # sentence → [(row, position, index)]
     for row, found in enumerate(contexts):
-        for context in found:
-            at[context.sentence].append((row, context.position))
+        for index, context in enumerate(found):
+            at[context.sentence].append((row, context.position, index))
+    coefficients = [[0.0] * len(found) for found in contexts]
     with torch.inference_mode():
         for sentence, wanted in at.items():
-            cache = _sentence_cache(loaded, sentences[sentence], max(p for _, p in wanted))
+            cache = _sentence_cache(loaded, sentences[sentence], max(p for _, p, _ in wanted))
             for start in range(0, len(wanted), ROWS):
                 chunk = wanted[start : start + ROWS]
-                _fold(loaded, sentences[sentence], cache, memories, chunk, factor, sums)
+                read = _fold(loaded, sentences[sentence], cache, memories, chunk, factor, sums)
+                for (row, _, index), m in zip(chunk, read, strict=True):
+                    coefficients[row][index] = m
     counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
     means = {name: total / counts for name, total in sums.items()}  # [n, vocab] each
-    return TokenChange(**means, contexts=[len(found) for found in contexts])
+    return TokenChange(**means, contexts=[len(found) for found in contexts], coefficients=coefficients)
 
 
 def _sentence_cache(loaded: LoadedModel, token_ids: Sequence[int], last: int) -> DynamicCache | None:
@@ -92,59 +100,70 @@ def _fold(
     token_ids: Sequence[int],
     cache: DynamicCache | None,
     memories: Sequence[tuple[int, int]],
-    chunk: list[tuple[int, int]],
+    chunk: list[tuple[int, int, int]],
     factor: float,
     sums: dict[str, torch.Tensor],
-) -> None:
-    """Run the chunk's contexts (memory row, position) of one sentence: per context an unedited, an amplified
-    and a switched-off row, each position p from the cache of the positions before it; add their
-    probabilities to `sums`."""
-    positions = torch.tensor([p for _, p in chunk for _ in range(3)], device=loaded.device)  # [rows]
+) -> list[float]:
+    """Run the chunk's contexts (memory row, position, index) of one sentence: per context an unedited, an
+    amplified and a switched-off row, each position p from the cache of the positions before it; add their
+    probabilities to `sums`. Each context's unedited m."""
+    at = [p for _, p, _ in chunk for _ in range(3)]
+    positions = torch.tensor(at, device=loaded.device)  # [rows]
     rows = len(positions)
-    ids = torch.tensor([[token_ids[p]] for _, p in chunk for _ in range(3)], device=loaded.device)  # [rows, 1]
+    ids = torch.tensor([[token_ids[p]] for p in at], device=loaded.device)  # [rows, 1]
     width = 0 if cache is None else cache.get_seq_length()
     # Row r sees the cached positions before its own p, and itself: [rows, width + 1].
     mask = torch.arange(width + 1, device=loaded.device)[None, :] < positions[:, None]
     mask[:, -1] = True
     scales = torch.tensor([s for _ in chunk for s in (1.0, factor, 0.0)], device=loaded.device)  # [rows]
     edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
-    for index, (row, _) in enumerate(chunk):
+    for index, (row, _, _) in enumerate(chunk):
         layer, key = memories[row]
-        edits[layer] += [(3 * index + 1, key), (3 * index + 2, key)]
+        edits[layer] += [(3 * index + offset, key) for offset in range(3)]  # the unedited row scales by 1
     blocks = loaded.adapter.blocks(loaded.model)
+    read: dict[int, float] = {}  # row → its m before the edit
     handles = [
-        loaded.adapter.value_projection(blocks[layer]).register_forward_pre_hook(_scale(found, scales, rows))
+        loaded.adapter.value_projection(blocks[layer]).register_forward_pre_hook(
+            _scale(found, scales, rows, read)
+        )
         for layer, found in edits.items()
     ]
     try:
-        logits = loaded.model(
-            input_ids=ids,
-            attention_mask=mask.long(),
-            position_ids=positions[:, None],
-            cache=_repeated(loaded, cache, rows),
-            use_cache=cache is not None,
-        ).logits[:, -1].float()  # [rows, vocab]
+        logits = (
+            loaded.model(
+                input_ids=ids,
+                attention_mask=mask.long(),
+                position_ids=positions[:, None],
+                cache=_repeated(loaded, cache, rows),
+                use_cache=cache is not None,
+            )
+            .logits[:, -1]
+            .float()
+        )  # [rows, vocab]
     finally:
         for handle in handles:
             handle.remove()
     log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), 3, -1)  # [contexts, 3, vocab]
-    memory_rows = torch.tensor([row for row, _ in chunk])  # [contexts]
+    memory_rows = torch.tensor([row for row, _, _ in chunk])  # [contexts]
     p = log_p.exp()  # [contexts, 3, vocab]
     sums["change"].index_add_(0, memory_rows, log_p[:, 1] - log_p[:, 2])
     for index, name in enumerate(("base", "amplified", "off")):
         sums[name].index_add_(0, memory_rows, p[:, index])
+    return [read[3 * index] for index in range(len(chunk))]
 
 
-def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int):
+def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: dict[int, float]):
     """A hook on a layer's value projection: each (row, key)'s coefficient at the row's one position
-    multiplied by the row's scale."""
+    multiplied by the row's scale (what it was goes into `read`)."""
     row_ids = torch.tensor([row for row, _ in found])  # [edits]
     key_ids = torch.tensor([key for _, key in found])  # [edits]
 
     def hook(module, inputs):
         coefficients = inputs[0].clone()  # [rows, 1, d_ff] ([rows, d_ff] for OPT)
         flat = coefficients.view(rows, -1)  # [rows, d_ff]: one position a row
-        flat[row_ids, key_ids] *= scales[row_ids].to(flat.dtype)
+        before = flat[row_ids, key_ids]  # [edits]
+        read.update(zip(row_ids.tolist(), before.float().tolist(), strict=True))
+        flat[row_ids, key_ids] = before * scales[row_ids].to(flat.dtype)
         return (coefficients, *inputs[1:])
 
     return hook
@@ -189,3 +208,95 @@ def control_key(key: int, n_keys: int) -> int:
     """The control memory of `key` in its layer: a fixed shuffle (the key half a layer away), never itself
     when the layer has two keys or more."""
     return (key + n_keys // 2) % n_keys
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A memory's output score and its control's: the control memory's value against the same TokenChange."""
+
+    score: OutputScore
+    control_key: int
+    control: OutputScore
+    vocab_proj: list[int]  # the value's top tokens by its raw logits, the `top` compared
+
+
+def scored(
+    loaded: LoadedModel, found: TokenChange, memories: Sequence[tuple[int, int]], top: int
+) -> list[Scored]:
+    """Each memory's VocabProj (its value's raw logits, v·E) and its control's against its TokenChange."""
+    blocks = loaded.adapter.blocks(loaded.model)
+    out = []
+    with torch.inference_mode():
+        for row, (layer, key) in enumerate(memories):
+            other = control_key(key, loaded.n_keys)
+            values = loaded.adapter.value_matrix(blocks[layer])[[key, other]]  # [2, d]
+            logits = value_logits(loaded, values, "raw").float().cpu()  # [2, vocab]
+            change = found.change[row]  # [vocab]
+            score, control = (output_score(change, logits[i], top) for i in (0, 1))
+            out.append(Scored(score, other, control, logits[0].topk(top).indices.tolist()))
+    return out
+
+
+def firing_contexts(
+    loaded: LoadedModel,
+    sentences: Sequence[Sequence[int]],
+    first_positions: Sequence[int],
+    memories: Sequence[tuple[int, int]],
+    *,
+    per_memory: int,
+    batch_tokens: int,
+    pad_id: int,
+) -> list[list[Context]]:
+    """Each memory's `per_memory` contexts where its key fires most (m > 0), over `sentences` from each one's
+    first position on: one batched pass, its coefficients read off as it runs (ffmem.engine.model.hooks)."""
+    by_layer: dict[int, list[int]] = defaultdict(list)  # layer → rows of `memories`
+    for row, (layer, _) in enumerate(memories):
+        by_layer[layer].append(row)
+    keys = {layer: torch.tensor([memories[r][1] for r in rows]) for layer, rows in by_layer.items()}
+    best = {layer: torch.full((len(rows), per_memory), -torch.inf) for layer, rows in by_layer.items()}
+    where = {
+        layer: torch.zeros((len(rows), per_memory, 2), dtype=torch.long) for layer, rows in by_layer.items()
+    }
+    current: list[Batch] = []
+
+    def fold(layer: int, coefficients: torch.Tensor) -> None:
+        if layer not in keys:
+            return
+        batch = current[0]
+        m = coefficients[..., keys[layer].to(coefficients.device)].float()  # [batch, pos, k]
+        m = m.masked_fill(~batch.mined[..., None], -torch.inf).cpu()  # [batch, pos, k]
+        width = m.shape[1]
+        flat = m.reshape(-1, m.shape[-1]).T  # [k, batch·pos]
+        found = flat.topk(min(per_memory, flat.shape[1]), dim=1)  # [k, n] each
+        rows, positions = found.indices // width, found.indices % width  # [k, n] each
+        sentence = batch.sentence_index.cpu()[rows]  # [k, n]
+        values = torch.cat([best[layer], found.values], dim=1)  # [k, per + n]
+        places = torch.cat(
+            [where[layer], torch.stack([sentence, positions], dim=-1)], dim=1
+        )  # [k, per + n, 2]
+        kept = values.topk(per_memory, dim=1)  # [k, per]
+        best[layer] = kept.values
+        where[layer] = places.gather(1, kept.indices[..., None].expand(-1, -1, 2))
+
+    batches = length_bucketed_batches(
+        [list(s) for s in sentences],
+        list(first_positions),
+        indices=range(len(sentences)),
+        batch_tokens=batch_tokens,
+        pad_id=pad_id,
+    )
+    with (
+        torch.inference_mode(),
+        capture(loaded.model, loaded.adapter, list(by_layer), fields=("coefficients",), on_coefficients=fold),
+    ):
+        for batch in batches:
+            current[:] = [batch.to(loaded.device)]
+            loaded.model.base_model(
+                input_ids=current[0].input_ids, attention_mask=current[0].attention_mask, use_cache=False
+            )
+    contexts: list[list[Context]] = [[] for _ in memories]
+    for layer, rows in by_layer.items():
+        for index, row in enumerate(rows):
+            fires = best[layer][index] > 0  # [per]
+            contexts[row] = [Context(int(s), int(p)) for s, p in where[layer][index][fires].tolist()]
+    return contexts
