@@ -6,13 +6,15 @@ page's link."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from ffmem.config import Settings
-from ffmem.store import memory_reads
+from ffmem.store import memory_reads, token_changes, vocabularies
 from ffmem.store.models import Run, Sentence
 from ffmem.web.main import create_app
 from ffmem.web.worker_client import LiveWorker
@@ -165,10 +167,9 @@ def test_the_page_renders_at_once_and_the_fragment_holds_the_result(client, slug
     )
     assert fragment.status_code == 200 and "<html" not in fragment.text
     assert 'id="token-change-overlap"' in fragment.text and "control" in fragment.text
-    run_id = db_run = None
     key_page = client.get(f"/m/{slug}/layers/1/keys/4").text
-    assert f"/m/{slug}/layers/1/keys/4/token-change" in key_page
-    del run_id, db_run
+    assert f'hx-get="/m/{slug}/layers/1/keys/4/token-change"' in key_page
+    assert f'href="/m/{slug}/layers/1/keys/4/token-change?run=' in key_page  # its own page
 
 
 def test_the_worker_refuses_a_text_where_the_key_never_fires(client, db, slug, tiny, tiny_model_dir):
@@ -194,3 +195,35 @@ def test_the_worker_refuses_a_text_where_the_key_never_fires(client, db, slug, t
         "status": 400,
         "field": "text",
     }
+
+
+def test_the_runs_sample_shows_on_the_key_and_model_pages(client, db, slug):
+    """The tiny index stores every memory in its sample (144 ≤ token_change_memories): the key page's JSON
+    twin names the stored row's tokens, the model page the medians per depth third of the stored rows."""
+    run_id = db.scalars(select(Run.id)).one()
+    rows = token_changes.token_changes(session=db, run_id=run_id)
+    assert rows and all(r.control_key == (r.key + 24) % 48 for r in rows)
+    row = next(r for r in rows if (r.layer, r.key) == (1, 4))
+    shown = client.get(f"/m/{slug}/layers/1/keys/4.json").json()["token_change"]
+    texts = vocabularies.vocabulary(session=db, model_id=db.get(Run, run_id).model_id)
+    assert shown == {
+        "contexts": row.contexts,
+        "promoted": [{"token_id": i, "token": texts[i]} for i in row.promoted],
+        "suppressed": [{"token_id": i, "token": texts[i]} for i in row.suppressed],
+        "overlap": row.overlap,
+        "spearman": row.spearman,
+        "control_key": row.control_key,
+        "control_overlap": row.control_overlap,
+        "control_spearman": row.control_spearman,
+    }
+    thirds = client.get(f"/m/{slug}.json").json()["token_change"]
+    assert [t["third"] for t in thirds] == ["lower", "middle", "upper"]
+    for third, layer in zip(thirds, (0, 1, 2), strict=True):  # three layers: a layer a third
+        inside = [r for r in rows if r.layer == layer]
+        assert third["memories"] == len(inside)
+        assert third["overlap"] == statistics.median(r.overlap for r in inside)
+        assert third["control_spearman"] == pytest.approx(
+            statistics.median(r.control_spearman for r in inside)
+        )
+    page = client.get(f"/m/{slug}").text
+    assert 'id="token-change-thirds"' in page
