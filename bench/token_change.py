@@ -50,7 +50,7 @@ def main() -> None:
     rows = []
     for at in range(0, len(memories), CHUNK):
         chunk, wanted = memories[at : at + CHUNK], contexts[at : at + CHUNK]
-        found = token_change(loaded, sentences, chunk, wanted, factor=CHANGE_FACTOR)
+        found = token_change(loaded, sentences, chunk, wanted, factor=CHANGE_FACTOR, probabilities=False)
         for (layer, key), s, n in zip(
             chunk, scored(loaded, found, chunk, CHANGE_TOP), found.contexts, strict=True
         ):

@@ -33,6 +33,20 @@ def _by_hand(tiny, prefix: list[int], layer: int, key: int, scale: float) -> tor
     return logits.float().log_softmax(-1)
 
 
+def _coefficients(tiny, ids: list[int], layer: int, key: int) -> torch.Tensor:
+    """m of (layer, key) at every position: the down projection's input, [pos]."""
+    captured = {}
+    handle = tiny.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(
+        lambda module, inputs: captured.update(m=inputs[0][0, :, key])
+    )
+    try:
+        with torch.inference_mode():
+            tiny.model(torch.tensor([ids]))
+    finally:
+        handle.remove()
+    return captured["m"]
+
+
 def test_token_change_matches_edited_forward_passes_by_hand(tiny):
     sentences = [tiny.tokenizer(s).input_ids for s in SENTENCES]
     memories = [(1, 5), (2, 40), (0, 7)]
@@ -56,6 +70,15 @@ def test_token_change_matches_edited_forward_passes_by_hand(tiny):
             torch.testing.assert_close(getattr(found, name)[row], wanted_p / n, atol=2e-6, rtol=0)
         assert found.change[row].abs().max() > 1e-3  # the edit moves something
     assert not found.change[2].any()  # no contexts: zeros
+    lean = token_change(tiny, sentences, memories, contexts, factor=3.0, probabilities=False)
+    torch.testing.assert_close(lean.change, found.change, atol=2e-5, rtol=0)  # two rows a context, not three
+    assert lean.base is None
+    for (layer, key), wanted, read, again in zip(
+        memories, contexts, found.coefficients, lean.coefficients, strict=True
+    ):
+        for context, m, m_again in zip(wanted, read, again, strict=True):  # m unedited at the context
+            by_hand = _coefficients(tiny, sentences[context.sentence], layer, key)  # [pos]
+            assert m == pytest.approx(float(by_hand[context.position]), abs=1e-5) == m_again
 
 
 def test_the_output_score_is_top_overlap_and_spearman():

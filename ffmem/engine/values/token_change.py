@@ -46,9 +46,11 @@ class TokenChange:
     """Memories' TokenChange over their contexts (rows in the order of the memories passed)."""
 
     change: torch.Tensor  # [memories, vocab] float32: mean log p_amplified − log p_off
-    base: torch.Tensor  # [memories, vocab] float32: mean p unedited
-    amplified: torch.Tensor  # [memories, vocab] float32: mean p with m·factor at the context's position
-    off: torch.Tensor  # [memories, vocab] float32: mean p with m = 0 there
+    base: torch.Tensor | None  # [memories, vocab] float32: mean p unedited (None: not asked)
+    amplified: (
+        torch.Tensor | None
+    )  # [memories, vocab] float32: mean p with m·factor at the context's position
+    off: torch.Tensor | None  # [memories, vocab] float32: mean p with m = 0 there
     contexts: list[int]  # per memory, the contexts averaged
     coefficients: list[list[float]]  # per memory, m at each of its contexts (unedited), in their order
 
@@ -60,13 +62,17 @@ def token_change(
     contexts: Sequence[Sequence[Context]],
     *,
     factor: float,
+    probabilities: bool = True,
 ) -> TokenChange:
     """Each memory's TokenChange over its own contexts (`contexts[j]` for `memories[j]`, positions into
-    `sentences`). A memory without contexts keeps zeros. Memory grows with memories × vocabulary: a
-    caller with thousands passes them in chunks."""
+    `sentences`), with the mean probabilities unedited, amplified and off where `probabilities` (else an
+    unedited row is not run: two rows a context, not three). A memory without contexts keeps zeros. Memory
+    grows with memories × vocabulary: a caller with thousands passes them in chunks."""
     vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]  # the logits' width
     n = len(memories)
-    sums = {name: torch.zeros(n, vocab) for name in ("change", "base", "amplified", "off")}  # [n, vocab]
+    scales = (1.0, factor, 0.0) if probabilities else (factor, 0.0)  # the rows of a context
+    names = ("change", *(("base", "amplified", "off") if probabilities else ()))
+    sums = {name: torch.zeros(n, vocab) for name in names}  # [n, vocab] each
     at: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # sentence → [(row, position, index)]
     for row, found in enumerate(contexts):
         for index, context in enumerate(found):
@@ -77,11 +83,12 @@ def token_change(
             cache = _sentence_cache(loaded, sentences[sentence], max(p for _, p, _ in wanted))
             for start in range(0, len(wanted), ROWS):
                 chunk = wanted[start : start + ROWS]
-                read = _fold(loaded, sentences[sentence], cache, memories, chunk, factor, sums)
+                read = _fold(loaded, sentences[sentence], cache, memories, chunk, scales, sums)
                 for (row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
     counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
     means = {name: total / counts for name, total in sums.items()}  # [n, vocab] each
+    means = {"base": None, "amplified": None, "off": None} | means
     return TokenChange(**means, contexts=[len(found) for found in contexts], coefficients=coefficients)
 
 
@@ -91,7 +98,7 @@ def _sentence_cache(loaded: LoadedModel, token_ids: Sequence[int], last: int) ->
         return None
     ids = torch.tensor([list(token_ids[:last])], device=loaded.device)  # [1, last]
     cache = DynamicCache(config=loaded.model.config)
-    loaded.model(input_ids=ids, cache=cache, use_cache=True)
+    loaded.model.base_model(input_ids=ids, cache=cache, use_cache=True)  # no logits: only the cache
     return cache
 
 
@@ -101,13 +108,14 @@ def _fold(
     cache: DynamicCache | None,
     memories: Sequence[tuple[int, int]],
     chunk: list[tuple[int, int, int]],
-    factor: float,
+    scales: tuple[float, ...],
     sums: dict[str, torch.Tensor],
 ) -> list[float]:
-    """Run the chunk's contexts (memory row, position, index) of one sentence: per context an unedited, an
-    amplified and a switched-off row, each position p from the cache of the positions before it; add their
-    probabilities to `sums`. Each context's unedited m."""
-    at = [p for _, p, _ in chunk for _ in range(3)]
+    """Run the chunk's contexts (memory row, position, index) of one sentence: per context a row per scale
+    of m — (unedited,) amplified and switched off — each position p from the cache of the positions before
+    it; add their log-probability changes (and probabilities) to `sums`. Each context's unedited m."""
+    k = len(scales)
+    at = [p for _, p, _ in chunk for _ in range(k)]
     positions = torch.tensor(at, device=loaded.device)  # [rows]
     rows = len(positions)
     ids = torch.tensor([[token_ids[p]] for p in at], device=loaded.device)  # [rows, 1]
@@ -115,16 +123,16 @@ def _fold(
     # Row r sees the cached positions before its own p, and itself: [rows, width + 1].
     mask = torch.arange(width + 1, device=loaded.device)[None, :] < positions[:, None]
     mask[:, -1] = True
-    scales = torch.tensor([s for _ in chunk for s in (1.0, factor, 0.0)], device=loaded.device)  # [rows]
+    factors = torch.tensor([s for _ in chunk for s in scales], device=loaded.device)  # [rows]
     edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
     for index, (row, _, _) in enumerate(chunk):
         layer, key = memories[row]
-        edits[layer] += [(3 * index + offset, key) for offset in range(3)]  # the unedited row scales by 1
+        edits[layer] += [(k * index + offset, key) for offset in range(k)]  # an unedited row scales by 1
     blocks = loaded.adapter.blocks(loaded.model)
     read: dict[int, float] = {}  # row → its m before the edit
     handles = [
         loaded.adapter.value_projection(blocks[layer]).register_forward_pre_hook(
-            _scale(found, scales, rows, read)
+            _scale(found, factors, rows, read)
         )
         for layer, found in edits.items()
     ]
@@ -143,13 +151,14 @@ def _fold(
     finally:
         for handle in handles:
             handle.remove()
-    log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), 3, -1)  # [contexts, 3, vocab]
+    log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), k, -1)  # [contexts, k, vocab]
     memory_rows = torch.tensor([row for row, _, _ in chunk])  # [contexts]
-    p = log_p.exp()  # [contexts, 3, vocab]
-    sums["change"].index_add_(0, memory_rows, log_p[:, 1] - log_p[:, 2])
-    for index, name in enumerate(("base", "amplified", "off")):
-        sums[name].index_add_(0, memory_rows, p[:, index])
-    return [read[3 * index] for index in range(len(chunk))]
+    sums["change"].index_add_(0, memory_rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
+    if k == 3:
+        p = log_p.exp()  # [contexts, 3, vocab]
+        for index, name in enumerate(("base", "amplified", "off")):
+            sums[name].index_add_(0, memory_rows, p[:, index])
+    return [read[k * index] for index in range(len(chunk))]  # m before its row's edit
 
 
 def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: dict[int, float]):
