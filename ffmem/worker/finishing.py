@@ -1,10 +1,10 @@
 """Finishing an index run, once every shard is mined: its named steps, each timed by the pipeline
 (`IndexPipeline.finish` runs `STEPS` in order) — shading (the second pass), layers (triggers, value tokens
-and key statistics: ffmem.store.memory_writes), weight_graph and explanations (ffmem.worker.composition, as
-the job's RunSpec says), neighbours (ffmem.worker.neighbours), token_change (a sample of memories'
-TokenChange: ffmem.worker.token_changes), closing (the run finished, its analyses attached, the checkpoints
-dropped). Every step commits only after `lease.check(session)`: a worker that
-lost its lease stops before it commits.
+and key statistics: ffmem.store.memory_writes), weight_graph (ffmem.worker.composition), token_change (a
+sample of memories' TokenChange: ffmem.worker.token_changes), explanations (ffmem.worker.composition, as the
+job's RunSpec says), neighbours (ffmem.worker.neighbours), closing (the run finished, its analyses attached,
+the checkpoints dropped). Every step commits only after `lease.check(session)`: a worker that lost its lease
+stops before it commits.
 """
 
 from __future__ import annotations
@@ -180,9 +180,9 @@ STEPS: tuple[tuple[str, Callable[[Finishing], None]], ...] = (
     ("shading", shade),
     ("layers", store_layers),
     ("weight_graph", store_weight_graph),
+    ("token_change", token_change_step),  # before the explanations: the explainer may read it
     ("explanations", explain),
     ("neighbours", store_neighbours),
-    ("token_change", token_change_step),
     ("closing", close),
 )  # the names of `IndexPipeline.timings`
 
