@@ -29,7 +29,8 @@ from ffmem.engine.model.hooks import capture
 from ffmem.engine.model.loaded import LoadedModel
 from ffmem.engine.values.projection import value_logits
 
-ROWS = 64  # edited rows run at once from one sentence's cache (each holds the sentence's cache)
+ROWS = 48  # edited rows run at once (each holds a copy of its sentence's cache)
+GROUP_TOKENS = 2048  # sentence tokens whose caches one padded pass computes
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,16 @@ def token_change(
         for index, context in enumerate(found):
             at[context.sentence].append((row, context.position, index))
     coefficients = [[0.0] * len(found) for found in contexts]
+    last = {sentence: max(p for _, p, _ in wanted) for sentence, wanted in at.items()}  # cached: before it
     with torch.inference_mode():
-        for sentence, wanted in at.items():
-            cache = _sentence_cache(loaded, sentences[sentence], max(p for _, p, _ in wanted))
-            for start in range(0, len(wanted), ROWS):
-                chunk = wanted[start : start + ROWS]
-                read = _fold(loaded, sentences[sentence], cache, memories, chunk, scales, sums)
-                for (row, _, index), m in zip(chunk, read, strict=True):
+        for group in _groups(sorted(at, key=lambda s: -last[s]), last):
+            texts = [sentences[s] for s in group]
+            cache = _group_cache(loaded, texts, [last[s] for s in group])
+            wanted = [(slot, *context) for slot, s in enumerate(group) for context in at[s]]
+            for start in range(0, len(wanted), ROWS // len(scales)):
+                chunk = wanted[start : start + ROWS // len(scales)]
+                read = _fold(loaded, texts, cache, memories, chunk, scales, sums)
+                for (_, row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
     counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
     means = {name: total / counts for name, total in sums.items()}  # [n, vocab] each
@@ -92,40 +96,63 @@ def token_change(
     return TokenChange(**means, contexts=[len(found) for found in contexts], coefficients=coefficients)
 
 
-def _sentence_cache(loaded: LoadedModel, token_ids: Sequence[int], last: int) -> DynamicCache | None:
-    """The attention cache of the sentence's positions before `last` (None when `last` is 0)."""
-    if last == 0:
+def _groups(order: list[int], last: dict[int, int]) -> list[list[int]]:
+    """Sentences (the longest cache first) in groups of at most GROUP_TOKENS padded tokens."""
+    groups: list[list[int]] = []
+    for sentence in order:
+        if groups and (len(groups[-1]) + 1) * max(last[groups[-1][0]], 1) <= GROUP_TOKENS:
+            groups[-1].append(sentence)
+        else:
+            groups.append([sentence])
+    return groups
+
+
+def _group_cache(loaded: LoadedModel, texts: list[Sequence[int]], lasts: list[int]) -> DynamicCache | None:
+    """One padded pass (no logits) caching each sentence's positions before its `last`: [group, …, width,
+    …]; None when every context is at position 0."""
+    width = max(lasts)
+    if width == 0:
         return None
-    ids = torch.tensor([list(token_ids[:last])], device=loaded.device)  # [1, last]
+    ids = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width] right-padded
+    mask = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width]
+    for slot, (text, n) in enumerate(zip(texts, lasts, strict=True)):
+        ids[slot, :n] = torch.tensor(list(text[:n]))
+        mask[slot, :n] = 1
     cache = DynamicCache(config=loaded.model.config)
-    loaded.model.base_model(input_ids=ids, cache=cache, use_cache=True)  # no logits: only the cache
+    loaded.model.base_model(
+        input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), cache=cache, use_cache=True
+    )
     return cache
 
 
 def _fold(
     loaded: LoadedModel,
-    token_ids: Sequence[int],
+    texts: list[Sequence[int]],
     cache: DynamicCache | None,
     memories: Sequence[tuple[int, int]],
-    chunk: list[tuple[int, int, int]],
+    chunk: list[tuple[int, int, int, int]],
     scales: tuple[float, ...],
     sums: dict[str, torch.Tensor],
 ) -> list[float]:
-    """Run the chunk's contexts (memory row, position, index) of one sentence: per context a row per scale
-    of m — (unedited,) amplified and switched off — each position p from the cache of the positions before
-    it; add their log-probability changes (and probabilities) to `sums`. Each context's unedited m."""
+    """Run the chunk's contexts (slot of its sentence in the group, memory row, position, index): per context
+    a row per scale of m — (unedited,) amplified and switched off — each position p from its sentence's cache
+    of the positions before it; add their log-probability changes (and probabilities) to `sums`. Each
+    context's unedited m."""
     k = len(scales)
-    at = [p for _, p, _ in chunk for _ in range(k)]
+    slots = torch.tensor([slot for slot, _, _, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
+    at = [p for _, _, p, _ in chunk for _ in range(k)]
     positions = torch.tensor(at, device=loaded.device)  # [rows]
     rows = len(positions)
-    ids = torch.tensor([[token_ids[p]] for p in at], device=loaded.device)  # [rows, 1]
+    ids = torch.tensor(
+        [[texts[slot][p]] for slot, _, p, _ in chunk for _ in range(k)], device=loaded.device
+    )  # [rows, 1]
     width = 0 if cache is None else cache.get_seq_length()
     # Row r sees the cached positions before its own p, and itself: [rows, width + 1].
     mask = torch.arange(width + 1, device=loaded.device)[None, :] < positions[:, None]
     mask[:, -1] = True
     factors = torch.tensor([s for _ in chunk for s in scales], device=loaded.device)  # [rows]
     edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
-    for index, (row, _, _) in enumerate(chunk):
+    for index, (_, row, _, _) in enumerate(chunk):
         layer, key = memories[row]
         edits[layer] += [(k * index + offset, key) for offset in range(k)]  # an unedited row scales by 1
     blocks = loaded.adapter.blocks(loaded.model)
@@ -142,7 +169,7 @@ def _fold(
                 input_ids=ids,
                 attention_mask=mask.long(),
                 position_ids=positions[:, None],
-                cache=_repeated(loaded, cache, rows),
+                cache=_selected(loaded, cache, slots),
                 use_cache=cache is not None,
             )
             .logits[:, -1]
@@ -152,7 +179,7 @@ def _fold(
         for handle in handles:
             handle.remove()
     log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), k, -1)  # [contexts, k, vocab]
-    memory_rows = torch.tensor([row for row, _, _ in chunk])  # [contexts]
+    memory_rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
     sums["change"].index_add_(0, memory_rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
     if k == 3:
         p = log_p.exp()  # [contexts, 3, vocab]
@@ -178,16 +205,16 @@ def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: 
     return hook
 
 
-def _repeated(loaded: LoadedModel, cache: DynamicCache | None, rows: int) -> DynamicCache | None:
-    """A fresh cache holding `cache`'s keys and values once per row (the rows' pass appends to it)."""
+def _selected(loaded: LoadedModel, cache: DynamicCache | None, slots: torch.Tensor) -> DynamicCache | None:
+    """A fresh cache holding, for each row, its sentence's keys and values (the rows' pass appends to it)."""
     if cache is None:
         return None
-    repeated = DynamicCache(config=loaded.model.config)
+    selected = DynamicCache(config=loaded.model.config)
     for index, layer in enumerate(cache.layers):
-        keys = layer.keys.expand(rows, -1, -1, -1)  # [rows, heads, width, head_dim]
-        values = layer.values.expand(rows, -1, -1, -1)  # [rows, heads, width, head_dim]
-        repeated.update(keys, values, index)
-    return repeated
+        keys = layer.keys.index_select(0, slots)  # [rows, heads, width, head_dim]
+        values = layer.values.index_select(0, slots)  # [rows, heads, width, head_dim]
+        selected.update(keys, values, index)
+    return selected
 
 
 @dataclass(frozen=True)
