@@ -47,6 +47,7 @@ def main() -> None:
         loaded, sentences, first, memories, per_memory=args.contexts, batch_tokens=4096, pad_id=pad
     )
     found_seconds = time.perf_counter() - start
+    harness.log(f"contexts of {len(memories)} memories over {len(sentences)} sentences: {found_seconds:.1f} s")
     rows = []
     for at in range(0, len(memories), CHUNK):
         chunk, wanted = memories[at : at + CHUNK], contexts[at : at + CHUNK]
@@ -75,6 +76,7 @@ def main() -> None:
         found = token_change(loaded, prefixes, [(layer, key)], ends, factor=CHANGE_FACTOR)
         scored(loaded, found, [(layer, key)], CHANGE_TOP)
         live.append(time.perf_counter() - begin)
+        harness.log(f"live L{layer}K{key}: {len(prefixes)} contexts, {live[-1]:.3f} s")
     figures = {
         "memories": len(memories),
         "measured": len(rows),
