@@ -12,6 +12,7 @@ Figures go into bench-results.json under "token_change".
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -42,12 +43,14 @@ def main() -> None:
     pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
     first = [max(s.first_position, 1) for s in held]
     memories = sample_memories(loaded.n_layers, loaded.n_keys, args.memories)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     contexts = firing_contexts(
         loaded, sentences, first, memories, per_memory=args.contexts, batch_tokens=4096, pad_id=pad
     )
     found_seconds = time.perf_counter() - start
-    harness.log(f"contexts of {len(memories)} memories over {len(sentences)} sentences: {found_seconds:.1f} s")
+    harness.log(
+        f"contexts of {len(memories)} memories over {len(sentences)} sentences: {found_seconds:.1f} s"
+    )
     rows = []
     for at in range(0, len(memories), CHUNK):
         chunk, wanted = memories[at : at + CHUNK], contexts[at : at + CHUNK]
@@ -61,8 +64,8 @@ def main() -> None:
                          control_overlap=s.control.overlap, control_spearman=s.control.spearman)
                 )  # fmt: skip
         harness.log(f"{at + len(chunk)} of {len(memories)} memories, {time.perf_counter() - start:.0f} s")
-    run_seconds = time.perf_counter() - start
-    live = []
+    run_seconds, run_cpu = time.perf_counter() - start, time.process_time() - cpu
+    live, live_cpu = [], []
     draw = random.Random(0)
     for _ in range(args.repeats):
         layer, key = draw.randrange(loaded.n_layers), draw.randrange(loaded.n_keys)
@@ -72,10 +75,11 @@ def main() -> None:
         )  # fmt: skip
         prefixes = [sentences[c.sentence][: c.position + 1] for c in wanted]  # as the key page sends them
         ends = [[Context(i, len(p) - 1) for i, p in enumerate(prefixes)]]
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         found = token_change(loaded, prefixes, [(layer, key)], ends, factor=CHANGE_FACTOR)
         scored(loaded, found, [(layer, key)], CHANGE_TOP)
         live.append(time.perf_counter() - begin)
+        live_cpu.append(time.process_time() - begin_cpu)
         harness.log(f"live L{layer}K{key}: {len(prefixes)} contexts, {live[-1]:.3f} s")
     figures = {
         "memories": len(memories),
@@ -84,8 +88,13 @@ def main() -> None:
         "held_out_sentences": len(sentences),
         "contexts_seconds": round(found_seconds, 1),
         "run_seconds": round(run_seconds, 1),
+        "run_cpu_seconds": round(
+            run_cpu, 1
+        ),  # CPU time of all its threads: what a shared machine's load hides
         "live_p50_seconds": round(statistics.median(live), 3),
         "live_p95_seconds": round(sorted(live)[int(0.95 * (len(live) - 1))], 3),
+        "live_cpu_p50_seconds": round(statistics.median(live_cpu), 3),
+        "load_average": round(os.getloadavg()[0], 1),
         **depth_summary(rows, loaded.n_layers),
     }
     harness.record(args, "token_change", figures)
