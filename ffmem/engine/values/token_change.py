@@ -31,6 +31,7 @@ from ffmem.engine.values.projection import value_logits
 
 ROWS = 48  # edited rows run at once (each holds a copy of its sentence's cache)
 GROUP_TOKENS = 2048  # sentence tokens whose caches one padded pass computes
+MIN_FILL = 0.75  # a sentence joins a group when its cache is at least this share of the group's width
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,12 @@ def token_change(
 
 
 def _groups(order: list[int], last: dict[int, int]) -> list[list[int]]:
-    """Sentences (the longest cache first) in groups of at most GROUP_TOKENS padded tokens."""
+    """Sentences (the longest cache first) in groups of at most GROUP_TOKENS padded tokens, each at least
+    MIN_FILL of its group's width (padding is work too)."""
     groups: list[list[int]] = []
     for sentence in order:
-        if groups and (len(groups[-1]) + 1) * max(last[groups[-1][0]], 1) <= GROUP_TOKENS:
+        width = max(last[groups[-1][0]], 1) if groups else 0
+        if groups and (len(groups[-1]) + 1) * width <= GROUP_TOKENS and last[sentence] >= MIN_FILL * width:
             groups[-1].append(sentence)
         else:
             groups.append([sentence])
