@@ -158,6 +158,14 @@ class Settings(BaseSettings):
     worker_timeout: float = Field(
         60.0, gt=0, description="Seconds the web process waits for the live worker's answer."
     )
+    search_worker_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a token search waits for the live worker's memories past the stored depth "
+        "(token_memories); then it shows the stored ones and says why. The first search ranked by "
+        "probability after the worker loads a model computes every value's log Z (seconds on a GPU, about "
+        "an index's value projection on a CPU): searches until then show the stored ones.",
+    )
     max_prompt_tokens: int = Field(
         512, ge=1, le=8192, description="Longest prompt a live trace accepts, in tokens."
     )

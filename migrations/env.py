@@ -1,4 +1,5 @@
-"""Alembic environment: migrates the connection ffmem.store.db.upgrade passes in, or the URL given to `alembic`.
+"""Alembic environment: migrates the connection ffmem.store.db.upgrade passes in, or the URL given to
+`alembic`.
 
 URL order: config.attributes["connection"] (ffmem.store.db.upgrade), config.attributes["url"], `-x url=...`,
 sqlalchemy.url in alembic.ini, then ffmem's settings (FFMEM_DATABASE_URL).

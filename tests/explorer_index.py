@@ -14,6 +14,8 @@ from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import LanguageModel, Run
 from ffmem.web.main import create_app
 from ffmem.worker.index import IndexOptions
+from ffmem.worker.live_app import create_live_app
+from ffmem.worker.live_executor import Live
 from ffmem.worker.loop import build_index
 
 HOSTILE = [
@@ -93,6 +95,9 @@ def slug(db) -> str:
     return db.scalars(select(LanguageModel.slug)).one()
 
 
+NO_WORKER = "http://127.0.0.1:9"
+
+
 @pytest.fixture(scope="module")
 def run(db) -> Run:
     """The tiny index's one run."""
@@ -101,11 +106,20 @@ def run(db) -> Run:
 
 @pytest.fixture(scope="module")
 def client(explorer_db):
-    """The explorer over the tiny index, no live worker (modules that need one define their own)."""
-    app = create_app(Settings(database_url=explorer_db))
+    """The explorer over the tiny index, no live worker (modules that need one define their own): its URL
+    the discard port, where nothing answers (whatever else runs on this machine's 8001)."""
+    app = create_app(Settings(database_url=explorer_db, worker_url=NO_WORKER))
     with TestClient(app) as client:
         yield client
     app.state.engine.dispose()
+
+
+def tiny_worker(tiny, tiny_model_dir, **options) -> tuple[Live, TestClient]:
+    """A live worker holding the tiny model (its executor, `options` its own, and its app's client at
+    http://worker), for a module that serves live requests in-process."""
+    live = Live(device="cpu", **({"max_tokens": 56, "queue": 4} | options))
+    live.models[str(tiny_model_dir)] = tiny
+    return live, TestClient(create_live_app(live), base_url="http://worker")
 
 
 def four_shard_options(tiny_model_dir, tmp_path) -> IndexOptions:

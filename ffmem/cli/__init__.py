@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ffmem.cli import db, index, runs, serve, trace
+from ffmem.cli import db, index, runs, serve, trace, transfer
 
 cli = typer.Typer(
     help="Explore the key-value memories inside transformer feed-forward layers.",
@@ -17,7 +17,8 @@ cli.command()(serve.worker)
 cli.command()(serve.serve)
 cli.command()(runs.analyze)
 cli.command()(runs.compose)
-cli.command()(runs.export)
+cli.command()(transfer.export)
+cli.command("import")(transfer.import_)
 cli.command("trace")(trace.trace_command)
 cli.command()(serve.demo)
 

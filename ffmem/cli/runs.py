@@ -1,9 +1,8 @@
 """What `ffmem` does with a stored index run: `analyze` (the paper's analyses), `compose` (the weight graph
-and explanations) and `export` (its tables as files)."""
+and explanations); moving a run between databases is ffmem.cli.transfer."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -144,28 +143,6 @@ def compose(
     seconds = fail_cleanly(work)
     spent = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
     typer.echo(f"stored the weight graph and explanations of run {run_id} ({spent}); see /m/{slug}")
-
-
-def export(
-    run: Annotated[int, typer.Argument(min=1, help="The index run to export.")],
-    format: Annotated[str, typer.Option("--format", help="jsonl or parquet (needs pyarrow).")] = "jsonl",
-    out: Annotated[Path | None, typer.Option(help="Folder to write (default: export-run-RUN).")] = None,
-    db: DbOption = None,
-) -> None:
-    """Write a run's triggers, values, statistics, analyses and labels as JSON Lines or Parquet files."""
-    url = db or get_settings().database_url
-    folder = out or Path(f"export-run-{run}")
-
-    def work():
-        from ffmem.store.db import make_engine, make_sessionmaker
-        from ffmem.store.export import export_run
-
-        with make_sessionmaker(make_engine(url))() as session:
-            return export_run(session=session, run_id=run, folder=folder, fmt=format)
-
-    written = fail_cleanly(work)
-    rows = ", ".join(f"{name} {count:,}" for name, count in written.items())
-    typer.echo(f"wrote run {run} to {folder}/ ({format}): {rows}")
 
 
 def _run_or_newest(session, run_id: int | None):

@@ -1,203 +1,281 @@
-"""`ffmem export`: one index run as files a notebook reads — JSON Lines or Parquet, a file per table.
+"""`ffmem export`: one finished index run, whole — every table it fills, with its model, vocabulary,
+corpus and the model's labels — as files another database imports (ffmem.store.imports).
 
-    run.json            the run, its model and corpus, with provenance
-    sentences.*         index, text (the triggers point into it)
-    triggers.*          layer, key, sign, rank, sentence_index, position, coefficient
-    value_tokens.*      layer, key, readout, direction, rank, token_id, token, logit, prob
-    value_histograms.*  layer, key, readout, low, high, counts (a value's logits over the vocabulary, binned)
-    key_stats.*         layer, key and every statistic (the histogram as a list)
-    analyses.*          name, options, data (JSON text), seconds
-    labels.*            layer, key, pattern, tag, author, created_at, current (the history too)
+    manifest.json      what the folder holds: the format and its version, the run it came from, and per
+                       file its rows, bytes and sha256 (the import checks them all before it writes)
+    <table>.parquet    one file a table (or .jsonl): its rows as stored, ordered by primary key, without
+                       the ids that tie them to this database (the run's, model's and corpus's), which the
+                       import assigns anew; packed lists stay packed (binary in Parquet, base64 in JSON
+                       Lines), JSON columns are JSON text (Parquet) or JSON values (JSON Lines)
 
-Rows are streamed from the database in chunks, so a full index (millions of triggers) exports in
-bounded memory. Parquet needs pyarrow (`pip install pyarrow`).
+The tables (`TABLES`): the model (`language_models`, `tokens`, `labels`), the corpus (`corpora`,
+`sentences`), the run (`runs`) and its results: triggers and value tokens (`memory_lists`), statistics
+(`key_stats`), band samples, shading and quadrant examples (`key_examples`), value histograms, the
+token → memories table (`token_memories`), each sentence's triggers (`sentence_triggers`), neighbours and
+their baselines, the weight graph (`memory_links`), explanations with their token tables, and the paper's
+analyses. Not exported: comparisons (they join two runs), jobs and shards (how it was built).
+
+Rows stream from the database in chunks, so a full index exports in bounded memory. Parquet (zstd) needs
+pyarrow (`pip install 'ffmem[parquet]'`); a decoded view of the memories for notebooks is ffmem.api.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import Integer, func, select
+from sqlalchemy import JSON, Boolean, DateTime, Float, Integer, LargeBinary, SmallInteger, Table, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.errors import FfmemError
-from ffmem.store import memory_reads, value_histograms
-from ffmem.store.models import Analysis, KeyStats, Label, Run, Sentence, Token
+from ffmem.engine.mining.text_files import sha256
+from ffmem.store.db import json_dumps
+from ffmem.store.models import (
+    Analysis,
+    Corpus,
+    Explanation,
+    KeyExamples,
+    KeyStats,
+    Label,
+    LanguageModel,
+    MemoryLinks,
+    MemoryList,
+    NeighbourBaseline,
+    Neighbours,
+    Run,
+    RunStatus,
+    Sentence,
+    SentenceTriggers,
+    Token,
+    TokenMemoryList,
+    ValueHistogram,
+)
 
+FORMAT = "ffmem-export"
+VERSION = 1  # the layout's version: an import refuses a newer one
 FORMATS = ("jsonl", "parquet")
 CHUNK = 50_000
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ExportedTable:
+    """A table as exported: `owner`, the column that ties its rows to the run, model or corpus (left out of
+    the file, set by the import), and `dropped`, the other columns the target database assigns."""
+
+    table: Table
+    owner: str | None  # run_id | model_id | corpus_id; None: the row is the owner itself
+    dropped: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.table.name
+
+    @property
+    def columns(self) -> list[str]:
+        skip = {self.owner, *self.dropped}
+        return [column.name for column in self.table.columns if column.name not in skip]
+
+
+def _run_table(model) -> ExportedTable:
+    return ExportedTable(model.__table__, "run_id")
+
+
+# In the order an import writes them: owners first.
+TABLES = (
+    ExportedTable(LanguageModel.__table__, None, ("id",)),
+    ExportedTable(Token.__table__, "model_id"),
+    ExportedTable(Label.__table__, "model_id", ("id",)),
+    ExportedTable(Corpus.__table__, None, ("id",)),
+    ExportedTable(Sentence.__table__, "corpus_id"),
+    ExportedTable(Run.__table__, None, ("id", "model_id", "corpus_id")),
+    *(
+        _run_table(model)
+        for model in (
+            MemoryList, KeyStats, KeyExamples, ValueHistogram, TokenMemoryList, SentenceTriggers, Neighbours,
+            NeighbourBaseline, MemoryLinks, Explanation, Analysis,
+        )
+    ),
+)  # fmt: skip
+OWNERS = {"run_id": Run, "model_id": LanguageModel, "corpus_id": Corpus}
 
 
 def export_run(*, session: Session, run_id: int, folder: Path, fmt: str) -> dict[str, int]:
-    """Write run `run_id` into `folder`; rows written per table."""
+    """Write run `run_id` whole into `folder` (every table of `TABLES`, then the manifest); rows per table."""
     if fmt not in FORMATS:
         raise FfmemError(f"unknown export format {fmt!r}; choose {' or '.join(FORMATS)}")
     run = session.get(Run, run_id)
     if run is None:
         raise FfmemError(f"there is no run {run_id}")
+    if run.status != RunStatus.done:
+        raise FfmemError(f"run {run_id} is {run.status.value}: only a finished run exports")
     if fmt == "parquet":
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise FfmemError(
-                "Parquet needs pyarrow: pip install pyarrow (or export --format jsonl)"
-            ) from None
+        require_pyarrow()
     folder.mkdir(parents=True, exist_ok=True)
-    model = run.model
-    (folder / "run.json").write_text(
-        json.dumps(
-            {
-                "run": run.id,
-                "status": run.status,
-                "model": {"slug": model.slug, "source": model.source, "revision": model.revision},
-                "corpus": {"name": run.corpus.name, "sha256": run.corpus.source_sha256},
-                "n_sentences": run.n_sentences,
-                "n_tokens": run.n_tokens,
-                "top_k": run.top_k,
-                "provenance": run.provenance,
-                "histogram_edges": run.histogram_edges,
-            },
-            indent=2,
-        )
-    )
-    texts = dict(session.execute(select(Token.token_id, Token.text).where(Token.model_id == model.id)).all())
-    newest = select(func.max(Label.id)).where(Label.model_id == model.id).group_by(Label.layer, Label.key)
-    current = set(session.scalars(newest))
-    tables = {
-        "sentences": (
-            select(Sentence.index, Sentence.text)
-            .where(Sentence.corpus_id == run.corpus_id)
-            .order_by(Sentence.index),
-            lambda row: {"index": row.index, "text": row.text},
-        ),
-        "triggers": (
-            memory_reads.iter_triggers(session=session, run_id=run.id),
-            lambda t: {
-                "layer": t.layer,
-                "key": t.key,
-                "sign": t.sign,
-                "rank": t.rank,
-                "sentence_index": t.sentence_index,
-                "position": t.position,
-                "coefficient": t.coefficient,
-            },
-        ),
-        "value_tokens": (
-            memory_reads.iter_value_tokens(session=session, run_id=run.id),
-            lambda v: {
-                "layer": v.layer,
-                "key": v.key,
-                "readout": v.readout,
-                "direction": v.direction,
-                "rank": v.rank,
-                "token_id": v.token_id,
-                "token": texts.get(v.token_id, ""),
-                "logit": v.logit,
-                "prob": v.prob,
-            },
-        ),
-        "value_histograms": (
-            value_histograms.iter_value_histograms(session=session, run_id=run.id),
-            lambda row: {
-                "layer": row[0],
-                "key": row[1],
-                "readout": row[2],
-                "low": row[3].low,
-                "high": row[3].high,
-                "counts": row[3].counts,
-            },
-        ),
-        "key_stats": (
-            select(KeyStats).where(KeyStats.run_id == run.id).order_by(KeyStats.layer, KeyStats.key),
-            lambda s: {
-                column.name: getattr(s, column.name)
-                for column in KeyStats.__table__.columns
-                if column.name != "run_id"
-            },
-        ),
-        "analyses": (
-            select(Analysis).where(Analysis.run_id == run.id).order_by(Analysis.name),
-            lambda a: {
-                "name": a.name,
-                "options": json.dumps(a.options),
-                "data": json.dumps(a.data),
-                "seconds": a.seconds,
-            },
-        ),
-        "labels": (
-            select(Label).where(Label.model_id == model.id).order_by(Label.layer, Label.key, Label.id),
-            lambda label: {
-                "layer": label.layer,
-                "key": label.key,
-                "pattern": label.pattern,
-                "tag": label.tag,
-                "author": label.author,
-                "created_at": label.created_at.isoformat(),
-                "current": label.id in current,
-            },
-        ),
+    ids = {"run_id": run.id, "model_id": run.model_id, "corpus_id": run.corpus_id}
+    files, written = {}, {}
+    for exported in TABLES:
+        table = exported.table
+        owner_id = ids[exported.owner] if exported.owner else ids[_own_id(exported)]
+        where = table.c[exported.owner or "id"] == owner_id
+        query = select(*(table.c[name] for name in exported.columns)).where(where)
+        query = query.order_by(*table.primary_key.columns)
+        rows = _stream(session, query)
+        path = folder / f"{exported.name}.{fmt}"
+        count = (write_jsonl if fmt == "jsonl" else write_parquet)(path, exported, rows)
+        written[exported.name] = count
+        files[path.name] = {"rows": count, "bytes": path.stat().st_size, "sha256": sha256(path)}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "encoding": fmt,
+        "run": {
+            "id": run.id,
+            "model": run.model.slug,
+            "revision": run.model.revision,
+            "corpus": run.corpus.name,
+            "corpus_fingerprint": run.corpus.fingerprint,
+            "started_at": utc(run.started_at).isoformat(),
+        },
+        "files": files,
     }
-    written = {}
-    for name, (query, to_dict) in tables.items():
-        found = query if isinstance(query, Iterator) else _stream(session, query)  # memory lists: decoded
-        rows = (to_dict(row) for row in found)
-        written[name] = (_write_jsonl if fmt == "jsonl" else _write_parquet)(folder / f"{name}.{fmt}", rows)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return written
 
 
-def _stream(session: Session, query) -> Iterator:
-    """Rows (or ORM objects) of `query`, fetched CHUNK at a time."""
-    result = session.execute(query.execution_options(yield_per=CHUNK))
-    for row in result:
-        yield row[0] if len(row) == 1 else row
+def _own_id(exported: ExportedTable) -> str:
+    """The ids key of a table that is an owner itself (its `id` column)."""
+    return next(key for key, model in OWNERS.items() if model.__table__ is exported.table)
 
 
-def _write_jsonl(path: Path, rows: Iterator[dict]) -> int:
+def utc(moment: datetime) -> datetime:
+    """A timestamp as an aware UTC datetime (SQLite gives back naive UTC ones, Postgres aware ones)."""
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+
+
+def require_pyarrow() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise FfmemError("Parquet needs pyarrow: pip install pyarrow (or --format jsonl)") from None
+
+
+def _stream(session: Session, query) -> Iterator[tuple]:
+    """Rows of `query`, fetched CHUNK at a time."""
+    yield from session.execute(query.execution_options(yield_per=CHUNK))
+
+
+def write_jsonl(path: Path, exported: ExportedTable, rows: Iterator[tuple]) -> int:
+    """Rows as JSON Lines: binary columns base64, timestamps ISO 8601, JSON columns as JSON values."""
+    names = exported.columns
+    encoders = [_jsonl_encoder(exported.table.c[name].type) for name in names]
     count = 0
     with path.open("w", encoding="utf-8") as out:
         for row in rows:
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            record = {name: encode(value) for name, encode, value in zip(names, encoders, row, strict=True)}
+            out.write(json_dumps(record) + "\n")
             count += 1
     return count
 
 
-def _write_parquet(path: Path, rows: Iterator[dict]) -> int:
-    """Rows as Parquet, CHUNK at a time. The schema is the first chunk's, with its all-null columns
-    typed as the model says (Integer columns int64, the rest float64: every nullable column we export
-    is a number); later chunks are cast to it."""
+def _jsonl_encoder(kind):
+    if isinstance(kind, LargeBinary):
+        return lambda value: None if value is None else base64.b64encode(value).decode("ascii")
+    if isinstance(kind, DateTime):
+        return lambda value: None if value is None else utc(value).isoformat()
+    if hasattr(kind, "enums"):  # a status stored as text
+        return lambda value: None if value is None else str(value.value if hasattr(value, "value") else value)
+    return lambda value: value
+
+
+def arrow_schema(exported: ExportedTable):
+    """The Parquet schema of a table, from its SQLAlchemy types (JSON as text, binary as binary)."""
+    import pyarrow as pa
+
+    def arrow_type(kind):
+        if isinstance(kind, SmallInteger):
+            return pa.int16()
+        if isinstance(kind, Integer):
+            return pa.int64()
+        if isinstance(kind, Float):
+            return pa.float64()
+        if isinstance(kind, Boolean):
+            return pa.bool_()
+        if isinstance(kind, LargeBinary):
+            return pa.binary()
+        if isinstance(kind, DateTime):
+            return pa.timestamp("us", tz="UTC")
+        return pa.string()  # text, enums, JSON
+
+    return pa.schema([(name, arrow_type(exported.table.c[name].type)) for name in exported.columns])
+
+
+def write_parquet(path: Path, exported: ExportedTable, rows: Iterator[tuple]) -> int:
+    """Rows as Parquet (zstd), CHUNK rows a row group."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    writer, count, batch = None, 0, []
-    integers = {column.name for column in KeyStats.__table__.columns if isinstance(column.type, Integer)}
+    schema = arrow_schema(exported)
+    names = exported.columns
+    json_columns = [i for i, name in enumerate(names) if isinstance(exported.table.c[name].type, JSON)]
+    enums = [i for i, name in enumerate(names) if hasattr(exported.table.c[name].type, "enums")]
+    count = 0
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        batch: list[tuple] = []
 
-    def flush():
-        nonlocal writer
-        if writer is None:
-            inferred = pa.Table.from_pylist(batch).schema
-            schema = pa.schema(
-                [
-                    field.with_type(pa.int64() if field.name in integers else pa.float64())
-                    if pa.types.is_null(field.type)
-                    else field
-                    for field in inferred
-                ]
+        def flush():
+            columns = list(zip(*batch, strict=True))
+            for i in json_columns:
+                columns[i] = [None if value is None else json_dumps(value) for value in columns[i]]
+            for i in enums:
+                columns[i] = [None if value is None else str(value.value) for value in columns[i]]
+            writer.write_table(
+                pa.Table.from_arrays(list(map(pa.array, columns, schema.types)), schema=schema)
             )
-            writer = pq.ParquetWriter(path, schema)
-        writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
-        batch.clear()
+            batch.clear()
 
-    for row in rows:
-        batch.append(row)
-        count += 1
-        if len(batch) >= CHUNK:
+        for row in rows:
+            batch.append(tuple(row))
+            count += 1
+            if len(batch) >= CHUNK:
+                flush()
+        if batch:
             flush()
-    if batch:
-        flush()
-    if writer is None:  # no rows: an empty file with no columns
-        pq.write_table(pa.table({}), path)
-    else:
-        writer.close()
     return count
+
+
+def read_rows(path: Path, exported: ExportedTable, fmt: str) -> Iterator[tuple]:
+    """The rows of an exported file as tuples of `exported.columns`, decoded as the database takes them
+    (bytes, datetimes, JSON values), CHUNK rows at a time."""
+    names = exported.columns
+    kinds = [exported.table.c[name].type for name in names]
+    if fmt == "jsonl":
+        decoders = [_jsonl_decoder(kind) for kind in kinds]
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                record = json.loads(line)
+                yield tuple(decode(record[name]) for name, decode in zip(names, decoders, strict=True))
+        return
+    import pyarrow.parquet as pq
+
+    json_columns = [i for i, kind in enumerate(kinds) if isinstance(kind, JSON)]
+    parquet = pq.ParquetFile(path)
+    if parquet.schema_arrow.names != names:
+        raise FfmemError(f"{path.name}: columns {parquet.schema_arrow.names} are not {names}")
+    for batch in parquet.iter_batches(batch_size=CHUNK):
+        columns = [column.to_pylist() for column in batch.columns]
+        for i in json_columns:
+            columns[i] = [None if value is None else json.loads(value) for value in columns[i]]
+        yield from zip(*columns, strict=True)
+
+
+def _jsonl_decoder(kind):
+    if isinstance(kind, LargeBinary):
+        return lambda value: None if value is None else base64.b64decode(value)
+    if isinstance(kind, DateTime):
+        return lambda value: None if value is None else datetime.fromisoformat(value)
+    return lambda value: value

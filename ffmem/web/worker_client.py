@@ -19,6 +19,8 @@ from ffmem.engine.live.protocol import (
     CoefficientsRequest,
     TokenChangeReport,
     TokenChangeRequest,
+    TokenMemoriesAnswer,
+    TokenMemoriesRequest,
     TraceAnswer,
     TraceRequest,
 )
@@ -53,6 +55,12 @@ class LiveWorker:
     def token_change(self, request: TokenChangeRequest) -> TokenChangeReport:
         return self._parse(TokenChangeReport, self._post(request.path, request))
 
+    def token_memories(
+        self, request: TokenMemoriesRequest, timeout: float | None = None
+    ) -> TokenMemoriesAnswer:
+        """`timeout`: seconds to wait, when not the client's (a search waits less than a trace)."""
+        return self._parse(TokenMemoriesAnswer, self._post(request.path, request, timeout))
+
     def _parse(self, model: type[Answer], answer: dict) -> Answer:
         """The worker's answer as `model`; one of another shape (a worker of another version) is a 502."""
         try:
@@ -79,9 +87,10 @@ class LiveWorker:
                 "error": f"no live worker answers at {self.url} ({type(error).__name__})",
             }
 
-    def _post(self, path: str, request: BaseModel) -> dict:
+    def _post(self, path: str, request: BaseModel, timeout: float | None = None) -> dict:
+        waits = {} if timeout is None else {"timeout": timeout}
         try:
-            response = self.client.post(path, content=request.model_dump_json(), headers=JSON)
+            response = self.client.post(path, content=request.model_dump_json(), headers=JSON, **waits)
         except httpx.TimeoutException:
             raise AppError(
                 504,

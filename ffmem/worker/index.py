@@ -30,6 +30,7 @@ from ffmem.engine.mining.corpus import mined_from, mined_sentences, read_corpus,
 from ffmem.engine.mining.mined_layer import MinedLayer, histogram_edges
 from ffmem.engine.mining.state import MiningState
 from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.bf16_logits import Unembedding
 from ffmem.engine.values.projection import project_layer
 from ffmem.engine.values.token_memories import TokenMemories
 from ffmem.store import (
@@ -240,6 +241,7 @@ class IndexPipeline:
                     },
                 )
                 lease.check(session)
+        Unembedding.forget(loaded)  # the projection's bf16 copy of the output embedding, if it made one
         for readout, table in (token_memories or {}).items():
             with self.timed("storing"):
                 memories, scores = table.lists()

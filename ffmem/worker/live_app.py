@@ -24,6 +24,8 @@ from ffmem.engine.live.protocol import (
     CoefficientsRequest,
     TokenChangeReport,
     TokenChangeRequest,
+    TokenMemoriesAnswer,
+    TokenMemoriesRequest,
     TraceAnswer,
     TraceRequest,
 )
@@ -35,7 +37,7 @@ log = logging.getLogger("ffmem.worker")
 
 def create_live_app(live: Live) -> FastAPI:
     """The worker's HTTP face: GET /health, POST /trace, /circuit, /coefficients, /ablation,
-    /token-change."""
+    /token-change, /token-memories."""
     app = FastAPI(title="ffmem live worker", version="0.1.0")
     app.state.live = live
 
@@ -68,6 +70,11 @@ def create_live_app(live: Live) -> FastAPI:
     async def change(request: TokenChangeRequest) -> TokenChangeReport:
         """One memory amplified and switched off where its key fires: its TokenChange and output score."""
         return await live.run(request.model, lambda loaded: live.token_change(loaded, request))
+
+    @app.post(TokenMemoriesRequest.path)
+    async def token_memories(request: TokenMemoriesRequest) -> TokenMemoriesAnswer:
+        """The memories whose values promote and suppress tokens most, past a run's stored depth."""
+        return await live.run(request.model, lambda loaded: live.token_memories(loaded, request))
 
     @app.exception_handler(LiveError)
     async def live_error(request: Request, error: LiveError) -> JSONResponse:

@@ -7,6 +7,11 @@ that, or while the requested model is still loading, it refuses with a `LiveErro
 `ffmem worker` serves it beside its index work, on the same copy of the model (`shared_model`): a trace
 holds the model's lock, so it waits for the batch being mined, and the other way round. Its HTTP face is
 ffmem/worker/live_app.py.
+
+A token search ranked by probability needs every value's log Z under its readout, a pass over the whole
+vocabulary per value: the first such search of a model computes it (seconds on a GPU; on a CPU about as long
+as the index's projection of that readout), and one under the norm readout each value's part of the final
+norm; the executor keeps them, [memories] float32 each, while it holds the model.
 """
 
 from __future__ import annotations
@@ -38,11 +43,16 @@ from ffmem.engine.live.protocol import (
     PromptRequest,
     TokenChangeReport,
     TokenChangeRequest,
+    TokenMemoriesAnswer,
+    TokenMemoriesRequest,
+    TokenMemoryAnswer,
     TokenShiftAnswer,
     TraceAnswer,
     TraceRequest,
 )
+from ffmem.engine.live.token_search import token_search, value_log_z, value_scales
 from ffmem.engine.live.trace import ablation, trace
+from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.loaded import LoadedModel, ModelLoadError
 from ffmem.engine.model.loading import shared_model
 from ffmem.engine.values.token_change import Context, scored, token_change
@@ -80,6 +90,7 @@ class Live:
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.loading: str | None = None
         self.failed: dict[str, str] = {}
+        self.kept: dict[tuple[str, str], object] = {}  # (source, name) → per-memory figures (token search)
         self.pending = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ffmem-live")
         self._lock = threading.Lock()
@@ -113,7 +124,8 @@ class Live:
             self.failed.pop(source, None)
             self.models[source] = loaded
             while len(self.models) > self.capacity:
-                self.models.popitem(last=False)
+                gone, _ = self.models.popitem(last=False)
+                self.kept = {k: kept for k, kept in self.kept.items() if k[0] != gone}
         return loaded
 
     async def run(self, source: str, work: Callable[[LoadedModel], Answer]) -> Answer:
@@ -302,6 +314,39 @@ class Live:
             vocab_proj=score.vocab_proj,
             score=OutputScoreAnswer(key=key, **asdict(score.score)),
             control=OutputScoreAnswer(key=score.control_key, **asdict(score.control)),
+        )
+
+    def _kept(self, source: str, name: str, compute: Callable):
+        """What `compute` gives for `source`'s model, computed once while the model is held."""
+        if (source, name) not in self.kept:
+            self.kept[source, name] = compute()
+        return self.kept[source, name]
+
+    def token_memories(self, loaded: LoadedModel, request: TokenMemoriesRequest) -> TokenMemoriesAnswer:
+        vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]
+        if max(request.token_ids) >= vocab:
+            raise LiveError(400, f"token ids must lie in 0–{vocab - 1}", field="token_ids")
+        source, readout = request.model, request.readout
+        log_z = scales = None
+        if request.by == "prob":
+            log_z = self._kept(source, f"log_z {readout}", lambda: value_log_z(loaded, readout))  # [memories]
+        if readout == "norm":
+            scales = self._kept(source, "scales", lambda: value_scales(loaded))
+        found = token_search(
+            loaded, request.token_ids, readout=readout, by=request.by, limit=request.limit, log_z=log_z,
+            scales=scales,
+        )  # fmt: skip
+        return TokenMemoriesAnswer(
+            memories=loaded.n_layers * loaded.n_keys,
+            **{
+                name: [
+                    TokenMemoryAnswer(
+                        layer=m // loaded.n_keys, key=m % loaded.n_keys, token_id=t, score=score
+                    )
+                    for m, t, score in found[direction]
+                ]
+                for name, direction in (("promote", 1), ("suppress", -1))
+            },
         )
 
 

@@ -1,5 +1,6 @@
 """The random-pair baseline of memory neighbours: `neighbour_baselines` (per run, layer and kind, the mean
-and 99th percentile of |cosine| over a fixed seeded sample of random pairs, ffmem.engine.relations.neighbours). Runs
+and 99th percentile of |cosine| over a fixed seeded sample of random pairs,
+ffmem.engine.relations.neighbours). Runs
 stored before this revision have none: their related sections show no baseline and mark nothing.
 
 Revision ID: 0016

@@ -1,5 +1,6 @@
 """The nearest-neighbour baseline: `neighbour_baselines.nearest`, per run, layer and kind the median over
-the layer's memories of each one's r-th nearest neighbour's cosine, r = 1 … k (ffmem.engine.relations.neighbours).
+the layer's memories of each one's r-th nearest neighbour's cosine, r = 1 … k
+(ffmem.engine.relations.neighbours).
 Runs stored before this revision have NULL: their related sections say the baseline is unknown and mark
 nothing.
 

@@ -1,7 +1,10 @@
-"""`ffmem export RUN`: every table of the run, as JSON Lines and as Parquet, equal to the database."""
+"""`ffmem export RUN`: a run whole — every table it fills, with its model, vocabulary, corpus and labels — as
+JSON Lines or Parquet, with a manifest of rows and checksums; equal to the database, row for row."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 
 import pytest
@@ -9,42 +12,36 @@ from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from ffmem.cli import cli
-from ffmem.store import memory_reads, runs, value_histograms
-from ffmem.store.models import KeyStats, Label, Run
+from ffmem.store.models import Label, MemoryList, Run, Sentence, Token
 
 # Both backends: the export reads every table as the backend stores it (float32 on Postgres).
 pytestmark = pytest.mark.backends("sqlite", "postgres")
 
+TABLES = {
+    "language_models", "tokens", "labels", "corpora", "sentences", "runs", "memory_lists", "key_stats",
+    "key_examples", "value_histograms", "token_memories", "sentence_triggers", "neighbours",
+    "neighbour_baselines", "memory_links", "explanations", "analyses",
+}  # fmt: skip
 
-def _jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+
+def _read(path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
-def test_export_writes_every_table(explorer_db, db, tmp_path, fmt):
+def test_export_writes_every_table_with_a_manifest(explorer_db, db, tmp_path, fmt):
     run = db.scalars(select(Run)).one()
-    db.add(
-        Label(
-            model_id=run.model_id,
-            layer=1,
-            key=4,
-            pattern="a city",
-            tag="semantic",
-            author="ada",
-            created_at=run.started_at,
-        )
-    )
-    db.add(
-        Label(
-            model_id=run.model_id,
-            layer=1,
-            key=4,
-            pattern="capitals",
-            tag="semantic",
-            author="bob",
-            created_at=run.started_at,
-        )
-    )
+    for pattern, author in (("a city", "ada"), ("capitals", "bob")):
+        db.add(
+            Label(
+                model_id=run.model_id, layer=1, key=4, pattern=pattern, tag="semantic", author=author,
+                created_at=run.started_at,
+            )
+        )  # fmt: skip
     db.commit()
     try:
         out = tmp_path / "out"
@@ -52,65 +49,38 @@ def test_export_writes_every_table(explorer_db, db, tmp_path, fmt):
             cli, ["export", str(run.id), "--format", fmt, "--out", str(out), "--db", explorer_db]
         )
         assert result.exit_code == 0, result.output
-        if fmt == "jsonl":
-            read = _jsonl
-        else:
-            import pyarrow.parquet as pq
-
-            def read(path):
-                return pq.read_table(path).to_pylist()
-
-        triggers = read(out / f"triggers.{fmt}")
-        assert len(triggers) == runs.count_entries(session=db, run_id=run.id, kind="triggers")
-        first = memory_reads.get_triggers(
-            session=db,
-            run_id=run.id,
-            layer=triggers[0]["layer"],
-            key=triggers[0]["key"],
-            sign=triggers[0]["sign"],
-        )[triggers[0]["rank"]]
-        assert (triggers[0]["sentence_index"], triggers[0]["position"]) == (
-            first.sentence_index,
-            first.position,
-        )
-        assert triggers[0]["coefficient"] == pytest.approx(first.coefficient)
-        values = read(out / f"value_tokens.{fmt}")
-        assert len(values) == sum(
-            runs.count_entries(session=db, run_id=run.id, kind=r) for r in ("raw", "norm")
-        )
-        assert [(v["layer"], v["key"], v["readout"], v["direction"], v["rank"]) for v in values] == sorted(
-            (v["layer"], v["key"], v["readout"], v["direction"], v["rank"]) for v in values
-        )
-        listed = memory_reads.get_value_tokens(
-            session=db, run_id=run.id, layer=0, key=0, readout="norm", direction=-1
-        )
-        assert [(v["token_id"], v["logit"]) for v in values[: len(listed)]] == [
-            (v.token_id, v.logit) for v in listed
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert (manifest["format"], manifest["version"], manifest["encoding"]) == ("ffmem-export", 1, fmt)
+        assert manifest["run"]["id"] == run.id and manifest["run"]["model"] == run.model.slug
+        assert set(manifest["files"]) == {f"{name}.{fmt}" for name in TABLES}
+        for name, listed in manifest["files"].items():
+            data = (out / name).read_bytes()
+            assert listed["sha256"] == hashlib.sha256(data).hexdigest() and listed["bytes"] == len(data)
+            assert listed["rows"] == len(_read(out / name)), name
+        rows = {name: manifest["files"][f"{name}.{fmt}"]["rows"] for name in TABLES}
+        assert rows["language_models"] == rows["corpora"] == rows["runs"] == 1
+        assert rows["tokens"] == db.scalar(select(func.count()).select_from(Token)) == run.model.vocab_size
+        assert rows["sentences"] == run.corpus.n_sentences  # held-out ones too
+        n_memories = run.model.n_layers * run.model.n_keys
+        for name in ("key_stats", "key_examples", "value_histograms", "neighbours", "memory_links"):
+            assert rows[name] == n_memories, name
+        assert rows["memory_lists"] == 6 * n_memories  # triggers ± and both readouts' values ±
+        # The packed lists as stored, bytes for bytes (base64 in JSON Lines), without the run's id.
+        lists = _read(out / f"memory_lists.{fmt}")
+        assert set(lists[0]) == {"kind", "sign", "layer", "key", "data"}
+        first = lists[0]
+        stored = db.get(MemoryList, (run.id, first["kind"], first["sign"], first["layer"], first["key"])).data
+        assert (base64.b64decode(first["data"]) if fmt == "jsonl" else first["data"]) == stored
+        sentence = _read(out / f"sentences.{fmt}")[3]
+        token_ids = sentence["token_ids"] if fmt == "jsonl" else json.loads(sentence["token_ids"])
+        assert token_ids == db.get(Sentence, (run.corpus_id, 3)).token_ids
+        labels = _read(out / f"labels.{fmt}")
+        assert [(label["pattern"], label["author"]) for label in labels] == [
+            ("a city", "ada"),
+            ("capitals", "bob"),
         ]
-        assert values[0]["prob"] == pytest.approx(listed[0].prob)
-        assert {"layer", "key", "readout", "direction", "rank", "token_id", "token", "logit", "prob"} == set(
-            values[0]
-        )
-        histograms = read(out / f"value_histograms.{fmt}")
-        assert len(histograms) == 2 * run.model.n_layers * run.model.n_keys  # both readouts of every value
-        stored = value_histograms.value_histogram(session=db, run_id=run.id, layer=0, key=1)
-        assert histograms[2:4] == [
-            {"layer": 0, "key": 1, "readout": r, "low": h.low, "high": h.high, "counts": h.counts}
-            for r, h in stored.items()
-        ]
-        stats = read(out / f"key_stats.{fmt}")
-        assert len(stats) == db.scalar(
-            select(func.count()).select_from(KeyStats).where(KeyStats.run_id == run.id)
-        )
-        assert len(read(out / f"sentences.{fmt}")) == run.corpus.n_sentences  # held-out ones too
-        labels = read(out / f"labels.{fmt}")
-        assert [(label["pattern"], label["current"]) for label in labels] == [
-            ("a city", False),
-            ("capitals", True),
-        ]
-        meta = json.loads((out / "run.json").read_text())
-        assert meta["run"] == run.id and meta["n_sentences"] == run.n_sentences
-        assert f"wrote run {run.id} to {out}/ ({fmt}): sentences {run.corpus.n_sentences}" in result.output
+        assert "id" not in labels[0] and "model_id" not in labels[0]
+        assert f"wrote run {run.id} to {out}/ ({fmt}): language_models 1, tokens " in result.output
     finally:
         db.execute(Label.__table__.delete())
         db.commit()
@@ -122,21 +92,7 @@ def test_export_refuses_bad_input_in_one_line(explorer_db, tmp_path):
     result = CliRunner().invoke(
         cli, ["export", "1", "--format", "csv", "--db", explorer_db, "--out", str(tmp_path / "x")]
     )
-    assert result.exit_code == 2 and "unknown export format 'csv'; choose jsonl or parquet" in result.output
-
-
-def test_parquet_types_a_column_that_is_null_in_its_first_chunk(tmp_path, monkeypatch):
-    """Only sampled keys have a shallowness: a first chunk of nulls must not fix the column's type."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from ffmem.store import export
-
-    monkeypatch.setattr(export, "CHUNK", 2)
-    rows = [{"key": i, "shallowness": None, "next_token_rank": None} for i in range(2)]
-    rows.append({"key": 2, "shallowness": 0.25, "next_token_rank": 7})
-    assert export._write_parquet(tmp_path / "key_stats.parquet", iter(rows)) == 3
-    table = pq.read_table(tmp_path / "key_stats.parquet")
-    assert table.schema.field("shallowness").type == pa.float64()
-    assert table.schema.field("next_token_rank").type == pa.int64()
-    assert table.to_pylist() == rows
+    assert (
+        result.exit_code == 2
+        and "unknown export format 'csv'; choose jsonl, parquet or neuronpedia" in result.output
+    )

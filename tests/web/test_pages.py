@@ -8,7 +8,7 @@ import statistics
 from unittest.mock import ANY
 
 import pytest
-from explorer_index import HOSTILE
+from explorer_index import HOSTILE, NO_WORKER
 from fastapi.testclient import TestClient
 from sqlalchemy import event, select
 
@@ -18,6 +18,7 @@ from ffmem.store.cache import ProcessCache
 from ffmem.store.models import KeyStats, Sentence, Token
 from ffmem.web.display import coefficient_bar, tok, visible
 from ffmem.web.main import create_app
+from ffmem.web.worker_client import START
 
 TRIGGER_FIELDS = {
     "shading",
@@ -379,7 +380,9 @@ def test_search_by_token_ranks_both_signs(client, db, slug, run):
     for q in (f"%20{word}", word, f"%E2%90%A3{word}"):  # " word", "word" (also means " word"), "␣word"
         assert json_of(client, f"/m/{slug}/search.json?q={q}")["token_ids"] == [token_id]
     body = json_of(client, f"/m/{slug}/search.json?q=%20{word}&by=prob&limit=200")
-    assert body["memories"] == 144 and body["token_depth"] == 32
+    no_worker = f"No live worker answers at {NO_WORKER} (ConnectError). {START}"
+    assert body["memories"] == 144
+    assert body["depth"] == {"stored": 32, "source": "stored", "reason": no_worker}, "past 32: the worker's"
     for direction, name in ((1, "promote"), (-1, "suppress")):  # all memories ranked: see test_search.py
         shown = body[name]
         assert len(shown) == 32 and all(m["direction"] == direction and m["token"] == text for m in shown)

@@ -97,7 +97,7 @@ def test_several_tokens_rank_as_one_brute_force_over_every_pair(db, run, slug, d
     logits = direct["raw"][:, tokens]  # [memories, tokens]
     log_z = torch.logsumexp(torch.from_numpy(direct["raw"]), dim=-1).numpy()[:, None]  # [memories, 1]
     scores = logits if by == "logit" else logits - log_z
-    assert ranked.depth == 32 and ranked.memories == tiny.n_layers * tiny.n_keys
+    assert ranked.depth.stored == 32 and ranked.memories == tiny.n_layers * tiny.n_keys
     for direction, hits in ((1, ranked.promote), (-1, ranked.suppress)):
         assert len(hits) == 32, "no more than each token's depth, though the limit is higher"
         pairs = sorted(

@@ -199,7 +199,8 @@ def test_token_search_finds_a_token_near_the_end_of_the_vocabulary(client, reado
     assert token > SHAPE.vocab_size - 1000
     page = json_of(client, f"{M}/search.json", q=f"w{token}", readout=readout, by=by, limit=20)
     assert page["token_ids"] == [token] and page["token_coverage"] == "full"
-    assert page["memories"] == SHAPE.memories and page["token_depth"] == SHAPE.token_memories
+    assert page["memories"] == SHAPE.memories
+    assert page["depth"] == {"stored": SHAPE.token_memories, "source": "stored", "reason": None}
     for direction, part in ((1, "promote"), (-1, "suppress")):
         written = TOKEN_LISTS.index((by, direction))
         shown = page[part]

@@ -38,6 +38,9 @@ MAX_ABLATION_PREFIXES = 100  # prefixes a memory is switched off on
 CHANGE_CONTEXTS, MAX_CHANGE_CONTEXTS = 16, 64
 CHANGE_FACTOR, MAX_CHANGE_FACTOR = 2.0, 100.0
 CHANGE_TOP = 10
+# A token search (ffmem.engine.live.token_search): memories listed each way at most (the search page's
+# `limit` too), vocabulary tokens ranked together at most.
+MAX_SEARCH_MEMORIES, MAX_SEARCH_TOKENS = 200, 16
 
 
 def text_max_length(max_tokens: int) -> int:
@@ -47,6 +50,7 @@ def text_max_length(max_tokens: int) -> int:
 
 # -- the fields the requests and the web's forms share ----------------------------------------------------
 Readout = Literal["norm", "raw"]
+RankedBy = Literal["logit", "prob"]
 Memories = Annotated[int, Field(ge=1, le=MAX_MEMORIES, description="Memories listed per layer.")]
 Generate = Annotated[
     int, Field(ge=0, le=MAX_GENERATE, description="Greedy tokens generated with and without the edits.")
@@ -157,6 +161,21 @@ class TokenChangeRequest(BaseModel):
     factor: float = Field(
         CHANGE_FACTOR, gt=1, le=MAX_CHANGE_FACTOR, description="Amplified: m → factor·m at the context."
     )
+
+
+class TokenMemoriesRequest(BaseModel):
+    """POST /token-memories: over every memory of every layer, the (memory, token) pairs whose value promotes
+    and suppresses these tokens most (answered with a TokenMemoriesAnswer): what a token search shows past
+    the depth its run's token → memories table stores."""
+
+    path: ClassVar[str] = "/token-memories"
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    token_ids: Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_SEARCH_TOKENS)
+    ] = Field(description="The vocabulary tokens ranked together.")
+    readout: Readout = "raw"
+    by: RankedBy = Field("prob", description="logit, or log-probability (logit − the value's log Z).")
+    limit: int = Field(ge=1, le=MAX_SEARCH_MEMORIES, description="Pairs listed each way.")
 
 
 # -- the answers --------------------------------------------------------------------------------------------
@@ -297,6 +316,24 @@ class CoefficientsAnswer(BaseModel):
     max_position: int = Field(description="… and where (the first such token).")
     min: float = Field(description="The smallest m over all tokens…")
     min_position: int = Field(description="… and where (the first such token).")
+
+
+class TokenMemoryAnswer(BaseModel):
+    """One (memory, token) pair of a token search."""
+
+    layer: int
+    key: int
+    token_id: int
+    score: float = Field(description="The token's logit in the value's readout, or its log-probability (by).")
+
+
+class TokenMemoriesAnswer(BaseModel):
+    """POST /token-memories: the strongest pairs each way, equal scores by memory (layer-major), then token
+    (ffmem.engine.live.token_search)."""
+
+    memories: int = Field(description="Memories ranked: every memory of every layer.")
+    promote: list[TokenMemoryAnswer] = Field(description="The highest scores first.")
+    suppress: list[TokenMemoryAnswer] = Field(description="The lowest scores first.")
 
 
 class MemoryRefAnswer(BaseModel):

@@ -8,6 +8,21 @@ on a CPU one compiled loop, elsewhere torch). Work is chunked over keys, on the 
 values of a 30-layer model project in one pass without holding [keys, vocab] for more than a chunk at
 a time. The same chunks fill the inverse, vocabulary → memories (ffmem.engine.values.token_memories), where
 the caller passes its tables.
+
+**Arithmetic.** On a CPU with bf16 dot products, at sizes where it pays (vocab × d ≥ bf16_logits.MIN_SIZE),
+each chunk's product is taken in bfloat16 (ffmem.engine.values.bf16_logits) and what is stored keeps
+these guarantees against the float32 readout:
+- the top and bottom tokens are exactly the float32 readout's, with their exact logits (candidates chosen
+  by a rigorous bound β_t ≥ |L̃_t − L_t|, then rescored); `low` and `high` of a histogram are exact too;
+- log Z is the log-sum-exp of the bf16 logits with the top candidates' terms taken exactly: off by at most
+  the largest β_t of the other tokens weighted by their share of Z (`extreme_tokens`); a stored
+  probability is within that factor, e^{±…}, of the float32 one;
+- a histogram's counts are those of the bf16 logits: only a token within β_t of a bin's edge may be
+  counted in the bin beside it (the counts still sum to the vocabulary);
+- the token → memories lists are filled from the bf16 logits: a listed score is within β_t of the
+  float32 one, and memories whose scores are within that of each other may swap places at a list's end;
+- `target_ranks` are float32 throughout (its docstring says why).
+Elsewhere (a GPU, a tiny model, a CPU without bf16, or `arithmetic="float32"`) everything is float32.
 """
 
 from __future__ import annotations
@@ -21,9 +36,18 @@ import torch
 
 from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.bf16_logits import (
+    MIN_SIZE,
+    Bf16Logits,
+    Extremes,
+    Unembedding,
+    bf16_available,
+    extreme_tokens,
+)
 from ffmem.engine.values.token_memories import TokenMemories
 
 READOUTS = ("raw", "norm")
+ARITHMETIC = ("auto", "bf16", "float32")  # the chunks' product (module docstring); auto: bf16 where it pays
 HISTOGRAM_BINS = 32  # equal bins of a value's logits, from its lowest to its highest
 
 
@@ -93,6 +117,16 @@ def value_logits(loaded: LoadedModel, values: torch.Tensor, readout: str) -> tor
     return read @ unembedding.weight.T if readout == "raw" else unembedding(read)  # [keys, vocab]
 
 
+def uses_bf16(loaded: LoadedModel, arithmetic: str = "auto") -> bool:
+    """Whether the chunks' product is taken in bfloat16 (module docstring)."""
+    if arithmetic not in ARITHMETIC:
+        raise ValueError(f"unknown arithmetic {arithmetic!r}; choose from {ARITHMETIC}")
+    if arithmetic != "auto":
+        return arithmetic == "bf16"
+    weight = resolve(loaded.model, loaded.adapter.unembedding).weight  # [vocab, d]
+    return loaded.device.type == "cpu" and weight.numel() >= MIN_SIZE and bf16_available()
+
+
 def layer_logits(
     loaded: LoadedModel, layer: int, readout: str, chunk: int = 512
 ) -> Iterator[tuple[int, torch.Tensor]]:
@@ -107,6 +141,27 @@ def layer_logits(
             )  # [chunk, vocab]
 
 
+def layer_extremes(
+    loaded: LoadedModel, layer: int, readout: str, n: int, chunk: int = 512, arithmetic: str = "auto"
+) -> Iterator[tuple[int, torch.Tensor, Extremes]]:
+    """(first key, logits [chunk, vocab] float32, Extremes) for the layer's values a chunk at a time: the
+    logits in the module docstring's arithmetic, the top (+1) and bottom (−1) n tokens exactly the
+    float32 readout's, extreme first, and each value's log Z."""
+    if not uses_bf16(loaded, arithmetic):
+        for start, logits in layer_logits(loaded, layer, readout, chunk):
+            found = {d: logits.topk(n, dim=-1, largest=d == 1) for d in (1, -1)}  # [chunk, n] each
+            found = {d: (top.values, top.indices) for d, top in found.items()}
+            yield start, logits, Extremes(found, logits.logsumexp(dim=-1))  # log Z [chunk]
+        return
+    table = Unembedding.of(loaded, bias=readout != "raw")
+    values = loaded.adapter.value_matrix(loaded.adapter.blocks(loaded.model)[layer])  # [keys, d]
+    with torch.inference_mode():
+        for start in range(0, values.shape[0], chunk):
+            read = readout_input(loaded, values[start : start + chunk], readout)  # [chunk, d]
+            part = Bf16Logits.of(table, read)
+            yield start, part.logits, extreme_tokens(table, part, n)  # exact extremes, log Z
+
+
 def project_layer(
     loaded: LoadedModel,
     layer: int,
@@ -114,21 +169,21 @@ def project_layer(
     chunk: int = 512,
     bins: int = HISTOGRAM_BINS,
     token_memories: Mapping[str, TokenMemories] | None = None,
+    arithmetic: str = "auto",
 ) -> Iterator[ValueTokens]:
     """Top and bottom `n` tokens of every value of `layer`, for each readout, with its logit histogram;
     the layer's logits go into `token_memories[readout]` too, where given."""
     for readout in READOUTS:
         parts = {1: [], -1: []}
         log_zs, extremes, counts = [], [], []
-        for start, logits in layer_logits(loaded, layer, readout, chunk):
-            log_z = logits.logsumexp(dim=-1, keepdim=True)  # [chunk, 1]
+        for start, logits, extremes_of in layer_extremes(loaded, layer, readout, n, chunk, arithmetic):
+            found, log_z = extremes_of.found, extremes_of.log_z[:, None]  # log Z [chunk, 1]
             log_zs.append(log_z[:, 0])
             if token_memories is not None:
                 token_memories[readout].add(layer * loaded.n_keys + start, logits, log_z[:, 0])
-            found = {d: logits.topk(n, dim=-1, largest=d == 1) for d in (1, -1)}  # [chunk, n] each
             for direction, (top, ids) in found.items():
                 parts[direction].append((ids, top, (top - log_z).exp()))
-            low, high = found[-1].values[:, :1], found[1].values[:, :1]  # [chunk, 1]: the extreme logits
+            low, high = found[-1][0][:, :1], found[1][0][:, :1]  # [chunk, 1]: the extreme logits
             extremes.append((low[:, 0], high[:, 0]))
             counts.append(logit_histogram(logits, low, high, bins))  # [chunk, bins]
         log_z = torch.cat(log_zs).cpu()  # [keys]
@@ -181,7 +236,9 @@ def target_ranks(
     loaded: LoadedModel, layer: int, targets: torch.Tensor, readout: str = "raw", chunk: int = 512
 ) -> torch.Tensor:
     """Each target's 0-based rank in its value's full distribution: the number of tokens with a
-    higher logit ([keys] token ids in, [keys] ranks out; −1 where the target is −1)."""
+    higher logit ([keys] token ids in, [keys] ranks out; −1 where the target is −1). Always float32: a
+    rank in the bulk of the vocabulary leaves thousands of tokens within the bf16 bound (~2,600 of
+    49,152 at SmolLM2), too many to rescore."""
     ranks = []
     for start, logits in layer_logits(loaded, layer, readout, chunk):
         target = targets[start : start + logits.shape[0]].to(logits.device)[:, None]  # [chunk, 1]

@@ -7,6 +7,7 @@ import re
 
 from pydantic import BaseModel, Field
 
+from ffmem.engine.live.protocol import MAX_SEARCH_MEMORIES
 from ffmem.store import corpora, memory_labels, memory_reads, vocabularies
 from ffmem.store.db import Session
 from ffmem.store.memory_lists import ValueToken
@@ -16,8 +17,9 @@ from ffmem.web.display import visible
 from ffmem.web.errors import AppError
 from ffmem.web.lookups import check_key, run_or_404
 from ffmem.web.pages.composition import ExplanationHit, explanation_hits
-from ffmem.web.token_search import TokenHit
+from ffmem.web.token_search import Depth, TokenHit
 from ffmem.web.views import LabelHit, ModelPage, RunInfo, label_view, run_info, trigger_token_ids
+from ffmem.web.worker_client import LiveWorker
 
 KEY_JUMP = re.compile(
     r"^\s*(?:L\s*)?(\d+)\s*(?:/|\s+|,)\s*(?:K\s*)?(\d+)\s*$|^\s*L\s*(\d+)\s*K\s*(\d+)\s*$", re.I
@@ -94,10 +96,9 @@ class SearchContext(ModelPage):
         "before 0018: index them again for full).",
     )
     memories: int = Field(0, description="Memories ranked (full).")
-    token_depth: int = Field(
-        0,
-        description="Memories the run stores per token, each way (full): the most the token sections "
-        "show, whatever the limit.",
+    depth: Depth = Field(
+        Depth(),
+        description="How deep the token sections go (full): the stored depth and what lies past it.",
     )
     sentences: list[SentenceMatch] = Field(
         [], description="Sentences that contain q, one row each, with the keys they trigger."
@@ -107,6 +108,7 @@ class SearchContext(ModelPage):
         [], description="Memories whose automatic explanation contains q."
     )
     max_length: int = Field(200, description="The longest q the server accepts.")
+    max_limit: int = Field(MAX_SEARCH_MEMORIES, description="The largest limit the server accepts.")
     key_url: str | None = Field(
         None, description="The key page q names (L12 K345), opened when the form is sent."
     )
@@ -124,6 +126,8 @@ def search_page(
     max_length: int,
     jump: bool = True,
     keys: bool = True,
+    live: LiveWorker | None = None,
+    timeout: float | None = None,
 ) -> SearchContext | str:
     """The search results, or the URL of a key when `q` names one (`L12 K345`, `12/345`) and `jump` (else
     the results with that URL: as-you-type searches jump only when the form is sent). `pinned`: the run the
@@ -137,7 +141,7 @@ def search_page(
     run = run_or_404(session, model, pinned)
     token_ids = token_candidates(session, model, q) if q else []
     promote, suppress, coverage, ranked = token_matches(
-        session, model, run, token_ids, readout=readout, by=by, limit=limit
+        session, model, run, token_ids, readout=readout, by=by, limit=limit, live=live, timeout=timeout
     )
     label_hits: list[LabelHit] = []
     sentences: list[SentenceMatch] = []
@@ -169,7 +173,7 @@ def search_page(
         suppress=suppress,
         token_coverage=coverage,
         memories=ranked.memories if ranked else 0,
-        token_depth=ranked.depth if ranked else 0,
+        depth=ranked.depth if ranked else Depth(),
         sentences=sentences,
         labels=label_hits,
         explanations=explanation_hits(session, slug, run, q, limit),
@@ -187,10 +191,13 @@ def token_matches(
     readout: str,
     by: str,
     limit: int,
+    live: LiveWorker | None = None,
+    timeout: float | None = None,
 ) -> tuple[list[TokenMatch], list[TokenMatch], str, token_search.Ranked | None]:
     """(promoting, suppressing, coverage, what was ranked): the memories whose values promote or suppress
-    these tokens — every memory ranked ("full", from the run's token → memories table), or, for a run
-    stored before that table, the values with them among their stored top / bottom tokens ("stored")."""
+    these tokens — every memory ranked ("full", from the run's token → memories table, past its depth from
+    `live`), or, for a run stored before that table, the values with them among their stored top / bottom
+    tokens ("stored")."""
     if not token_ids:
         return [], [], "full", None
     texts = vocabularies.token_texts(session=session, model_id=model.id, token_ids=token_ids)
@@ -210,7 +217,9 @@ def token_matches(
             for m in found
         ]
 
-    ranked = token_search.rank_memories(session, model, run, token_ids, readout=readout, by=by, limit=limit)
+    ranked = token_search.rank_memories(
+        session, model, run, token_ids, readout=readout, by=by, limit=limit, live=live, timeout=timeout
+    )
     if ranked is not None:
         return matches(1, ranked.promote), matches(-1, ranked.suppress), "full", ranked
     stored = {

@@ -8,8 +8,9 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
+from ffmem.engine.live.protocol import MAX_SEARCH_MEMORIES
 from ffmem.store.models import LanguageModel
-from ffmem.web.deps import ModelDep, PinnedDep, SessionDep
+from ffmem.web.deps import ModelDep, PinnedDep, SessionDep, SettingsDep
 from ffmem.web.errors import AppError
 from ffmem.web.pages.search import SearchContext, named_key, search_page
 from ffmem.web.rendering import render
@@ -24,6 +25,7 @@ MAX_LENGTH = 200  # the longest q accepted; the search box says so too (maxlengt
 def search(
     request: Request,
     session: SessionDep,
+    settings: SettingsDep,
     model: ModelDep,
     pinned: PinnedDep,
     q: Annotated[
@@ -40,7 +42,15 @@ def search(
         Literal["prob", "logit"],
         Query(description="Rank token matches by probability (softmax over the vocabulary) or logit."),
     ] = "prob",
-    limit: Annotated[int, Query(ge=1, le=200, description="Results per section.")] = 50,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=MAX_SEARCH_MEMORIES,
+            description="Results per section. Token matches past the run's stored depth come from the live "
+            "worker; without one, the stored ones (the JSON's `depth` says which, and why).",
+        ),
+    ] = 50,
 ):
     """Which memories promote or suppress a token (every memory ranked by the token's logit in its value's
     readout); which sentences contain a text, and the keys they trigger."""
@@ -58,6 +68,8 @@ def search(
         max_length=MAX_LENGTH,
         jump=not wants_fragment(request),  # as you type: the results, with the key's link; sent: the key
         keys=refused is None,
+        live=request.app.state.live,
+        timeout=settings.search_worker_timeout,
     )
     if refused:  # the page, its box holding what fits, the reason next to it
         return render(
