@@ -206,6 +206,21 @@ class Settings(BaseSettings):
         description="Held-out sentences (those of the run's corpus after the ones it mined) on which each "
         "memory's automatic explanation is scored when the run is stored; 0 leaves them unscored.",
     )
+    token_change_memories: int = Field(
+        2000,
+        ge=0,
+        description="Memories sampled (the same number from every layer) whose TokenChange — the tokens "
+        "whose next-token probability rises most with the memory amplified and falls most with it switched "
+        "off, "
+        "by forward passes over held-out contexts where its key fires — is measured and scored against "
+        "their value's top tokens when a run is stored; 0 measures none.",
+    )
+    token_change_contexts: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="Held-out contexts (where the key fires most) per sampled memory's TokenChange.",
+    )
     explainer_url: str = Field(
         "",
         description="Base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8080/v1) whose model "

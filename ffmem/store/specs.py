@@ -52,8 +52,8 @@ class RunSpec(Spec):
     """What defines an index run, its explanations included. The fields with a default are those jobs
     queued before they existed lack; the default is what such a job did (mined position 0, held nothing
     out, shaded nothing, built no token → memories table, scored explanations on the setting's default of
-    held-out sentences, with no explainer model named). A new run's spec gives every field
-    (`from_settings`). Where the explainer is served (`explainer_url`) is each worker's own."""
+    held-out sentences, with no explainer model named, measured no TokenChange). A new run's spec gives every
+    field (`from_settings`). Where the explainer is served (`explainer_url`) is each worker's own."""
 
     model: str
     corpus: str
@@ -70,6 +70,8 @@ class RunSpec(Spec):
     token_memories: int = 0
     explain_sentences: int = 1000
     explainer_model: str = ""
+    token_change_memories: int = 0
+    token_change_contexts: int = 8
 
 
 class AnalysisSpec(Spec):

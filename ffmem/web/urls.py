@@ -88,6 +88,11 @@ def ablation_url(model: str, layer: int, key: int, fmt: str | None = None, **que
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/ablation", fmt, **query)
 
 
+def token_change_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
+    """What a memory does to the next token (its TokenChange, live); `text`: at a text's top positions."""
+    return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/token-change", fmt, **query)
+
+
 def samples_url(model: str, layer: int, key: int, fmt: str | None = None, **query) -> str:
     return _url(f"/m/{quote(model, safe='')}/layers/{int(layer)}/keys/{int(key)}/samples", fmt, **query)
 

@@ -17,6 +17,8 @@ from ffmem.engine.live.protocol import (
     CircuitRequest,
     CoefficientsAnswer,
     CoefficientsRequest,
+    TokenChangeReport,
+    TokenChangeRequest,
     TokenMemoriesAnswer,
     TokenMemoriesRequest,
     TraceAnswer,
@@ -49,6 +51,9 @@ class LiveWorker:
 
     def ablation(self, request: AblationRequest) -> AblationAnswer:
         return self._parse(AblationAnswer, self._post(request.path, request))
+
+    def token_change(self, request: TokenChangeRequest) -> TokenChangeReport:
+        return self._parse(TokenChangeReport, self._post(request.path, request))
 
     def token_memories(
         self, request: TokenMemoriesRequest, timeout: float | None = None

@@ -1,9 +1,10 @@
 """Finishing an index run, once every shard is mined: its named steps, each timed by the pipeline
 (`IndexPipeline.finish` runs `STEPS` in order) — shading (the second pass), layers (triggers, value tokens
-and key statistics: ffmem.store.memory_writes), weight_graph and explanations (ffmem.worker.composition, as
-the job's RunSpec says), neighbours (ffmem.worker.neighbours), closing (the run finished, its analyses
-attached, the checkpoints dropped). Every step commits only after `lease.check(session)`: a worker that
-lost its lease stops before it commits.
+and key statistics: ffmem.store.memory_writes), weight_graph (ffmem.worker.composition), token_change (a
+sample of memories' TokenChange: ffmem.worker.token_changes), explanations (ffmem.worker.composition, as the
+job's RunSpec says), neighbours (ffmem.worker.neighbours), closing (the run finished, its analyses attached,
+the checkpoints dropped). Every step commits only after `lease.check(session)`: a worker that lost its lease
+stops before it commits.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ffmem.worker.explanations import ExplanationOptions
 from ffmem.worker.layer_results import next_token_ids, store_layer
 from ffmem.worker.leases import Heartbeat
 from ffmem.worker.neighbours import neighbours_step
+from ffmem.worker.token_changes import token_change_step
 
 if TYPE_CHECKING:
     from ffmem.worker.index import IndexOptions
@@ -178,6 +180,7 @@ STEPS: tuple[tuple[str, Callable[[Finishing], None]], ...] = (
     ("shading", shade),
     ("layers", store_layers),
     ("weight_graph", store_weight_graph),
+    ("token_change", token_change_step),  # before the explanations: the explainer may read it
     ("explanations", explain),
     ("neighbours", store_neighbours),
     ("closing", close),

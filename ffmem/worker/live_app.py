@@ -22,6 +22,8 @@ from ffmem.engine.live.protocol import (
     CircuitRequest,
     CoefficientsAnswer,
     CoefficientsRequest,
+    TokenChangeReport,
+    TokenChangeRequest,
     TokenMemoriesAnswer,
     TokenMemoriesRequest,
     TraceAnswer,
@@ -35,7 +37,7 @@ log = logging.getLogger("ffmem.worker")
 
 def create_live_app(live: Live) -> FastAPI:
     """The worker's HTTP face: GET /health, POST /trace, /circuit, /coefficients, /ablation,
-    /token-memories."""
+    /token-change, /token-memories."""
     app = FastAPI(title="ffmem live worker", version="0.1.0")
     app.state.live = live
 
@@ -63,6 +65,11 @@ def create_live_app(live: Live) -> FastAPI:
     async def ablate(request: AblationRequest) -> AblationAnswer:
         """Target probabilities after each prefix with one memory as it is and switched off."""
         return await live.run(request.model, lambda loaded: live.ablation(loaded, request))
+
+    @app.post(TokenChangeRequest.path)
+    async def change(request: TokenChangeRequest) -> TokenChangeReport:
+        """One memory amplified and switched off where its key fires: its TokenChange and output score."""
+        return await live.run(request.model, lambda loaded: live.token_change(loaded, request))
 
     @app.post(TokenMemoriesRequest.path)
     async def token_memories(request: TokenMemoriesRequest) -> TokenMemoriesAnswer:

@@ -32,16 +32,21 @@ from ffmem.engine.live.circuit import circuit
 from ffmem.engine.live.interventions import Intervention, parse_interventions
 from ffmem.engine.live.key_coefficients import key_coefficients
 from ffmem.engine.live.protocol import (
+    CHANGE_TOP,
     AblationAnswer,
     AblationRequest,
     CircuitAnswer,
     CircuitRequest,
     CoefficientsAnswer,
     CoefficientsRequest,
+    OutputScoreAnswer,
     PromptRequest,
+    TokenChangeReport,
+    TokenChangeRequest,
     TokenMemoriesAnswer,
     TokenMemoriesRequest,
     TokenMemoryAnswer,
+    TokenShiftAnswer,
     TraceAnswer,
     TraceRequest,
 )
@@ -50,6 +55,7 @@ from ffmem.engine.live.trace import ablation, trace
 from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.loaded import LoadedModel, ModelLoadError
 from ffmem.engine.model.loading import shared_model
+from ffmem.engine.values.token_change import Context, scored, token_change
 
 log = logging.getLogger("ffmem.worker")
 Answer = TypeVar("Answer")
@@ -256,6 +262,59 @@ class Live:
             raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
         before, after = ablation(loaded, request.layer, request.key, request.prefixes, request.targets)
         return AblationAnswer(before=before, after=after)
+
+    def token_change(self, loaded: LoadedModel, request: TokenChangeRequest) -> TokenChangeReport:
+        """The memory amplified and switched off on the request's prefixes, or at its text's top positions."""
+        _check_memory(loaded, request.layer, request.key)
+        layer, key = request.layer, request.key
+        if request.text is not None:
+            token_ids = loaded.tokenizer(request.text).input_ids
+            self._checked(token_ids, request.text)
+            m = key_coefficients(loaded, token_ids, layer, key)  # [pos]
+            first = 1 if loaded.bos_prepended and len(token_ids) > 1 else 0
+            order = [p for p in m.argsort(descending=True).tolist() if p >= first and m[p] > 0]
+            prefixes = [token_ids[: p + 1] for p in sorted(order[: request.contexts])]
+            if not prefixes:
+                raise LiveError(400, "the key never fires (m > 0) on this text: try another", field="text")
+        else:
+            prefixes = request.prefixes
+            vocab = loaded.model.config.vocab_size
+            if not prefixes or not all(prefixes):
+                raise LiveError(400, "give a text or at least one non-empty prefix")
+            if not all(0 <= i < vocab for row in prefixes for i in row):
+                raise LiveError(400, f"token ids must lie in 0–{vocab - 1}")
+            if max(len(p) for p in prefixes) > self.max_tokens:
+                raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
+        contexts = [Context(i, len(p) - 1) for i, p in enumerate(prefixes)]
+        found = token_change(loaded, prefixes, [(layer, key)], [contexts], factor=request.factor)
+        [score] = scored(loaded, found, [(layer, key)], CHANGE_TOP)
+        change = found.change[0]  # [vocab]
+
+        def shifts(largest: bool) -> list[TokenShiftAnswer]:
+            ids = change.topk(CHANGE_TOP, largest=largest).indices.tolist()
+            return [
+                TokenShiftAnswer(
+                    token_id=i,
+                    change=float(change[i]),
+                    base=float(found.base[0, i]),
+                    amplified=float(found.amplified[0, i]),
+                    off=float(found.off[0, i]),
+                )
+                for i in ids
+            ]
+
+        return TokenChangeReport(
+            layer=layer,
+            key=key,
+            factor=request.factor,
+            contexts=[list(p) for p in prefixes],
+            coefficients=found.coefficients[0],
+            promoted=shifts(True),
+            suppressed=shifts(False),
+            vocab_proj=score.vocab_proj,
+            score=OutputScoreAnswer(key=key, **asdict(score.score)),
+            control=OutputScoreAnswer(key=score.control_key, **asdict(score.control)),
+        )
 
     def _kept(self, source: str, name: str, compute: Callable):
         """What `compute` gives for `source`'s model, computed once while the model is held."""

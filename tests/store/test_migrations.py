@@ -657,3 +657,18 @@ def test_json_columns_read_back_what_was_stored_nan_too(tmp_path):
         stored = connection.exec_driver_sql("SELECT skipped FROM corpora ORDER BY id").scalars().all()
     assert stored == ['{"empty":2,"\\u00e9":[1,2.5]}', '{"nan":NaN}']
     engine.dispose()
+
+
+def test_0030_adds_token_changes_and_downgrading_drops_them(empty_url):
+    """Issue 42 (3): runs stored before 0030 have no TokenChange sample; downgrading drops the table."""
+    _migrate(empty_url, "0028")
+    assert "token_changes" not in {name for name, _, _ in _schema(empty_url)[1]}
+    _migrate(empty_url, "head")
+    tables = dict((name, columns) for name, columns, _ in _schema(empty_url)[1])
+    assert tables["token_changes"] == [
+        "run_id", "layer", "key", "contexts", "promoted", "suppressed", "overlap", "spearman", "control_key",
+        "control_overlap", "control_spearman",
+    ]  # fmt: skip
+    _migrate(empty_url, "0028", down=True)
+    revision, schema = _schema(empty_url)
+    assert revision == "0028" and "token_changes" not in {name for name, _, _ in schema}

@@ -33,11 +33,13 @@ RUN = {
     "token_memories": 32,
     "explain_sentences": 1000,
     "explainer_model": "",
+    "token_change_memories": 2000,
+    "token_change_contexts": 8,
 }
 # Older jobs lack these.
 BEFORE = (
     "first_position", "shaded_triggers", "held_out_every", "token_memories", "explain_sentences",
-    "explainer_model",
+    "explainer_model", "token_change_memories", "token_change_contexts",
 )  # fmt: skip
 
 
@@ -74,6 +76,7 @@ def test_a_job_queued_before_an_option_existed_reads_back_as_what_it_did():
         0,
         0,
     )
+    assert spec.token_change_memories == 0  # measured no TokenChange
     assert spec.options() == old  # what it stores, as stored
     with pytest.raises(ValidationError):
         RunSpec.stored({name: value for name, value in RUN.items() if name != "model"})

@@ -75,6 +75,8 @@ def test_start_a_run_from_the_browser(client, tmp_path):
         "token_memories": 32,
         "explain_sentences": 1000,
         "explainer_model": "",
+        "token_change_memories": 2000,
+        "token_change_contexts": 8,
     }
     page = client.get("/jobs/1").text
     assert 'hx-trigger="every 1s"' in page and "waiting for a worker" in page

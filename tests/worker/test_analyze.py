@@ -62,7 +62,9 @@ def analyzed(db_url, tiny, tmp_path):
 
 def test_stored_analyses_equal_the_engine(analyzed, tiny):
     sessions, run_id, seconds = analyzed
-    assert set(seconds) == {"agreement", "census", "token_removal", "weight_graph", "explanations"}
+    assert set(seconds) == {
+        "agreement", "census", "token_removal", "weight_graph", "explanations", "token_change",
+    }  # fmt: skip
     with sessions() as session:
         stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
         run = session.get(Run, run_id)

@@ -348,7 +348,7 @@ def test_the_observer_is_told_each_timed_step_as_the_summary_counts_it(
             assert open_steps.pop() == name and seconds >= 0
             ended.setdefault(name, []).append(seconds)
     assert open_steps == []
-    finishing = ["shading", "layers", "weight_graph", "explanations", "neighbours", "closing"]
+    finishing = ["shading", "layers", "weight_graph", "token_change", "explanations", "neighbours", "closing"]
     assert [name for name, seconds in told if seconds is not None and name in finishing] == finishing
     assert len(ended["mining"]) == 3  # 21 sentences in shards of 8
     assert sum(ended["mining"]) == summary.mining_seconds

@@ -33,6 +33,11 @@ TARGET_FIELD_CHARS = 10_000  # the longest a target field takes (past TARGET_CHA
 CIRCUIT_NODES, CIRCUIT_TOP, CIRCUIT_THRESHOLD, CIRCUIT_HOPS = 10, 5, 0.1, 1
 MAX_CIRCUIT_NODES, MAX_CIRCUIT_TOP, MAX_CIRCUIT_HOPS = 50, 20, 2
 MAX_ABLATION_PREFIXES = 100  # prefixes a memory is switched off on
+# TokenChange (ffmem.engine.values.token_change): contexts by default and at most, the amplification factor
+# (m → factor·m) by default and at most, the tokens listed of each direction and VocabProj's top compared.
+CHANGE_CONTEXTS, MAX_CHANGE_CONTEXTS = 16, 64
+CHANGE_FACTOR, MAX_CHANGE_FACTOR = 2.0, 100.0
+CHANGE_TOP = 10
 # A token search (ffmem.engine.live.token_search): memories listed each way at most (the search page's
 # `limit` too), vocabulary tokens ranked together at most.
 MAX_SEARCH_MEMORIES, MAX_SEARCH_TOKENS = 200, 16
@@ -137,6 +142,25 @@ class CoefficientsRequest(BaseModel):
     text: str = Field(description="The text whose tokens are read.")
     layer: int = Field(ge=0)
     key: int = Field(ge=0)
+
+
+class TokenChangeRequest(BaseModel):
+    """POST /token-change: one memory amplified and switched off where its key fires — on the given prefixes
+    (its top triggers, each ending at the token where it fires) or, with `text`, at the text's positions where
+    its coefficient is highest (m > 0) — answered with a TokenChangeReport."""
+
+    path: ClassVar[str] = "/token-change"
+    model: str = Field(description="The model's source as indexed (LanguageModel.source).")
+    layer: int = Field(ge=0)
+    key: int = Field(ge=0)
+    prefixes: Annotated[list[list[int]], Field(max_length=MAX_CHANGE_CONTEXTS)] = []
+    text: str | None = Field(None, description="A text whose top positions are the contexts instead.")
+    contexts: int = Field(
+        CHANGE_CONTEXTS, ge=1, le=MAX_CHANGE_CONTEXTS, description="The most contexts taken from `text`."
+    )
+    factor: float = Field(
+        CHANGE_FACTOR, gt=1, le=MAX_CHANGE_FACTOR, description="Amplified: m → factor·m at the context."
+    )
 
 
 class TokenMemoriesRequest(BaseModel):
@@ -356,3 +380,40 @@ class CircuitAnswer(BaseModel):
     top: int
     hops: int
     interventions: list[EditAnswer] = []
+
+
+class TokenShiftAnswer(BaseModel):
+    """One token's TokenChange: its mean log-probability change and its mean probabilities."""
+
+    token_id: int
+    change: float = Field(description="Mean over the contexts of log p(amplified) − log p(switched off).")
+    base: float = Field(description="Mean probability, the memory as it is.")
+    amplified: float = Field(description="… with m·factor at the context's last token.")
+    off: float = Field(description="… with m = 0 there.")
+
+
+class OutputScoreAnswer(BaseModel):
+    """How well a value's logits (VocabProj, raw readout) predict the TokenChange
+    (ffmem.engine.values.token_change.output_score)."""
+
+    key: int = Field(description="The memory whose value is compared (the memory itself, or its control).")
+    overlap: float = Field(description="Shared tokens of the two top-10 lists, / 10.")
+    spearman: float = Field(description="Rank correlation over the whole vocabulary.")
+
+
+class TokenChangeReport(BaseModel):
+    """POST /token-change: what one memory does to the next token where its key fires
+    (ffmem.engine.values.token_change)."""
+
+    layer: int
+    key: int
+    factor: float
+    contexts: list[list[int]] = Field(description="Each context's token ids, ending at the edited token.")
+    coefficients: list[float] = Field(description="m at each context's last token (unedited).")
+    promoted: list[TokenShiftAnswer] = Field(description="The largest changes: rise amplified, fall off.")
+    suppressed: list[TokenShiftAnswer] = Field(description="The most negative: the reverse.")
+    vocab_proj: list[int] = Field(description="The value's top tokens by its raw logits (v·E).")
+    score: OutputScoreAnswer = Field(description="VocabProj against TokenChange.")
+    control: OutputScoreAnswer = Field(
+        description="A control memory's VocabProj against the same TokenChange."
+    )

@@ -9,7 +9,13 @@ character offsets of each token, so the web process can render prefixes without 
 
 from ffmem.store.models.analyses import Analysis, Comparison, KeyChange, Label
 from ffmem.store.models.base import Base, Float32, now
-from ffmem.store.models.composition import Explanation, MemoryLinks, NeighbourBaseline, Neighbours
+from ffmem.store.models.composition import (
+    Explanation,
+    MemoryLinks,
+    NeighbourBaseline,
+    Neighbours,
+    TokenChangeRow,
+)
 from ffmem.store.models.jobs import ACTIVE, SPECS, Job, JobKind, JobStatus, MinedLayerRow, Shard, ShardStatus
 from ffmem.store.models.language_models import LanguageModel, Token
 from ffmem.store.models.memories import (
@@ -55,6 +61,7 @@ __all__ = [
     "Shard",
     "ShardStatus",
     "Token",
+    "TokenChangeRow",
     "TokenMemoryList",
     "ValueHistogram",
     "now",

@@ -91,3 +91,27 @@ class Explanation(Base):
     pattern: Mapped[dict | None] = deferred(mapped_column(JSON))
     details: Mapped[dict] = mapped_column(JSON)
     token_table: Mapped[bytes | None] = deferred(mapped_column(LargeBinary))
+
+
+class TokenChangeRow(Base):
+    """What a sampled memory's value writes, measured (ffmem.engine.values.token_change, the run's
+    token_change step): over `contexts` held-out positions where its key fires most, the tokens whose
+    log-probability rises most with m amplified against m switched off (`promoted`, token ids, the largest
+    first) and falls most (`suppressed`); the output score of its value's VocabProj (raw readout) against it
+    (`overlap` of the top 10, `spearman` over the vocabulary) and the same of a control memory of the layer
+    (`control_key`: ffmem.engine.values.token_change.control_key). Runs stored before revision 0030 have
+    none."""
+
+    __tablename__ = "token_changes"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True)
+    contexts: Mapped[int] = mapped_column(Integer)
+    promoted: Mapped[list[int]] = mapped_column(JSON)
+    suppressed: Mapped[list[int]] = mapped_column(JSON)
+    overlap: Mapped[float] = mapped_column(Float)
+    spearman: Mapped[float] = mapped_column(Float)
+    control_key: Mapped[int] = mapped_column(Integer)
+    control_overlap: Mapped[float] = mapped_column(Float)
+    control_spearman: Mapped[float] = mapped_column(Float)

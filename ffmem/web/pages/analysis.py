@@ -239,6 +239,8 @@ def computed_text(name: str, analysis: Analysis) -> str:
         f"position of each held-out sentence (seed {options.get('seed', 0)})",
         "token_removal": f"Token removal (Fig. 3): {options.get('keys', 0):,} sampled keys a layer and their "
         f"top {options.get('triggers', 0):,} trigger prefixes (seed {options.get('seed', 0)})",
+        "token_change": f"TokenChange: {options.get('memories', 0):,} memories sampled across the layers, "
+        f"each over its top {options.get('contexts', 0):,} held-out contexts (seed {options.get('seed', 0)})",
     }.get(name, name.replace("_", " ").capitalize())
     when = analysis.created_at.strftime("%Y-%m-%d %H:%M")
     return f"{read}; computed in {analysis.seconds:.1f} s on {when} UTC."

@@ -8,7 +8,7 @@ import random
 
 from pydantic import BaseModel, Field
 
-from ffmem.store import corpora, memory_labels, value_histograms, vocabularies
+from ffmem.store import corpora, memory_labels, token_changes, value_histograms, vocabularies
 from ffmem.store.db import Session
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import LanguageModel, Run
@@ -24,6 +24,7 @@ from ffmem.web.views import (
     ModelPage,
     Provisional,
     RunInfo,
+    TokenRef,
     TokenScore,
     Trigger,
     label_view,
@@ -104,6 +105,23 @@ class ValueHistogramView(BaseModel):
     )
 
 
+class StoredTokenChange(BaseModel):
+    """What the memory's value writes as the run measured it, where the run sampled it
+    (ffmem.store.token_changes): its TokenChange over held-out contexts and VocabProj's agreement with it,
+    beside a control memory's."""
+
+    contexts: int = Field(description="Held-out contexts where its key fires most, averaged.")
+    promoted: list[TokenRef] = Field(description="Rise most amplified and fall most switched off.")
+    suppressed: list[TokenRef] = Field(description="The reverse.")
+    overlap: float = Field(
+        description="Its value's top 10 (raw logits) shared with the top 10 promoted, / 10."
+    )
+    spearman: float = Field(description="Rank correlation of its value's logits with the TokenChange.")
+    control_key: int = Field(description="The control memory of the layer (the key half a layer away).")
+    control_overlap: float
+    control_spearman: float
+
+
 class Links(BaseModel):
     """The key page's links."""
 
@@ -116,6 +134,7 @@ class Links(BaseModel):
     related: str = Field(
         description="Its neighbours and weight graph (the page loads them when scrolled to)."
     )
+    token_change: str = Field(description="What it does to the next token, live (its TokenChange).")
 
 
 class KeyContext(ModelPage):
@@ -154,6 +173,9 @@ class KeyContext(ModelPage):
     )
     quadrants: QuadrantPanel | None = Field(
         None, description="A gated memory's sign quadrants of gate and input (null: the FF has no gate)."
+    )
+    token_change: StoredTokenChange | None = Field(
+        None, description="Its TokenChange as the run measured it (null: not in the run's sample)."
     )
     value_histograms: dict[str, ValueHistogramView] | None = Field(
         None,
@@ -231,6 +253,7 @@ def key_page(
         explanation=key_explanation(session, run, layer, key, texts),
         quadrants=quadrant_panel(results, slug, run, layer, key),
         value_histograms=value_histogram_views(session, run, layer, key),
+        token_change=stored_token_change(session, run, layer, key, texts),
         agreement=Agreement(
             positive=sum(t.value_rank is not None for t in triggers),
             positive_of=sum(t.next_token_id is not None for t in triggers),
@@ -245,7 +268,31 @@ def key_page(
             layer=urls.layer_url(slug, layer),
             samples=urls.samples_url(slug, layer, key, **pinned),
             related=urls.related_url(slug, layer, key, **pinned),
+            token_change=urls.token_change_url(slug, layer, key, **pinned),
         ),
+    )
+
+
+def stored_token_change(
+    session: Session, run: Run, layer: int, key: int, texts: dict[int, str]
+) -> StoredTokenChange | None:
+    """The run's measurement of the memory's TokenChange, its tokens named; None where it has none."""
+    row = token_changes.get_token_change(session=session, run_id=run.id, layer=layer, key=key)
+    if row is None:
+        return None
+
+    def refs(ids: list[int]) -> list[TokenRef]:
+        return [TokenRef(token_id=i, token=texts.get(i, "")) for i in ids]
+
+    return StoredTokenChange(
+        contexts=row.contexts,
+        promoted=refs(row.promoted),
+        suppressed=refs(row.suppressed),
+        overlap=row.overlap,
+        spearman=row.spearman,
+        control_key=row.control_key,
+        control_overlap=row.control_overlap,
+        control_spearman=row.control_spearman,
     )
 
 

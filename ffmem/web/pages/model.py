@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from ffmem.store import analyses
 from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import LayerFigures, results_for
@@ -11,6 +12,17 @@ from ffmem.web.charts import BASE_LAYOUT, NEUTRAL, POSITIVE, layer_axis
 from ffmem.web.views import ModelInfo, Provisional, RunInfo, model_info, run_info
 
 LayerSummary = LayerFigures  # the model page's rows are the store's per-layer figures, as they are
+
+
+class DepthThird(BaseModel):
+    """The output scores of a run's TokenChange sample in one depth third (ffmem.worker.token_changes)."""
+
+    third: str = Field(description="lower, middle or upper layers.")
+    memories: int
+    overlap: float | None = Field(description="Median top-10 overlap of VocabProj with TokenChange.")
+    spearman: float | None = Field(description="Median rank correlation of the value's logits with it.")
+    control_overlap: float | None = Field(description="The same of the control memories.")
+    control_spearman: float | None
 
 
 class ModelContext(BaseModel):
@@ -22,6 +34,9 @@ class ModelContext(BaseModel):
     run: RunInfo
     layers: list[LayerSummary] = Field(description="One row per layer: means over its keys unless named.")
     provisional: Provisional = None
+    token_change: list[DepthThird] | None = Field(
+        None, description="What values write, measured on the run's sample, per depth third (null: none)."
+    )
 
 
 def model_page(session: Session, model: LanguageModel, run: Run) -> ModelContext:
@@ -32,7 +47,16 @@ def model_page(session: Session, model: LanguageModel, run: Run) -> ModelContext
         run=run_info(run),
         layers=results.layer_figures(),
         provisional=results.coverage(),
+        token_change=depth_thirds(session, run),
     )
+
+
+def depth_thirds(session: Session, run: Run) -> list[DepthThird] | None:
+    """The run's TokenChange medians per depth third, as its token_change step stored them."""
+    found = analyses.stored_analyses(session=session, run_id=run.id).get("token_change")
+    if found is None:
+        return None
+    return [DepthThird(third=name, **figures) for name, figures in found.data["thirds"].items()]
 
 
 LAYER_SERIES = {

@@ -10,7 +10,11 @@ from fastapi import APIRouter, Form, Query, Request
 from pydantic import BaseModel, Field
 
 from ffmem.engine.live.protocol import (
+    CHANGE_CONTEXTS,
+    CHANGE_FACTOR,
     MAX_ABLATION_PREFIXES,
+    MAX_CHANGE_CONTEXTS,
+    MAX_CHANGE_FACTOR,
     MEMORIES,
     PROMPT_CHARS,
     CircuitOptions,
@@ -25,6 +29,7 @@ from ffmem.web.deps import KeyDep, LayerDep, ModelDep, RunDep, SessionDep, Setti
 from ffmem.web.errors import AppError
 from ffmem.web.pages.ablation import AblationContext, ablation_page, ablation_pending
 from ffmem.web.pages.circuit import CircuitContext, circuit_form, circuit_page
+from ffmem.web.pages.token_change import TokenChangeContext, token_change_page, token_change_pending
 from ffmem.web.pages.trace import TraceContext, trace_form, trace_page
 from ffmem.web.pages.trace_charts import HEATMAP_MODES
 from ffmem.web.pages.trace_query import TraceQuery
@@ -168,3 +173,35 @@ def ablation(
         raise refused
     ctx = ablation_page(session, request.app.state.live, model, run, layer, key, limit=triggers)
     return render(request, "ablation.html", ctx, fragment="ablation")
+
+
+@page(
+    router, "/m/{model}/layers/{layer}/keys/{key}/token-change", "token_change", TokenChangeContext, live=True
+)
+def token_change(
+    request: Request,
+    session: SessionDep,
+    refused: LiveResultBudget,
+    model: ModelDep,
+    layer: LayerDep,
+    key: KeyDep,
+    run: RunDep,
+    text: Annotated[
+        str | None,
+        Query(max_length=PROMPT_CHARS, description="A text of your own: its top positions are the contexts."),
+    ] = None,
+    contexts: Annotated[
+        int, Query(ge=1, le=MAX_CHANGE_CONTEXTS, description="Top trigger prefixes (or text positions).")
+    ] = CHANGE_CONTEXTS,
+    factor: Annotated[
+        float, Query(gt=1, le=MAX_CHANGE_FACTOR, description="Amplified: m → factor·m.")
+    ] = CHANGE_FACTOR,
+):
+    """What one memory does to the next token where its key fires (TokenChange), against its VocabProj."""
+    asked = dict(text=text or None, contexts=contexts, factor=factor)
+    if not wants_result(request):  # the page at once, without the worker; htmx asks for its result
+        return render(request, "token_change.html", token_change_pending(model, run, layer, key, **asked))
+    if refused:
+        raise refused
+    ctx = token_change_page(session, request.app.state.live, model, run, layer, key, **asked)
+    return render(request, "token_change.html", ctx, fragment="token_change")

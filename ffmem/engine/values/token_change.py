@@ -1,0 +1,341 @@
+"""TokenChange: what a memory's value does to the next token, measured by real forward passes (Gur-Arieh et
+al. 2025), and how well its vocabulary projection (VocabProj, ffmem.engine.values.projection) predicts it.
+
+For a memory (layer ℓ, key i) and a context — a sentence and a position p where its key fires — the model
+reads the sentence once (its attention keys and values cached); then it runs position p again from that cache
+twice: with m_i at p multiplied by `factor` (amplified) and with m_i = 0 there (switched off). Every later
+layer, the final norm and the unembedding run for real: this is not the value's direct logits. Only position
+p is edited (the earlier positions never see it), so a context costs one token per edit.
+
+A memory's TokenChange is, per vocabulary token t, the mean over its contexts of
+    log p_amplified(t) − log p_off(t)
+> 0: t rises when the memory is amplified and falls when it is switched off (what it promotes); < 0: the
+reverse (what it suppresses). Its output score compares it with the value's own logits (`output_score`):
+the overlap of the two top-`top` token sets, and the rank correlation over the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ffmem.engine.mining.corpus import Batch, length_bucketed_batches
+from ffmem.engine.model.adapters.base import resolve
+from ffmem.engine.model.hooks import capture
+from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.projection import value_logits
+
+ROWS = 48  # edited rows run at once (each holds a copy of its sentence's cache)
+GROUP_TOKENS = 2048  # sentence tokens whose caches one padded pass computes
+MIN_FILL = 0.75  # a sentence joins a group when its cache is at least this share of the group's width
+
+
+@dataclass(frozen=True)
+class Context:
+    """One place where a memory's key fires: the sentence (its index in the list passed) and the position
+    whose next token is read."""
+
+    sentence: int
+    position: int
+
+
+@dataclass
+class TokenChange:
+    """Memories' TokenChange over their contexts (rows in the order of the memories passed)."""
+
+    change: torch.Tensor  # [memories, vocab] float32: mean log p_amplified − log p_off
+    base: torch.Tensor | None  # [memories, vocab] float32: mean p unedited (None: not asked)
+    amplified: (
+        torch.Tensor | None
+    )  # [memories, vocab] float32: mean p with m·factor at the context's position
+    off: torch.Tensor | None  # [memories, vocab] float32: mean p with m = 0 there
+    contexts: list[int]  # per memory, the contexts averaged
+    coefficients: list[list[float]]  # per memory, m at each of its contexts (unedited), in their order
+
+
+def token_change(
+    loaded: LoadedModel,
+    sentences: Sequence[Sequence[int]],
+    memories: Sequence[tuple[int, int]],
+    contexts: Sequence[Sequence[Context]],
+    *,
+    factor: float,
+    probabilities: bool = True,
+) -> TokenChange:
+    """Each memory's TokenChange over its own contexts (`contexts[j]` for `memories[j]`, positions into
+    `sentences`), with the mean probabilities unedited, amplified and off where `probabilities` (else an
+    unedited row is not run: two rows a context, not three). A memory without contexts keeps zeros. Memory
+    grows with memories × vocabulary: a caller with thousands passes them in chunks."""
+    vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]  # the logits' width
+    n = len(memories)
+    scales = (1.0, factor, 0.0) if probabilities else (factor, 0.0)  # the rows of a context
+    names = ("change", *(("base", "amplified", "off") if probabilities else ()))
+    sums = {name: torch.zeros(n, vocab) for name in names}  # [n, vocab] each
+    at: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # sentence → [(row, position, index)]
+    for row, found in enumerate(contexts):
+        for index, context in enumerate(found):
+            at[context.sentence].append((row, context.position, index))
+    coefficients = [[0.0] * len(found) for found in contexts]
+    last = {sentence: max(p for _, p, _ in wanted) for sentence, wanted in at.items()}  # cached: before it
+    with torch.inference_mode():
+        for group in _groups(sorted(at, key=lambda s: -last[s]), last):
+            texts = [sentences[s] for s in group]
+            cache = _group_cache(loaded, texts, [last[s] for s in group])
+            wanted = [(slot, *context) for slot, s in enumerate(group) for context in at[s]]
+            for start in range(0, len(wanted), ROWS // len(scales)):
+                chunk = wanted[start : start + ROWS // len(scales)]
+                read = _fold(loaded, texts, cache, memories, chunk, scales, sums)
+                for (_, row, _, index), m in zip(chunk, read, strict=True):
+                    coefficients[row][index] = m
+    counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
+    means = {name: total / counts for name, total in sums.items()}  # [n, vocab] each
+    means = {"base": None, "amplified": None, "off": None} | means
+    return TokenChange(**means, contexts=[len(found) for found in contexts], coefficients=coefficients)
+
+
+def _groups(order: list[int], last: dict[int, int]) -> list[list[int]]:
+    """Sentences (the longest cache first) in groups of at most GROUP_TOKENS padded tokens, each at least
+    MIN_FILL of its group's width (padding is work too)."""
+    groups: list[list[int]] = []
+    for sentence in order:
+        width = max(last[groups[-1][0]], 1) if groups else 0
+        if groups and (len(groups[-1]) + 1) * width <= GROUP_TOKENS and last[sentence] >= MIN_FILL * width:
+            groups[-1].append(sentence)
+        else:
+            groups.append([sentence])
+    return groups
+
+
+def _group_cache(loaded: LoadedModel, texts: list[Sequence[int]], lasts: list[int]) -> DynamicCache | None:
+    """One padded pass (no logits) caching each sentence's positions before its `last`: [group, …, width,
+    …]; None when every context is at position 0."""
+    width = max(lasts)
+    if width == 0:
+        return None
+    ids = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width] right-padded
+    mask = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width]
+    for slot, (text, n) in enumerate(zip(texts, lasts, strict=True)):
+        ids[slot, :n] = torch.tensor(list(text[:n]))
+        mask[slot, :n] = 1
+    cache = DynamicCache(config=loaded.model.config)
+    loaded.model.base_model(
+        input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), cache=cache, use_cache=True
+    )
+    return cache
+
+
+def _fold(
+    loaded: LoadedModel,
+    texts: list[Sequence[int]],
+    cache: DynamicCache | None,
+    memories: Sequence[tuple[int, int]],
+    chunk: list[tuple[int, int, int, int]],
+    scales: tuple[float, ...],
+    sums: dict[str, torch.Tensor],
+) -> list[float]:
+    """Run the chunk's contexts (slot of its sentence in the group, memory row, position, index): per context
+    a row per scale of m — (unedited,) amplified and switched off — each position p from its sentence's cache
+    of the positions before it; add their log-probability changes (and probabilities) to `sums`. Each
+    context's unedited m."""
+    k = len(scales)
+    slots = torch.tensor([slot for slot, _, _, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
+    at = [p for _, _, p, _ in chunk for _ in range(k)]
+    positions = torch.tensor(at, device=loaded.device)  # [rows]
+    rows = len(positions)
+    ids = torch.tensor(
+        [[texts[slot][p]] for slot, _, p, _ in chunk for _ in range(k)], device=loaded.device
+    )  # [rows, 1]
+    width = 0 if cache is None else cache.get_seq_length()
+    # Row r sees the cached positions before its own p, and itself: [rows, width + 1].
+    mask = torch.arange(width + 1, device=loaded.device)[None, :] < positions[:, None]
+    mask[:, -1] = True
+    factors = torch.tensor([s for _ in chunk for s in scales], device=loaded.device)  # [rows]
+    edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
+    for index, (_, row, _, _) in enumerate(chunk):
+        layer, key = memories[row]
+        edits[layer] += [(k * index + offset, key) for offset in range(k)]  # an unedited row scales by 1
+    blocks = loaded.adapter.blocks(loaded.model)
+    read: dict[int, float] = {}  # row → its m before the edit
+    handles = [
+        loaded.adapter.value_projection(blocks[layer]).register_forward_pre_hook(
+            _scale(found, factors, rows, read)
+        )
+        for layer, found in edits.items()
+    ]
+    try:
+        logits = (
+            loaded.model(
+                input_ids=ids,
+                attention_mask=mask.long(),
+                position_ids=positions[:, None],
+                cache=_selected(loaded, cache, slots),
+                use_cache=cache is not None,
+            )
+            .logits[:, -1]
+            .float()
+        )  # [rows, vocab]
+    finally:
+        for handle in handles:
+            handle.remove()
+    log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), k, -1)  # [contexts, k, vocab]
+    memory_rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
+    sums["change"].index_add_(0, memory_rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
+    if k == 3:
+        p = log_p.exp()  # [contexts, 3, vocab]
+        for index, name in enumerate(("base", "amplified", "off")):
+            sums[name].index_add_(0, memory_rows, p[:, index])
+    return [read[k * index] for index in range(len(chunk))]  # m before its row's edit
+
+
+def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: dict[int, float]):
+    """A hook on a layer's value projection: each (row, key)'s coefficient at the row's one position
+    multiplied by the row's scale (what it was goes into `read`)."""
+    row_ids = torch.tensor([row for row, _ in found])  # [edits]
+    key_ids = torch.tensor([key for _, key in found])  # [edits]
+
+    def hook(module, inputs):
+        coefficients = inputs[0].clone()  # [rows, 1, d_ff] ([rows, d_ff] for OPT)
+        flat = coefficients.view(rows, -1)  # [rows, d_ff]: one position a row
+        before = flat[row_ids, key_ids]  # [edits]
+        read.update(zip(row_ids.tolist(), before.float().tolist(), strict=True))
+        flat[row_ids, key_ids] = before * scales[row_ids].to(flat.dtype)
+        return (coefficients, *inputs[1:])
+
+    return hook
+
+
+def _selected(loaded: LoadedModel, cache: DynamicCache | None, slots: torch.Tensor) -> DynamicCache | None:
+    """A fresh cache holding, for each row, its sentence's keys and values (the rows' pass appends to it)."""
+    if cache is None:
+        return None
+    selected = DynamicCache(config=loaded.model.config)
+    for index, layer in enumerate(cache.layers):
+        keys = layer.keys.index_select(0, slots)  # [rows, heads, width, head_dim]
+        values = layer.values.index_select(0, slots)  # [rows, heads, width, head_dim]
+        selected.update(keys, values, index)
+    return selected
+
+
+@dataclass(frozen=True)
+class OutputScore:
+    """How well a value's logits (VocabProj) predict a TokenChange."""
+
+    overlap: float  # |top-k of TokenChange ∩ top-k of the value's logits| / k
+    spearman: float  # rank correlation of the two over the whole vocabulary
+
+
+def output_score(change: torch.Tensor, value_logits: torch.Tensor, top: int) -> OutputScore:
+    """The agreement of one TokenChange [vocab] with one value's logits [vocab]."""
+    promoted = set(change.topk(top).indices.tolist())
+    read = set(value_logits.topk(top).indices.tolist())
+    return OutputScore(overlap=len(promoted & read) / top, spearman=_spearman(change, value_logits))
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two [n] vectors (ties broken by order: logits of floats rarely tie)."""
+    ranks = [x.double().argsort().argsort().double() for x in (a, b)]  # [n] each
+    centered = [r - r.mean() for r in ranks]
+    denominator = (centered[0].norm() * centered[1].norm()).item()
+    return float((centered[0] @ centered[1]).item() / denominator) if denominator else 0.0
+
+
+def control_key(key: int, n_keys: int) -> int:
+    """The control memory of `key` in its layer: a fixed shuffle (the key half a layer away), never itself
+    when the layer has two keys or more."""
+    return (key + n_keys // 2) % n_keys
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A memory's output score and its control's: the control memory's value against the same TokenChange."""
+
+    score: OutputScore
+    control_key: int
+    control: OutputScore
+    vocab_proj: list[int]  # the value's top tokens by its raw logits, the `top` compared
+
+
+def scored(
+    loaded: LoadedModel, found: TokenChange, memories: Sequence[tuple[int, int]], top: int
+) -> list[Scored]:
+    """Each memory's VocabProj (its value's raw logits, v·E) and its control's against its TokenChange."""
+    blocks = loaded.adapter.blocks(loaded.model)
+    out = []
+    with torch.inference_mode():
+        for row, (layer, key) in enumerate(memories):
+            other = control_key(key, loaded.n_keys)
+            values = loaded.adapter.value_matrix(blocks[layer])[[key, other]]  # [2, d]
+            logits = value_logits(loaded, values, "raw").float().cpu()  # [2, vocab]
+            change = found.change[row]  # [vocab]
+            score, control = (output_score(change, logits[i], top) for i in (0, 1))
+            out.append(Scored(score, other, control, logits[0].topk(top).indices.tolist()))
+    return out
+
+
+def firing_contexts(
+    loaded: LoadedModel,
+    sentences: Sequence[Sequence[int]],
+    first_positions: Sequence[int],
+    memories: Sequence[tuple[int, int]],
+    *,
+    per_memory: int,
+    batch_tokens: int,
+    pad_id: int,
+) -> list[list[Context]]:
+    """Each memory's `per_memory` contexts where its key fires most (m > 0), over `sentences` from each one's
+    first position on: one batched pass, its coefficients read off as it runs (ffmem.engine.model.hooks)."""
+    by_layer: dict[int, list[int]] = defaultdict(list)  # layer → rows of `memories`
+    for row, (layer, _) in enumerate(memories):
+        by_layer[layer].append(row)
+    keys = {layer: torch.tensor([memories[r][1] for r in rows]) for layer, rows in by_layer.items()}
+    best = {layer: torch.full((len(rows), per_memory), -torch.inf) for layer, rows in by_layer.items()}
+    where = {
+        layer: torch.zeros((len(rows), per_memory, 2), dtype=torch.long) for layer, rows in by_layer.items()
+    }
+    current: list[Batch] = []
+
+    def fold(layer: int, coefficients: torch.Tensor) -> None:
+        if layer not in keys:
+            return
+        batch = current[0]
+        m = coefficients[..., keys[layer].to(coefficients.device)].float()  # [batch, pos, k]
+        m = m.masked_fill(~batch.mined[..., None], -torch.inf).cpu()  # [batch, pos, k]
+        width = m.shape[1]
+        flat = m.reshape(-1, m.shape[-1]).T  # [k, batch·pos]
+        found = flat.topk(min(per_memory, flat.shape[1]), dim=1)  # [k, n] each
+        rows, positions = found.indices // width, found.indices % width  # [k, n] each
+        sentence = batch.sentence_index.cpu()[rows]  # [k, n]
+        values = torch.cat([best[layer], found.values], dim=1)  # [k, per + n]
+        places = torch.cat(
+            [where[layer], torch.stack([sentence, positions], dim=-1)], dim=1
+        )  # [k, per + n, 2]
+        kept = values.topk(per_memory, dim=1)  # [k, per]
+        best[layer] = kept.values
+        where[layer] = places.gather(1, kept.indices[..., None].expand(-1, -1, 2))
+
+    batches = length_bucketed_batches(
+        [list(s) for s in sentences],
+        list(first_positions),
+        indices=range(len(sentences)),
+        batch_tokens=batch_tokens,
+        pad_id=pad_id,
+    )
+    with (
+        torch.inference_mode(),
+        capture(loaded.model, loaded.adapter, list(by_layer), fields=("coefficients",), on_coefficients=fold),
+    ):
+        for batch in batches:
+            current[:] = [batch.to(loaded.device)]
+            loaded.model.base_model(
+                input_ids=current[0].input_ids, attention_mask=current[0].attention_mask, use_cache=False
+            )
+    contexts: list[list[Context]] = [[] for _ in memories]
+    for layer, rows in by_layer.items():
+        for index, row in enumerate(rows):
+            fires = best[layer][index] > 0  # [per]
+            contexts[row] = [Context(int(s), int(p)) for s, p in where[layer][index][fires].tolist()]
+    return contexts
