@@ -198,6 +198,19 @@ class Settings(BaseSettings):
         description="Held-out sentences (those of the run's corpus after the ones it mined) on which each "
         "memory's automatic explanation is scored when the run is stored; 0 leaves them unscored.",
     )
+    explain_top_records: int = Field(
+        20,
+        ge=0,
+        description="The scoring protocol's top records: per memory and side, the held-out sentences where "
+        "it peaks highest, scored with as many random ones (the pooled score, mixed 1:1 with "
+        "explain_random_records).",
+    )
+    explain_random_records: int = Field(
+        20,
+        ge=0,
+        description="The scoring protocol's random records: held-out sentences drawn once by a fixed "
+        "shuffle, the same for every memory (its random-only score); 0: every held-out sentence.",
+    )
     explainer_url: str = Field(
         "",
         description="Base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8080/v1) whose model "

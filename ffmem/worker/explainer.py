@@ -23,14 +23,16 @@ PROMPT_TOKENS = 12  # the last tokens of each, the trigger token among them
 
 @dataclass
 class Evidence:
-    """What the index knows about one memory."""
+    """What the index knows about one side of one memory."""
 
     layer: int
     key: int
-    # the ends (PROMPT_TOKENS) of its top PROMPT_PREFIXES trigger prefixes of its sign (the heuristic
-    # pattern's), strongest first: what a prompt shows, no more
+    sign: int  # the side: +1, where m > 0; −1, where m < 0
+    # the ends (PROMPT_TOKENS) of its top PROMPT_PREFIXES trigger prefixes of that sign, strongest first:
+    # what a prompt shows, no more
     prefixes: list[list[int]]
-    value_tokens: list[int]  # the value's top tokens (norm readout), the strongest first
+    value_tokens: list[int]  # what the value writes on that side (norm readout: top tokens for +1,
+    # bottom ones for −1), the strongest first
     shallowness: float | None
     heuristic: Description  # read off the rest (ffmem.engine.explanations.description.describe)
 
