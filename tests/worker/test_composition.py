@@ -142,7 +142,11 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
     with sessions() as session:
         found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
         assert found.source == "heuristic"
-        assert found.text.startswith("strongest (m > 0) at “Paris” +"), found.text
+        assert found.text.startswith("Fires on “Paris”"), found.text
+        sides = found.details["polarities"]
+        assert [(side["sign"], side["source"]) for side in sides] == [(1, "heuristic"), (-1, "heuristic")]
+        assert sides[0]["text"] == found.text and sides[0]["scores"] == found.details["protocol"]
+        assert found.details["protocol"]["pooled"] == found.score
         pattern = composition.explanation_pattern(found)
         assert pattern["final"] == [_paris(planted)] and pattern["sign"] == 1
         assert found.pattern is None and len(found.token_table) == 5 + 6 * len(pattern["final"]) + 10 * len(
@@ -155,7 +159,19 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
         assert (hits[0].layer, hits[0].key) == (0, PLANTED)
         assert composition.explanation_summary(session=session, run_id=run_id)["explained"] == 3 * 48
         stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
-        assert stored["explanations"].data["held_out_sentences"] == len(PARIS + OTHER)
+        data = stored["explanations"].data
+        assert data["held_out_sentences"] == len(PARIS + OTHER)
+        # 18 held out, 20 random records asked for: every one is random, none is left to be a top record
+        assert (data["top_records"], data["random_records"]) == (20, len(PARIS + OTHER))
+        assert [row["layer"] for row in data["layers"]] == [0, 1, 2]
+        assert set(data["medians"]) == {
+            "pooled",
+            "pooled_control",
+            "random",
+            "random_control",
+            "auroc",
+            "auroc_control",
+        }
         assert stored["explanations"].options["explainer_url"] is False
         assert stored["weight_graph"].data["rows"] == {"in": 2 * 48, "out": 2 * 48}
 
