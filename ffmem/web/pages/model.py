@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from ffmem.store import analyses
 from ffmem.store.db import Session
 from ffmem.store.models import LanguageModel, Run
 from ffmem.store.results import LayerFigures, results_for
@@ -11,6 +12,30 @@ from ffmem.web.charts import BASE_LAYOUT, NEUTRAL, POSITIVE, layer_axis
 from ffmem.web.views import ModelInfo, Provisional, RunInfo, model_info, run_info
 
 LayerSummary = LayerFigures  # the model page's rows are the store's per-layer figures, as they are
+
+Quartiles = list[float] | None  # [first quartile, median, third quartile]; null: none scored
+
+
+class LayerExplanationScores(BaseModel):
+    """A layer's explanation scores by the scoring protocol, over its memories' stronger sides, each
+    beside its control (another memory's pattern of the layer scored the same way: chance)."""
+
+    layer: int
+    pooled: Quartiles = Field(description="Pooled Pearson over top and random held-out records, 1:1.")
+    pooled_control: Quartiles
+    random: Quartiles = Field(description="Pearson over the random records alone.")
+    random_control: Quartiles
+    auroc: Quartiles = Field(description="AUROC of the match for the positions where the memory fires.")
+    auroc_control: Quartiles
+
+
+class ExplanationScores(BaseModel):
+    """How well the run's automatic explanations predict their memories (ffmem.worker.explanations)."""
+
+    top_records: int = Field(description="Top held-out records per memory and side.")
+    random_records: int = Field(description="Random held-out records, the same for every memory.")
+    held_out_sentences: int
+    layers: list[LayerExplanationScores]
 
 
 class ModelContext(BaseModel):
@@ -21,6 +46,10 @@ class ModelContext(BaseModel):
     model: ModelInfo
     run: RunInfo
     layers: list[LayerSummary] = Field(description="One row per layer: means over its keys unless named.")
+    explanations: ExplanationScores | None = Field(
+        None,
+        description="Per layer, its explanations' scores with their controls (null: none by the protocol).",
+    )
     provisional: Provisional = None
 
 
@@ -31,7 +60,23 @@ def model_page(session: Session, model: LanguageModel, run: Run) -> ModelContext
         model=model_info(model),
         run=run_info(run),
         layers=results.layer_figures(),
+        explanations=explanation_scores(session, run),
         provisional=results.coverage(),
+    )
+
+
+def explanation_scores(session: Session, run: Run) -> ExplanationScores | None:
+    """The explanations step's figures as stored with the run's analyses (None: explained before the
+    scoring protocol, or not yet)."""
+    found = analyses.stored_analyses(session=session, run_id=run.id).get("explanations")
+    data = found.data if found is not None else {}
+    if "layers" not in data:
+        return None
+    return ExplanationScores(
+        top_records=data["top_records"],
+        random_records=data["random_records"],
+        held_out_sentences=data["held_out_sentences"],
+        layers=data["layers"],
     )
 
 
