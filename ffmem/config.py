@@ -218,6 +218,13 @@ class Settings(BaseSettings):
         "is sent anywhere.",
     )
     explainer_model: str = Field("", description="Model name sent to explainer_url (empty: the server's).")
+    explainer_simulated_records: int = Field(
+        5,
+        ge=0,
+        description="With explainer_url set, its model also simulates each side it describes on this many of "
+        "the side's top held-out records and as many random ones (OpenAI's simulation score, stored beside "
+        "the token table's); 0: it only describes.",
+    )
     explainer_timeout: float = Field(60.0, gt=0, description="Seconds to wait for explainer_url's answer.")
     admin_token: SecretStr | None = Field(
         None,

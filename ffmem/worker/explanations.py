@@ -26,33 +26,31 @@ from ffmem.engine.explanations.description import Description, describe
 from ffmem.engine.explanations.fitting import (
     START,
     CorpusCounts,
-    Pattern,
     dominant_sign,
     fit_pattern,
     previous_tokens,
 )
 from ffmem.engine.explanations.protocol import (
     POLARITIES,
-    ProtocolScore,
-    ProtocolScores,
-    TopRecords,
-    random_records,
 )
-from ffmem.engine.mining.corpus import length_bucketed_batches
-from ffmem.engine.model.hooks import capture
 from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
 from ffmem.store.key_examples import StoredExamples, layer_shading
 from ffmem.store.models import Run
 from ffmem.store.specs import CompositionSpec, RunSpec
 from ffmem.worker.explainer import PROMPT_PREFIXES, PROMPT_TOKENS, Evidence, LocalExplainer
+from ffmem.worker.explanation_scores import (
+    HEURISTIC,
+    median,
+    protocol_summary,
+    score_patterns,
+    simulation_scores,
+)
 from ffmem.worker.held_out import held_out
 from ffmem.worker.leases import Heartbeat, checked_commit
 
 if TYPE_CHECKING:
     from ffmem.worker.index import IndexOptions
-
-HEURISTIC = "heuristic"
 
 
 @dataclass
@@ -68,6 +66,7 @@ class ExplanationOptions:
     explainer_url: str = ""
     explainer_model: str = ""
     explainer_timeout: float = Settings.model_fields["explainer_timeout"].default
+    simulated_records: int = Settings.model_fields["explainer_simulated_records"].default
     progress: bool = False
 
     @classmethod
@@ -94,6 +93,7 @@ class ExplanationOptions:
             explainer_url=settings.explainer_url,
             explainer_model=settings.explainer_model,
             explainer_timeout=settings.explainer_timeout,
+            simulated_records=settings.explainer_simulated_records,
             progress=progress,
         )
 
@@ -134,11 +134,16 @@ def store_explanations(
         [[descriptions[layer, key][side][1].pattern for key in range(n_keys)] for layer in range(n_layers)]
         for side in range(len(POLARITIES))
     ]
-    scores = score_patterns(loaded, patterns, run.fires_at, held, options)
+    scores, top = score_patterns(loaded, patterns, run.fires_at, held, options)
     timings["score_seconds"] = time.perf_counter() - start
+    simulated = {}
+    if explainer is not None and options.simulated_records and held:
+        start = time.perf_counter()
+        simulated = simulation_scores(loaded, explainer, descriptions, top, held, options)
+        timings["simulation_seconds"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    rows = _rows(descriptions, scores, run.signs, scored=bool(held))
+    rows = _rows(descriptions, scores, run.signs, simulated, scored=bool(held))
     with sessions() as session:
         composition.delete_explanations(session=session, run_id=run_id)
         composition.store_explanations(session=session, run_id=run_id, rows=rows)
@@ -153,47 +158,14 @@ def store_explanations(
             "top_records": options.top_records,
             "random_records": min(options.random_records or len(held), len(held)),
             "explainer_failures": failures,
+            "explainer_sides": len(descriptions) * len(POLARITIES) if explainer is not None else 0,
+            "explainer_gave_up": explainer is not None and explainer.gave_up,
+            "simulated_sides": sum(r is not None for r in simulated.values()),
+            "simulation_failures": sum(r is None for r in simulated.values()),
+            "median_simulation": median(np.array([r for r in simulated.values() if r is not None])),
         }
         | protocol_summary(scores, run.signs)
     )
-
-
-def protocol_summary(scores: list, signs: np.ndarray) -> dict:
-    """The protocol's figures over a run (`scores[side][layer][key]`): for each layer, the quartiles of each
-    score of its memories' dominant sides and of their controls ("layers"), and the medians over every
-    memory and each depth third ("medians")."""
-    names = ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")
-    found = {name: [] for name in names}  # [layer] arrays
-    for layer, layer_signs in enumerate(signs):
-        chosen = [scores[POLARITIES.index(int(sign))][layer][key] for key, sign in enumerate(layer_signs)]
-        for name in names:
-            values = [getattr(score, name) for score in chosen]
-            found[name].append(np.array([v for v in values if v is not None], dtype=np.float64))
-    layers = [
-        {"layer": layer} | {name: _quartiles(found[name][layer]) for name in names}
-        for layer in range(len(signs))
-    ]
-    thirds = np.array_split(np.arange(len(signs)), 3) if len(signs) >= 3 else [np.arange(len(signs))]
-    medians = {
-        name: {
-            "all": _median(np.concatenate(found[name]) if found[name] else np.zeros(0)),
-            "thirds": [
-                _median(np.concatenate([found[name][i] for i in part]) if len(part) else np.zeros(0))
-                for part in thirds
-            ],
-        }
-        for name in names
-    }
-    return {"layers": layers, "medians": medians}
-
-
-def _quartiles(values: np.ndarray) -> list[float] | None:
-    """[first quartile, median, third quartile], rounded; None without any."""
-    return [round(float(q), 4) for q in np.quantile(values, [0.25, 0.5, 0.75])] if values.size else None
-
-
-def _median(values: np.ndarray) -> float | None:
-    return round(float(np.median(values)), 4) if values.size else None
 
 
 @dataclass
@@ -314,14 +286,18 @@ def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list
                 for s, p, _ in found[sign][:PROMPT_PREFIXES]
             ]
             heuristic = describe(pattern, values, shallow, run.names)
-            evidence.append(Evidence(layer, key, sign, prefixes, values, shallow, heuristic))
+            suppressed = written[-sign][key].tolist() if key < len(written[-sign]) else []
+            evidence.append(Evidence(layer, key, sign, prefixes, values, shallow, heuristic, suppressed))
     return evidence
 
 
-def _rows(descriptions: dict, scores: list, signs: np.ndarray, *, scored: bool) -> list[tuple]:
+def _rows(
+    descriptions: dict, scores: list, signs: np.ndarray, simulated: dict, *, scored: bool
+) -> list[tuple]:
     """The stored rows: (layer, key, source, text, score, pattern, details) of every memory, its dominant
     side's description, pattern and pooled score first; `details` the protocol's scores of that side and
-    both sides' descriptions and scores ("polarities")."""
+    both sides' descriptions and scores ("polarities"; with the local model's simulation score where it
+    simulated the side, `simulated`: (side, layer, key) → r)."""
     rows = []
     for layer, layer_signs in enumerate(signs):
         for key, sign in enumerate(layer_signs):
@@ -329,6 +305,8 @@ def _rows(descriptions: dict, scores: list, signs: np.ndarray, *, scored: bool) 
             for side, polarity in enumerate(POLARITIES):
                 source, description = descriptions[layer, key][side]
                 score = scores[side][layer][key].to_dict() if scored else None
+                if score is not None and (side, layer, key) in simulated:
+                    score["simulation"] = simulated[side, layer, key]
                 sides.append({"sign": polarity, "source": source, "text": description.text, "scores": score})
             dominant = POLARITIES.index(int(sign))
             source, description = descriptions[layer, key][dominant]
@@ -392,60 +370,3 @@ def _fitting_positions(
     if not m:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
     return np.concatenate(tokens), np.concatenate(previous), np.concatenate(m)
-
-
-def score_patterns(
-    loaded: LoadedModel,
-    patterns: list[list[list[Pattern]]],
-    fires_at: torch.Tensor,
-    held_out: list,
-    options: ExplanationOptions,
-) -> list[list[list[ProtocolScore]]]:
-    """Each side's pattern scored by the protocol (ffmem.engine.explanations.protocol) on the held-out
-    sentences, `patterns[side][layer][key]`: a first pass finds each side's top records, a second scores
-    them and the random records (positions from a sentence's first mined one, and never position 0, where
-    the attention sink gives some keys outsized coefficients). [side][layer][key] scores."""
-    n_sides, n_layers, n_keys = fires_at.shape
-    random = random_records(len(held_out), options.random_records or len(held_out))
-    top = TopRecords(n_layers, n_keys, options.top_records, random, len(held_out))
-    if held_out:
-        _forward(loaded, held_out, range(len(held_out)), options, top.update, with_ids=False)
-    wanted = sorted(set(random.tolist()) | set(top.records().unique().tolist()) - {-1})
-    scores = ProtocolScores(patterns, fires_at, top.records(), random, len(held_out), loaded.device)
-    if wanted:
-        _forward(loaded, held_out, wanted, options, scores.update, with_ids=True)
-    return [[scores.scores(side, layer) for layer in range(n_layers)] for side in range(n_sides)]
-
-
-def _forward(
-    loaded: LoadedModel, held_out: list, chosen, options: ExplanationOptions, fold, *, with_ids: bool
-):
-    """The chosen held-out sentences through the model, each layer's [batch, pos, keys] coefficients
-    handed to `fold(layer, coefficients, [input_ids,] mined, sentences)` (sentences: [batch] their
-    numbers among `held_out`)."""
-    chosen = list(chosen)
-    ids = [held_out[i].token_ids for i in chosen]
-    first = [max(held_out[i].first_position, 1) for i in chosen]
-    pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
-    batches = list(
-        length_bucketed_batches(ids, first, indices=chosen, batch_tokens=options.batch_tokens, pad_id=pad)
-    )
-    current = []
-
-    def folded(layer: int, coefficients: torch.Tensor) -> None:  # coefficients: [batch, pos, keys]
-        batch = current[0]
-        if with_ids:
-            fold(layer, coefficients, batch.input_ids, batch.mined, batch.sentence_index)
-        else:
-            fold(layer, coefficients, batch.mined, batch.sentence_index)
-
-    with (
-        loaded.lock,
-        torch.inference_mode(),
-        capture(loaded.model, loaded.adapter, fields=("coefficients",), on_coefficients=folded),
-    ):
-        for batch in tqdm(batches, desc="scoring explanations", unit="batch", disable=not options.progress):
-            current[:] = [batch.to(loaded.device)]
-            loaded.model.base_model(
-                input_ids=current[0].input_ids, attention_mask=current[0].attention_mask, use_cache=False
-            )
