@@ -6,8 +6,13 @@ OpenAI-compatible URL writes the description only when one is set."""
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from sqlalchemy import delete, func, select
@@ -16,7 +21,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from ffmem.config import Settings
 from ffmem.engine.model.loading import load_model
 from ffmem.engine.relations.weight_graph import weight_graph
-from ffmem.store import composition
+from ffmem.store import composition, vocabularies
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import (
     Analysis,
@@ -27,10 +32,14 @@ from ffmem.store.models import (
     MemoryLinks,
     NeighbourBaseline,
     Neighbours,
+    Run,
 )
 from ffmem.store.specs import CompositionSpec, fingerprint
+from ffmem.web.pages.jobs import explainer_report
 from ffmem.worker.composition import compose, explanations_step, weight_graph_step
+from ffmem.worker.explainer import GIVE_UP
 from ffmem.worker.explanations import ExplanationOptions
+from ffmem.worker.held_out import held_out
 from ffmem.worker.index import IndexOptions
 from ffmem.worker.leases import LostLease
 from ffmem.worker.loop import Worker, build_index
@@ -148,12 +157,12 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
         assert sides[0]["text"] == found.text and sides[0]["scores"] == found.details["protocol"]
         assert found.details["protocol"]["pooled"] == found.score
         pattern = composition.explanation_pattern(found)
-        assert pattern["final"] == [_paris(planted)] and pattern["sign"] == 1
+        assert pattern["final"][0] == _paris(planted) and pattern["sign"] == 1  # the most important first
         assert found.pattern is None and len(found.token_table) == 5 + 6 * len(pattern["final"]) + 10 * len(
             pattern["pairs"]
         )  # packed: 5 B of header, 6 B a token, 10 a pair
         # the held-out sentences (18 of them, 8 with "Paris") were never mined
-        assert found.details["positions"] > 100 and found.details["matches"] == len(PARIS)
+        assert found.details["positions"] > 100 and found.details["matches"] >= len(PARIS)
         assert found.score > 0.9 and found.details["auroc"] > 0.95
         hits = composition.search_explanations(session=session, run_id=run_id, text="paris", limit=5)
         assert (hits[0].layer, hits[0].key) == (0, PLANTED)
@@ -214,6 +223,9 @@ def _answer(content: str) -> httpx.Response:
 
 
 def test_a_local_model_writes_the_description_when_one_is_set(planted_run, planted):
+    """Each side of each memory is asked for in turn (layer 0's keys first); the planted key's positive
+    side gets the model's description, every failed side keeps the heuristic one, and after GIVE_UP
+    failures in a row the explainer stops asking (a server that looks down) and says so."""
     sessions, run_id = planted_run
     before = _rows(sessions, run_id)
     asked = []
@@ -222,29 +234,159 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
         body = json.loads(request.content)
         asked.append(body)
         prompt = body["messages"][0]["content"]
-        if "⟦Paris⟧" in prompt:
+        if "⟦Paris⟧" in prompt and "positive (m > 0)" in prompt:
             return _answer(
                 'Sure: {"description": "the city of Paris", "ends_with": ["Paris"], "context": []}'
             )
         return httpx.Response(500, text="overloaded")
 
     client = httpx.Client(transport=httpx.MockTransport(server), base_url="http://explainer.test/v1")
-    options = ExplanationOptions(explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer")
+    options = ExplanationOptions(
+        explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer", simulated_records=0
+    )
     try:
         compose(sessions, run_id, planted, options, client=client)
         with sessions() as session:
             found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
             assert (found.source, found.text) == ("llm:tiny-explainer", "the city of Paris")
             assert composition.explanation_pattern(found)["final"] == [_paris(planted)] and found.score > 0.9
+            negative = found.details["polarities"][1]
+            assert negative["sign"] == -1 and negative["source"] == "heuristic"
             other = composition.get_explanation(session=session, run_id=run_id, layer=1, key=0)
-            assert other.source == "heuristic"  # the server failed on it: the heuristic one stays
+            assert other.source == "heuristic"  # never asked: the explainer gave up before
             data = session.get(Analysis, (run_id, "explanations")).data
-            assert data["explainer_failures"] == 3 * 48 - sum(
-                "⟦Paris⟧" in a["messages"][0]["content"] for a in asked
-            )
-        assert len(asked) == 3 * 48 and {a["model"] for a in asked} == {"tiny-explainer"}
-        assert asked[0]["temperature"] == 0
+            # keys 0–6 (two sides each) fail, key 7's positive side is written, then 20 failures in a row
+            assert len(asked) == 2 * PLANTED + 1 + GIVE_UP
+            assert data["explainer_sides"] == 2 * 3 * 48 and data["explainer_failures"] == 2 * 3 * 48 - 1
+            assert data["explainer_gave_up"] is True
+        assert {a["model"] for a in asked} == {"tiny-explainer"} and asked[0]["temperature"] == 0
+        first = asked[0]["messages"][0]["content"]  # layer 0 key 0's positive side: reads and writes
+        assert "positive (m > 0)" in first and "its value promotes" in first and "suppresses" in first
+        assert "negative (m < 0)" in asked[1]["messages"][0]["content"]
     finally:
+        compose(sessions, run_id, planted, ExplanationOptions())
+    assert _rows(sessions, run_id) == before
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server (POST /v1/chat/completions) over real HTTP: it describes the planted
+    key's positive side, simulates a description by giving 10 to every "Paris" token and 0 elsewhere, and
+    answers anything else with an error (or, `slow`, after longer than the client waits)."""
+
+    asked: list = []
+    slow = 0.0
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][0]["content"]
+        type(self).asked.append(prompt)
+        if self.slow:
+            time.sleep(self.slow)
+        if prompt.startswith("A memory of a language model is described as"):
+            lines = [line.split(". ", 1)[1] for line in prompt.splitlines() if re.match(r"\d+\. ", line)]
+            activations = [[10 if t == "Paris" else 0 for t in line.split("⟨|⟩")] for line in lines]
+            content = json.dumps({"activations": activations})
+        elif "⟦Paris⟧" in prompt and "positive (m > 0)" in prompt:
+            content = json.dumps({"description": "the city of Paris", "ends_with": ["Paris"]})
+        else:
+            self.send_response(500)
+            self.end_headers()
+            return
+        answer = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_openai():
+    _FakeOpenAI.asked, _FakeOpenAI.slow = [], 0.0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _coefficients(planted, token_ids: list[int]) -> np.ndarray:
+    """Layer 0's coefficients (the input of its down projection) at every position of a sentence, read
+    with a forward hook: [positions, keys]."""
+    found = []
+    mlp = planted.model.model.layers[0].mlp
+    hook = mlp.down_proj.register_forward_hook(lambda module, args, out: found.append(args[0][0].double()))
+    try:
+        with torch.no_grad():
+            planted.model(input_ids=torch.tensor([token_ids]))
+    finally:
+        hook.remove()
+    return found[0].numpy()
+
+
+def test_a_local_server_simulates_what_it_described(planted_run, planted, fake_openai):
+    """OpenAI's simulation score: the server simulates the side it described on the side's top records and
+    the random ones; the stored score is the Pearson correlation, recomputed here from the records it was
+    shown and the key's coefficients there (a forward hook), of its simulation with m."""
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    options = ExplanationOptions(
+        explainer_url=fake_openai, top_records=4, random_records=6, simulated_records=2, explainer_timeout=30
+    )
+    try:
+        compose(sessions, run_id, planted, options)
+        with sessions() as session:
+            found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
+            positive = found.details["polarities"][0]
+            data = session.get(Analysis, (run_id, "explanations")).data
+            run = session.get(Run, run_id)
+            held = held_out(session, run, options.explain_sentences, planted)
+            vocabulary = vocabularies.stored_texts(session=session, model_id=run.model_id)
+        shown = [p for p in _FakeOpenAI.asked if p.startswith("A memory of a language model")]
+        assert len(shown) == 1 and "the city of Paris" in shown[0]  # the one side it described
+        lines = [line.split(". ", 1)[1] for line in shown[0].splitlines() if re.match(r"\d+\. ", line)]
+        assert len(lines) == 4  # 2 top records and 2 random ones
+        simulated, real = [], []
+        for line in lines:
+            tokens = line.split("⟨|⟩")
+            sentence = next(s for s in held if [vocabulary[t] for t in s.token_ids] == tokens)
+            first = max(sentence.first_position, 1)
+            simulated += [10.0 if t == "Paris" else 0.0 for t in tokens[first:]]
+            real += _coefficients(planted, sentence.token_ids)[first:, PLANTED].tolist()
+        expected = np.corrcoef(simulated, real)[0, 1]
+        assert positive["scores"]["simulation"] == pytest.approx(expected, abs=1e-4) and expected > 0.9
+        assert "simulation" not in found.details["polarities"][1]["scores"]  # not described: not simulated
+        assert data["simulated_sides"] == 1 and data["simulation_failures"] == 0
+    finally:
+        compose(sessions, run_id, planted, ExplanationOptions())
+    assert _rows(sessions, run_id) == before
+
+
+def test_a_slow_server_leaves_the_token_tables_and_the_job_page_says_so(planted_run, planted, fake_openai):
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    _FakeOpenAI.slow = 0.5  # longer than the client waits
+    options = ExplanationOptions(explainer_url=fake_openai, explainer_timeout=0.1, simulated_records=2)
+    try:
+        compose(sessions, run_id, planted, options)
+        assert [row[2:4] for row in _rows(sessions, run_id)] == [row[2:4] for row in before]  # all heuristic
+        assert len(_FakeOpenAI.asked) == GIVE_UP  # then it stopped asking
+        with sessions() as session:
+            data = session.get(Analysis, (run_id, "explanations")).data
+            assert (data["explainer_failures"], data["explainer_gave_up"]) == (2 * 3 * 48, True)
+            job = Job(
+                kind=JobKind.composition, status=JobStatus.done, run_id=run_id, options={}, fingerprint="x"
+            )
+            report = explainer_report(session, job)
+        assert (report.sides, report.failures, report.gave_up) == (2 * 3 * 48, 2 * 3 * 48, True)
+    finally:
+        _FakeOpenAI.slow = 0.0
         compose(sessions, run_id, planted, ExplanationOptions())
     assert _rows(sessions, run_id) == before
 
