@@ -32,12 +32,14 @@ RUN = {
     "value_tokens": 30,
     "token_memories": 32,
     "explain_sentences": 1000,
+    "explain_top_records": 20,
+    "explain_random_records": 20,
     "explainer_model": "",
 }
 # Older jobs lack these.
 BEFORE = (
     "first_position", "shaded_triggers", "held_out_every", "token_memories", "explain_sentences",
-    "explainer_model",
+    "explain_top_records", "explain_random_records", "explainer_model",
 )  # fmt: skip
 
 
@@ -74,6 +76,8 @@ def test_a_job_queued_before_an_option_existed_reads_back_as_what_it_did():
         0,
         0,
     )
+    # scored as before the protocol: every held-out sentence a random record, none a top record
+    assert (spec.explain_top_records, spec.explain_random_records) == (0, 0)
     assert spec.options() == old  # what it stores, as stored
     with pytest.raises(ValidationError):
         RunSpec.stored({name: value for name, value in RUN.items() if name != "model"})
