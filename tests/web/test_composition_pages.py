@@ -148,8 +148,10 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
         "auroc": stored.details["auroc"],
         "positions": stored.details["positions"],
         "matches": stored.details["matches"],
-        "protocol": stored.details["protocol"],
-        "polarities": stored.details["polarities"],
+        "protocol": stored.details["protocol"] | {"simulation": None},  # no local explainer: not simulated
+        "polarities": [
+            side | {"scores": side["scores"] | {"simulation": None}} for side in stored.details["polarities"]
+        ],
         "table": {  # the pattern the score measured, its tokens' texts, in m's units, strongest first
             "sign": pattern["sign"],
             "tokens": strongest_first(

@@ -271,7 +271,7 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
 class _FakeOpenAI(BaseHTTPRequestHandler):
     """An OpenAI-compatible server (POST /v1/chat/completions) over real HTTP: it describes the planted
     key's positive side, simulates a description by giving 10 to every "Paris" token and 0 elsewhere, and
-    answers anything else with an error (or, `slow`, after longer than the client waits)."""
+    gives every other side no description (or, `slow`, answers after longer than the client waits)."""
 
     asked: list = []
     slow = 0.0
@@ -288,10 +288,8 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             content = json.dumps({"activations": activations})
         elif "⟦Paris⟧" in prompt and "positive (m > 0)" in prompt:
             content = json.dumps({"description": "the city of Paris", "ends_with": ["Paris"]})
-        else:
-            self.send_response(500)
-            self.end_headers()
-            return
+        else:  # an answer with no description: that side keeps its heuristic one
+            content = json.dumps({"description": "", "ends_with": []})
         answer = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")

@@ -57,6 +57,12 @@ class ProtocolView(BaseModel):
     auroc_control: float | None
     top_positions: int = Field(description="Positions of its top records.")
     random_positions: int = Field(description="Positions of the random records.")
+    matches: int = Field(0, description="Positions of both whose token or pair the pattern weighs.")
+    simulation: float | None = Field(
+        None,
+        description="Where the local explainer described this side: the Pearson r of its simulated "
+        "coefficients with sign · m on some of the side's top and random records (OpenAI's score).",
+    )
 
 
 class PolarityView(BaseModel):
