@@ -19,6 +19,7 @@ from sqlalchemy import delete, func, select
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ffmem.config import Settings
+from ffmem.engine.explanations.protocol import random_records
 from ffmem.engine.model.loading import load_model
 from ffmem.engine.relations.weight_graph import weight_graph
 from ffmem.store import composition, vocabularies
@@ -346,21 +347,39 @@ def test_a_local_server_simulates_what_it_described(planted_run, planted, fake_o
             run = session.get(Run, run_id)
             held = held_out(session, run, options.explain_sentences, planted)
             vocabulary = vocabularies.stored_texts(session=session, model_id=run.model_id)
+            query = select(Explanation).where(Explanation.run_id == run_id)
+            described = [  # the sides the server wrote, in the order it was asked to simulate them
+                (e.layer, e.key, side)
+                for e in session.scalars(query.order_by(Explanation.layer, Explanation.key))
+                for side, written in enumerate(e.details["polarities"])
+                if written["source"] != "heuristic"
+            ]
         shown = [p for p in _FakeOpenAI.asked if p.startswith("A memory of a language model")]
-        assert len(shown) == 1 and "the city of Paris" in shown[0]  # the one side it described
-        lines = [line.split(". ", 1)[1] for line in shown[0].splitlines() if re.match(r"\d+\. ", line)]
-        assert len(lines) == 4  # 2 top records and 2 random ones
+        assert len(shown) == len(described) == data["simulated_sides"] and data["simulation_failures"] == 0
+        prompt = shown[described.index((0, PLANTED, 0))]
+        assert "the city of Paris" in prompt
+        lines = [line.split(". ", 1)[1] for line in prompt.splitlines() if re.match(r"\d+\. ", line)]
+        records = [
+            next(i for i, s in enumerate(held) if [vocabulary[t] for t in s.token_ids] == line.split("⟨|⟩"))
+            for line in lines
+        ]
+        # its 2 top records (where m peaks highest among the records that are not random), then 2 random
+        random = random_records(len(held), 6).tolist()
+        assert len(records) == 4 and records[2:] == random[:2]
+        m = {
+            i: _coefficients(planted, s.token_ids)[max(s.first_position, 1) :, PLANTED]
+            for i, s in enumerate(held)
+        }
+        others = [m[i].max() for i in m if i not in random and i not in records[:2]]
+        assert all(m[i].max() >= max(others) - 1e-5 for i in records[:2])
         simulated, real = [], []
-        for line in lines:
+        for i, line in zip(records, lines, strict=True):
             tokens = line.split("⟨|⟩")
-            sentence = next(s for s in held if [vocabulary[t] for t in s.token_ids] == tokens)
-            first = max(sentence.first_position, 1)
-            simulated += [10.0 if t == "Paris" else 0.0 for t in tokens[first:]]
-            real += _coefficients(planted, sentence.token_ids)[first:, PLANTED].tolist()
+            simulated += [10.0 if t == "Paris" else 0.0 for t in tokens[max(held[i].first_position, 1) :]]
+            real += m[i].tolist()
         expected = np.corrcoef(simulated, real)[0, 1]
         assert positive["scores"]["simulation"] == pytest.approx(expected, abs=1e-4) and expected > 0.9
         assert "simulation" not in found.details["polarities"][1]["scores"]  # not described: not simulated
-        assert data["simulated_sides"] == 1 and data["simulation_failures"] == 0
     finally:
         compose(sessions, run_id, planted, ExplanationOptions())
     assert _rows(sessions, run_id) == before
