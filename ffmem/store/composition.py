@@ -176,9 +176,24 @@ def explanation_scores(
     )
     found = {}
     for key, score, details in session.execute(query):
-        protocol = (details or {}).get("protocol") or {}
-        found[key] = (score, protocol.get("pooled_control"))
+        found[key] = (score, (protocol_of(details) or {}).get("pooled_control"))
     return found
+
+
+def explanation_sides(explanation: Explanation) -> list[dict]:
+    """Both sides of a memory as its explanation stores them ({"sign", "source", "text", "scores"}, m > 0
+    first; the stronger side's text is the row's, stored once); none for a run explained before sides."""
+    details = explanation.details or {}
+    return [side | {"text": side.get("text", explanation.text)} for side in details.get("polarities", [])]
+
+
+def protocol_of(details: dict | None) -> dict | None:
+    """An explanation's details' scores of its stronger side by the scoring protocol (None: explained
+    before the protocol, or unscored)."""
+    details = details or {}
+    return next(
+        (s["scores"] for s in details.get("polarities", []) if s["sign"] == details.get("sign")), None
+    )
 
 
 def explanation_texts(

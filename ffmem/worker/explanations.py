@@ -295,9 +295,10 @@ def _rows(
     descriptions: dict, scores: list, signs: np.ndarray, simulated: dict, *, scored: bool
 ) -> list[tuple]:
     """The stored rows: (layer, key, source, text, score, pattern, details) of every memory, its dominant
-    side's description, pattern and pooled score first; `details` the protocol's scores of that side and
-    both sides' descriptions and scores ("polarities"; with the local model's simulation score where it
-    simulated the side, `simulated`: (side, layer, key) → r)."""
+    side's description, pattern and pooled score first; `details` names that side ("sign") and holds both
+    sides' sources, descriptions (the dominant's is the row's text) and scores ("polarities"; with the
+    local model's simulation score where it simulated the side, `simulated`: (side, layer, key) → r):
+    ffmem.store.composition.explanation_sides reads them back."""
     rows = []
     for layer, layer_signs in enumerate(signs):
         for key, sign in enumerate(layer_signs):
@@ -311,11 +312,12 @@ def _rows(
             dominant = POLARITIES.index(int(sign))
             source, description = descriptions[layer, key][dominant]
             protocol = sides[dominant]["scores"]
+            del sides[dominant]["text"]  # the row's text: stored once
             details = {
                 "positions": protocol["top_positions"] + protocol["random_positions"] if protocol else 0,
                 "matches": protocol["matches"] if protocol else 0,
                 "auroc": protocol["auroc"] if protocol else None,
-                "protocol": protocol,
+                "sign": int(sign),
                 "polarities": sides,
             }
             score = protocol["pooled"] if protocol else None

@@ -148,9 +148,10 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
         "auroc": stored.details["auroc"],
         "positions": stored.details["positions"],
         "matches": stored.details["matches"],
-        "protocol": stored.details["protocol"] | {"simulation": None},  # no local explainer: not simulated
-        "polarities": [
-            side | {"scores": side["scores"] | {"simulation": None}} for side in stored.details["polarities"]
+        "protocol": stronger(stored.details) | {"simulation": None},  # no local explainer: not simulated
+        "polarities": [  # the stronger side's text stored once, as the row's
+            side | {"text": side.get("text", stored.text), "scores": side["scores"] | {"simulation": None}}
+            for side in stored.details["polarities"]
         ],
         "table": {  # the pattern the score measured, its tokens' texts, in m's units, strongest first
             "sign": pattern["sign"],
@@ -185,7 +186,9 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     ) >= len(pattern["final"])
     shown = re.search(r'id="explanation-text"><strong>(.*?)</strong>', page, re.S).group(1)
     assert unescape(shown) == stored.text
-    for side in stored.details["polarities"]:  # each side's scores beside their controls
+    assert [side["sign"] for side in stored.details["polarities"]] == [1, -1]
+    assert "text" not in next(s for s in stored.details["polarities"] if s["sign"] == stored.details["sign"])
+    for side in body["explanation"]["polarities"]:  # each side's scores beside their controls
         name = "positive" if side["sign"] > 0 else "negative"
         assert unescape(visible_text(page, f'id="polarity-{name}"')).count(side["text"]) == 1
         table = page[page.index(f'id="scores-{name}"') :]
@@ -195,6 +198,11 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
             number(got[n], 3)
             for n in ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")
         ]
+
+
+def stronger(details: dict) -> dict:
+    """The stored scores of a memory's stronger side."""
+    return next(side["scores"] for side in details["polarities"] if side["sign"] == details["sign"])
 
 
 def visible_text(page: str, anchor: str) -> str:
@@ -279,9 +287,7 @@ def test_the_layer_table_sorts_by_the_explanations_score_beside_its_control(clie
     body = client.get(f"/m/{slug}/layers/1.json", params={"sort": "explanation", "order": "desc"}).json()
     shown = [(k["key"], k["explanation_score"], k["explanation_control"]) for k in body["keys"]]
     expected = sorted(stored.values(), key=lambda e: (e.score is None, -(e.score or 0), e.key))
-    assert shown == [
-        (e.key, e.score, e.details["protocol"]["pooled_control"]) for e in expected[: len(shown)]
-    ]
+    assert shown == [(e.key, e.score, stronger(e.details)["pooled_control"]) for e in expected[: len(shown)]]
     ascending = client.get(f"/m/{slug}/layers/1.json", params={"sort": "explanation", "order": "asc"}).json()
     scores = [k["explanation_score"] for k in ascending["keys"] if k["explanation_score"] is not None]
     assert scores == sorted(scores)
@@ -297,7 +303,7 @@ def test_the_model_page_gives_each_layers_explanation_quartiles_with_their_contr
     rows = db.scalars(select(Explanation).where(Explanation.run_id == run.id)).all()
     assert body["top_records"] == 20 and body["held_out_sentences"] > 0
     for layer in body["layers"]:
-        mine = [e.details["protocol"] for e in rows if e.layer == layer["layer"]]
+        mine = [stronger(e.details) for e in rows if e.layer == layer["layer"]]
         for name in ("pooled", "pooled_control", "random", "auroc"):
             values = np.array([p[name] for p in mine if p[name] is not None])
             expected = (

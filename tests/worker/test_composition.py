@@ -155,8 +155,9 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
         assert found.text.startswith("Fires on “Paris”"), found.text
         sides = found.details["polarities"]
         assert [(side["sign"], side["source"]) for side in sides] == [(1, "heuristic"), (-1, "heuristic")]
-        assert sides[0]["text"] == found.text and sides[0]["scores"] == found.details["protocol"]
-        assert found.details["protocol"]["pooled"] == found.score
+        assert found.details["sign"] == 1 and "text" not in sides[0]  # the row's text: stored once
+        assert sides[1]["text"].startswith("Goes negative on") or sides[1]["text"].startswith("No token")
+        assert sides[0]["scores"]["pooled"] == found.score
         pattern = composition.explanation_pattern(found)
         assert pattern["final"][0] == _paris(planted) and pattern["sign"] == 1  # the most important first
         assert found.pattern is None and len(found.token_table) == 5 + 6 * len(pattern["final"]) + 10 * len(

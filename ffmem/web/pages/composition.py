@@ -206,8 +206,8 @@ def explanation_view(found: Explanation) -> ExplanationView:
         auroc=details.get("auroc"),
         positions=details.get("positions", 0),
         matches=details.get("matches", 0),
-        protocol=details.get("protocol"),
-        polarities=details.get("polarities", []),
+        protocol=composition.protocol_of(details),
+        polarities=composition.explanation_sides(found),
     )
 
 
