@@ -277,9 +277,9 @@ def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list
     for key in range(n_keys):
         found = {s: by_key[s][key] for s in POLARITIES}
         shallow = run.shallowness.get((layer, key))
+        positions = _fitting_positions(shaded.get(key), found, run.sentences)
         for sign in POLARITIES:
-            positions = _fitting_positions(shaded.get(key), found, run.sentences, sign)
-            pattern = fit_pattern(*positions, sign, run.counts)
+            pattern = fit_pattern(*positions[sign], sign, run.counts)
             values = written[sign][key].tolist() if key < len(written[sign]) else []
             prefixes = [  # what a prompt shows: the ends of the strongest trigger prefixes
                 run.sentences[s][max(p + 1 - PROMPT_TOKENS, 0) : p + 1]
@@ -340,25 +340,36 @@ def _by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
 
 
 def _fitting_positions(
-    stored: StoredExamples | None, triggers: dict[int, list], sentences: list[list[int]], side: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, previous tokens, coefficients) of the mined positions one side's pattern is fitted on (its
-    own records): every mined token of the shaded sentences of its first triggers of that sign and of its
-    band samples (each sentence once), or — for a run stored before the shading — its top triggers of that
-    sign alone."""
+    stored: StoredExamples | None, triggers: dict[int, list], sentences: list[list[int]]
+) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per side (POLARITIES), (tokens, previous tokens, coefficients) of the mined positions its pattern is
+    fitted on (its own records): every mined token of the shaded sentences of its first triggers of that
+    sign and of its band samples (each sentence once), or — for a run stored before the shading — its top
+    triggers of that sign alone. The stored shading is decoded once for both."""
     if stored is None:
-        found = triggers[side]
-        tokens = np.array([sentences[s][p] for s, p, _ in found], dtype=np.int64)
-        previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in found], dtype=np.int64)
-        return tokens, previous, np.array([c for _, _, c in found], dtype=np.float64)
+        found = {}
+        for side in POLARITIES:
+            chosen = triggers[side]
+            tokens = np.array([sentences[s][p] for s, p, _ in chosen], dtype=np.int64)
+            previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in chosen], dtype=np.int64)
+            found[side] = (tokens, previous, np.array([c for _, _, c in chosen], dtype=np.float64))
+        return found
     positive = [s for s, _, _ in triggers[1][: stored.positive]]
     negative = [s for s, _, _ in triggers[-1][: stored.negative]]
     samples = [sample.sentence_index for sample in stored.samples]
     arrays = stored.shading([len(sentences[s]) for s in positive + negative + samples])
     shown = len(positive) + len(negative)
-    own = slice(0, len(positive)) if side > 0 else slice(len(positive), shown)
-    chosen = list(zip(positive + negative, arrays[:shown], strict=True))[own]
-    chosen += list(zip(samples, arrays[shown:], strict=True))
+    backdrop = list(zip(samples, arrays[shown:], strict=True))
+    own = {
+        1: list(zip(positive, arrays[: len(positive)], strict=True)) + backdrop,
+        -1: list(zip(negative, arrays[len(positive) : shown], strict=True)) + backdrop,
+    }
+    return {side: _positions(chosen, sentences) for side, chosen in own.items()}
+
+
+def _positions(chosen: list, sentences: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, previous tokens, coefficients) of the mined positions of (sentence, shading) pairs, each
+    sentence once."""
     tokens, previous, m, seen = [], [], [], set()
     for sentence, values in chosen:
         if sentence in seen:
