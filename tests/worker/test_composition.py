@@ -30,6 +30,7 @@ from ffmem.store.models import (
     Job,
     JobKind,
     JobStatus,
+    KeyStats,
     MemoryLinks,
     NeighbourBaseline,
     Neighbours,
@@ -185,6 +186,38 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
         }
         assert stored["explanations"].options["explainer_url"] is False
         assert stored["weight_graph"].data["rows"] == {"in": 2 * 48, "out": 2 * 48}
+
+
+def test_the_stored_scores_equal_a_recomputation_from_the_stored_table(planted_run, planted):
+    """The planted key's stored scores, recomputed here: its stored token table's match at every mined
+    position of the held-out records (18, fewer than the 20 random records asked for: all random, no top
+    record) against its coefficient there, read with a forward hook — pooled and random-only Pearson and
+    the AUROC of the positions where it fires (past half its largest mined coefficient)."""
+    sessions, run_id = planted_run
+    with sessions() as session:
+        found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
+        table = composition.explanation_pattern(found)
+        run = session.get(Run, run_id)
+        held = held_out(session, run, 1000, planted)
+        largest = session.get(KeyStats, (run_id, 0, PLANTED)).max_coefficient
+    weights = dict(zip(table["final"], table["weights"], strict=True))
+    pairs = {tuple(pair): w for pair, w in zip(table["pairs"], table["pair_weights"], strict=True)}
+    match, m = [], []
+    for sentence in held:
+        ids, first = sentence.token_ids, max(sentence.first_position, 1)
+        m += _coefficients(planted, ids)[first:, PLANTED].tolist()
+        match += [pairs.get((ids[i - 1], ids[i]), weights.get(ids[i], 0.0)) for i in range(first, len(ids))]
+    match, m = np.array(match), np.array(m)
+    scores = found.details["polarities"][0]["scores"]
+    expected = np.corrcoef(match, m)[0, 1]
+    assert scores["random_positions"] == len(m) and scores["top_positions"] == 0
+    assert scores["pooled"] == pytest.approx(expected, abs=2e-3) and scores["random"] == scores["pooled"]
+    fires = m >= largest / 2
+    wins = (match[fires][:, None] > match[~fires][None]) + 0.5 * (
+        match[fires][:, None] == match[~fires][None]
+    )
+    assert scores["auroc"] == pytest.approx(wins.mean(), abs=2e-3)
+    assert scores["pooled_control"] is not None and scores["pooled_control"] < scores["pooled"] - 0.5
 
 
 def test_explanations_are_deterministic(planted_run, planted):
