@@ -125,7 +125,7 @@ def _pair_levels(table, codes: torch.Tensor, row_of: torch.Tensor, key: torch.Te
         return torch.zeros(len(key), dtype=torch.uint8, device=key.device)
     wanted = row_of * table.n_keys + key  # [P]
     at = torch.searchsorted(codes, wanted).clamp_(max=len(codes) - 1)  # [P]
-    return torch.where(codes[at] == wanted, table.levels[at], torch.zeros_like(table.levels[at]))
+    return table.levels[at].mul_(codes[at] == wanted)  # 0 where the entry found is another
 
 
 class _SideTables:
