@@ -1,12 +1,12 @@
 """Explanations without an API key on the default index (a benchmark, not a test): `make bench` runs it
 after bench.weight_graph (the default index is built first when it is missing).
 
-Describes every memory of the default run and scores each description on the held-out sentences (the
-corpus's sentences after the 2,000 the run mined; `explain_sentences` of them), as a finished run
-does (ffmem.worker.explanations.store_explanations), and reports the time of each part (target: all
-memories in ≤ 10 minutes), the scores' distribution overall and by depth, and the key page's server
-time with the new sections (TestClient, random keys). Figures go into bench-results.json under
-"explanations".
+Describes both sides of every memory of the default run and scores each by the scoring protocol on the
+run's held-out sentences (`explain_sentences` of them: each side's top records and the random ones), as a
+finished run does (ffmem.worker.explanations.store_explanations), and reports the time of each part
+(target: all memories with their controls in ≤ 10 minutes), the medians overall and by depth third with
+their controls, per layer quartiles, and the key page's server time (TestClient, random keys). Figures
+go into bench-results.json under "explanations".
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import random
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from bench import harness
@@ -50,12 +49,6 @@ def page_times(url: str, slug: str, n_layers: int, n_keys: int, samples: int) ->
     return {name: {"p50_ms": round(statistics.median(t), 1), "n": len(t)} for name, t in times.items()}
 
 
-def quartiles(values) -> list[float] | None:
-    """[first quartile, median, third quartile] of some scores, rounded; None without any."""
-    values = np.fromiter(values, dtype=np.float64)
-    return [round(float(q), 3) for q in np.quantile(values, [0.25, 0.5, 0.75])] if values.size else None
-
-
 def main() -> None:
     parser = harness.parser(__doc__, db=True)
     parser.add_argument("--pages", type=int, default=100, help="key pages timed (0: none)")
@@ -88,27 +81,19 @@ def main() -> None:
         )
         examples = [f"L{e.layer} K{e.key} ({e.score:.2f}): {e.text}" for e in best]
     scores = [s for _, s, _ in rows if s is not None]
-    thirds = [
-        [s for layer, s, _ in rows if s is not None and layer * 3 // n_layers == third] for third in range(3)
-    ]
-    by_layer = [[s for layer, s, _ in rows if layer == at] for at in range(n_layers)]
-    aurocs = [[d["auroc"] for layer, _, d in rows if layer == at] for at in range(n_layers)]
     results = {
         "memories": len(rows),
         "threads": torch.get_num_threads(),
         "seconds": round(seconds, 1),
         "parts_seconds": {k: round(v, 1) for k, v in summary.items() if k.endswith("_seconds")},
         "held_out_sentences": summary["held_out_sentences"],
-        "held_out_positions": summary["held_out_positions"],
+        "top_records": summary["top_records"],
+        "random_records": summary["random_records"],
         "scored": len(scores),
-        "score_median": round(statistics.median(scores), 3) if scores else None,
-        "score_above_0.3": round(sum(s > 0.3 for s in scores) / max(1, len(scores)), 3),
-        "score_median_by_depth_third": [round(statistics.median(t), 3) if t else None for t in thirds],
-        "auroc_median": None if summary["median_auroc"] is None else round(summary["median_auroc"], 3),
-        "score_median_unscored_as_0": round(statistics.median(s or 0.0 for _, s, _ in rows), 3),
-        "score_quartiles_by_layer": [quartiles(s for s in layer if s is not None) for layer in by_layer],
-        "scored_by_layer": [sum(s is not None for s in layer) for layer in by_layer],
-        "auroc_quartiles_by_layer": [quartiles(a for a in layer if a is not None) for layer in aurocs],
+        # the protocol's medians (every memory's stronger side) over all and by depth third, with controls
+        "medians": summary["medians"],
+        "pooled_above_0.3": round(sum(s > 0.3 for s in scores) / max(1, len(scores)), 3),
+        "layers": summary["layers"],
         "examples": examples,
         "target_seconds": 600,
     }

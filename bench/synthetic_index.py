@@ -457,16 +457,31 @@ def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tu
     return "".join(texts[t] for t in ids), ids, offsets, 0
 
 
+def _explanation_draws(shape: Shape) -> Iterator[tuple[np.ndarray, ...]]:
+    """Each layer's random draws for its explanations: tokens, weights, pairs' previous tokens, scores."""
+    rng = np.random.default_rng([shape.seed, 4])
+    n, pairs = MAX_TOKENS, MAX_PAIRS
+    for _ in range(shape.n_layers):
+        finals = rng.integers(0, shape.vocab_size, (shape.n_keys, n))
+        weights = rng.normal(0.0, 0.5, (shape.n_keys, n + pairs))
+        before = rng.integers(0, shape.vocab_size, (shape.n_keys, pairs))
+        yield finals, weights, before, rng.uniform(-0.1, 0.9, shape.n_keys)
+
+
+def explanation_scores(shape: Shape, layer: int) -> np.ndarray:
+    """[keys] the scores of a layer's explanations as stored (NaN: every 10th key's, stored unscored)."""
+    for at, (_, _, _, scores) in enumerate(_explanation_draws(shape)):
+        if at == layer:
+            return np.where(np.arange(shape.n_keys) % 10 == 0, np.nan, scores)
+    raise ValueError(f"the shape has no layer {layer}")
+
+
 def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
     """One explanation per memory: (layer, key, source, text, score, pattern, details); the pattern a token
     table of the explainer's size (explanations.MAX_TOKENS tokens, MAX_PAIRS pairs; weights to 3 digits)."""
-    rng = np.random.default_rng([shape.seed, 4])
     n, pairs = MAX_TOKENS, MAX_PAIRS
-    for layer in range(shape.n_layers):
-        finals = rng.integers(0, shape.vocab_size, (shape.n_keys, n)).tolist()
-        weights = rng.normal(0.0, 0.5, (shape.n_keys, n + pairs))
-        before = rng.integers(0, shape.vocab_size, (shape.n_keys, pairs)).tolist()
-        scores = rng.uniform(-0.1, 0.9, shape.n_keys).tolist()
+    for layer, (finals, weights, before, scores) in enumerate(_explanation_draws(shape)):
+        finals, before, scores = finals.tolist(), before.tolist(), scores.tolist()
         digits = 10.0 ** (2 - np.floor(np.log10(np.abs(weights))))  # [keys, n + pairs]: 3 significant
         three = (np.round(weights * digits) / digits).tolist()  # as float(f"{w:.3g}"), 5 million at once
         for key, (final, score) in enumerate(zip(finals, scores, strict=True)):

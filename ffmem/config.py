@@ -221,6 +221,19 @@ class Settings(BaseSettings):
         le=64,
         description="Held-out contexts (where the key fires most) per sampled memory's TokenChange.",
     )
+    explain_top_records: int = Field(
+        20,
+        ge=0,
+        description="The scoring protocol's top records: per memory and side, the held-out sentences where "
+        "it peaks highest, scored with as many random ones (the pooled score, mixed 1:1 with "
+        "explain_random_records).",
+    )
+    explain_random_records: int = Field(
+        20,
+        ge=0,
+        description="The scoring protocol's random records: held-out sentences drawn once by a fixed "
+        "shuffle, the same for every memory (its random-only score); 0: every held-out sentence.",
+    )
     explainer_url: str = Field(
         "",
         description="Base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8080/v1) whose model "
@@ -228,6 +241,13 @@ class Settings(BaseSettings):
         "is sent anywhere.",
     )
     explainer_model: str = Field("", description="Model name sent to explainer_url (empty: the server's).")
+    explainer_simulated_records: int = Field(
+        5,
+        ge=0,
+        description="With explainer_url set, its model also simulates each side it describes on this many of "
+        "the side's top held-out records and as many random ones (OpenAI's simulation score, stored beside "
+        "the token table's); 0: it only describes.",
+    )
     explainer_timeout: float = Field(60.0, gt=0, description="Seconds to wait for explainer_url's answer.")
     admin_token: SecretStr | None = Field(
         None,

@@ -4,7 +4,7 @@ array inputs are numpy arrays."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,6 +161,39 @@ def get_explanation(*, session: Session, run_id: int, layer: int, key: int) -> E
     """A memory's explanation with its token table (deferred elsewhere: lists of explanations skip it), in
     one query."""
     return session.get(Explanation, (run_id, layer, key), options=[undefer(Explanation.token_table)])
+
+
+def explanation_scores(
+    *, session: Session, run_id: int, layer: int, keys: Sequence[int]
+) -> dict[int, tuple[float | None, float | None]]:
+    """key → (its explanation's score, its control's: the scoring protocol's pooled Pearson, with another
+    memory's pattern for the control; None where unscored, and the control for runs explained before the
+    protocol), for those of `keys` the run explains."""
+    if not keys:
+        return {}
+    query = select(Explanation.key, Explanation.score, Explanation.details).where(
+        Explanation.run_id == run_id, Explanation.layer == layer, Explanation.key.in_(sorted(set(keys)))
+    )
+    found = {}
+    for key, score, details in session.execute(query):
+        found[key] = (score, (protocol_of(details) or {}).get("pooled_control"))
+    return found
+
+
+def explanation_sides(explanation: Explanation) -> list[dict]:
+    """Both sides of a memory as its explanation stores them ({"sign", "source", "text", "scores"}, m > 0
+    first; the stronger side's text is the row's, stored once); none for a run explained before sides."""
+    details = explanation.details or {}
+    return [side | {"text": side.get("text", explanation.text)} for side in details.get("polarities", [])]
+
+
+def protocol_of(details: dict | None) -> dict | None:
+    """An explanation's details' scores of its stronger side by the scoring protocol (None: explained
+    before the protocol, or unscored)."""
+    details = details or {}
+    return next(
+        (s["scores"] for s in details.get("polarities", []) if s["sign"] == details.get("sign")), None
+    )
 
 
 def explanation_texts(

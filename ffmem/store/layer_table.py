@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from ffmem.store import memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_reads import promoting_keys
-from ffmem.store.models import QUADRANT_COLUMNS, KeyOrder, KeyStats
+from ffmem.store.models import QUADRANT_COLUMNS, Explanation, KeyOrder, KeyStats
 
 KEY_SORTS = (
     "key",
@@ -29,6 +29,7 @@ KEY_SORTS = (
     "value_norm",
     "dominant_quadrant",
     *QUADRANT_COLUMNS,
+    "explanation",  # the explanation's score (explanations.score: the scoring protocol's pooled Pearson)
 )
 
 
@@ -77,9 +78,15 @@ def layer_keys(
             session.scalars(select(KeyStats).where(*where).order_by(*order).offset(offset).limit(limit))
         )
     else:  # the sort carries the key alone (half the time of whole rows at 14,336 keys), then the page's rows
-        keys = list(
-            session.scalars(select(KeyStats.key).where(*where).order_by(*order).offset(offset).limit(limit))
-        )
+        keys = select(KeyStats.key).where(*where)
+        if sort == "explanation":  # stored after the key orders: sorted here
+            keys = keys.outerjoin(
+                Explanation,
+                (Explanation.run_id == KeyStats.run_id)
+                & (Explanation.layer == KeyStats.layer)
+                & (Explanation.key == KeyStats.key),
+            )
+        keys = list(session.scalars(keys.order_by(*order).offset(offset).limit(limit)))
         found = session.scalars(select(KeyStats).where(*where[:2], KeyStats.key.in_(keys)))
         rows = {row.key: row for row in found}
         page = [rows[key] for key in keys]
@@ -129,7 +136,7 @@ def _key_order(sort: str, descending: bool, *, reverse: bool) -> list:
     """The layer table's order (`reverse`: backwards): by key, the primary key's (no sort); by a
     statistic, NULLs last (`IS NULL` sorts false first on both databases), then it, then the key. By the
     dominant quadrant: within each, by its share, the largest first."""
-    column = getattr(KeyStats, sort)
+    column = Explanation.score if sort == "explanation" else getattr(KeyStats, sort)
     ordering = [column.desc() if descending != reverse else column.asc()]
     if sort == "dominant_quadrant":
         ordering.append(_dominant_share().asc() if reverse else _dominant_share().desc())

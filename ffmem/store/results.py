@@ -247,6 +247,7 @@ class MiningResults:
             "max_prob": probs,
             "next_token_rank": unknown,
             "value_norm": unknown,
+            "explanation": unknown,  # explained once the run is stored
         }
         shares = mined.quadrant_shares() if mined.gated else np.full((n_keys, 4), np.nan)  # [keys, 4]
         columns.update(zip(QUADRANT_COLUMNS, shares.T, strict=True))

@@ -52,8 +52,9 @@ class RunSpec(Spec):
     """What defines an index run, its explanations included. The fields with a default are those jobs
     queued before they existed lack; the default is what such a job did (mined position 0, held nothing
     out, shaded nothing, built no token → memories table, scored explanations on the setting's default of
-    held-out sentences, with no explainer model named, measured no TokenChange). A new run's spec gives every
-    field (`from_settings`). Where the explainer is served (`explainer_url`) is each worker's own."""
+    held-out sentences — every one a random record of the scoring protocol, none a top record — with no
+    explainer model named, measured no TokenChange). A new run's spec gives every field (`from_settings`).
+    Where the explainer is served (`explainer_url`) is each worker's own."""
 
     model: str
     corpus: str
@@ -69,6 +70,8 @@ class RunSpec(Spec):
     value_tokens: int
     token_memories: int = 0
     explain_sentences: int = 1000
+    explain_top_records: int = 0
+    explain_random_records: int = 0
     explainer_model: str = ""
     token_change_memories: int = 0
     token_change_contexts: int = 8
@@ -96,12 +99,15 @@ ANALYSIS_SIZES = ("examples", "keys", "triggers")  # the AnalysisSpec fields wit
 
 class CompositionSpec(Spec):
     """What a composition job computes again for a finished run (ffmem.worker.composition): its weight
-    graph, and its explanations scored on `explain_sentences` held-out sentences (in batches of
-    `batch_tokens`), written by the explainer model `explainer_model` where a worker reaches one."""
+    graph, and its explanations scored on `explain_sentences` held-out sentences (the protocol's
+    `explain_top_records` and `explain_random_records` of them; in batches of `batch_tokens`), written by
+    the explainer model `explainer_model` where a worker reaches one."""
 
     explain_sentences: int
     explainer_model: str
     batch_tokens: int
+    explain_top_records: int = 0
+    explain_random_records: int = 0
 
 
 class ComparisonSpec(Spec):

@@ -22,43 +22,51 @@ from tqdm.auto import tqdm
 
 from ffmem.config import Settings
 from ffmem.engine.errors import FfmemError
-from ffmem.engine.explanations.description import describe
+from ffmem.engine.explanations.description import Description, describe
 from ffmem.engine.explanations.fitting import (
     START,
     CorpusCounts,
-    Pattern,
     dominant_sign,
     fit_pattern,
     previous_tokens,
 )
-from ffmem.engine.explanations.scoring import PatternScores
-from ffmem.engine.mining.corpus import length_bucketed_batches
-from ffmem.engine.model.hooks import capture
+from ffmem.engine.explanations.protocol import (
+    POLARITIES,
+)
 from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
 from ffmem.store.key_examples import StoredExamples, layer_shading
 from ffmem.store.models import Run
 from ffmem.store.specs import CompositionSpec, RunSpec
 from ffmem.worker.explainer import PROMPT_PREFIXES, PROMPT_TOKENS, Evidence, LocalExplainer
+from ffmem.worker.explanation_scores import (
+    HEURISTIC,
+    median,
+    protocol_summary,
+    score_patterns,
+    simulation_scores,
+)
 from ffmem.worker.held_out import held_out
 from ffmem.worker.leases import Heartbeat, checked_commit
 
 if TYPE_CHECKING:
     from ffmem.worker.index import IndexOptions
 
-HEURISTIC = "heuristic"
-
 
 @dataclass
 class ExplanationOptions:
-    """How the explanations are written and scored (`compose` takes them): held-out sentences, batch size, the
-    optional local explainer; besides the run and its model (defaults: the settings of the same names)."""
+    """How the explanations are written and scored (`compose` takes them): held-out sentences, the protocol's
+    top and random records (0 random records: every held-out sentence), batch size, the optional local
+    explainer; besides the run and its model (defaults: the settings of the same names)."""
 
     explain_sentences: int = Settings.model_fields["explain_sentences"].default
+    top_records: int = Settings.model_fields["explain_top_records"].default
+    random_records: int = Settings.model_fields["explain_random_records"].default
     batch_tokens: int = Settings.model_fields["batch_tokens"].default
     explainer_url: str = ""
     explainer_model: str = ""
     explainer_timeout: float = Settings.model_fields["explainer_timeout"].default
+    simulated_records: int = Settings.model_fields["explainer_simulated_records"].default
     progress: bool = False
 
     @classmethod
@@ -66,6 +74,8 @@ class ExplanationOptions:
         """An index or composition job's: what its spec says, with the explainer its worker reaches."""
         return cls(
             explain_sentences=spec.explain_sentences,
+            top_records=spec.explain_top_records,
+            random_records=spec.explain_random_records,
             batch_tokens=spec.batch_tokens,
             explainer_url=worker.explainer_url,
             explainer_model=spec.explainer_model,
@@ -77,10 +87,13 @@ class ExplanationOptions:
     def from_settings(cls, settings: Settings, progress: bool = False) -> ExplanationOptions:
         return cls(
             explain_sentences=settings.explain_sentences,
+            top_records=settings.explain_top_records,
+            random_records=settings.explain_random_records,
             batch_tokens=settings.batch_tokens,
             explainer_url=settings.explainer_url,
             explainer_model=settings.explainer_model,
             explainer_timeout=settings.explainer_timeout,
+            simulated_records=settings.explainer_simulated_records,
             progress=progress,
         )
 
@@ -93,10 +106,10 @@ def store_explanations(
     client: httpx.Client | None = None,
     lease: Heartbeat | None = None,
 ) -> dict:
-    """Describe every memory of the run, score the descriptions on held-out sentences and store them
-    (committed after `lease` is checked, when there is one); what was stored, with each part's seconds.
-    A layer at a time: its memories' evidence is gathered, described (and, with a local explainer, sent
-    to it) and let go, so that what stays for every memory (131,072 at Llama-3.2-1B) is its description."""
+    """Describe both sides of every memory of the run, score each by the protocol on held-out sentences
+    and store them (committed after `lease` is checked, when there is one); what was stored, with each
+    part's seconds. A layer at a time: its memories' evidence is gathered, described (and, with a local
+    explainer, sent to it) and let go, so that what stays for every memory is its descriptions."""
     timings = {}
     start = time.perf_counter()
     run = _RunInputs.read(sessions, run_id, loaded)
@@ -117,44 +130,55 @@ def store_explanations(
     with sessions() as session:
         held = held_out(session, session.get(Run, run_id), options.explain_sentences, loaded)
     n_layers, n_keys = run.signs.shape
-    patterns = [[descriptions[layer, key][1].pattern for key in range(n_keys)] for layer in range(n_layers)]
-    scores = score_patterns(loaded, patterns, run.fires_at, held, options)
+    patterns = [
+        [[descriptions[layer, key][side][1].pattern for key in range(n_keys)] for layer in range(n_layers)]
+        for side in range(len(POLARITIES))
+    ]
+    scores, top = score_patterns(loaded, patterns, run.fires_at, held, options)
     timings["score_seconds"] = time.perf_counter() - start
+    simulated = {}
+    if explainer is not None and options.simulated_records and held:
+        start = time.perf_counter()
+        simulated = simulation_scores(loaded, explainer, descriptions, top, held, options)
+        timings["simulation_seconds"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    rows = _rows(descriptions, scores, scored=bool(held))
+    rows = _rows(descriptions, scores, run.signs, simulated, scored=bool(held))
     with sessions() as session:
         composition.delete_explanations(session=session, run_id=run_id)
         composition.store_explanations(session=session, run_id=run_id, rows=rows)
         checked_commit(session, lease)
         summary = composition.explanation_summary(session=session, run_id=run_id)
     timings["store_seconds"] = time.perf_counter() - start
-    correlations = np.array([r[4] for r in rows if r[4] is not None], dtype=np.float64)
-    aurocs = np.array([r[6]["auroc"] for r in rows if r[6]["auroc"] is not None], dtype=np.float64)
     return (
         summary
         | timings
         | {
             "held_out_sentences": len(held),
-            "held_out_positions": scores[0][0].positions if held and scores and scores[0] else 0,
-            "median_score": float(np.median(correlations)) if correlations.size else None,
-            "median_auroc": float(np.median(aurocs)) if aurocs.size else None,
+            "top_records": options.top_records,
+            "random_records": min(options.random_records or len(held), len(held)),
             "explainer_failures": failures,
+            "explainer_sides": len(descriptions) * len(POLARITIES) if explainer is not None else 0,
+            "explainer_gave_up": explainer is not None and explainer.gave_up,
+            "simulated_sides": sum(r is not None for r in simulated.values()),
+            "simulation_failures": sum(r is None for r in simulated.values()),
+            "median_simulation": median(np.array([r for r in simulated.values() if r is not None])),
         }
+        | protocol_summary(scores, run.signs)
     )
 
 
 @dataclass
 class _RunInputs:
     """What describing a run's memories reads once: its corpus, its vocabulary (as text and as shown), and
-    per memory its dominant sign, the coefficient it counts as firing at, its shallowness."""
+    per memory its dominant sign, the coefficient each side counts as firing at, its shallowness."""
 
     run_id: int
     sentences: list[list[int]]
     texts: list[str]  # [vocab]: each token's text
     names: list[str]  # [vocab]: each token as the pages show it (byte tokens as ⟨0x80⟩)
     signs: np.ndarray  # [layers, keys] int64: ±1
-    fires_at: torch.Tensor  # [layers, keys]: half the strongest coefficient of the dominant sign (NaN: none)
+    fires_at: torch.Tensor  # [sides, layers, keys]: half the side's strongest sign · m (NaN: none)
     shallowness: dict[tuple[int, int], float | None]
     counts: CorpusCounts
 
@@ -176,13 +200,13 @@ class _RunInputs:
                 columns=("layer", "key", "max_coefficient", "min_coefficient", "shallowness"),
             )
         signs = np.ones((n_layers, n_keys), dtype=np.int64)
-        fires_at = torch.full((n_layers, n_keys), float("nan"))
+        fires_at = torch.full((len(POLARITIES), n_layers, n_keys), float("nan"))
         shallowness = {}
         for layer, key, largest, smallest, shallow in stats:
-            signs[layer, key] = sign = dominant_sign(largest, smallest)
-            strongest = largest if sign > 0 else smallest
-            if strongest is not None and sign * strongest > 0:
-                fires_at[layer, key] = sign * strongest / 2
+            signs[layer, key] = dominant_sign(largest, smallest)
+            for side, strongest in enumerate((largest, smallest)):
+                if strongest is not None and POLARITIES[side] * strongest > 0:
+                    fires_at[side, layer, key] = POLARITIES[side] * strongest / 2
             shallowness[layer, key] = shallow
         names = [shown.get(i, text) for i, text in enumerate(texts)]
         return cls(
@@ -203,16 +227,20 @@ def _describe_layers(
     explainer: LocalExplainer | None,
     options: ExplanationOptions,
     timings: dict[str, float],
-) -> tuple[dict[tuple[int, int], tuple[str, object]], int]:
-    """Every memory's description, a layer at a time: (source, description) by (layer, key), and how many
-    the local explainer failed to write (those keep the heuristic one)."""
+) -> tuple[dict[tuple[int, int], list[tuple[str, Description]]], int]:
+    """Every memory's descriptions, a layer at a time: [(source, description) of each side, as
+    POLARITIES] by (layer, key), and how many the local explainer failed to write (those keep the
+    heuristic one)."""
     descriptions, failures = {}, 0
     n_layers, n_keys = run.signs.shape
     for layer in tqdm(range(n_layers), desc="describing", unit="layer", disable=not options.progress):
         start = time.perf_counter()
         evidence = _layer_evidence(sessions, run, layer)
         for found in evidence:
-            descriptions[found.layer, found.key] = (HEURISTIC, found.heuristic)
+            descriptions.setdefault((found.layer, found.key), [None, None])[POLARITIES.index(found.sign)] = (
+                HEURISTIC,
+                found.heuristic,
+            )
         timings["describe_seconds"] += time.perf_counter() - start
         if explainer is not None:
             start = time.perf_counter()
@@ -222,50 +250,78 @@ def _describe_layers(
                     failures += 1
                 else:
                     source = f"llm:{options.explainer_model or 'default'}"
-                    descriptions[found.layer, found.key] = (source, written)
+                    descriptions[found.layer, found.key][POLARITIES.index(found.sign)] = (source, written)
             timings["explainer_seconds"] = timings.get("explainer_seconds", 0.0) + time.perf_counter() - start
     return descriptions, failures
 
 
 def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list[Evidence]:
-    """What describes each memory of one layer: its pattern fitted on its shaded sentences, its value's
-    top tokens, its shallowness, the ends of its strongest trigger prefixes, the heuristic description."""
+    """What describes each side of each memory of one layer: its pattern fitted on its own records, the
+    tokens its value writes on that side (the top tokens for m > 0, the bottom ones for m < 0), its
+    shallowness, the ends of its strongest trigger prefixes of that sign, the heuristic description."""
     n_keys = run.signs.shape[1]
     with sessions() as session:
         triggers = {
             sign: memory_reads.layer_triggers(session=session, run_id=run.run_id, layer=layer, sign=sign)
-            for sign in (1, -1)
+            for sign in POLARITIES
         }
         shaded = layer_shading(session=session, run_id=run.run_id, layer=layer)
-        value_ids, _ = memory_reads.layer_value_tokens(
-            session=session, run_id=run.run_id, layer=layer, readout="norm", direction=1, n=5
-        )
+        written = {
+            sign: memory_reads.layer_value_tokens(
+                session=session, run_id=run.run_id, layer=layer, readout="norm", direction=sign, n=5
+            )[0]
+            for sign in POLARITIES
+        }
     by_key = {sign: _by_key(found, n_keys) for sign, found in triggers.items()}
     evidence = []
     for key in range(n_keys):
-        sign = int(run.signs[layer, key])
-        found = {s: by_key[s][key] for s in (1, -1)}
-        pattern = fit_pattern(*_fitting_positions(shaded.get(key), found, run.sentences), sign, run.counts)
-        values = value_ids[key].tolist() if key < len(value_ids) else []
+        found = {s: by_key[s][key] for s in POLARITIES}
         shallow = run.shallowness.get((layer, key))
-        prefixes = [  # what a prompt shows: the ends of the strongest trigger prefixes
-            run.sentences[s][max(p + 1 - PROMPT_TOKENS, 0) : p + 1]
-            for s, p, _ in found[sign][:PROMPT_PREFIXES]
-        ]
-        heuristic = describe(pattern, values, shallow, run.names)
-        evidence.append(Evidence(layer, key, prefixes, values, shallow, heuristic))
+        positions = _fitting_positions(shaded.get(key), found, run.sentences)
+        for sign in POLARITIES:
+            pattern = fit_pattern(*positions[sign], sign, run.counts)
+            values = written[sign][key].tolist() if key < len(written[sign]) else []
+            prefixes = [  # what a prompt shows: the ends of the strongest trigger prefixes
+                run.sentences[s][max(p + 1 - PROMPT_TOKENS, 0) : p + 1]
+                for s, p, _ in found[sign][:PROMPT_PREFIXES]
+            ]
+            heuristic = describe(pattern, values, shallow, run.names)
+            suppressed = written[-sign][key].tolist() if key < len(written[-sign]) else []
+            evidence.append(Evidence(layer, key, sign, prefixes, values, shallow, heuristic, suppressed))
     return evidence
 
 
-def _rows(descriptions: dict, scores: list, *, scored: bool) -> list[tuple]:
-    """The stored rows: (layer, key, source, text, correlation, pattern, score details) of every memory."""
+def _rows(
+    descriptions: dict, scores: list, signs: np.ndarray, simulated: dict, *, scored: bool
+) -> list[tuple]:
+    """The stored rows: (layer, key, source, text, score, pattern, details) of every memory, its dominant
+    side's description, pattern and pooled score first; `details` names that side ("sign") and holds both
+    sides' sources, descriptions (the dominant's is the row's text) and scores ("polarities"; with the
+    local model's simulation score where it simulated the side, `simulated`: (side, layer, key) → r):
+    ffmem.store.composition.explanation_sides reads them back."""
     rows = []
-    for layer, layer_scores in enumerate(scores):
-        for key, score in enumerate(layer_scores):
-            source, description = descriptions[layer, key]
-            details = score.details() if scored else {"positions": 0, "matches": 0, "auroc": None}
-            pattern = description.pattern.to_dict()
-            rows.append((layer, key, source, description.text, score.correlation, pattern, details))
+    for layer, layer_signs in enumerate(signs):
+        for key, sign in enumerate(layer_signs):
+            sides = []
+            for side, polarity in enumerate(POLARITIES):
+                source, description = descriptions[layer, key][side]
+                score = scores[side][layer][key].to_dict() if scored else None
+                if score is not None and (side, layer, key) in simulated:
+                    score["simulation"] = simulated[side, layer, key]
+                sides.append({"sign": polarity, "source": source, "text": description.text, "scores": score})
+            dominant = POLARITIES.index(int(sign))
+            source, description = descriptions[layer, key][dominant]
+            protocol = sides[dominant]["scores"]
+            del sides[dominant]["text"]  # the row's text: stored once
+            details = {
+                "positions": protocol["top_positions"] + protocol["random_positions"] if protocol else 0,
+                "matches": protocol["matches"] if protocol else 0,
+                "auroc": protocol["auroc"] if protocol else None,
+                "sign": int(sign),
+                "polarities": sides,
+            }
+            score = protocol["pooled"] if protocol else None
+            rows.append((layer, key, source, description.text, score, description.pattern.to_dict(), details))
     return rows
 
 
@@ -285,23 +341,37 @@ def _by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
 
 def _fitting_positions(
     stored: StoredExamples | None, triggers: dict[int, list], sentences: list[list[int]]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, previous tokens, coefficients) of the mined positions a memory's pattern is fitted on:
-    every mined token of its shaded sentences (its first positive and negative triggers', its band
-    samples'; each sentence once), or — for a run stored before the shading — its top triggers of both
-    signs alone."""
+) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per side (POLARITIES), (tokens, previous tokens, coefficients) of the mined positions its pattern is
+    fitted on (its own records): every mined token of the shaded sentences of its first triggers of that
+    sign and of its band samples (each sentence once), or — for a run stored before the shading — its top
+    triggers of that sign alone. The stored shading is decoded once for both."""
     if stored is None:
-        found = [(s, p, c) for sign in (1, -1) for s, p, c in triggers[sign]]
-        tokens = np.array([sentences[s][p] for s, p, _ in found], dtype=np.int64)
-        previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in found], dtype=np.int64)
-        return tokens, previous, np.array([c for _, _, c in found], dtype=np.float64)
-    shown = [s for s, _, _ in triggers[1][: stored.positive]] + [
-        s for s, _, _ in triggers[-1][: stored.negative]
-    ]
-    shown += [sample.sentence_index for sample in stored.samples]
-    arrays = stored.shading([len(sentences[s]) for s in shown])
+        found = {}
+        for side in POLARITIES:
+            chosen = triggers[side]
+            tokens = np.array([sentences[s][p] for s, p, _ in chosen], dtype=np.int64)
+            previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in chosen], dtype=np.int64)
+            found[side] = (tokens, previous, np.array([c for _, _, c in chosen], dtype=np.float64))
+        return found
+    positive = [s for s, _, _ in triggers[1][: stored.positive]]
+    negative = [s for s, _, _ in triggers[-1][: stored.negative]]
+    samples = [sample.sentence_index for sample in stored.samples]
+    arrays = stored.shading([len(sentences[s]) for s in positive + negative + samples])
+    shown = len(positive) + len(negative)
+    backdrop = list(zip(samples, arrays[shown:], strict=True))
+    own = {
+        1: list(zip(positive, arrays[: len(positive)], strict=True)) + backdrop,
+        -1: list(zip(negative, arrays[len(positive) : shown], strict=True)) + backdrop,
+    }
+    return {side: _positions(chosen, sentences) for side, chosen in own.items()}
+
+
+def _positions(chosen: list, sentences: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, previous tokens, coefficients) of the mined positions of (sentence, shading) pairs, each
+    sentence once."""
     tokens, previous, m, seen = [], [], [], set()
-    for sentence, values in zip(shown, arrays, strict=True):
+    for sentence, values in chosen:
         if sentence in seen:
             continue
         seen.add(sentence)
@@ -313,45 +383,3 @@ def _fitting_positions(
     if not m:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
     return np.concatenate(tokens), np.concatenate(previous), np.concatenate(m)
-
-
-def score_patterns(
-    loaded: LoadedModel,
-    patterns: list[list[Pattern]],
-    fires_at: torch.Tensor,
-    held_out: list,
-    options: ExplanationOptions,
-):
-    """Each pattern's PatternScore on the held-out sentences (positions from the sentence's first mined
-    one, and never position 0, where the attention sink gives some keys outsized coefficients)."""
-    scores = PatternScores(patterns, fires_at, device=loaded.device)
-    if held_out:
-        ids = [s.token_ids for s in held_out]
-        first = [max(s.first_position, 1) for s in held_out]
-        pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
-        batches = list(
-            length_bucketed_batches(
-                ids, first, indices=range(len(ids)), batch_tokens=options.batch_tokens, pad_id=pad
-            )
-        )
-        current = []
-
-        def fold(layer: int, coefficients: torch.Tensor) -> None:
-            batch = current[0]
-            scores.update(
-                layer, coefficients, batch.input_ids, batch.mined
-            )  # coefficients: [batch, pos, keys]
-
-        with (
-            loaded.lock,
-            torch.inference_mode(),
-            capture(loaded.model, loaded.adapter, fields=("coefficients",), on_coefficients=fold),
-        ):
-            for batch in tqdm(
-                batches, desc="scoring explanations", unit="batch", disable=not options.progress
-            ):
-                current[:] = [batch.to(loaded.device)]
-                loaded.model.base_model(
-                    input_ids=current[0].input_ids, attention_mask=current[0].attention_mask, use_cache=False
-                )
-    return [scores.scores(layer) for layer in range(len(patterns))]

@@ -5,10 +5,18 @@ numpy's correlation and a pairwise AUROC), the memory's sign, and determinism.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from ffmem.engine.explanations.description import describe
 from ffmem.engine.explanations.fitting import START, CorpusCounts, Pattern, dominant_sign, fit_pattern
+from ffmem.engine.explanations.protocol import (
+    POLARITIES,
+    ProtocolScores,
+    TopRecords,
+    control_keys,
+    random_records,
+)
 from ffmem.engine.explanations.scoring import LayerPatterns, PatternScores
 
 TEXTS = ["<pad>", " the", " city", " of", " Paris", " capital", " France", ".", " is", " river", "\n", " a"]
@@ -82,16 +90,23 @@ def test_the_description_names_the_pattern():
         pair_weights=[3.25, -1.0],
     )
     text = describe(pattern, [T["capital"], T["river"]], 0.8, TEXTS).text
+    # the sentence a person would write: the tokens that raise m (a token with the pair that outweighs it
+    # alone), the one that holds it back, what the value then writes; the weights stay in the table
     assert text == (
-        "strongest (m > 0) at “ Paris” +2.5, “ France” +0.75; after “ of”: “ Paris” +3.25; "
-        "after the start: “ Paris” -1; opposite at “ the” -0.25; "
-        "promotes “ capital”, “ river”; shallow (shallowness 0.80)"
+        "Fires on “ Paris” after “ of” and “ France”, not on “ the”; then writes “ capital” and “ river”. "
+        "Shallow: it hinges on the last token."
     )
     negative = Pattern(sign=-1, final=[T["Paris"]], weights=[2.5])
-    assert describe(negative, [], None, TEXTS).text == "strongest (m < 0) at “ Paris” -2.5"
+    assert describe(negative, [T["river"]], 0.1, TEXTS).text == (
+        "Goes negative on “ Paris”; then writes “ river”. Semantic: it reads more than the last token."
+    )
     many = Pattern(final=list(range(1, 10)), weights=[float(w) for w in range(9, 0, -1)])
-    assert describe(many, [], None, TEXTS).text.endswith("“ France” +4; 3 more weighed")
-    assert describe(Pattern(), [], None, TEXTS).text == "no token sets it apart in its shaded sentences"
+    assert describe(many, [], None, TEXTS).text == "Fires on “ the”, “ city”, “ of” and “ Paris”."
+    lone_pair = Pattern(final=[T["is"]], weights=[1.0], pairs=[[START, T["a"]]], pair_weights=[2.0])
+    assert describe(lone_pair, [], None, TEXTS).text == "Fires on “ is” and “ a” after the start."
+    assert describe(Pattern(), [T["is"]], None, TEXTS).text == (
+        "No token sets it apart in its records; it writes “ is”."
+    )
 
 
 def test_the_sign_of_a_memory_and_of_its_score():
@@ -247,3 +262,108 @@ def test_a_patterns_dict_holds_its_fields_as_plain_lists():
         assert found["pairs"] is not pattern.pairs and all(
             mine is not theirs for mine, theirs in zip(found["pairs"], pattern.pairs, strict=True)
         ), "a copy: changing the dict leaves the pattern as it was"
+
+
+def test_the_protocol_equals_a_hand_recomputation():
+    """Both sides of every key scored by the protocol against numpy over the records by hand: each side's
+    top records (its highest sign · m peak among the records that are not random), the fixed random ones,
+    pooled and random-only Pearson, the AUROC of the pooled positions, and the same with the control
+    key's pattern; batches in any order."""
+    rng = np.random.default_rng(1)
+    n_keys, n_records, top_count = len(PATTERNS), 14, 3
+    sides = [[p.__class__(**{**p.to_dict(), "sign": sign}) for p in PATTERNS] for sign in POLARITIES]
+    records = [rng.choice([*range(7), 1000], size=rng.integers(3, 9)).tolist() for _ in range(n_records)]
+    valid = [rng.random(len(r)) > 0.2 for r in records]
+    m = [rng.normal(size=(len(r), n_keys)) for r in records]
+    for i, r in enumerate(records):  # plant each side's match in its coefficients, some records stronger
+        match = reference_match(sides[0], [r], torch.ones(1, len(r), dtype=torch.bool))
+        m[i] += (3.0 if i % 3 == 0 else 0.5) * match
+    fires_at = torch.tensor([[[1.0] * n_keys], [[1.5] * n_keys]])  # [sides, layers, keys]
+    random = random_records(n_records, 4)
+    assert random.tolist() == random_records(n_records, 4).tolist() and len(set(random.tolist())) == 4
+    control = control_keys(n_keys)
+    assert sorted(control.tolist()) == list(range(n_keys)) and all(control != np.arange(n_keys))
+
+    def batches(order):
+        for chunk in np.array_split(np.array(order), 3):
+            width = max(len(records[i]) for i in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mined = torch.zeros(len(chunk), width, dtype=torch.bool)
+            coefficients = torch.zeros(len(chunk), width, n_keys)
+            for row, i in enumerate(chunk):
+                ids[row, : len(records[i])] = torch.tensor(records[i])
+                mined[row, : len(records[i])] = torch.from_numpy(valid[i])
+                coefficients[row, : len(records[i])] = torch.from_numpy(m[i]).float()
+            yield coefficients, ids, mined, torch.from_numpy(chunk)
+
+    top = TopRecords(1, n_keys, top_count, random, n_records)
+    for coefficients, _, mined, chosen in batches(rng.permutation(n_records)):
+        top.update(0, coefficients, mined, chosen)
+    scores = ProtocolScores([[side] for side in sides], fires_at, top.records(), random, n_records)
+    for coefficients, ids, mined, chosen in batches(rng.permutation(n_records)):
+        scores.update(0, coefficients, ids, mined, chosen)
+
+    for side, sign in enumerate(POLARITIES):
+        found = scores.scores(side, 0)
+        for key in range(n_keys):
+            peaks = {
+                i: max(sign * float(np.float32(x)) for x in m[i][valid[i], key])
+                for i in range(n_records)
+                if i not in random and valid[i].any()
+            }
+            best = sorted(peaks, key=lambda i: -peaks[i])[:top_count]
+            assert set(top.records()[side, 0, :, key].tolist()) == set(best), (side, key)
+
+            def gather(chosen, of_key, key=key, sign=sign, side=side):
+                match = [
+                    reference_match(sides[side], [records[i]], valid[i][None])[:, of_key] for i in chosen
+                ]
+                coefficient = [
+                    sign * m[i][valid[i], key].astype(np.float32).astype(np.float64) for i in chosen
+                ]
+                return np.concatenate(match), np.concatenate(coefficient)
+
+            def pearson(x, y):
+                return None if x.std() < 1e-6 or y.std() < 1e-6 else round(float(np.corrcoef(x, y)[0, 1]), 4)
+
+            threshold = fires_at[side, 0, key].item()
+
+            def auroc(x, y, threshold=threshold):
+                fires = y >= threshold
+                pairs = (x[fires][:, None] > x[~fires][None]) + 0.5 * (x[fires][:, None] == x[~fires][None])
+                return round(float(pairs.mean()), 4) if pairs.size else None
+
+            pooled = sorted(best) + random.tolist()
+            p, y = gather(pooled, key)
+            c, _ = gather(pooled, control[key])
+            rp, ry = gather(random.tolist(), key)
+            rc, _ = gather(random.tolist(), control[key])
+            got = found[key]
+            expected = (
+                pearson(p, y),
+                pearson(c, y),
+                pearson(rp, ry),
+                pearson(rc, ry),
+                auroc(p, y),
+                auroc(c, y),
+            )
+            assert (
+                got.pooled,
+                got.pooled_control,
+                got.random,
+                got.random_control,
+                got.auroc,
+                got.auroc_control,
+            ) == pytest.approx(expected, abs=2e-4), (side, key)
+            assert got.top_positions + got.random_positions == len(y) and got.random_positions == len(ry)
+            listed = sum(
+                bool(valid[i][at]) and (token in pattern.final or [before, token] in pattern.pairs)
+                for i in pooled
+                for at, (before, token) in enumerate(zip([START, *records[i][:-1]], records[i], strict=True))
+                for pattern in [sides[side][key]]
+            )
+            assert got.matches == listed, (side, key)
+        # m was planted on the positive side: there its pattern beats its control; the negative side's
+        # (the same table read against −m) is the opposite; a pattern that weighs nothing scores nothing
+        assert sign * found[0].pooled > 0.2 and sign * found[0].pooled > sign * found[0].pooled_control
+        assert found[4].pooled is None and found[4].matches == 0

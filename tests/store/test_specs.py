@@ -32,6 +32,8 @@ RUN = {
     "value_tokens": 30,
     "token_memories": 32,
     "explain_sentences": 1000,
+    "explain_top_records": 20,
+    "explain_random_records": 20,
     "explainer_model": "",
     "token_change_memories": 2000,
     "token_change_contexts": 8,
@@ -39,7 +41,8 @@ RUN = {
 # Older jobs lack these.
 BEFORE = (
     "first_position", "shaded_triggers", "held_out_every", "token_memories", "explain_sentences",
-    "explainer_model", "token_change_memories", "token_change_contexts",
+    "explain_top_records", "explain_random_records", "explainer_model", "token_change_memories",
+    "token_change_contexts",
 )  # fmt: skip
 
 
@@ -77,6 +80,8 @@ def test_a_job_queued_before_an_option_existed_reads_back_as_what_it_did():
         0,
     )
     assert spec.token_change_memories == 0  # measured no TokenChange
+    # scored as before the protocol: every held-out sentence a random record, none a top record
+    assert (spec.explain_top_records, spec.explain_random_records) == (0, 0)
     assert spec.options() == old  # what it stores, as stored
     with pytest.raises(ValidationError):
         RunSpec.stored({name: value for name, value in RUN.items() if name != "model"})

@@ -8,6 +8,8 @@ import json
 import re
 from html import unescape
 
+import numpy as np
+import pytest
 from sqlalchemy import select
 
 from ffmem.store import composition, vocabularies
@@ -146,6 +148,11 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
         "auroc": stored.details["auroc"],
         "positions": stored.details["positions"],
         "matches": stored.details["matches"],
+        "protocol": stronger(stored.details) | {"simulation": None},  # no local explainer: not simulated
+        "polarities": [  # the stronger side's text stored once, as the row's
+            side | {"text": side.get("text", stored.text), "scores": side["scores"] | {"simulation": None}}
+            for side in stored.details["polarities"]
+        ],
         "table": {  # the pattern the score measured, its tokens' texts, in m's units, strongest first
             "sign": pattern["sign"],
             "tokens": strongest_first(
@@ -179,10 +186,29 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     ) >= len(pattern["final"])
     shown = re.search(r'id="explanation-text"><strong>(.*?)</strong>', page, re.S).group(1)
     assert unescape(shown) == stored.text
-    held = f"{stored.details['positions']:,} held-out positions"
-    assert (
-        f"over {stored.details['positions']:,} positions of held-out" if stored.score is not None else held
-    ) in page
+    assert [side["sign"] for side in stored.details["polarities"]] == [1, -1]
+    assert "text" not in next(s for s in stored.details["polarities"] if s["sign"] == stored.details["sign"])
+    for side in body["explanation"]["polarities"]:  # each side's scores beside their controls
+        name = "positive" if side["sign"] > 0 else "negative"
+        assert unescape(visible_text(page, f'id="polarity-{name}"')).count(side["text"]) == 1
+        table = page[page.index(f'id="scores-{name}"') :]
+        cells = re.findall(r'<td class="num">([^<]*)</td>', table[: table.index("</table>")])
+        got = side["scores"]
+        assert cells == [
+            number(got[n], 3)
+            for n in ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")
+        ]
+
+
+def stronger(details: dict) -> dict:
+    """The stored scores of a memory's stronger side."""
+    return next(side["scores"] for side in details["polarities"] if side["sign"] == details["sign"])
+
+
+def visible_text(page: str, anchor: str) -> str:
+    """The element's text from `anchor` to its closing div, tags dropped."""
+    part = page[page.index(anchor) :]
+    return re.sub(r"<[^>]+>", "", part[: part.index("</div>")])
 
 
 def strongest_first(rows) -> list[dict]:
@@ -207,11 +233,14 @@ def test_the_token_table_speaks_as_the_description_strongest_first(client, db, r
     assert [abs(w) for w in weights] == sorted((abs(w) for w in weights), reverse=True)
     pairs = [abs(row["weight"]) for row in table["pairs"]]
     assert pairs == sorted(pairs, reverse=True)
-    strongest = re.search(r"strongest \(m < 0\) at (.*?)(?:;|$)", negative.text).group(1)
-    named = re.findall(r"“(.*?)” ([+-][^,]+)", strongest)
-    assert named and all(float(shown) < 0 for _, shown in named)  # m < 0 at its strongest tokens
-    by_text = {visible(row["token"], spaces=False): row["weight"] for row in table["tokens"]}
-    assert [shown for _, shown in named] == [f"{by_text[token]:+.3g}" for token, _ in named]
+    assert negative.text.startswith("Goes negative on “")
+    clause = negative.text.split(";")[0].split(", not on")[0]  # the tokens it goes negative on
+    named = re.findall(r"“(.*?)”", clause)
+    lowering = {
+        visible(row["token"], spaces=False) for row in table["tokens"] + table["pairs"] if row["weight"] < 0
+    }
+    lowering |= {visible(row["previous"], spaces=False) for row in table["pairs"] if row["weight"] < 0}
+    assert named and set(named) <= lowering  # m < 0 at the tokens it names, as the table says
     page = client.get(f"/m/{slug}/layers/{negative.layer}/keys/{negative.key}").text
     section = page[page.index('<details id="explanation-table">') :]
     shown = re.findall(r'<td class="num">([^<]*)</td>', section[: section.index("</table>")])
@@ -226,7 +255,7 @@ def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):
     stored, ngram = next(  # the first token an explanation names with two characters or more
         (e, found.group(1))
         for e in explained
-        for found in [re.search(r"at “([^”]+)”", e.text)]
+        for found in [re.search(r"on “([^”]+)”", e.text)]
         if found and len(found.group(1).strip()) >= 2  # the search looks for texts of two characters or more
     )
     body = client.get(f"/m/{slug}/search.json", params={"q": ngram, "run": run.id, "limit": 200}).json()
@@ -243,6 +272,43 @@ def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):
         "auroc",
         "positions",
         "matches",
+        "protocol",
+        "polarities",
     }
     page = client.get(f"/m/{slug}/search", params={"q": ngram, "run": run.id}).text
     assert 'id="explanation-matches"' in page and f'href="{urls.key_url(slug, *found[0])}"' in page
+
+
+def test_the_layer_table_sorts_by_the_explanations_score_beside_its_control(client, db, run, slug):
+    stored = {
+        e.key: e
+        for e in db.scalars(select(Explanation).where(Explanation.run_id == run.id, Explanation.layer == 1))
+    }
+    body = client.get(f"/m/{slug}/layers/1.json", params={"sort": "explanation", "order": "desc"}).json()
+    shown = [(k["key"], k["explanation_score"], k["explanation_control"]) for k in body["keys"]]
+    expected = sorted(stored.values(), key=lambda e: (e.score is None, -(e.score or 0), e.key))
+    assert shown == [(e.key, e.score, stronger(e.details)["pooled_control"]) for e in expected[: len(shown)]]
+    ascending = client.get(f"/m/{slug}/layers/1.json", params={"sort": "explanation", "order": "asc"}).json()
+    scores = [k["explanation_score"] for k in ascending["keys"] if k["explanation_score"] is not None]
+    assert scores == sorted(scores)
+    page = client.get(f"/m/{slug}/layers/1", params={"sort": "explanation", "order": "desc"}).text
+    first = body["keys"][0]
+    assert f'{number(first["explanation_score"], 3)} <small class="control"' in page
+
+
+def test_the_model_page_gives_each_layers_explanation_quartiles_with_their_controls(client, db, run, slug):
+    """The explanations step's quartiles per layer, recomputed here from the stored rows: each memory's
+    stronger side, its pooled score and its control's."""
+    body = client.get(f"/m/{slug}.json").json()["explanations"]
+    rows = db.scalars(select(Explanation).where(Explanation.run_id == run.id)).all()
+    assert body["top_records"] == 20 and body["held_out_sentences"] > 0
+    for layer in body["layers"]:
+        mine = [stronger(e.details) for e in rows if e.layer == layer["layer"]]
+        for name in ("pooled", "pooled_control", "random", "auroc"):
+            values = np.array([p[name] for p in mine if p[name] is not None])
+            expected = (
+                [round(float(q), 4) for q in np.quantile(values, [0.25, 0.5, 0.75])] if values.size else None
+            )
+            assert layer[name] == pytest.approx(expected, abs=1e-4), (layer["layer"], name)
+    page = client.get(f"/m/{slug}").text
+    assert 'id="explanation-score-table"' in page and "fewer than 0.4%" in page

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from html import unescape
 
-from ffmem.store import jobs
+from ffmem.store import analyses, jobs
 from ffmem.store.specs import AnalysisSpec, ComparisonSpec, CompositionSpec
 
 
@@ -35,3 +35,50 @@ def test_every_kind_of_job_is_listed_in_its_words(client, db, run):
     titles = {composed.id: "Composition job", compared.id: "Comparison job", analyzed.id: "Analysis job"}
     for job, title in titles.items():
         assert f"<h1>{title} {job}</h1>" in client.get(f"/jobs/{job}").text
+
+
+def test_the_job_page_says_where_the_explainer_failed(client, db, run):
+    """A run explained with a local explainer that failed on some sides: its composition job's page says how
+    many kept their token-table descriptions and that it stopped asking."""
+    spec = CompositionSpec(explain_sentences=40, explainer_model="local", batch_tokens=512)
+    job, _ = jobs.enqueue(session=db, spec=spec, run_id=run.id)
+    stored = analyses.stored_analyses(session=db, run_id=run.id)["explanations"]
+    before = (dict(stored.options), dict(stored.data), stored.seconds)
+    failed = {
+        "explainer_sides": 96,
+        "explainer_failures": 40,
+        "explainer_gave_up": True,
+        "simulated_sides": 3,
+    }
+    analyses.store_analysis(
+        session=db,
+        run_id=run.id,
+        name="explanations",
+        options=before[0],
+        data=before[1] | failed,
+        seconds=1.0,
+    )
+    db.commit()
+    try:
+        body = client.get(f"/jobs/{job.id}.json").json()
+        assert body["explainer"] == {
+            "sides": 96,
+            "failures": 40,
+            "gave_up": True,
+            "simulated": 3,
+            "simulation_failures": 0,
+        }
+        page = unescape(re.sub(r"<[^>]+>", "", client.get(f"/jobs/{job.id}").text))
+        assert "failed or was too slow on 40 of 96 sides of memories" in page
+        assert "it stopped asking" in page and "keep their token-table descriptions" in page
+    finally:
+        analyses.store_analysis(
+            session=db,
+            run_id=run.id,
+            name="explanations",
+            options=before[0],
+            data=before[1],
+            seconds=before[2],
+        )
+        db.commit()
+    assert client.get(f"/jobs/{job.id}.json").json()["explainer"] is None  # asked no explainer

@@ -177,6 +177,8 @@ def test_layer_page_sorts_pages_and_filters(client, db, slug, run):
         "dominant_quadrant",
         "dominant_share",
         "label",
+        "explanation_score",
+        "explanation_control",
     }
     assert body["gated"] is True and row["dominant_quadrant"] in ("pp", "pn", "np", "nn")
     top = memory_reads.get_triggers(session=db, run_id=run.id, layer=1, key=row["key"], sign=1)[0]

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from bench.synthetic_index import Shape, layer_arrays, sentence_tokens, token_table, token_text, write_run
+from bench.synthetic_index import (
+    Shape,
+    explanation_scores,
+    layer_arrays,
+    sentence_tokens,
+    token_table,
+    token_text,
+    write_run,
+)
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker
 from ffmem.store.layer_table import KEY_SORTS
@@ -47,8 +55,10 @@ def lengths() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def last_layer(lengths):
-    """What the synthetic run holds in its last layer."""
-    return layer_arrays(SHAPE, LAST, lengths)
+    """What the synthetic run holds in its last layer (its explanations' scores among its statistics)."""
+    arrays = layer_arrays(SHAPE, LAST, lengths)
+    arrays.stats["explanation"] = explanation_scores(SHAPE, LAST)
+    return arrays
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])

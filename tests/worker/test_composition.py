@@ -6,17 +6,23 @@ OpenAI-compatible URL writes the description only when one is set."""
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from sqlalchemy import delete, func, select
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ffmem.config import Settings
+from ffmem.engine.explanations.protocol import random_records
 from ffmem.engine.model.loading import load_model
 from ffmem.engine.relations.weight_graph import weight_graph
-from ffmem.store import composition
+from ffmem.store import composition, vocabularies
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
 from ffmem.store.models import (
     Analysis,
@@ -24,13 +30,18 @@ from ffmem.store.models import (
     Job,
     JobKind,
     JobStatus,
+    KeyStats,
     MemoryLinks,
     NeighbourBaseline,
     Neighbours,
+    Run,
 )
 from ffmem.store.specs import CompositionSpec, fingerprint
+from ffmem.web.pages.jobs import explainer_report
 from ffmem.worker.composition import compose, explanations_step, weight_graph_step
+from ffmem.worker.explainer import GIVE_UP
 from ffmem.worker.explanations import ExplanationOptions
+from ffmem.worker.held_out import held_out
 from ffmem.worker.index import IndexOptions
 from ffmem.worker.leases import LostLease
 from ffmem.worker.loop import Worker, build_index
@@ -142,22 +153,71 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
     with sessions() as session:
         found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
         assert found.source == "heuristic"
-        assert found.text.startswith("strongest (m > 0) at “Paris” +"), found.text
+        assert found.text.startswith("Fires on “Paris”"), found.text
+        sides = found.details["polarities"]
+        assert [(side["sign"], side["source"]) for side in sides] == [(1, "heuristic"), (-1, "heuristic")]
+        assert found.details["sign"] == 1 and "text" not in sides[0]  # the row's text: stored once
+        assert sides[1]["text"].startswith("Goes negative on") or sides[1]["text"].startswith("No token")
+        assert sides[0]["scores"]["pooled"] == found.score
         pattern = composition.explanation_pattern(found)
-        assert pattern["final"] == [_paris(planted)] and pattern["sign"] == 1
+        assert pattern["final"][0] == _paris(planted) and pattern["sign"] == 1  # the most important first
         assert found.pattern is None and len(found.token_table) == 5 + 6 * len(pattern["final"]) + 10 * len(
             pattern["pairs"]
         )  # packed: 5 B of header, 6 B a token, 10 a pair
         # the held-out sentences (18 of them, 8 with "Paris") were never mined
-        assert found.details["positions"] > 100 and found.details["matches"] == len(PARIS)
+        assert found.details["positions"] > 100 and found.details["matches"] >= len(PARIS)
         assert found.score > 0.9 and found.details["auroc"] > 0.95
         hits = composition.search_explanations(session=session, run_id=run_id, text="paris", limit=5)
         assert (hits[0].layer, hits[0].key) == (0, PLANTED)
         assert composition.explanation_summary(session=session, run_id=run_id)["explained"] == 3 * 48
         stored = {a.name: a for a in session.scalars(select(Analysis).where(Analysis.run_id == run_id))}
-        assert stored["explanations"].data["held_out_sentences"] == len(PARIS + OTHER)
+        data = stored["explanations"].data
+        assert data["held_out_sentences"] == len(PARIS + OTHER)
+        # 18 held out, 20 random records asked for: every one is random, none is left to be a top record
+        assert (data["top_records"], data["random_records"]) == (20, len(PARIS + OTHER))
+        assert [row["layer"] for row in data["layers"]] == [0, 1, 2]
+        assert set(data["medians"]) == {
+            "pooled",
+            "pooled_control",
+            "random",
+            "random_control",
+            "auroc",
+            "auroc_control",
+        }
         assert stored["explanations"].options["explainer_url"] is False
         assert stored["weight_graph"].data["rows"] == {"in": 2 * 48, "out": 2 * 48}
+
+
+def test_the_stored_scores_equal_a_recomputation_from_the_stored_table(planted_run, planted):
+    """The planted key's stored scores, recomputed here: its stored token table's match at every mined
+    position of the held-out records (18, fewer than the 20 random records asked for: all random, no top
+    record) against its coefficient there, read with a forward hook — pooled and random-only Pearson and
+    the AUROC of the positions where it fires (past half its largest mined coefficient)."""
+    sessions, run_id = planted_run
+    with sessions() as session:
+        found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
+        table = composition.explanation_pattern(found)
+        run = session.get(Run, run_id)
+        held = held_out(session, run, 1000, planted)
+        largest = session.get(KeyStats, (run_id, 0, PLANTED)).max_coefficient
+    weights = dict(zip(table["final"], table["weights"], strict=True))
+    pairs = {tuple(pair): w for pair, w in zip(table["pairs"], table["pair_weights"], strict=True)}
+    match, m = [], []
+    for sentence in held:
+        ids, first = sentence.token_ids, max(sentence.first_position, 1)
+        m += _coefficients(planted, ids)[first:, PLANTED].tolist()
+        match += [pairs.get((ids[i - 1], ids[i]), weights.get(ids[i], 0.0)) for i in range(first, len(ids))]
+    match, m = np.array(match), np.array(m)
+    scores = found.details["polarities"][0]["scores"]
+    expected = np.corrcoef(match, m)[0, 1]
+    assert scores["random_positions"] == len(m) and scores["top_positions"] == 0
+    assert scores["pooled"] == pytest.approx(expected, abs=2e-3) and scores["random"] == scores["pooled"]
+    fires = m >= largest / 2
+    wins = (match[fires][:, None] > match[~fires][None]) + 0.5 * (
+        match[fires][:, None] == match[~fires][None]
+    )
+    assert scores["auroc"] == pytest.approx(wins.mean(), abs=2e-3)
+    assert scores["pooled_control"] is not None and scores["pooled_control"] < scores["pooled"] - 0.5
 
 
 def test_explanations_are_deterministic(planted_run, planted):
@@ -198,6 +258,9 @@ def _answer(content: str) -> httpx.Response:
 
 
 def test_a_local_model_writes_the_description_when_one_is_set(planted_run, planted):
+    """Each side of each memory is asked for in turn (layer 0's keys first); the planted key's positive
+    side gets the model's description, every failed side keeps the heuristic one, and after GIVE_UP
+    failures in a row the explainer stops asking (a server that looks down) and says so."""
     sessions, run_id = planted_run
     before = _rows(sessions, run_id)
     asked = []
@@ -206,29 +269,175 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
         body = json.loads(request.content)
         asked.append(body)
         prompt = body["messages"][0]["content"]
-        if "⟦Paris⟧" in prompt:
+        if "⟦Paris⟧" in prompt and "positive (m > 0)" in prompt:
             return _answer(
                 'Sure: {"description": "the city of Paris", "ends_with": ["Paris"], "context": []}'
             )
         return httpx.Response(500, text="overloaded")
 
     client = httpx.Client(transport=httpx.MockTransport(server), base_url="http://explainer.test/v1")
-    options = ExplanationOptions(explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer")
+    options = ExplanationOptions(
+        explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer", simulated_records=0
+    )
     try:
         compose(sessions, run_id, planted, options, client=client)
         with sessions() as session:
             found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
             assert (found.source, found.text) == ("llm:tiny-explainer", "the city of Paris")
             assert composition.explanation_pattern(found)["final"] == [_paris(planted)] and found.score > 0.9
+            negative = found.details["polarities"][1]
+            assert negative["sign"] == -1 and negative["source"] == "heuristic"
             other = composition.get_explanation(session=session, run_id=run_id, layer=1, key=0)
-            assert other.source == "heuristic"  # the server failed on it: the heuristic one stays
+            assert other.source == "heuristic"  # never asked: the explainer gave up before
             data = session.get(Analysis, (run_id, "explanations")).data
-            assert data["explainer_failures"] == 3 * 48 - sum(
-                "⟦Paris⟧" in a["messages"][0]["content"] for a in asked
-            )
-        assert len(asked) == 3 * 48 and {a["model"] for a in asked} == {"tiny-explainer"}
-        assert asked[0]["temperature"] == 0
+            # keys 0–6 (two sides each) fail, key 7's positive side is written, then 20 failures in a row
+            assert len(asked) == 2 * PLANTED + 1 + GIVE_UP
+            assert data["explainer_sides"] == 2 * 3 * 48 and data["explainer_failures"] == 2 * 3 * 48 - 1
+            assert data["explainer_gave_up"] is True
+        assert {a["model"] for a in asked} == {"tiny-explainer"} and asked[0]["temperature"] == 0
+        first = asked[0]["messages"][0]["content"]  # layer 0 key 0's positive side: reads and writes
+        assert "positive (m > 0)" in first and "its value promotes" in first and "suppresses" in first
+        assert "negative (m < 0)" in asked[1]["messages"][0]["content"]
     finally:
+        compose(sessions, run_id, planted, ExplanationOptions())
+    assert _rows(sessions, run_id) == before
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server (POST /v1/chat/completions) over real HTTP: it describes the planted
+    key's positive side, simulates a description by giving 10 to every "Paris" token and 0 elsewhere, and
+    gives every other side no description (or, `slow`, answers after longer than the client waits)."""
+
+    asked: list = []
+    slow = 0.0
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][0]["content"]
+        type(self).asked.append(prompt)
+        if self.slow:
+            time.sleep(self.slow)
+        if prompt.startswith("A memory of a language model is described as"):
+            lines = [line.split(". ", 1)[1] for line in prompt.splitlines() if re.match(r"\d+\. ", line)]
+            activations = [[10 if t == "Paris" else 0 for t in line.split("⟨|⟩")] for line in lines]
+            content = json.dumps({"activations": activations})
+        elif "⟦Paris⟧" in prompt and "positive (m > 0)" in prompt:
+            content = json.dumps({"description": "the city of Paris", "ends_with": ["Paris"]})
+        else:  # an answer with no description: that side keeps its heuristic one
+            content = json.dumps({"description": "", "ends_with": []})
+        answer = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_openai():
+    _FakeOpenAI.asked, _FakeOpenAI.slow = [], 0.0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _coefficients(planted, token_ids: list[int]) -> np.ndarray:
+    """Layer 0's coefficients (the input of its down projection) at every position of a sentence, read
+    with a forward hook: [positions, keys]."""
+    found = []
+    mlp = planted.model.model.layers[0].mlp
+    hook = mlp.down_proj.register_forward_hook(lambda module, args, out: found.append(args[0][0].double()))
+    try:
+        with torch.no_grad():
+            planted.model(input_ids=torch.tensor([token_ids]))
+    finally:
+        hook.remove()
+    return found[0].numpy()
+
+
+def test_a_local_server_simulates_what_it_described(planted_run, planted, fake_openai):
+    """OpenAI's simulation score: the server simulates the side it described on the side's top records and
+    the random ones; the stored score is the Pearson correlation, recomputed here from the records it was
+    shown and the key's coefficients there (a forward hook), of its simulation with m."""
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    options = ExplanationOptions(
+        explainer_url=fake_openai, top_records=4, random_records=6, simulated_records=2, explainer_timeout=30
+    )
+    try:
+        compose(sessions, run_id, planted, options)
+        with sessions() as session:
+            found = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
+            positive = found.details["polarities"][0]
+            data = session.get(Analysis, (run_id, "explanations")).data
+            run = session.get(Run, run_id)
+            held = held_out(session, run, options.explain_sentences, planted)
+            vocabulary = vocabularies.stored_texts(session=session, model_id=run.model_id)
+            query = select(Explanation).where(Explanation.run_id == run_id)
+            described = [  # the sides the server wrote, in the order it was asked to simulate them
+                (e.layer, e.key, side)
+                for e in session.scalars(query.order_by(Explanation.layer, Explanation.key))
+                for side, written in enumerate(e.details["polarities"])
+                if written["source"] != "heuristic"
+            ]
+        shown = [p for p in _FakeOpenAI.asked if p.startswith("A memory of a language model")]
+        assert len(shown) == len(described) == data["simulated_sides"] and data["simulation_failures"] == 0
+        prompt = shown[described.index((0, PLANTED, 0))]
+        assert "the city of Paris" in prompt
+        lines = [line.split(". ", 1)[1] for line in prompt.splitlines() if re.match(r"\d+\. ", line)]
+        records = [
+            next(i for i, s in enumerate(held) if [vocabulary[t] for t in s.token_ids] == line.split("⟨|⟩"))
+            for line in lines
+        ]
+        # its 2 top records (where m peaks highest among the records that are not random), then 2 random
+        random = random_records(len(held), 6).tolist()
+        assert len(records) == 4 and records[2:] == random[:2]
+        m = {
+            i: _coefficients(planted, s.token_ids)[max(s.first_position, 1) :, PLANTED]
+            for i, s in enumerate(held)
+        }
+        others = [m[i].max() for i in m if i not in random and i not in records[:2]]
+        assert all(m[i].max() >= max(others) - 1e-5 for i in records[:2])
+        simulated, real = [], []
+        for i, line in zip(records, lines, strict=True):
+            tokens = line.split("⟨|⟩")
+            simulated += [10.0 if t == "Paris" else 0.0 for t in tokens[max(held[i].first_position, 1) :]]
+            real += m[i].tolist()
+        expected = np.corrcoef(simulated, real)[0, 1]
+        assert positive["scores"]["simulation"] == pytest.approx(expected, abs=1e-4) and expected > 0.9
+        assert "simulation" not in found.details["polarities"][1]["scores"]  # not described: not simulated
+    finally:
+        compose(sessions, run_id, planted, ExplanationOptions())
+    assert _rows(sessions, run_id) == before
+
+
+def test_a_slow_server_leaves_the_token_tables_and_the_job_page_says_so(planted_run, planted, fake_openai):
+    sessions, run_id = planted_run
+    before = _rows(sessions, run_id)
+    _FakeOpenAI.slow = 0.5  # longer than the client waits
+    options = ExplanationOptions(explainer_url=fake_openai, explainer_timeout=0.1, simulated_records=2)
+    try:
+        compose(sessions, run_id, planted, options)
+        assert [row[2:4] for row in _rows(sessions, run_id)] == [row[2:4] for row in before]  # all heuristic
+        assert len(_FakeOpenAI.asked) == GIVE_UP  # then it stopped asking
+        with sessions() as session:
+            data = session.get(Analysis, (run_id, "explanations")).data
+            assert (data["explainer_failures"], data["explainer_gave_up"]) == (2 * 3 * 48, True)
+            job = Job(
+                kind=JobKind.composition, status=JobStatus.done, run_id=run_id, options={}, fingerprint="x"
+            )
+            report = explainer_report(session, job)
+        assert (report.sides, report.failures, report.gave_up) == (2 * 3 * 48, 2 * 3 * 48, True)
+    finally:
+        _FakeOpenAI.slow = 0.0
         compose(sessions, run_id, planted, ExplanationOptions())
     assert _rows(sessions, run_id) == before
 

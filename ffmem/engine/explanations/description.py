@@ -1,10 +1,11 @@
-"""A memory's description: its pattern in words (ffmem.engine.explanations).
+"""A memory's description: one side's pattern in words a person would write (ffmem.engine.explanations).
 
-**The description** (`describe`) names the pattern, each weight in m's units (sign · weight, to three
-significant digits as stored): where the memory is strongest (m > 0, or m < 0 for sign −1: the tokens
-that move it furthest that way), the pairs ("after “ of”: “ Paris” +1.2"), the tokens that move it the
-opposite way, how many more it weighs; then its value's top tokens (what it promotes) and its
-shallowness where the analyses measured it.
+**The description** (`describe`) of one side of a memory (its pattern's sign: +1, where m > 0; −1, where
+m < 0) names the tokens that move it furthest that way, each with the token before it where a pair of
+the pattern outweighs the token alone ("fires on “ Paris” after “ in”, “ London” and “ Rome”"), the
+tokens that hold it back ("not on “ the”"), what its value writes when that side fires (the value's top
+tokens for m > 0, its bottom ones for m < 0: −m · v promotes them) and its shallowness where the analyses
+measured it. The numbers stay in the pattern's table, which the key page shows beside it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 from ffmem.engine.explanations.fitting import START, Pattern
 from ffmem.engine.values.token_display import visible
 
-SHOWN_RAISE, SHOWN_LOWER, SHOWN_PAIRS = 6, 3, 3  # tokens and pairs the description names
-VALUE_TOKENS = 3  # promoted tokens named in the description
+SHOWN_RAISE, SHOWN_LOWER, SHOWN_PAIRS = 4, 2, 2  # tokens, held-back tokens and lone pairs named
+VALUE_TOKENS = 3  # tokens the value writes, named
 
 
 @dataclass
@@ -31,38 +32,49 @@ def quoted(text: str) -> str:
     return "“" + visible(text, spaces=False) + "”"
 
 
+def listed(items: Sequence[str]) -> str:
+    """“a”, “b” and “c”."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def describe(
     pattern: Pattern, value_tokens: Sequence[int], shallowness: float | None, texts: Sequence[str]
 ) -> Description:
-    """A memory's description: its pattern, its value's top tokens (strongest first) and its shallowness
-    (or None); `texts` names every token id (as the pages do: a byte-level token as its bytes, ⟨0x80⟩)."""
+    """One side's description: its pattern, the tokens its value writes on that side (strongest first) and
+    the memory's shallowness (or None); `texts` names every token id (as the pages do: a byte-level token
+    as its bytes, ⟨0x80⟩)."""
     weighed = sorted(zip(pattern.weights, pattern.final, strict=True), key=lambda item: (-item[0], item[1]))
-    raise_, lower = [i for i in weighed if i[0] > 0], [i for i in weighed[::-1] if i[0] < 0]
+    raise_ = [token for weight, token in weighed if weight > 0][:SHOWN_RAISE]
+    lower = [token for weight, token in weighed[::-1] if weight < 0][:SHOWN_LOWER]
     pairs = sorted(
-        zip(pattern.pair_weights, pattern.pairs, strict=True), key=lambda item: (-abs(item[0]), item[1])
+        ((w, pair) for w, pair in zip(pattern.pair_weights, pattern.pairs, strict=True) if w > 0),
+        key=lambda item: (-item[0], item[1]),
     )
+    after = {}  # token → the previous token of its strongest raising pair
+    for _, (before, token) in pairs:
+        after.setdefault(token, before)
 
-    def named(items) -> str:  # each weight in m's units: sign · weight
-        return ", ".join(f"{quoted(texts[t])} {pattern.sign * w:+.3g}" for w, t in items)
+    def named(token: int) -> str:
+        if token not in after:
+            return quoted(texts[token])
+        before = after[token]
+        return f"{quoted(texts[token])} after {'the start' if before == START else quoted(texts[before])}"
 
-    parts = []
-    if raise_:
-        parts.append(f"strongest (m {'>' if pattern.sign > 0 else '<'} 0) at " + named(raise_[:SHOWN_RAISE]))
-    for weight, (before, token) in pairs[:SHOWN_PAIRS]:
-        after = "the start" if before == START else quoted(texts[before])
-        parts.append(f"after {after}: {named([(weight, token)])}")
-    if lower:
-        parts.append("opposite at " + named(lower[:SHOWN_LOWER]))
-    more = sum(
-        max(0, len(items) - shown)
-        for items, shown in ((raise_, SHOWN_RAISE), (lower, SHOWN_LOWER), (pairs, SHOWN_PAIRS))
-    )
-    if more:
-        parts.append(f"{more} more weighed")
-    if not parts:
-        parts.append("no token sets it apart in its shaded sentences")
+    shown = [named(token) for token in raise_]
+    shown += [named(token) for _, (_, token) in pairs if token not in raise_][:SHOWN_PAIRS]
+    side = "fires on" if pattern.sign > 0 else "goes negative on"
+    sentence = f"{side.capitalize()} {listed(shown)}" if shown else "No token sets it apart in its records"
+    if shown and lower:
+        sentence += ", not on " + listed([quoted(texts[t]) for t in lower])
+    parts = [sentence]
     if value_tokens:
-        parts.append("promotes " + ", ".join(quoted(texts[t]) for t in list(value_tokens)[:VALUE_TOKENS]))
+        written = [quoted(texts[t]) for t in list(value_tokens)[:VALUE_TOKENS]]
+        parts.append(("then writes " if shown else "it writes ") + listed(written))
+    text = "; ".join(parts) + "."
     if shallowness is not None:
-        parts.append(f"{'shallow' if shallowness >= 0.5 else 'semantic'} (shallowness {shallowness:.2f})")
-    return Description(text="; ".join(parts), pattern=pattern)
+        text += " " + (
+            "Shallow: it hinges on the last token."
+            if shallowness >= 0.5
+            else "Semantic: it reads more than the last token."
+        )
+    return Description(text=text, pattern=pattern)

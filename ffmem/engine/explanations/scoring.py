@@ -39,7 +39,7 @@ class PatternScore:
         return {"positions": self.positions, "matches": self.matches, "auroc": self.auroc}
 
 
-def _lookup(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def lookup_rows(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The row of each value in `codes` (sorted, ending in _ABSENT), and the last row where absent."""
     last = len(codes) - 1
     row = torch.searchsorted(codes, values).clamp_(max=last)
@@ -81,7 +81,7 @@ class _LevelTable:
 
     def level(self, code: torch.Tensor) -> torch.Tensor:
         """Each code's level for every key: [Q, keys] uint8, 0 where the key's pattern does not hold it."""
-        rows = _lookup(self.codes, code)  # [Q]
+        rows = lookup_rows(self.codes, code)  # [Q]
         first, counts = self.starts[rows], self.starts[rows + 1] - self.starts[rows]  # [Q] each
         found = torch.zeros(len(code), self.n_keys, dtype=torch.uint8, device=code.device)  # [Q, keys]
         total = int(counts.sum())
@@ -181,7 +181,7 @@ class PatternScores:
         covariance = pm / n - (p / n) * (m / n)
         defined = (var_p > 1e-12) & (var_m > 1e-12)
         correlation = torch.where(defined, covariance / (var_p * var_m).sqrt().clamp(min=1e-30), torch.nan)
-        auroc = _auroc(self.levels[layer, 1], self.levels[layer, 0], value)  # [keys]
+        auroc = auroc_of_levels(self.levels[layer, 1], self.levels[layer, 0], value)  # [keys]
         return [
             PatternScore(
                 correlation=_number(correlation[k]),
@@ -193,7 +193,7 @@ class PatternScores:
         ]
 
 
-def _auroc(positive: torch.Tensor, negative: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def auroc_of_levels(positive: torch.Tensor, negative: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """AUROC of the match from its level counts among positives and negatives and each level's match
     ([levels, keys] each): P(match of a positive > match of a negative) + ½ P(equal). NaN without both."""
     n_pos, n_neg = positive.sum(0), negative.sum(0)  # [keys]

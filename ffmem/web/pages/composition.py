@@ -39,19 +39,63 @@ class WeightGraphView(BaseModel):
     outbound: list[LinkView] = Field(description="Later keys that read this memory's value most.")
 
 
+class ProtocolView(BaseModel):
+    """One side's scores by the scoring protocol (ffmem.engine.explanations.protocol), each beside its
+    control: the same memory's records scored with another memory's pattern of its layer (chance)."""
+
+    pooled: float | None = Field(
+        description="Pearson r of the pattern's match with sign · m over held-out top and random records "
+        "mixed 1:1 (OpenAI's and Transluce's score)."
+    )
+    pooled_control: float | None
+    random: float | None = Field(description="The same over the random records alone.")
+    random_control: float | None
+    auroc: float | None = Field(
+        description="The match telling apart the pooled positions where the side fires (past half its "
+        "largest) from the rest; 0.5: chance."
+    )
+    auroc_control: float | None
+    top_positions: int = Field(description="Positions of its top records.")
+    random_positions: int = Field(description="Positions of the random records.")
+    matches: int = Field(0, description="Positions of both whose token or pair the pattern weighs.")
+    simulation: float | None = Field(
+        None,
+        description="Where the local explainer described this side: the Pearson r of its simulated "
+        "coefficients with sign · m on some of the side's top and random records (OpenAI's score).",
+    )
+
+
+class PolarityView(BaseModel):
+    """One side of a memory, described and scored on its own records."""
+
+    sign: int = Field(description="+1: where m > 0; −1: where m < 0.")
+    source: str = Field(description="heuristic | llm:<model>.")
+    text: str = Field(description="Its one-line description.")
+    scores: ProtocolView | None = Field(description="Its scores (null: the run has no held-out text).")
+
+
 class ExplanationView(BaseModel):
     """A memory's automatic description and how well its pattern predicts the key on held-out text."""
 
     text: str
     source: str = Field(description="heuristic | llm:<model>.")
     score: float | None = Field(
-        description="Pearson r of the pattern's match with m (−m: a negative memory) on held-out positions."
+        description="Pearson r of the pattern's match with m (−m: a negative memory) on held-out positions: "
+        "the protocol's pooled score of its dominant side (before the protocol: over random held-out text)."
     )
     auroc: float | None = Field(
         description="The match telling apart positions where the key fires (past half its largest)."
     )
     positions: int = Field(description="Held-out positions scored.")
     matches: int = Field(description="Positions whose token (or pair) the pattern weighs.")
+    protocol: ProtocolView | None = Field(
+        None, description="Its dominant side's scores by the protocol (null: explained before it)."
+    )
+    polarities: list[PolarityView] = Field(
+        default_factory=list,
+        description="Each side (m > 0, then m < 0) described and scored on its own records; empty: explained "
+        "before sides were.",
+    )
 
 
 class WeightedToken(BaseModel):
@@ -162,6 +206,8 @@ def explanation_view(found: Explanation) -> ExplanationView:
         auroc=details.get("auroc"),
         positions=details.get("positions", 0),
         matches=details.get("matches", 0),
+        protocol=composition.protocol_of(details),
+        polarities=composition.explanation_sides(found),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from ffmem.store import jobs
+from ffmem.store import analyses, jobs
 from ffmem.store.db import Session
 from ffmem.store.models import Job, JobKind
 from ffmem.store.progress import run_progress
@@ -24,6 +24,19 @@ class Progress(BaseModel):
     eta_seconds: float | None = Field(description="Seconds left at that rate (null once done).")
 
 
+class ExplainerReport(BaseModel):
+    """How the local explainer (explainer_url) did in the run's explanations step."""
+
+    sides: int = Field(description="Sides of memories (m > 0, m < 0) it was asked to describe.")
+    failures: int = Field(
+        description="Sides it failed on (an error, a timeout, no usable answer): they keep the token-table "
+        "descriptions."
+    )
+    gave_up: bool = Field(description="Whether it stopped asking after failures in a row.")
+    simulated: int = Field(0, description="Sides it simulated for the simulation score.")
+    simulation_failures: int = 0
+
+
 class JobContext(BaseModel):
     """One job: its status, its run and progress, its error."""
 
@@ -39,6 +52,9 @@ class JobContext(BaseModel):
     )
     local_worker: bool = Field(
         False, description="This server started its own worker (`ffmem serve`): it takes queued jobs."
+    )
+    explainer: ExplainerReport | None = Field(
+        None, description="The local explainer's part in the run's explanations, where one was set."
     )
 
 
@@ -73,4 +89,23 @@ def job_page(
         polling=job.status in jobs.ACTIVE,
         max_attempts=max_attempts,
         local_worker=local_worker,
+        explainer=explainer_report(session, job),
+    )
+
+
+def explainer_report(session: Session, job: Job) -> ExplainerReport | None:
+    """What the run's explanations step says of its local explainer, for an index or composition job whose
+    run was explained with one (None otherwise)."""
+    if job.run_id is None or job.kind not in (JobKind.index, JobKind.composition):
+        return None
+    found = analyses.stored_analyses(session=session, run_id=job.run_id).get("explanations")
+    if found is None or not (found.data or {}).get("explainer_sides"):
+        return None
+    data = found.data
+    return ExplainerReport(
+        sides=data["explainer_sides"],
+        failures=data.get("explainer_failures", 0),
+        gave_up=data.get("explainer_gave_up", False),
+        simulated=data.get("simulated_sides", 0),
+        simulation_failures=data.get("simulation_failures", 0),
     )

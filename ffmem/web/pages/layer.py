@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from ffmem.store import corpora, memory_labels, memory_reads, vocabularies
+from ffmem.store import composition, corpora, memory_labels, memory_reads, vocabularies
 from ffmem.store.db import Session
 from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, LanguageModel, Run
 from ffmem.store.results import results_for
@@ -48,6 +48,15 @@ class KeyRow(BaseModel):
     )
     dominant_share: float | None = Field(None, description="The share of mined positions in it.")
     label: LabelView | None = Field(None, description="The memory's label (its newest).")
+    explanation_score: float | None = Field(
+        None,
+        description="Its automatic explanation's score: the scoring protocol's pooled Pearson (top and "
+        "random held-out records mixed 1:1) of its dominant side; null: unexplained or unscored.",
+    )
+    explanation_control: float | None = Field(
+        None,
+        description="The same score with another memory's pattern of the layer (a fixed shuffle): chance.",
+    )
 
 
 class LayerContext(ModelPage):
@@ -109,6 +118,7 @@ def layer_page(
     wanted.update(v.token_id for tokens in values.values() for v in tokens)
     texts = vocabularies.token_texts(session=session, model_id=model.id, token_ids=wanted)
     current = memory_labels.current_labels(session=session, model_id=model.id, layer=layer, keys=keys)
+    explained = composition.explanation_scores(session=session, run_id=run.id, layer=layer, keys=keys)
     rows = [
         KeyRow(
             key=s.key,
@@ -128,6 +138,8 @@ def layer_page(
             value_norm=s.value_norm,
             **_dominant(s),
             label=label_view(current[s.key]) if s.key in current else None,
+            explanation_score=explained.get(s.key, (None, None))[0],
+            explanation_control=explained.get(s.key, (None, None))[1],
         )
         for s in stats
     ]

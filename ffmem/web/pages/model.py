@@ -13,6 +13,30 @@ from ffmem.web.views import ModelInfo, Provisional, RunInfo, model_info, run_inf
 
 LayerSummary = LayerFigures  # the model page's rows are the store's per-layer figures, as they are
 
+Quartiles = list[float] | None  # [first quartile, median, third quartile]; null: none scored
+
+
+class LayerExplanationScores(BaseModel):
+    """A layer's explanation scores by the scoring protocol, over its memories' stronger sides, each
+    beside its control (another memory's pattern of the layer scored the same way: chance)."""
+
+    layer: int
+    pooled: Quartiles = Field(description="Pooled Pearson over top and random held-out records, 1:1.")
+    pooled_control: Quartiles
+    random: Quartiles = Field(description="Pearson over the random records alone.")
+    random_control: Quartiles
+    auroc: Quartiles = Field(description="AUROC of the match for the positions where the memory fires.")
+    auroc_control: Quartiles
+
+
+class ExplanationScores(BaseModel):
+    """How well the run's automatic explanations predict their memories (ffmem.worker.explanations)."""
+
+    top_records: int = Field(description="Top held-out records per memory and side.")
+    random_records: int = Field(description="Random held-out records, the same for every memory.")
+    held_out_sentences: int
+    layers: list[LayerExplanationScores]
+
 
 class DepthThird(BaseModel):
     """The output scores of a run's TokenChange sample in one depth third (ffmem.worker.token_changes)."""
@@ -33,6 +57,10 @@ class ModelContext(BaseModel):
     model: ModelInfo
     run: RunInfo
     layers: list[LayerSummary] = Field(description="One row per layer: means over its keys unless named.")
+    explanations: ExplanationScores | None = Field(
+        None,
+        description="Per layer, its explanations' scores with their controls (null: none by the protocol).",
+    )
     provisional: Provisional = None
     token_change: list[DepthThird] | None = Field(
         None, description="What values write, measured on the run's sample, per depth third (null: none)."
@@ -46,6 +74,7 @@ def model_page(session: Session, model: LanguageModel, run: Run) -> ModelContext
         model=model_info(model),
         run=run_info(run),
         layers=results.layer_figures(),
+        explanations=explanation_scores(session, run),
         provisional=results.coverage(),
         token_change=depth_thirds(session, run),
     )
@@ -57,6 +86,21 @@ def depth_thirds(session: Session, run: Run) -> list[DepthThird] | None:
     if found is None:
         return None
     return [DepthThird(third=name, **figures) for name, figures in found.data["thirds"].items()]
+
+
+def explanation_scores(session: Session, run: Run) -> ExplanationScores | None:
+    """The explanations step's figures as stored with the run's analyses (None: explained before the
+    scoring protocol, or not yet)."""
+    found = analyses.stored_analyses(session=session, run_id=run.id).get("explanations")
+    data = found.data if found is not None else {}
+    if "layers" not in data:
+        return None
+    return ExplanationScores(
+        top_records=data["top_records"],
+        random_records=data["random_records"],
+        held_out_sentences=data["held_out_sentences"],
+        layers=data["layers"],
+    )
 
 
 LAYER_SERIES = {

@@ -1,0 +1,273 @@
+"""The field's scoring protocol for a memory's explanations (ffmem.engine.explanations), per polarity.
+
+A *record* is one held-out sentence (text the run never mined), its positions from the first mined one
+on (never position 0). For each polarity of a memory — the positive side (its pattern predicts m) and
+the negative side (−m), each with its own pattern fitted on its own triggers' sentences — the protocol
+(Bills et al. 2023, OpenAI's "simulate and score"; Choi et al. 2024) takes:
+
+- its **top records**: the `top` held-out records where that side's sign · m peaks highest (found in a
+  first pass, `TopRecords`), drawn from the records that are not random ones;
+- the **random records**: `random` held-out records drawn once by a fixed shuffle (`random_records`),
+  the same for every memory, so top and random are mixed 1:1 when `top == random`.
+
+Over them (`ProtocolScores`, a second pass), with the pattern's match as the simulated activation:
+
+- **pooled** — the Pearson correlation of the match with sign · m over every position of the top and
+  random records together: the field's headline score;
+- **random** — the same over the random records alone (the score ffmem gave before, on random text);
+- **AUROC** — of the match for telling apart the pooled positions where the side *fires* (sign · m ≥
+  half its largest in the mined corpus) from the rest (0.5: chance; ties count half);
+- and each again as a **control**: the same memory's records and coefficients scored with another
+  memory's pattern of the same layer and side (`control_keys`: a fixed shuffle, never the memory
+  itself), so a layer's distribution of scores can be read against chance.
+
+Every score is computed from running sums over (position, memory) pairs of the records a memory
+scores, never over a [positions, memories] matrix of matches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from ffmem.engine.explanations.fitting import START, Pattern, pair_code
+from ffmem.engine.explanations.scoring import MAX_LEVEL, LayerPatterns, auroc_of_levels, lookup_rows
+
+POLARITIES = (1, -1)  # the positive side (predicts m), the negative side (predicts −m)
+SEED = 0  # the fixed shuffles: the random records, the control memories
+STATS = ("n", "p", "pp", "m", "mm", "pm", "c", "cc", "cm", "hit")  # running sums; c: the control's match
+
+
+def random_records(n_sentences: int, count: int, seed: int = SEED) -> np.ndarray:
+    """[≤ count] the held-out records every memory is scored on at random, by a fixed shuffle, ascending."""
+    chosen = np.random.default_rng(seed).permutation(n_sentences)[: max(count, 0)]
+    return np.sort(chosen).astype(np.int64)
+
+
+def control_keys(n_keys: int, seed: int = SEED) -> np.ndarray:
+    """[n_keys] each key's control: the key whose pattern scores it for chance, a fixed shuffle that is one
+    cycle through every key (so never the key itself, with two keys or more)."""
+    order = np.random.default_rng(seed).permutation(n_keys)
+    control = np.empty(n_keys, dtype=np.int64)
+    control[order] = np.roll(order, -1)
+    return control
+
+
+@dataclass
+class ProtocolScore:
+    """One side of a memory scored by the protocol (module docstring); None where undefined: the match or
+    the coefficient never varies there, or the side never fires (AUROC)."""
+
+    pooled: float | None
+    pooled_control: float | None
+    random: float | None
+    random_control: float | None
+    auroc: float | None
+    auroc_control: float | None
+    top_positions: int  # positions of its top records
+    random_positions: int  # positions of the random records
+    matches: int  # positions of both whose token or pair the pattern lists
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class TopRecords:
+    """The first pass: per side, layer and key, the `count` held-out records (not random ones) where sign ·
+    m peaks highest. `update(layer, coefficients, valid, sentences)` with one batch's [batch, pos, keys]
+    coefficients, its [batch, pos] mined positions and [batch] record numbers; `records` after."""
+
+    def __init__(self, n_layers: int, n_keys: int, count: int, random: np.ndarray, n_sentences: int):
+        self.count = count
+        self.random = torch.zeros(n_sentences, dtype=torch.bool)  # [sentences]
+        self.random[torch.from_numpy(random)] = True
+        self.peaks = torch.full((2, n_layers, count, n_keys), -math.inf)  # [sides, layers, count, keys]
+        self.sentences = torch.full((2, n_layers, count, n_keys), -1, dtype=torch.long)
+
+    def update(self, layer: int, coefficients: torch.Tensor, valid: torch.Tensor, sentences: torch.Tensor):
+        if not self.count:
+            return
+        c = coefficients.float()
+        mask = valid[..., None]  # [batch, pos, 1]
+        highest = torch.where(mask, c, -math.inf).amax(1).cpu()  # [batch, keys]
+        lowest = torch.where(mask, c, math.inf).amin(1).cpu()  # [batch, keys]
+        sentences = sentences.cpu()
+        skip = self.random[sentences]  # [batch]
+        for side, peaks in enumerate((highest, -lowest)):
+            peaks = peaks.masked_fill(skip[:, None], -math.inf)  # [batch, keys]
+            both = torch.cat([self.peaks[side, layer], peaks])  # [count + batch, keys]
+            ids = torch.cat([self.sentences[side, layer], sentences[:, None].expand_as(peaks)])
+            kept = both.topk(min(self.count, len(both)), dim=0)  # [count, keys]
+            self.peaks[side, layer, : len(kept.values)] = kept.values
+            self.sentences[side, layer, : len(kept.values)] = ids.gather(0, kept.indices)
+
+    def records(self) -> torch.Tensor:
+        """[sides, layers, count, keys] each key's top records (−1: fewer held-out records peak there)."""
+        return torch.where(self.peaks > -math.inf, self.sentences, -1)
+
+
+def _entry_codes(table) -> torch.Tensor:
+    """A ffmem.engine.explanations.scoring level table's entries as sorted codes row · keys + key (its rows
+    list their keys in order), for looking up one (code, key) pair at a time."""
+    counts = table.starts[1:] - table.starts[:-1]  # [rows]
+    rows = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)  # [entries]
+    return rows * table.n_keys + table.keys
+
+
+def _pair_levels(table, codes: torch.Tensor, row_of: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """[P] uint8 the level table gives key `key[i]` at code `row_of[i]` (an index into the positions'
+    `codes` rows, already looked up), 0 where its pattern does not hold it."""
+    if not len(codes):
+        return torch.zeros(len(key), dtype=torch.uint8, device=key.device)
+    wanted = row_of * table.n_keys + key  # [P]
+    at = torch.searchsorted(codes, wanted).clamp_(max=len(codes) - 1)  # [P]
+    return table.levels[at].mul_(codes[at] == wanted)  # 0 where the entry found is another
+
+
+class _SideTables:
+    """One side and layer: its patterns as lookups by (position, key) pair."""
+
+    def __init__(self, patterns: Sequence[Pattern], device):
+        self.patterns = LayerPatterns(patterns, device)
+        self.final_codes = _entry_codes(self.patterns.final)
+        self.pair_codes = _entry_codes(self.patterns.pairs)
+        self.values = self.patterns.values.to(device)  # [levels, keys]
+
+    def levels(self, token_row: torch.Tensor, pair_row: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """[P] each pair's level: its pair's where the pattern lists the pair, else its token's."""
+        level = _pair_levels(self.patterns.final, self.final_codes, token_row, key)
+        pair = _pair_levels(self.patterns.pairs, self.pair_codes, pair_row, key)
+        return torch.where(pair > 0, pair, level)
+
+
+class ProtocolScores:
+    """The second pass (module docstring): running sums over the (position, key) pairs of each key's top
+    records and the random records, per side and layer. `update(layer, coefficients, input_ids, valid,
+    sentences)` with one batch's [batch, pos, keys] coefficients, [batch, pos] ids and mined positions and
+    [batch] record numbers; `scores(side, layer)` each key's ProtocolScore."""
+
+    def __init__(
+        self,
+        patterns: Sequence[Sequence[Sequence[Pattern]]],
+        fires_at: torch.Tensor,
+        top: torch.Tensor,
+        random: np.ndarray,
+        n_sentences: int,
+        device="cpu",
+    ):
+        """`patterns[side][layer][key]` (sides as POLARITIES); `fires_at` [sides, layers, keys]: the sign · m
+        from which each side fires (NaN: never); `top` [sides, layers, count, keys] (TopRecords.records)."""
+        n_sides, n_layers, n_keys = fires_at.shape
+        self.device = device
+        self.tables = [[_SideTables(layer, device) for layer in side] for side in patterns]
+        self.fires_at = fires_at.to(device)
+        self.control = torch.from_numpy(control_keys(n_keys)).to(device)  # [keys]
+        self.random = torch.zeros(n_sentences, dtype=torch.bool)  # [sentences]
+        self.random[torch.from_numpy(random)] = True
+        self.random = self.random.to(device)
+        self.top = torch.zeros(n_sides, n_layers, n_sentences + 1, n_keys, dtype=torch.bool)  # row −1: none
+        count = top.shape[2]
+        keys = torch.arange(n_keys).expand(count, n_keys)  # [count, keys]
+        for side, layer in np.ndindex(n_sides, n_layers):
+            self.top[side, layer][top[side, layer], keys] = True
+        self.top = self.top[:, :, :-1].to(device)  # [sides, layers, sentences, keys]
+        self.sums = torch.zeros(
+            n_sides, n_layers, 2, len(STATS), n_keys, dtype=torch.float64
+        )  # [.., random?]
+        # positions by [match or control, fires?, level]: the AUROCs
+        self.levels = torch.zeros(n_sides, n_layers, 2, 2, MAX_LEVEL + 1, n_keys, dtype=torch.float64)
+        self.counted = torch.zeros(n_sides, n_layers, 2, n_keys, dtype=torch.float64)  # positions [random?]
+
+    def update(
+        self,
+        layer: int,
+        coefficients: torch.Tensor,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        sentences: torch.Tensor,
+    ):
+        rows, positions = valid.nonzero(as_tuple=True)  # [Q] each
+        token = input_ids[rows, positions]  # [Q]
+        previous = torch.where(positions > 0, input_ids[rows, (positions - 1).clamp(min=0)], START)  # [Q]
+        record = sentences.to(self.device)[rows]  # [Q]
+        is_random = self.random[record]  # [Q]
+        m_all = coefficients[rows, positions]  # [Q, keys]
+        n_keys = m_all.shape[1]
+        for side, sign in enumerate(POLARITIES):
+            tables = self.tables[side][layer]
+            chosen = self.top[side, layer][record] | is_random[:, None]  # [Q, keys]
+            q, key = chosen.nonzero(as_tuple=True)  # [P] each
+            if not len(q):
+                continue
+            m = (sign * m_all[q, key]).double()  # [P]
+            token_row = lookup_rows(tables.patterns.final.codes, token)  # [Q]
+            pair_row = lookup_rows(tables.patterns.pairs.codes, pair_code(previous, token))  # [Q]
+            control = self.control[key]  # [P]
+            level = tables.levels(token_row[q], pair_row[q], key)  # [P]
+            control_level = tables.levels(token_row[q], pair_row[q], control)  # [P]
+            p = tables.values[level.long(), key]  # [P]
+            c = tables.values[control_level.long(), control]  # [P]
+            kind = is_random[q].long()  # [P]
+            bins = kind * n_keys + key  # [P]
+            for i, weight in enumerate(
+                (None, p, p * p, m, m * m, p * m, c, c * c, c * m, (level > 0).double())
+            ):
+                found = torch.bincount(bins, weights=weight, minlength=2 * n_keys).view(2, n_keys)
+                self.sums[side, layer, :, i] += found.double().cpu()
+            fires = (m >= self.fires_at[side, layer][key]).long()  # [P] (NaN thresholds: never)
+            for which, lev in enumerate((level, control_level)):
+                at = (fires * (MAX_LEVEL + 1) + lev.long()) * n_keys + key  # [P]
+                found = torch.bincount(at, minlength=2 * (MAX_LEVEL + 1) * n_keys)
+                self.levels[side, layer, which] += found.view(2, MAX_LEVEL + 1, n_keys).double().cpu()
+
+    def scores(self, side: int, layer: int) -> list[ProtocolScore]:
+        sums = self.sums[side, layer]  # [random?, stats, keys]
+        pooled, random = sums.sum(0), sums[1]  # [stats, keys] each
+        values = self.tables[side][layer].values.cpu()  # [levels, keys]
+        control = self.control.cpu()
+        levels = self.levels[side, layer]  # [match or control, fires?, levels, keys]
+        auroc = auroc_of_levels(levels[0, 1], levels[0, 0], values)  # [keys]
+        auroc_control = auroc_of_levels(levels[1, 1], levels[1, 0], values[:, control])  # [keys]
+        has_control = len(control) > 1
+        found = {
+            "pooled": _pearson(pooled, "p"),
+            "pooled_control": _pearson(pooled, "c"),
+            "random": _pearson(random, "p"),
+            "random_control": _pearson(random, "c"),
+        }
+        n_top, n_random = sums[0, 0], sums[1, 0]  # [keys] each
+        return [
+            ProtocolScore(
+                pooled=_number(found["pooled"][k]),
+                pooled_control=_number(found["pooled_control"][k]) if has_control else None,
+                random=_number(found["random"][k]),
+                random_control=_number(found["random_control"][k]) if has_control else None,
+                auroc=_number(auroc[k]),
+                auroc_control=_number(auroc_control[k]) if has_control else None,
+                top_positions=int(n_top[k]),
+                random_positions=int(n_random[k]),
+                matches=int(pooled[-1, k]),
+            )
+            for k in range(values.shape[1])
+        ]
+
+
+def _pearson(sums: torch.Tensor, of: str) -> torch.Tensor:
+    """[keys] the correlation of the match `of` ("p": the pattern's, "c": the control's) with sign · m from
+    running sums [STATS, keys]; NaN where either never varies."""
+    s = dict(zip(STATS, sums, strict=True))  # [keys] each
+    n = s["n"].clamp(min=1)
+    x, xx, xm = s[of] / n, s[of + of] / n, s[of + "m"] / n
+    m, mm = s["m"] / n, s["mm"] / n
+    var_x, var_m = (xx - x * x).clamp(min=0), (mm - m * m).clamp(min=0)
+    defined = (var_x > 1e-12) & (var_m > 1e-12) & (s["n"] > 1)
+    return torch.where(defined, (xm - x * m) / (var_x * var_m).sqrt().clamp(min=1e-30), torch.nan)
+
+
+def _number(value: torch.Tensor) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else round(value, 4)
