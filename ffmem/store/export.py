@@ -13,7 +13,8 @@ The tables (`TABLES`): the model (`language_models`, `tokens`, `labels`), the co
 (`key_stats`) and the layer table's stored orders (`key_orders`), band samples, shading and quadrant
 examples (`key_examples`), value histograms, the token → memories table (`token_memories`), each
 sentence's triggers (`sentence_triggers`), neighbours and their baselines, the weight graph
-(`memory_links`), explanations with their token tables, and the paper's analyses. Not exported:
+(`memory_links`), explanations with their token tables, the sampled memories' TokenChange
+(`token_changes`), and the paper's analyses. Not exported:
 comparisons (they join two runs), jobs, shards and mined layers (how it was built).
 
 Rows stream from the database in chunks, so a full index exports in bounded memory. Parquet (zstd) needs
@@ -53,6 +54,7 @@ from ffmem.store.models import (
     Sentence,
     SentenceTriggers,
     Token,
+    TokenChangeRow,
     TokenMemoryList,
     ValueHistogram,
 )
@@ -99,7 +101,7 @@ TABLES = (
         _run_table(model)
         for model in (
             MemoryList, KeyStats, KeyOrder, KeyExamples, ValueHistogram, TokenMemoryList, SentenceTriggers,
-            Neighbours, NeighbourBaseline, MemoryLinks, Explanation, Analysis,
+            Neighbours, NeighbourBaseline, MemoryLinks, Explanation, TokenChangeRow, Analysis,
         )
     ),
 )  # fmt: skip

@@ -5,7 +5,7 @@ need from this revision on (ffmem.store.memory_lists); the lists stored before r
 Runs stored before have no key orders: their pages sort the statistics as before.
 
 Revision ID: 0031
-Revises: 0028
+Revises: 0030
 Create Date: 2026-11-29
 """
 

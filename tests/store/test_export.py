@@ -21,7 +21,7 @@ pytestmark = pytest.mark.backends("sqlite", "postgres")
 TABLES = {
     "language_models", "tokens", "labels", "corpora", "sentences", "runs", "memory_lists", "key_stats",
     "key_orders", "key_examples", "value_histograms", "token_memories", "sentence_triggers", "neighbours",
-    "neighbour_baselines", "memory_links", "explanations", "analyses",
+    "neighbour_baselines", "memory_links", "explanations", "token_changes", "analyses",
 }  # fmt: skip
 
 

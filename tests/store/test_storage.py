@@ -570,7 +570,9 @@ def test_the_stored_key_orders_page_as_the_database_sorts(session, run):
     shares[:4] = [0.4, 0.3, 0.2, 0.1]  # the same dominant quadrant and share: by key
     memory_writes.store_key_stats(session=session, run_id=run.id, layer=0, quadrant_shares=shares, **stats)
     reread(session)
-    assert session.scalar(select(func.count()).select_from(KeyOrder)) == 2 * (len(layer_table.KEY_SORTS) - 2)  # by key: none needed; by explanation: sorted in SQL
+    assert session.scalar(select(func.count()).select_from(KeyOrder)) == 2 * (
+        len(layer_table.KEY_SORTS) - 2
+    )  # by key: none needed; by explanation: sorted in SQL
 
     def pages(descending: bool, sort: str) -> list[tuple[int, list[int]]]:
         found = []
