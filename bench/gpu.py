@@ -517,22 +517,23 @@ def main() -> None:
         for name, folder in tiny_models(scratch).items():
             ids, first = random_sentences(vocab_size(folder))
             checked(name, lambda f=folder, i=ids, p=first: parity(f, device, i, p, batch_tokens=256, top_k=8))
-        try:
-            log(f"random SmolLM2-135M from {args.assets / 'config.json'}, corpus {args.assets / CORPUS_FILE}")
-            folder = real_size_model(args.assets, scratch / "smollm2-random")
-            ids, first, pad_id = corpus_ids(args.assets, folder, args.sentences)
-            if args.parity_sentences:
-                n = min(args.parity_sentences, len(ids))
-                name = f"random SmolLM2-135M, {n} corpus sentences"
-                log(f"1b. parity, float32: {name}")
-                checked(
-                    name, lambda: parity(folder, device, ids[:n], first[:n], args.batch_tokens, top_k=TOP_K)
-                )
-            log("2. speed: bare backbone forward vs mining")
-            speed(results, folder, device, ids, first, pad_id, args, save)
-        except Exception:
-            traceback.print_exc()
-            results["error"] = traceback.format_exc()
+        if args.parity_sentences or args.dtypes:  # else the tiny models' parity alone (a dry run)
+            try:
+                corpus_file = args.assets / CORPUS_FILE
+                log(f"random SmolLM2-135M from {args.assets / 'config.json'}, corpus {corpus_file}")
+                folder = real_size_model(args.assets, scratch / "smollm2-random")
+                ids, first, pad_id = corpus_ids(args.assets, folder, args.sentences)
+                if args.parity_sentences:
+                    n = min(args.parity_sentences, len(ids))
+                    name = f"random SmolLM2-135M, {n} corpus sentences"
+                    log(f"1b. parity, float32: {name}")
+                    tokens = args.batch_tokens
+                    checked(name, lambda: parity(folder, device, ids[:n], first[:n], tokens, top_k=TOP_K))
+                log("2. speed: bare backbone forward vs mining")
+                speed(results, folder, device, ids, first, pad_id, args, save)
+            except Exception:
+                traceback.print_exc()
+                results["error"] = traceback.format_exc()
 
     imported = [name for name in FORBIDDEN if name in sys.modules]
     results["forbidden_imports"] = imported
