@@ -315,6 +315,7 @@ def measure_trace(loaded, args, result: dict) -> None:
     milliseconds of each, into `result["trace"]`."""
     if not args.trace_repeats:
         return
+    from bench.gpu import sync
     from ffmem.engine.live.trace import trace
 
     try:
@@ -351,11 +352,6 @@ def measure_trace(loaded, args, result: dict) -> None:
     except Exception:
         traceback.print_exc()
         result["trace"] = {"error": traceback.format_exc().strip().splitlines()[-1]}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def ratio_batches(loaded, sentences: int) -> list:

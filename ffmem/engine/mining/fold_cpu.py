@@ -3,7 +3,8 @@
 Keys are split into one block per thread. Per sentence, one loop over its mined positions gives each
 key's maximum and minimum (a vectorised loop), the sum and the histogram (a float's sign and exponent
 bits name its bin through a 512-entry table); then, where the sentence's order key beats a list's last
-one, it is inserted into the key's top-T of that sign or into its band samples, and only then is the
+one (the key's bar: each list's last order key, copied once a batch into arrays of their own and kept up to
+date), it is inserted into the key's top-T of that sign or into its band samples, and only then is the
 extreme's position looked up (its first occurrence). The state is the one the torch fold of other
 devices (ffmem.engine.mining.fold_torch) gives, tested equal: the same order keys and ties, the same
 positions.
