@@ -215,6 +215,7 @@ def compare(reference: MiningState, other: MiningState) -> dict:
             "quadrant_positions_differ",
             "quadrant_examples",
             "quadrant_examples_differ",
+            "quadrant_examples_unexplained",
         ),
         0,
     )
@@ -261,8 +262,19 @@ def compare(reference: MiningState, other: MiningState) -> dict:
             differ = (got.quadrant_sentence != sentence) | (got.quadrant_position != want.quadrant_position)
             out["quadrant_examples"] += int(filled.sum())
             out["quadrant_examples_differ"] += int((filled & differ).sum())
+            out["quadrant_examples_unexplained"] += _unexplained(*quadrant_lists(want), *quadrant_lists(got))
     out["coefficient_rel"] = out["coefficient_max_abs"] / max(out["coefficient_scale"], 1e-30)
     return out
+
+
+def quadrant_lists(layer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A gated layer's quadrant examples as _unexplained's lists, one per key and quadrant: (|m|, −inf
+    where empty; sentence; position), each [keys · 4, E]. |m| ranks a quadrant's examples as s·m ranks a
+    top-T list."""
+    sentence = layer.quadrant_sentence.reshape(-1, layer.quadrant_sentence.shape[-1])  # [keys · 4, E]
+    magnitude = np.abs(layer.quadrant_coefficient).reshape(sentence.shape)  # [keys · 4, E]
+    magnitude = np.where(sentence >= 0, magnitude, -np.inf)
+    return magnitude, sentence, layer.quadrant_position.reshape(sentence.shape)
 
 
 def _unexplained(a, sentence, position, b, other_sentence, other_position) -> int:
@@ -292,6 +304,8 @@ def verdict(name: str, figures: dict) -> bool:
     kinds = ("slots", "samples", "histogram", "quadrant_positions", "quadrant_examples")
     share = {kind: figures[f"{kind}_differ"] / max(figures[kind], 1) for kind in kinds}
     share["slots"] = figures["slots_unexplained"] / max(figures["slots"], 1)  # ties between equal values pass
+    unexplained = figures["quadrant_examples_unexplained"]  # the same for the quadrant examples
+    share["quadrant_examples"] = unexplained / max(figures["quadrant_examples"], 1)
     passed = (
         figures["counts_equal"]
         and all(s <= MISMATCH_SHARE for s in share.values())
@@ -308,7 +322,9 @@ def verdict(name: str, figures: dict) -> bool:
         f"{figures['sample_coefficient_max_abs']:.1e}); captured max |Δm| {figures['capture_max_abs']:.2e} "
         f"(rel {figures['capture_rel']:.1e}); quadrant positions {figures['quadrant_positions_differ']}/"
         f"{figures['quadrant_positions']} and examples {figures['quadrant_examples_differ']}/"
-        f"{figures['quadrant_examples']} differ; counts {'equal' if figures['counts_equal'] else 'DIFFER'}",
+        f"{figures['quadrant_examples']} differ, {unexplained} by more than a tie "
+        f"({100 * share['quadrant_examples']:.3f}%); "
+        f"counts {'equal' if figures['counts_equal'] else 'DIFFER'}",
         flush=True,
     )
     figures["passed"] = passed
@@ -501,22 +517,23 @@ def main() -> None:
         for name, folder in tiny_models(scratch).items():
             ids, first = random_sentences(vocab_size(folder))
             checked(name, lambda f=folder, i=ids, p=first: parity(f, device, i, p, batch_tokens=256, top_k=8))
-        try:
-            log(f"random SmolLM2-135M from {args.assets / 'config.json'}, corpus {args.assets / CORPUS_FILE}")
-            folder = real_size_model(args.assets, scratch / "smollm2-random")
-            ids, first, pad_id = corpus_ids(args.assets, folder, args.sentences)
-            if args.parity_sentences:
-                n = min(args.parity_sentences, len(ids))
-                name = f"random SmolLM2-135M, {n} corpus sentences"
-                log(f"1b. parity, float32: {name}")
-                checked(
-                    name, lambda: parity(folder, device, ids[:n], first[:n], args.batch_tokens, top_k=TOP_K)
-                )
-            log("2. speed: bare backbone forward vs mining")
-            speed(results, folder, device, ids, first, pad_id, args, save)
-        except Exception:
-            traceback.print_exc()
-            results["error"] = traceback.format_exc()
+        if args.parity_sentences or args.dtypes:  # else the tiny models' parity alone (a dry run)
+            try:
+                corpus_file = args.assets / CORPUS_FILE
+                log(f"random SmolLM2-135M from {args.assets / 'config.json'}, corpus {corpus_file}")
+                folder = real_size_model(args.assets, scratch / "smollm2-random")
+                ids, first, pad_id = corpus_ids(args.assets, folder, args.sentences)
+                if args.parity_sentences:
+                    n = min(args.parity_sentences, len(ids))
+                    name = f"random SmolLM2-135M, {n} corpus sentences"
+                    log(f"1b. parity, float32: {name}")
+                    tokens = args.batch_tokens
+                    checked(name, lambda: parity(folder, device, ids[:n], first[:n], tokens, top_k=TOP_K))
+                log("2. speed: bare backbone forward vs mining")
+                speed(results, folder, device, ids, first, pad_id, args, save)
+            except Exception:
+                traceback.print_exc()
+                results["error"] = traceback.format_exc()
 
     imported = [name for name in FORBIDDEN if name in sys.modules]
     results["forbidden_imports"] = imported

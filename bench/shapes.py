@@ -46,6 +46,7 @@ class Shape:
     tied: bool  # the unembedding is the embedding's transpose
     rope_theta: float
     max_positions: int
+    head_dim: int | None = None  # None: hidden / heads (Llama); Qwen3 sets its own
 
     @property
     def memories(self) -> int:
@@ -53,7 +54,7 @@ class Shape:
 
     def parameters(self) -> int:
         """Parameters, tied ones once (embedding, attention, SwiGLU MLP, norms, unembedding)."""
-        head_dim = self.hidden // self.heads
+        head_dim = self.head_dim or self.hidden // self.heads
         attention = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o; k, v
         block = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * block + self.hidden
@@ -69,6 +70,11 @@ SHAPES = {
     # meta-llama/Llama-3.1-8B: ~16 GB in bfloat16; write it only where there is the disk and the time.
     "llama-3.1-8b": Shape(
         32, 4096, 14336, 32, 8, 128256, tied=False, rope_theta=500000.0, max_positions=131072
+    ),
+    # Qwen/Qwen3-32B as a Llama-family model (its q/k norms left out: ~0.01% of the weights), 64 GB in
+    # bfloat16: built in the GPU's memory (`random_model`), never written (the GPU machine's disk is 64 GiB).
+    "qwen3-32b": Shape(
+        64, 5120, 25600, 64, 8, 151936, tied=False, rope_theta=1000000.0, max_positions=40960, head_dim=128
     ),
     # A few seconds to write and index: the dry run's and the test's; its vocabulary is padded 256 ids
     # past the tokenizer's (as Llama-3's and Qwen2.5's are), and its unembedding untied as Llama-3.1-8B's.
@@ -112,11 +118,44 @@ def config_of(shape: Shape, tokenizer, dtype: torch.dtype):
         rope_theta=shape.rope_theta,
         rms_norm_eps=1e-5,
         tie_word_embeddings=shape.tied,
+        head_dim=shape.head_dim or shape.hidden // shape.heads,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype=dtype,
     )
+
+
+def random_model(
+    name: str, dtype: str = "bfloat16", *, tokenizer: Path | None = None, device: str = "cpu", seed: int = 0
+):
+    """The named shape with random weights, built where it runs (`device`, in `dtype`) and never written:
+    a LoadedModel as ffmem.engine.model.loading gives one (a shape too large for the disk: Qwen3-32B)."""
+    from transformers import LlamaForCausalLM
+
+    from ffmem.engine.model.adapters import adapter_for
+    from ffmem.engine.model.loaded import LoadedModel
+
+    shape, torch_dtype = SHAPES[name], DTYPES[dtype]
+    text = shape_tokenizer(shape.vocab, tokenizer)
+    config = config_of(shape, text, torch_dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)  # shapes only
+    model.to(dtype=torch_dtype).to_empty(device=device)
+    model.tie_weights()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    with torch.no_grad():
+        for weight_name, weight in model.named_parameters():
+            if weight_name.endswith("norm.weight"):
+                weight.fill_(1.0)  # [hidden]
+            else:
+                weight.normal_(0.0, config.initializer_range, generator=generator)
+    model.eval()
+    return LoadedModel(
+        model=model, tokenizer=text, adapter=adapter_for(model), slug=name, source=f"random {name}",
+        revision=None, device=torch.device(device), dtype=torch_dtype,
+    )  # fmt: skip
 
 
 def write_shape(

@@ -49,12 +49,13 @@ os.environ.setdefault("TQDM_MININTERVAL", "30")  # the worker's progress bars: a
 import torch  # noqa: E402
 
 from bench.harness import ROOT, log  # noqa: E402
-from bench.shapes import SHAPES, write_shape  # noqa: E402
+from bench.shapes import SHAPES, random_model, write_shape  # noqa: E402
 
 DEFAULT_SHAPES = "smollm2-135m:100000,llama-3.2-1b:100000,llama-3.1-8b:1000000"
 # The bundled corpus (wiki-vital) under the default model's tokenizer, which every shape shares: 1,050,056
 # tokens in 36,518 sentences (read_corpus + tokenize, max 128 tokens a sentence; bench.gpu agrees).
 CORPUS_SENTENCES = 36_518
+TRACE_TOKENS = 32  # the live trace's prompt (issue 44: ≤ 100 ms p50 at the 8B shape)
 TOKENS_PER_SENTENCE = 1_050_056 / CORPUS_SENTENCES
 
 
@@ -198,6 +199,14 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
     result: dict = {"shape": name, "memories": shape.memories, "vocab": shape.vocab}
     tokenizer = args.tokenizer if args.tokenizer and args.tokenizer.is_dir() else None
     what = f"{shape.parameters():,} random {args.dtype} weights"
+    if args.ratio_only and args.in_memory:  # built on the device, never written: mining alone
+        log(f"{name}: building {what} on {args.device}")
+        start = time.perf_counter()
+        loaded = random_model(name, args.dtype, tokenizer=tokenizer, device=args.device)
+        result["build_seconds"] = time.perf_counter() - start
+        measure_mining(loaded, name, args, result)
+        measure_trace(loaded, args, result)
+        return result
     log(f"{name}: writing {what} (tokenizer {tokenizer or 'the GGUF file'})")
     start = time.perf_counter()
     write_shape(name, folder, args.dtype, tokenizer=tokenizer, device=args.device)
@@ -211,6 +220,7 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
         result["load_seconds"] = time.perf_counter() - start
         log(f"{name}: loaded in {result['load_seconds']:.1f} s")
         measure_mining(loaded, name, args, result)
+        measure_trace(loaded, args, result)
         del loaded
         shutil.rmtree(folder, ignore_errors=True)
         return result
@@ -245,6 +255,8 @@ def index_shape(name: str, tokens: int, args, work: Path) -> dict:
         result["stored"] = stored(url, tokenizer_ids)
     if args.ratio_sentences and loaded is not None:
         measure_mining(loaded, name, args, result)
+    if loaded is not None:
+        measure_trace(loaded, args, result)
     del loaded
     if not args.keep:
         shutil.rmtree(folder, ignore_errors=True)
@@ -295,6 +307,51 @@ def measure_mining(loaded, name: str, args, result: dict) -> None:
     except Exception:
         traceback.print_exc()
         result.setdefault("mining_ratio", {})["error"] = traceback.format_exc().strip().splitlines()[-1]
+
+
+def measure_trace(loaded, args, result: dict) -> None:
+    """`--trace-repeats` live traces of a TRACE_TOKENS-token prompt (ffmem.engine.live.trace.trace, what the
+    live view runs) interleaved with bare forwards of it (`model(ids)`), after two of each: p50 and p95
+    milliseconds of each, into `result["trace"]`."""
+    if not args.trace_repeats:
+        return
+    from bench.gpu import sync
+    from ffmem.engine.live.trace import trace
+
+    try:
+        ids = torch.randint(
+            0, len(loaded.tokenizer), (TRACE_TOKENS,), generator=torch.Generator().manual_seed(0)
+        )
+        token_ids = ids.tolist()
+        on_device = ids[None].to(loaded.device)  # [1, tokens]
+
+        def bare() -> None:
+            with torch.inference_mode():
+                loaded.model(on_device)
+
+        runs = {"bare": bare, "trace": lambda: trace(loaded, token_ids)}
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        for round_ in range(args.trace_repeats + 2):
+            for name, run in runs.items():
+                sync(loaded.device)
+                start = time.perf_counter()
+                run()
+                sync(loaded.device)
+                if round_ >= 2:  # two warm-up rounds
+                    seconds[name].append(time.perf_counter() - start)
+        found = {"tokens": TRACE_TOKENS, "repeats": args.trace_repeats}
+        for name, times in seconds.items():
+            times.sort()
+            found[f"{name}_p50_ms"] = 1000 * times[len(times) // 2]
+            found[f"{name}_p95_ms"] = 1000 * times[min(len(times) - 1, math.ceil(0.95 * len(times)) - 1)]
+        result["trace"] = found
+        log(
+            f"  live trace of {TRACE_TOKENS} tokens: p50 {found['trace_p50_ms']:.1f} ms, p95 "
+            f"{found['trace_p95_ms']:.1f} ms (bare forward p50 {found['bare_p50_ms']:.1f} ms)"
+        )
+    except Exception:
+        traceback.print_exc()
+        result["trace"] = {"error": traceback.format_exc().strip().splitlines()[-1]}
 
 
 def ratio_batches(loaded, sentences: int) -> list:
@@ -441,6 +498,12 @@ def main() -> None:
     parser.add_argument("--ratio-budget-s", type=float, default=60.0, help="no ratio pass starts after it")
     parser.add_argument("--ratio-only", action="store_true", help="no index: the mining ratio alone")
     parser.add_argument("--profile", action="store_true", help="torch.profiler of mining, after the ratio")
+    parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="with --ratio-only: each model built on the device",
+    )
+    parser.add_argument("--trace-repeats", type=int, default=0, help="live traces timed per shape; 0: none")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     shapes = parse_shapes(args.shapes)

@@ -85,6 +85,16 @@ def test_the_named_shapes_have_the_real_models_parameter_counts():
     assert SHAPES["llama-3.1-8b"].memories == 458_752
 
 
+def test_the_qwen3_32b_shape_is_its_memories_vocabulary_and_weights_less_the_qk_norms():
+    shape = SHAPES["qwen3-32b"]
+    assert (shape.layers, shape.intermediate, shape.memories, shape.vocab) == (64, 25_600, 1_638_400, 151_936)
+    # Qwen/Qwen3-32B's config: 64 heads of 128 (wider than hidden / heads), 8 key-value heads, untied.
+    attention = 5120 * 128 * (2 * 64 + 2 * 8)
+    block = attention + 3 * 5120 * 25_600 + 2 * 5120
+    assert shape.parameters() == 151_936 * 5120 * 2 + 64 * block + 5120
+    assert shape.parameters() == pytest.approx(32.8e9, rel=0.002)  # the model card's 32.8B
+
+
 def test_a_written_shape_has_its_tensors_random_weights_and_shards(tiny_folder):
     shape = SHAPES["tiny"]
     tensors = weights(tiny_folder)

@@ -3,7 +3,8 @@
 Keys are split into one block per thread. Per sentence, one loop over its mined positions gives each
 key's maximum and minimum (a vectorised loop), the sum and the histogram (a float's sign and exponent
 bits name its bin through a 512-entry table); then, where the sentence's order key beats a list's last
-one, it is inserted into the key's top-T of that sign or into its band samples, and only then is the
+one (the key's bar: each list's last order key, copied once a batch into arrays of their own and kept up to
+date), it is inserted into the key's top-T of that sign or into its band samples, and only then is the
 extreme's position looked up (its first occurrence). The state is the one the torch fold of other
 devices (ffmem.engine.mining.fold_torch) gives, tested equal: the same order keys and ties, the same
 positions.
@@ -157,6 +158,12 @@ def fold(
         largest = np.empty((n_quadrants, width), np.float32)
         largest_bits = largest.view(np.int32)
         pp, pn, np_, nn = largest[0], largest[1], largest[2], largest[3]
+        # The block's bars: the last order key of each key's top-T lists, quadrant lists and band samples,
+        # which a row's entry must beat; read once a batch into arrays of their own, not once a row from
+        # the lists (a cache line a key and list), and kept up to date as entries go in.
+        high_bar, low_bar = high_order[first:stop, -1].copy(), low_order[first:stop, -1].copy()
+        sample_bar = sample_order[first:stop, :, -1].copy()  # [width, bins]
+        quadrant_bar = quadrant_order[first:stop, :, -1].copy()  # [width, 4] (gated; else unread)
         for row in range(n_rows):
             start = -1
             for p in range(n_positions):
@@ -204,28 +211,25 @@ def fold(
                     hi = lo = c[row, at, key]
                     hi_bits = lo_bits = np.int64(bits[row, at, key])
                 entry = _order_key(hi_bits, s)
-                if entry > high_order[key, -1]:
+                if entry > high_bar[k]:
                     _enter_top(high_order, high_position, key, entry, _first_position(c, mined, row, key, hi))
+                    high_bar[k] = high_order[key, -1]
                 entry = _order_key(lo_bits ^ -(2**31), s)
-                if entry > low_order[key, -1]:
+                if entry > low_bar[k]:
                     _enter_top(low_order, low_position, key, entry, _first_position(c, mined, row, key, lo))
+                    low_bar[k] = low_order[key, -1]
                 # A positive maximum is a sample of its (positive) bin, a negative minimum of its bin.
                 sample = (_priority(s, first_memory + key) << 32) | s
                 for value, value_bits, sign in ((hi, hi_bits, 1.0), (lo, lo_bits, -1.0)):
                     if value * sign > 0 and value * sign != np.inf:
                         band = code_bin[(value_bits >> 23) & 511]
-                        if sample < sample_order[key, band, -1]:
+                        if sample < sample_bar[k, band]:
                             where = _first_position(c, mined, row, key, value)
                             _enter_sample(
-                                sample_order,
-                                sample_position,
-                                sample_coefficient,
-                                key,
-                                band,
-                                sample,
-                                where,
+                                sample_order, sample_position, sample_coefficient, key, band, sample, where,
                                 value,
-                            )
+                            )  # fmt: skip
+                            sample_bar[k, band] = sample_order[key, band, -1]
             if gated:
                 for k in range(width):
                     key = first + k
@@ -233,12 +237,13 @@ def fold(
                         if largest[q, k] < 0:
                             continue
                         entry = _order_key(np.int64(largest_bits[q, k]), s)
-                        if entry > quadrant_order[key, q, -1]:
+                        if entry > quadrant_bar[k, q]:
                             where = _first_in_quadrant(c, u, mined, row, key, q, largest[q, k])
                             read = u[row, where, key]
                             _enter_quadrant(
                                 quadrant_order, quadrant_position, quadrant_input, key, q, entry, where, read
                             )
+                            quadrant_bar[k, q] = quadrant_order[key, q, -1]
         for k in range(width):
             total[first + k] += sums[k]
             if gated:
