@@ -65,6 +65,9 @@ def test_demo_from_a_cold_cache_computes_the_right_numbers(tmp_path):
         # The explanations' scores (not checked here) on 60 held-out sentences, not the default 1,000:
         # scoring on 1,000 of the source's unread sentences held most of this test's finishing stage.
         FFMEM_EXPLAIN_SENTENCES=str(SENTENCES),
+        # TokenChange (not checked here) for 2 memories a layer, not the default 2,000: each costs 16 edited
+        # forward rows, ~5 minutes of this test on a 2-core machine at 2,000.
+        FFMEM_TOKEN_CHANGE_MEMORIES=str(2 * 30),
     )
     for name in ("FFMEM_MODEL", "FFMEM_CORPUS", "FFMEM_DTYPE", "FFMEM_TOP_K", "FFMEM_FIRST_POSITION"):
         env.pop(name, None)  # the defaults, as a new user has them
