@@ -27,11 +27,12 @@ def export(
     folder = out or Path(f"export-run-{run}")
 
     def work():
-        from ffmem.store.db import make_engine, make_sessionmaker
+        from ffmem.store.db import make_engine, make_sessionmaker, upgrade
         from ffmem.store.export import FORMATS, export_run
 
         if format not in (*FORMATS, "neuronpedia"):
             raise FfmemError(f"unknown export format {format!r}; choose jsonl, parquet or neuronpedia")
+        upgrade(url)  # a database of an older ffmem reads as this one writes
         if format == "neuronpedia":
             from ffmem.neuronpedia import export_neuronpedia
 
@@ -58,9 +59,10 @@ def import_(
     url = db or get_settings().database_url
 
     def work():
-        from ffmem.store.db import make_engine, make_sessionmaker
+        from ffmem.store.db import make_engine, make_sessionmaker, upgrade
         from ffmem.store.imports import import_run
 
+        upgrade(url)  # a new database gets its tables first
         engine = make_engine(url)
         try:
             with make_sessionmaker(engine)() as session, session.begin():

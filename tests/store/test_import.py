@@ -236,3 +236,16 @@ def test_a_model_here_with_other_weights_is_refused(explorer_db, run, tmp_path, 
         f"{recorded} in the export); import into another database"
     ) in result.output.replace("\n", "")
     assert _counts(db_url) == before
+
+
+def test_an_import_into_a_new_database_creates_its_tables_first(explorer_db, run, tmp_path):
+    """`ffmem import --db sqlite:///new.db`: a database that does not exist yet gets ffmem's tables, then the
+    run (as `ffmem index` migrates before it writes); an export from a file that holds no ffmem tables says
+    there is no such run, in one line."""
+    _export(explorer_db, run.id, tmp_path / "out")
+    new = f"sqlite:///{tmp_path / 'new.db'}"
+    result = _invoke("import", tmp_path / "out", "--db", new)
+    assert result.exit_code == 0, result.output
+    assert _counts(new) == _counts(explorer_db)
+    empty = _invoke("export", 1, "--out", tmp_path / "none", "--db", f"sqlite:///{tmp_path / 'empty.db'}")
+    assert (empty.exit_code, empty.output) == (2, "error: there is no run 1\n")
