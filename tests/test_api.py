@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import ffmem
+from ffmem.store import memory_lists
 from ffmem.store.models import Label, MemoryList, Neighbours, Sentence
 
 pytestmark = pytest.mark.backends("sqlite", "postgres")
 
-TRIGGER = np.dtype([("sentence_index", "<i4"), ("position", "<i2"), ("coefficient", "<f4")])  # as stored
 SCORED = np.dtype([("layer", "<i2"), ("key", "<i4"), ("score", "<f4")])
 
 
@@ -47,7 +47,7 @@ def test_a_keys_triggers_are_the_stored_ones_with_their_text_and_shading(index, 
     key = index.model().run().key(1, 4)
     for sign, triggers in ((1, key.triggers), (-1, key.negative_triggers)):
         blob = db.get(MemoryList, (run.id, "triggers", sign, 1, 4)).data
-        stored = np.frombuffer(blob, TRIGGER)
+        stored = memory_lists.decode_triggers(blob)  # as the store reads it (packed since 0031; test_storage)
         assert [(t.sentence_index, t.position) for t in triggers] == [
             (int(s), int(p)) for s, p, _ in stored.tolist()
         ]

@@ -45,3 +45,21 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tiny_model_dir) -> LoadedModel:
     return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+def scaled_log_p(tiny: LoadedModel, prefix: list[int], layer: int, key: int, scale: float) -> torch.Tensor:
+    """log p of the next token after `prefix` with memory (layer, key)'s coefficient scaled by `scale` at the
+    prefix's last token, by the tiny Llama's own forward with a plain hook (apart from ffmem.engine):
+    [vocab]."""
+
+    def hook(module, inputs):
+        m = inputs[0].clone()  # [1, pos, d_ff]
+        m[0, -1, key] *= scale
+        return (m,)
+
+    handle = tiny.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(hook)
+    try:
+        with torch.inference_mode():
+            return tiny.model(torch.tensor([prefix])).logits[0, -1].float().log_softmax(-1)  # [vocab]
+    finally:
+        handle.remove()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import select
+from tiny_models import scaled_log_p
 
 from ffmem.config import Settings
 from ffmem.store import memory_reads, token_changes, vocabularies
@@ -40,22 +41,6 @@ def client(explorer_db, tiny, tiny_model_dir):
     app.state.engine.dispose()
 
 
-def _log_p(tiny, prefix: list[int], layer: int, key: int, scale: float) -> torch.Tensor:
-    """log p after the prefix with memory (layer, key) scaled at its last token: [vocab]."""
-
-    def hook(module, inputs):
-        m = inputs[0].clone()  # [1, pos, d_ff]
-        m[0, -1, key] *= scale
-        return (m,)
-
-    handle = tiny.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(hook)
-    try:
-        with torch.inference_mode():
-            return tiny.model(torch.tensor([prefix])).logits[0, -1].float().log_softmax(-1)  # [vocab]
-    finally:
-        handle.remove()
-
-
 def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     ra, rb = (x.double().argsort().argsort().double() for x in (a, b))
     n = len(a)
@@ -63,7 +48,9 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _expected(tiny, prefixes, layer, key, factor):
-    change = sum(_log_p(tiny, p, layer, key, factor) - _log_p(tiny, p, layer, key, 0.0) for p in prefixes)
+    change = sum(
+        scaled_log_p(tiny, p, layer, key, factor) - scaled_log_p(tiny, p, layer, key, 0.0) for p in prefixes
+    )
     return change / len(prefixes)  # [vocab]
 
 
@@ -98,7 +85,8 @@ def test_what_a_memory_does_on_its_top_triggers(client, db, slug, tiny):
     ).indices.tolist()
     top = body["promoted"][0]
     p = [
-        [_log_p(tiny, q, 1, 4, s)[top["token"]["token_id"]].exp() for q in prefixes] for s in (1.0, 2.0, 0.0)
+        [scaled_log_p(tiny, q, 1, 4, s)[top["token"]["token_id"]].exp() for q in prefixes]
+        for s in (1.0, 2.0, 0.0)
     ]
     assert (top["base"], top["amplified"], top["off"]) == pytest.approx(
         [float(sum(x)) / 3 for x in p], abs=1e-5

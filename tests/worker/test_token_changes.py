@@ -10,6 +10,7 @@ import statistics
 import pytest
 import torch
 from sqlalchemy import select
+from tiny_models import scaled_log_p
 
 from ffmem.config import Settings
 from ffmem.store import token_changes
@@ -61,20 +62,6 @@ def test_the_sample_is_stratified_and_seeded():
     assert sample_memories(2, 4, 100) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
 
 
-def _log_p(tiny, prefix, layer, key, scale):
-    def hook(module, inputs):
-        m = inputs[0].clone()  # [1, pos, d_ff]
-        m[0, -1, key] *= scale
-        return (m,)
-
-    handle = tiny.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(hook)
-    try:
-        with torch.inference_mode():
-            return tiny.model(torch.tensor([prefix])).logits[0, -1].float().log_softmax(-1)  # [vocab]
-    finally:
-        handle.remove()
-
-
 def _coefficients(tiny, ids, layer, key) -> torch.Tensor:
     found = {}
     handle = tiny.model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(
@@ -114,8 +101,8 @@ def test_the_stored_sample_matches_a_recomputation(built, tiny):
         top = [place for place in sorted(places, reverse=True)[:3] if place[0] > 0]
         assert row.contexts == len(top)
         change = sum(
-            _log_p(tiny, held[s].token_ids[: p + 1], row.layer, row.key, 2.0)
-            - _log_p(tiny, held[s].token_ids[: p + 1], row.layer, row.key, 0.0)
+            scaled_log_p(tiny, held[s].token_ids[: p + 1], row.layer, row.key, 2.0)
+            - scaled_log_p(tiny, held[s].token_ids[: p + 1], row.layer, row.key, 0.0)
             for _, s, p in top
         ) / len(top)
         assert row.promoted == change.topk(10).indices.tolist()
