@@ -180,7 +180,8 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
     assert body["explanation"]["table"]["tokens"], "the tiny index's memory weighs some token"
     assert stored.details["positions"] > 0
     page = client.get(f"/m/{slug}/layers/2/keys/3").text
-    assert page.index('id="label"') < page.index('id="explanation"')
+    # the first screen leads with the explanation (issue 42); people's label follows in triage order
+    assert page.index('id="explanation"') < page.index('id="label"')
     assert '<details id="explanation-table">' in page and page.count(
         "<tr>", page.index("explanation-table")
     ) >= len(pattern["final"])
