@@ -294,7 +294,7 @@ def test_the_layer_table_sorts_by_the_explanations_score_beside_its_control(clie
     assert scores == sorted(scores)
     page = client.get(f"/m/{slug}/layers/1", params={"sort": "explanation", "order": "desc"}).text
     first = body["keys"][0]
-    assert f'{number(first["explanation_score"], 3)} <small class="control"' in page
+    assert f'{number(first["explanation_score"], 3)}<br><small class="control"' in page
 
 
 def test_the_model_page_gives_each_layers_explanation_quartiles_with_their_controls(client, db, run, slug):
