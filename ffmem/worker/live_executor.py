@@ -164,6 +164,17 @@ class Live:
         }
 
     # -- the work, on the worker thread ------------------------------------------------------------
+    def _check_prefixes(self, loaded: LoadedModel, prefixes: list[list[int]], targets=()) -> None:
+        """Refuse (400) no prefix or an empty one, a token id outside the vocabulary (in the prefixes or
+        `targets`), a prefix past max_prompt_tokens."""
+        vocab = loaded.model.config.vocab_size
+        if not prefixes or not all(prefixes):
+            raise LiveError(400, "give at least one prefix, none of them empty")
+        if not all(0 <= i < vocab for row in (*prefixes, *targets) for i in row):
+            raise LiveError(400, f"token ids must lie in 0–{vocab - 1}")
+        if max(len(p) for p in prefixes) > self.max_tokens:
+            raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
+
     def _checked(self, token_ids: list[int], text: str) -> None:
         """Refuse an empty prompt or one past max_prompt_tokens (400)."""
         if not text.strip() or not token_ids:
@@ -254,12 +265,7 @@ class Live:
         _check_memory(loaded, request.layer, request.key)
         if len(request.targets) != len(request.prefixes) or len({len(t) for t in request.targets}) != 1:
             raise LiveError(400, "give one list of targets per prefix, all of the same length")
-        vocab = loaded.model.config.vocab_size
-        ids = [i for row in request.prefixes + request.targets for i in row]
-        if not all(0 <= i < vocab for i in ids) or not all(request.prefixes):
-            raise LiveError(400, f"token ids must lie in 0–{vocab - 1} and prefixes must not be empty")
-        if max(len(p) for p in request.prefixes) > self.max_tokens:
-            raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
+        self._check_prefixes(loaded, request.prefixes, request.targets)
         before, after = ablation(loaded, request.layer, request.key, request.prefixes, request.targets)
         return AblationAnswer(before=before, after=after)
 
@@ -278,13 +284,7 @@ class Live:
                 raise LiveError(400, "the key never fires (m > 0) on this text: try another", field="text")
         else:
             prefixes = request.prefixes
-            vocab = loaded.model.config.vocab_size
-            if not prefixes or not all(prefixes):
-                raise LiveError(400, "give a text or at least one non-empty prefix")
-            if not all(0 <= i < vocab for row in prefixes for i in row):
-                raise LiveError(400, f"token ids must lie in 0–{vocab - 1}")
-            if max(len(p) for p in prefixes) > self.max_tokens:
-                raise LiveError(400, f"a prefix is longer than {self.max_tokens} tokens (max_prompt_tokens)")
+            self._check_prefixes(loaded, prefixes)
         contexts = [Context(i, len(p) - 1) for i, p in enumerate(prefixes)]
         found = token_change(loaded, prefixes, [(layer, key)], [contexts], factor=request.factor)
         [score] = scored(loaded, found, [(layer, key)], CHANGE_TOP)
