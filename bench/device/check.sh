@@ -25,6 +25,9 @@ if [ "${DRY_RUN:-0}" = 1 ]; then  # tiny shapes on the CPU: every part, in secon
   RATIO_SHAPES=${RATIO_SHAPES:-tiny}
   RATIO=(--ratio-sentences 40 --ratio-rounds 1 --trace-repeats 2)
   LIMIT=900  # a part's default limit: a loaded CPU is slow
+  # The tiny index's run-level samples cut to what shows they run (the defaults, 2,000 TokenChange memories and
+  # 1,000 held-out sentences, would take most of the dry run on a CPU)
+  export FFMEM_TOKEN_CHANGE_MEMORIES=${FFMEM_TOKEN_CHANGE_MEMORIES:-6} FFMEM_EXPLAIN_SENTENCES=${FFMEM_EXPLAIN_SENTENCES:-20}
 else
   DEVICE=()
   PARITY=(--dtypes "")

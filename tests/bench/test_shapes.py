@@ -135,6 +135,11 @@ def test_the_same_seed_writes_the_same_weights(tmp_path, base_tokenizer, tiny_fo
 
 def test_ffmem_index_builds_a_run_of_a_written_shape(tmp_path, tiny_folder, monkeypatch):
     monkeypatch.setenv("FFMEM_CACHE_DIR", str(tmp_path / "cache"))
+    # The explanations' scores and TokenChange on 20 of the source's unread sentences, not the default 1,000
+    # (a forward pass over each), and TokenChange for 2 memories a layer, not all 576 (each one's output score
+    # ranks the 49,408-token vocabulary): most of this test's time; both are checked on the tiny index
+    monkeypatch.setenv("FFMEM_EXPLAIN_SENTENCES", "20")
+    monkeypatch.setenv("FFMEM_TOKEN_CHANGE_MEMORIES", "6")
     get_settings.cache_clear()
     url = f"sqlite:///{tmp_path / 'index.db'}"
     arguments = ["index", "--model", str(tiny_folder), "--sentences", "12", "--db", url, "--device", "cpu"]
