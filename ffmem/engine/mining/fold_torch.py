@@ -6,6 +6,17 @@ Every operation has a shape fixed by (layers, batch, pos, keys, T, bins, SAMPLES
 indexing, no value read back to the host, so that on a GPU a batch's folds of every layer are enqueued
 without waiting for one to finish. The state it gives is the compiled fold's, tested equal: the same order
 keys and ties, the same positions, histograms and band samples.
+
+What costs is the passes over the group's [layers, batch, pos, keys] coefficients, so they are few. An
+ungated layer's are seven: the fill of unmined positions with their row's first mined coefficient, the
+maximum and the minimum with their positions, the sum, and the histogram's codes (a shift, the keys'
+offsets, one scatter-add). The fill serves them all: it changes no extreme, and the copies it makes are
+taken back out of the sum and the histogram from the [layers, batch, keys] first coefficients alone (no
+zeroing pass). A gated layer's sign quadrants add comparisons and byte-wide logic on the signs of m and
+of its input x·u, counted in 16-bit sums, and four masked extremes: the largest m and the smallest over
+the positions of each input sign give the four quadrants' largest |m| (two maxima and two minima, where
+there were four maxima over four masked copies and a negation). The rest (top-T, band samples, quadrant
+examples) works on [.., layers, batch, keys] tensors, a position's worth less.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import torch
 
 from ffmem.engine.mining.bins import CODE_STRIDE, CODES, FOLD_BYTES, code_values, histogram_bins, scratch
 from ffmem.engine.mining.corpus import Batch
-from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, QUADRANT_EXAMPLES, SAMPLES, SIGNS, ZERO_BIN
+from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, QUADRANT_EXAMPLES, SAMPLES, SIGNS
 from ffmem.engine.mining.order import first_of_stable_sort, order_key, sample_priority
 
 if TYPE_CHECKING:
@@ -36,6 +47,7 @@ class TorchFold:
         code_bins = histogram_bins(code_values())  # [CODES] int32: each (sign, exponent) code's bin
         shifted = torch.arange(CODES) ^ (CODES // 2)  # [CODES]: each shifted code's (sign, exponent) code
         self._code_bins = code_bins[shifted].long().to(device)  # [CODES]: its bin
+        self._infinity = torch.tensor(float("inf"), device=device)  # the fill of a masked extreme
         self._workspace: dict[str, torch.Tensor] = {}
         self._pending: list[int] = []  # layers of `_pending_batch` copied into `_buffer`, not yet folded
         self._pending_batch: Batch | None = None
@@ -85,9 +97,9 @@ class TorchFold:
         keys]) of a batch into the state; `c`, float32, is overwritten. A gated state takes the `inputs` x·u
         of the same shape (read, not overwritten).
 
-        Passes over the whole [layers, batch, pos, keys] tensor: the fill of unmined positions, the maximum
-        and the minimum with their positions, the zeroing, the sum, the codes and their count; the top-T
-        and the band samples then work on [signs, layers, batch, keys], both signs at once.
+        Passes over the whole [layers, batch, pos, keys] tensor (see the module's docstring): the fill of
+        unmined positions, the maximum and the minimum with their positions, the sum, the codes and their
+        count; the top-T and the band samples then work on [signs, layers, batch, keys], both signs at once.
         """
         state = self.state
         if isinstance(layers, int):
@@ -100,9 +112,10 @@ class TorchFold:
         anchor, has_mined = batch.anchor  # [batch] each: the first mined position, whether there is one
         # Unmined positions first hold their row's first mined coefficient, which changes neither its
         # maximum nor its minimum. Where an extreme's first occurrence is such a copy, its first mined
-        # occurrence is the anchor: the anchor holds that value and no mined position comes before it.
+        # occurrence is the anchor: the anchor holds that value and no mined position comes before it. A
+        # row with nothing mined holds +0.0 throughout: its copies are taken back out like any row's.
         at_anchor = anchor[None, :, None, None].expand(n_layers, -1, 1, n_keys)  # [layers, batch, 1, keys]
-        first = c.gather(2, at_anchor)  # [layers, batch, 1, keys]
+        first = c.gather(2, at_anchor).masked_fill_(~has_mined[None, :, None, None], 0.0)  # like at_anchor
         torch.where(mined, c, first, out=c)
         (high, high_at), (low, low_at) = c.max(dim=2), c.min(dim=2)  # [layers, batch, keys] each
         # [signs, layers, batch, keys] each: the maximum (+1) and the minimum (−1), where each first is
@@ -114,11 +127,13 @@ class TorchFold:
         # it the empty slot's order key (and position 0: its anchor), so it never ranks above an empty slot.
         best = torch.stack([high, low.neg()]).masked_fill_(~has_mined[:, None], float("-inf"))
         sentence = batch.sentence_index.masked_fill(~has_mined, -1)  # [batch]
-        # Statistics with unmined positions set to +0.0: they add nothing to the sum, and their
-        # histogram bin (ZERO_BIN) is corrected by their number, counted on the device.
-        c.masked_fill_(~mined, 0.0)
-        state.total[layers] += c.sum(dim=(1, 2), dtype=torch.float64)  # [layers, keys]
-        state.histogram[layers] += self._histogram(c, batch.mined.numel() - batch.mined.sum())
+        # The sum and the histogram of the filled c, less each row's copies of its first coefficient
+        # (an infinite first one is summed as it is: its copies change no infinite sum).
+        copies = batch.mined.shape[1] - batch.mined.sum(dim=1)  # [batch]: each row's unmined positions
+        first = first[:, :, 0]  # [layers, batch, keys]
+        finite = first.double().masked_fill_(~torch.isfinite(first), 0.0)  # like first, float64
+        state.total[layers] += self._sum(c) - (finite * copies[:, None]).sum(dim=1)  # [layers, keys]
+        state.histogram[layers] += self._histogram(c, first, copies)
         self._enter_top(layers, best, at, sentence)
         priority = sample_priority(batch.sentence_index, layers, n_keys)  # [layers, keys, batch]
         self._enter_samples(layers, extreme, best, at, priority << 32 | batch.sentence_index)
@@ -128,30 +143,47 @@ class TorchFold:
         inputs x·u, like `c`): the positions in each, and per sentence its largest |m| in each quadrant (a
         NaN coefficient ranks nowhere), first where it is, entered into the quadrant's top examples.
 
-        Three counts give the four: the mined positions with a negative gate, a negative input, and both.
-        The largest |m| of the four quadrants take four maxima, one per input sign and sign of m: where the
-        input is ≥ 0, m ≥ 0 is pp and m < 0 np; where it is < 0, m > 0 is nn and m ≤ 0 pn."""
-        state = self.state
+        A position's quadrant is the compiled fold's: 2·(gate < 0) + (input < 0), the gate negative where
+        m < 0 < u or u < 0 < m. Three counts give the four: the mined positions with a negative gate, a
+        negative input, and both (bytes summed in 16 bits along a row, then over rows). The largest |m| of
+        the four take two maxima and two minima: over the positions whose input is ≥ 0, the largest m ≥ 0
+        is pp's and the smallest m < 0 np's; over those whose input is < 0, the largest m > 0 is nn's and
+        the smallest m ≤ 0 pn's (m = gate · input: a zero input has a zero m)."""
+        state, shape, device = self.state, c.shape, c.device
         mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
-        input_negative = u < 0  # [layers, batch, pos, keys]
-        gate_negative = torch.where(input_negative, c > 0, (c < 0) & (u > 0))  # the gate's sign: m / u
-        gate = (gate_negative & mined).sum(dim=(1, 2))  # [layers, keys]
-        both = (gate_negative.logical_and_(input_negative) & mined).sum(dim=(1, 2))  # [layers, keys]
-        inputs = (input_negative & mined).sum(dim=(1, 2))  # [layers, keys]
+        flags = [scratch(self._workspace, f"flags{i}", shape, torch.bool, device) for i in range(3)]
+        input_negative, gate_negative, scratch_flags = flags  # [layers, batch, pos, keys] each
+        torch.lt(u, 0, out=input_negative)
+        torch.lt(c, 0, out=gate_negative).logical_and_(torch.gt(u, 0, out=scratch_flags))
+        gate_negative.logical_or_(torch.gt(c, 0, out=scratch_flags).logical_and_(input_negative))
+
+        def mined_count(*where: torch.Tensor) -> torch.Tensor:  # [layers, keys]: mined positions in all
+            both = torch.logical_and(where[0], mined, out=scratch_flags)  # [layers, batch, pos, keys]
+            for other in where[1:]:
+                both.logical_and_(other)
+            return both.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # positions < 2¹⁵
+
+        gate, inputs = mined_count(gate_negative), mined_count(input_negative)  # [layers, keys] each
+        both = mined_count(gate_negative, input_negative)  # [layers, keys]
         positions = batch.mined.sum()  # 0-dim: the mined positions of the batch
         counts = (positions - gate - inputs + both, inputs - both, gate - both, both)  # the four quadrants'
         state.quadrant_count[layers] += torch.stack(counts, dim=-1)  # [layers, keys, 4]
-        usable = mined & ~torch.isnan(c)  # [layers, batch, pos, keys]
-        positive_input, negative_input = usable & ~input_negative, usable.logical_and_(input_negative)
-        negated = c.neg()  # [layers, batch, pos, keys]
-        sides = (positive_input, c), (negative_input, negated), (positive_input, negated), (negative_input, c)
-        found = [  # per quadrant: s·m's largest where it lies, first where it is ([layers, batch, keys] each)
-            torch.where(where, signed, float("-inf")).max(dim=2) for where, signed in sides
-        ]
-        best = torch.stack([value for value, _ in found])  # [4, layers, batch, keys]: s·m, −inf where none
+        # The positions of each input sign whose m may rank: mined, not NaN (gate_negative is free now).
+        nan = torch.ne(c, c, out=scratch_flags)  # [layers, batch, pos, keys]
+        negative_input = torch.logical_and(input_negative, mined, out=gate_negative).logical_and_(nan.logical_not_())
+        positive_input = input_negative.logical_not_().logical_and_(mined).logical_and_(nan)
+        masked = scratch(self._workspace, "masked", shape, torch.float32, device)  # like c
+        inf = self._infinity
+        found = (  # per quadrant: m's extreme where it lies, first where it is ([layers, batch, keys] each)
+            torch.where(positive_input, c, -inf, out=masked).max(dim=2),  # pp: m ≥ 0
+            torch.where(negative_input, c, inf, out=masked).min(dim=2),  # pn: m ≤ 0
+            torch.where(positive_input, c, inf, out=masked).min(dim=2),  # np: m < 0
+            torch.where(negative_input, c, -inf, out=masked).max(dim=2),  # nn: m > 0
+        )
+        extreme = torch.stack([value for value, _ in found])  # [4, layers, batch, keys]: ±inf where none
         at = torch.stack([where for _, where in found])  # [4, layers, batch, keys]
-        present = torch.stack([best[0] >= 0, best[1] >= 0, best[2] > 0, best[3] > 0])  # pp, pn: m may be 0
-        best = best.abs().masked_fill_(~present, float("-inf"))  # |m| (+0.0 for m = −0.0)
+        present = torch.stack([extreme[0] >= 0, extreme[1] <= 0, extreme[2] < 0, extreme[3] > 0])  # like at
+        best = extreme.abs().masked_fill_(~present, float("-inf"))  # |m| (+0.0 for m = −0.0)
         entered = torch.where(
             present, batch.sentence_index[:, None], -1
         )  # [4, layers, batch, keys]: −1 empty
@@ -167,28 +199,38 @@ class TorchFold:
         state.quadrant_position[layers] = where.gather(3, index)  # [layers, keys, 4, E]
         state.quadrant_input[layers] = values.gather(3, index)  # [layers, keys, 4, E]
 
-    def _histogram(self, c: torch.Tensor, unmined: torch.Tensor) -> torch.Tensor:
-        """[layers, keys, bins] counts of one batch's coefficients `c` [layers, batch, pos, keys]
-        (`unmined`, a 0-dim tensor, of each layer's are padding set to +0.0).
+    def _sum(self, c: torch.Tensor) -> torch.Tensor:
+        """[layers, keys] float64 sums of `c` [layers, batch, pos, keys] over its batch and positions. A
+        GPU casts as it reads; torch on a CPU casts into a float64 copy first, four times faster into a
+        kept one than into a fresh one (the torch fold runs on a CPU in tests and benches)."""
+        if c.device.type != "cpu":
+            return c.sum(dim=(1, 2), dtype=torch.float64)
+        wide = scratch(self._workspace, "wide", c.shape, torch.float64, c.device)  # like c
+        return wide.copy_(c).sum(dim=(1, 2))
+
+    def _histogram(self, c: torch.Tensor, first: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+        """[layers, keys, bins] counts of one batch's coefficients `c` [layers, batch, pos, keys], less
+        `copies` [batch] of each row's `first` [layers, batch, keys] (the fill of its unmined positions).
 
         Each float's sign and exponent (a code) is counted per layer and key with one scatter-add
-        (torch.bincount would read its input's maximum back to the host), then the codes are folded into
-        the histogram's bins: two cheap passes over the coefficients, not ten.
+        (torch.bincount would read its input's maximum back to the host), the copies taken back with a
+        second over [layers, batch, keys], then the codes are folded into the histogram's bins.
         """
         n_layers, n_keys = c.shape[0], self.state.n_keys
+        layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=c.device) * (n_keys * CODE_STRIDE)
+        offsets = (self._key_offsets + layer_offsets[:, None])[:, None]  # [layers, 1, keys]
         codes = scratch(self._workspace, "codes", c.shape, torch.int32, c.device)  # like c
         torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes)  # −256 … 255
-        layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=c.device) * (n_keys * CODE_STRIDE)
-        offsets = self._key_offsets + layer_offsets[:, None]  # [layers, keys]: each layer after the last
-        codes = codes.view(n_layers, -1, n_keys).add_(offsets[:, None])  # [layers, batch·pos, keys]
+        codes = codes.view(n_layers, -1, n_keys).add_(offsets)  # [layers, batch·pos, keys]
         ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(codes.numel())  # [codes]
         by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
         by_code.index_add_(0, codes.view(-1), ones)  # [layers · keys · CODE_STRIDE]
+        copied = (first.contiguous().view(torch.int32) >> 23).add_(offsets)  # [layers, batch, keys]
+        taken = copies.int().neg()[:, None].expand(first.shape).reshape(-1)  # [layers · batch · keys]
+        by_code.index_add_(0, copied.view(-1), taken)
         by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
         counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=c.device)
-        counts.index_add_(2, self._code_bins, by_code)  # [layers, keys, bins]
-        counts[..., ZERO_BIN] -= unmined
-        return counts
+        return counts.index_add_(2, self._code_bins, by_code)  # [layers, keys, bins]
 
     def _enter_top(self, layers: slice, best: torch.Tensor, at: torch.Tensor, sentence: torch.Tensor) -> None:
         """Merge a batch's sentences into the top-T of both signs: `best` [signs, layers, batch, keys] is
