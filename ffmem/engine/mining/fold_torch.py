@@ -151,27 +151,27 @@ class TorchFold:
         the smallest m ≤ 0 pn's (m = gate · input: a zero input has a zero m)."""
         state, shape, device = self.state, c.shape, c.device
         mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
-        flags = [scratch(self._workspace, f"flags{i}", shape, torch.bool, device) for i in range(3)]
-        input_negative, gate_negative, scratch_flags = flags  # [layers, batch, pos, keys] each
+        flags = [scratch(self._workspace, f"flags{i}", shape, torch.bool, device) for i in range(4)]
+        input_negative, gate_negative, usable, scratch_flags = flags  # [layers, batch, pos, keys] each
         torch.lt(u, 0, out=input_negative)
         torch.lt(c, 0, out=gate_negative).logical_and_(torch.gt(u, 0, out=scratch_flags))
         gate_negative.logical_or_(torch.gt(c, 0, out=scratch_flags).logical_and_(input_negative))
+        # Mined positions only, `mined` broadcast twice (a slow logical_and on a CPU): m may rank where it
+        # is not NaN, and a NaN m has no negative gate.
+        torch.logical_and(torch.eq(c, c, out=scratch_flags), mined, out=usable)
+        gate_negative.logical_and_(usable)
+        input_negative.logical_and_(mined)
 
-        def mined_count(*where: torch.Tensor) -> torch.Tensor:  # [layers, keys]: mined positions in all
-            both = torch.logical_and(where[0], mined, out=scratch_flags)  # [layers, batch, pos, keys]
-            for other in where[1:]:
-                both.logical_and_(other)
-            return both.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # positions < 2¹⁵
+        def count(flags: torch.Tensor) -> torch.Tensor:  # [layers, keys]: the positions flagged
+            return flags.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # a row's < 2¹⁵
 
-        gate, inputs = mined_count(gate_negative), mined_count(input_negative)  # [layers, keys] each
-        both = mined_count(gate_negative, input_negative)  # [layers, keys]
+        gate, inputs = count(gate_negative), count(input_negative)  # [layers, keys] each
+        both = count(gate_negative.logical_and_(input_negative))  # [layers, keys]
         positions = batch.mined.sum()  # 0-dim: the mined positions of the batch
         counts = (positions - gate - inputs + both, inputs - both, gate - both, both)  # the four quadrants'
         state.quadrant_count[layers] += torch.stack(counts, dim=-1)  # [layers, keys, 4]
-        # The positions of each input sign whose m may rank: mined, not NaN (gate_negative is free now).
-        nan = torch.ne(c, c, out=scratch_flags)  # [layers, batch, pos, keys]
-        negative_input = torch.logical_and(input_negative, mined, out=gate_negative).logical_and_(nan.logical_not_())
-        positive_input = input_negative.logical_not_().logical_and_(mined).logical_and_(nan)
+        negative_input = torch.logical_and(usable, input_negative, out=gate_negative)  # (mined: usable is)
+        positive_input = usable.logical_and_(input_negative.logical_not_())
         masked = scratch(self._workspace, "masked", shape, torch.float32, device)  # like c
         inf = self._infinity
         found = (  # per quadrant: m's extreme where it lies, first where it is ([layers, batch, keys] each)
