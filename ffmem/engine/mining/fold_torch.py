@@ -47,7 +47,6 @@ class TorchFold:
         code_bins = histogram_bins(code_values())  # [CODES] int32: each (sign, exponent) code's bin
         shifted = torch.arange(CODES) ^ (CODES // 2)  # [CODES]: each shifted code's (sign, exponent) code
         self._code_bins = code_bins[shifted].long().to(device)  # [CODES]: its bin
-        self._infinity = torch.tensor(float("inf"), device=device)  # the fill of a masked extreme
         self._workspace: dict[str, torch.Tensor] = {}
         self._pending: list[int] = []  # layers of `_pending_batch` copied into `_buffer`, not yet folded
         self._pending_batch: Batch | None = None
@@ -171,18 +170,13 @@ class TorchFold:
         counts = (positions - gate - inputs + both, inputs - both, gate - both, both)  # the four quadrants'
         state.quadrant_count[layers] += torch.stack(counts, dim=-1)  # [layers, keys, 4]
         negative_input = torch.logical_and(usable, input_negative, out=gate_negative)  # (mined: usable is)
-        positive_input = usable.logical_and_(input_negative.logical_not_())
-        masked = scratch(self._workspace, "masked", shape, torch.float32, device)  # like c
-        inf = self._infinity
-        found = (  # per quadrant: m's extreme where it lies, first where it is ([layers, batch, keys] each)
-            torch.where(positive_input, c, -inf, out=masked).max(dim=2),  # pp: m ≥ 0
-            torch.where(negative_input, c, inf, out=masked).min(dim=2),  # pn: m ≤ 0
-            torch.where(positive_input, c, inf, out=masked).min(dim=2),  # np: m < 0
-            torch.where(negative_input, c, -inf, out=masked).max(dim=2),  # nn: m > 0
-        )
-        extreme = torch.stack([value for value, _ in found])  # [4, layers, batch, keys]: ±inf where none
-        at = torch.stack([where for _, where in found])  # [4, layers, batch, keys]
-        present = torch.stack([extreme[0] >= 0, extreme[1] <= 0, extreme[2] < 0, extreme[3] > 0])  # like at
+        positive_input = torch.gt(usable, input_negative, out=usable)  # usable and not input_negative
+        positive, negative = self._side_extremes(c, positive_input), self._side_extremes(c, negative_input)
+        # [4, layers, batch, keys] each, pp, pn, np, nn: m's extreme, where it first is, whether it counts
+        extreme = torch.stack([positive[0], negative[2], positive[2], negative[0]])
+        at = torch.stack([positive[1], negative[3], positive[3], negative[1]])
+        signs = torch.stack([extreme[0] >= 0, extreme[1] <= 0, extreme[2] < 0, extreme[3] > 0])  # like at
+        present = signs.logical_and_(torch.stack([positive[4], negative[4], positive[4], negative[4]]))
         best = extreme.abs().masked_fill_(~present, float("-inf"))  # |m| (+0.0 for m = −0.0)
         entered = torch.where(
             present, batch.sentence_index[:, None], -1
@@ -198,6 +192,22 @@ class TorchFold:
         state.quadrant_order[layers] = kept
         state.quadrant_position[layers] = where.gather(3, index)  # [layers, keys, 4, E]
         state.quadrant_input[layers] = values.gather(3, index)  # [layers, keys, 4, E]
+
+    def _side_extremes(self, c: torch.Tensor, side: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The maximum of `c` [layers, batch, pos, keys] over a row's positions in `side` (like c), where
+        it first is, the minimum, where it first is, and whether the row has any ([layers, batch, keys]
+        each): one masked copy, in which the other positions hold the row's first of the side (as the
+        fold's unmined positions hold the first mined one), read by a max and a min."""
+        first = side.view(torch.uint8).argmax(dim=2, keepdim=True)  # [layers, batch, 1, keys]; 0: none
+        masked = scratch(self._workspace, "masked", c.shape, torch.float32, c.device)  # like c
+        torch.where(side, c, c.gather(2, first), out=masked)
+        (high, high_at), (low, low_at) = masked.max(dim=2), masked.min(dim=2)  # [layers, batch, keys] each
+        first = first.squeeze(2)  # [layers, batch, keys]
+
+        def first_on_side(at: torch.Tensor) -> torch.Tensor:  # a copy's first occurrence is the side's first
+            return torch.where(side.gather(2, at[:, :, None]).squeeze(2), at, first)
+
+        return high, first_on_side(high_at), low, first_on_side(low_at), side.gather(2, first[:, :, None])[:, :, 0]
 
     def _sum(self, c: torch.Tensor) -> torch.Tensor:
         """[layers, keys] float64 sums of `c` [layers, batch, pos, keys] over its batch and positions. A
