@@ -27,7 +27,6 @@ from ffmem.engine.mining import fold_torch
 from ffmem.engine.mining.corpus import Batch
 from ffmem.engine.mining.state import MiningState
 
-
 # Operators that move no data (views, allocations) or read only what they write (a gather of a few
 # positions): no pass over a tensor, however large.
 NO_PASS = {"alias", "as_strided", "detach", "empty", "expand", "gather", "permute", "select", "slice", "view"}

@@ -244,3 +244,22 @@ def test_the_first_of_a_stable_sort_by_comparisons_equals_torch_sort():
         values[0, 0] = EMPTY  # every entry the empty key: the kept ones stay first
         expected = values.sort(dim=-1, stable=True).indices[..., :k]  # [rows, cells, k]
         assert torch.equal(first_of_stable_sort(values, k), expected)
+
+
+@pytest.mark.slow  # compiling takes a minute
+def test_the_compiled_torch_fold_gives_the_compiled_folds_state():
+    """The torch fold with its passes compiled by torch.compile (`compiled_fold`), on batches of several
+    shapes (one compilation for them all), bit for bit as `update` on a CPU, the sums up to their order."""
+    seed, n_layers, n_keys, top_k, n_batches = CASES["small T, many batches"]
+    batches = random_batches(seed + 200, n_layers, n_keys, n_batches)
+    compiled = mine(batches, n_layers, n_keys, top_k, "update")
+    tensors = MiningState(n_layers, n_keys, top_k, compiled_fold=True)
+    for coefficients, mined, sentence in batches:
+        tensors.fold_tensors(slice(0, n_layers), torch.from_numpy(coefficients), as_batch(mined, sentence))
+        tensors.count(as_batch(mined, sentence))
+    for sign in (1, -1):
+        assert torch.equal(compiled.top[sign].order, tensors.top[sign].order), sign
+        assert torch.equal(compiled.top[sign].position, tensors.top[sign].position), sign
+    for name in ("histogram", "sample_order", "sample_position", "sample_coefficient"):
+        assert torch.equal(getattr(compiled, name), getattr(tensors, name)), name
+    assert torch.allclose(compiled.total, tensors.total, rtol=1e-12, atol=1e-9)

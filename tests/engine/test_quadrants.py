@@ -198,3 +198,20 @@ def test_a_tiny_gated_models_quadrants_equal_its_gate_and_up_projections_read_ap
                 close = {"rel": 1e-4, "abs": 1e-6}
                 assert got.quadrant_coefficient[key, q, :n] == pytest.approx([w[0] for w in want], **close)
                 assert got.quadrant_input[key, q, :n] == pytest.approx([w[3] for w in want], **close)
+
+
+@pytest.mark.slow  # compiling takes a minute
+def test_the_compiled_torch_fold_gives_the_compiled_folds_quadrants_bit_for_bit():
+    """The gated torch fold with its passes compiled by torch.compile (`compiled_fold`), every layer of a
+    batch at once, batches of several shapes: the compiled CPU fold's quadrants and triggers."""
+    batches = random_batches(5, 2, 9, 8)
+    compiled = mine(batches, 2, 9, "update")
+    tensors = MiningState(2, 9, 3, gated=True, compiled_fold=True)
+    for c, u, mined, sentence in batches:
+        tensors.fold_tensors(slice(0, 2), torch.from_numpy(c), as_batch(mined, sentence), torch.from_numpy(u))
+        tensors.count(as_batch(mined, sentence))
+    for name in ("quadrant_count", "quadrant_order", "quadrant_position", "quadrant_input", "histogram"):
+        assert torch.equal(getattr(compiled, name), getattr(tensors, name)), name
+    for sign in (1, -1):
+        assert torch.equal(compiled.top[sign].order, tensors.top[sign].order), sign
+        assert torch.equal(compiled.top[sign].position, tensors.top[sign].position), sign
