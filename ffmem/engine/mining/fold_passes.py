@@ -5,9 +5,9 @@ is, each operation is a pass over the group; compiled (`compiled`, torch.compile
 takes a minute and a GPU needs triton) its elementwise work and reductions fuse into a few kernels that
 read each coefficient once or twice.
 
-The passes, few as torch allows. An ungated layer's are seven: the fill of unmined positions with their
-row's first mined coefficient, the maximum and the minimum with their positions, the sum, and the
-histogram's codes (a shift, the keys' offsets, one scatter-add). The fill serves them all: it changes no
+The passes, few as torch allows. An ungated layer's are nine: the fill of unmined positions with their
+row's first mined coefficient, the maximum and the minimum with their positions, the first NaN (a test and
+a byte maximum), the sum, and the histogram's codes (a shift, the keys' offsets, one scatter-add). The fill serves them all: it changes no
 extreme, and the copies it makes are taken back out of the sum and the histogram from the [layers, batch,
 keys] first coefficients alone (no zeroing pass). A gated layer's sign quadrants add comparisons and
 byte-wide logic on the signs of m and x·u, counted in 16-bit sums, and per input sign one masked copy read
@@ -63,7 +63,13 @@ def reductions(
     first = c.gather(2, at_anchor).masked_fill(~has_mined, 0.0)  # like at_anchor
     filled = torch.where(mined[None, :, :, None], c, first)  # like c
     (high, high_at), (low, low_at) = filled.max(dim=2), filled.min(dim=2)  # [layers, batch, keys] each
-    at = torch.stack([high_at, low_at])  # [signs, layers, batch, keys]: first where (torch.max's rule)
+    # [signs, layers, batch, keys]: the extremes and where they first are. A row's first NaN is both its
+    # maximum and its minimum (torch.max's rule, and the compiled CPU fold's), said outright: compiled,
+    # a maximum may pass over a NaN.
+    nan = torch.isnan(filled).view(torch.uint8).max(dim=2)  # [layers, batch, keys] each: any, the first
+    has_nan = nan.values.bool()  # [layers, batch, keys]
+    extreme = torch.stack([high, low]).masked_fill(has_nan, float("nan"))
+    at = torch.where(has_nan, nan.indices, torch.stack([high_at, low_at]))
     at = torch.where(mined.expand(2, n_layers, -1, -1).gather(3, at), at, anchor[:, None])
     # The sum and the histogram of the filled c, less each row's copies of its first coefficient (an
     # infinite first one is summed as it is: its copies change no infinite sum).
@@ -73,7 +79,7 @@ def reductions(
     total = filled.sum(dim=(1, 2), dtype=torch.float64)  # [layers, keys]
     total = total - (finite * copies[:, None]).sum(dim=1)
     histogram = _histogram(filled, first, copies, key_offsets, code_bins)
-    return Reductions(torch.stack([high, low]), at, total, histogram, *quadrants)
+    return Reductions(extreme, at, total, histogram, *quadrants)
 
 
 def _histogram(
