@@ -117,7 +117,9 @@ def module_at(revision: str, paths: tuple[str, ...], name: str):
     import tempfile
 
     for path in paths:
-        shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True
+        )
         if shown.returncode == 0:
             break
     else:

@@ -36,7 +36,9 @@ from ffmem.engine.model.loading import load_model
 def mining_at(revision: str):
     """ffmem.engine.mining.state as of `revision` (ffmem/engine/mining.py before the engine's folders),
     imported as its own module."""
-    return harness.module_at(revision, ("ffmem/engine/mining/state.py", "ffmem/engine/mining.py"), "mining_then")
+    return harness.module_at(
+        revision, ("ffmem/engine/mining/state.py", "ffmem/engine/mining.py"), "mining_then"
+    )
 
 
 def main() -> None:

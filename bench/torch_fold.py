@@ -1,6 +1,6 @@
 """The torch fold (ffmem.engine.mining.fold_torch) against an older revision's: passes and seconds a batch.
 
-    OMP_NUM_THREADS=1 python -m bench.torch_fold --against 5a96198 --repeats 3
+    OMP_NUM_THREADS=1 python -m bench.torch_fold --against 5a96198 --repeats 3 --compiled
 
 At a model's shape (default SmolLM2-135M's: 30 layers of 1536 keys, gated, a batch of 32 sentences of 64
 positions, T = 50), one random batch folded by both folds, a whole group of layers at once as a GPU folds
@@ -9,7 +9,8 @@ it (`MiningState.fold_tensors`), into a state already holding one batch:
   path) that read or write a tensor as large as the group's coefficients, by name;
 - seconds: each fold's time a batch on the CPU with `--threads` torch threads (default 1), the two
   interleaved over `--repeats` rounds after one uncounted, and the older over the newer, one ratio a
-  round. On a shared machine only that ratio means anything.
+  round. On a shared machine only that ratio means anything. With `--compiled`, the working tree's fold
+  with its passes compiled too (fold_passes.compiled; compiled once, in the uncounted round).
 Figures go into bench-results.json under "torch_fold".
 """
 
@@ -71,11 +72,14 @@ def random_batch(layers: int, rows: int, positions: int, keys: int, device: str 
     return coefficients.to(device), inputs.to(device), batch.to(torch.device(device))
 
 
-def folded_state(module, shape: tuple[int, int, int, int], top_k: int, device: str) -> MiningState:
-    """A gated MiningState on `device` whose torch fold is `module`'s TorchFold."""
+def folded_state(
+    module, shape: tuple[int, int, int, int], top_k: int, device: str, **compiled: bool
+) -> MiningState:
+    """A gated MiningState on `device` whose torch fold is `module`'s TorchFold (`compiled=True`: its passes
+    compiled)."""
     layers, _, _, keys = shape
     state = MiningState(layers, keys, top_k, device=device, gated=True)
-    state._torch_fold = module.TorchFold(state, device)
+    state._torch_fold = module.TorchFold(state, device, **compiled)
     return state
 
 
@@ -98,6 +102,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true", help="time the compiled passes too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = (args.layers, args.rows, args.positions, args.keys)
@@ -108,10 +113,14 @@ def main() -> None:
     figures = {"against": args.against, "shape": shape, "threads": args.threads, "passes": {}}
     for name, module in folds.items():
         counted, moved = passes(module, shape, args.top_k)
-        figures["passes"][name] = {"total": sum(counted.values()), "bytes": moved, **dict(sorted(counted.items()))}
-        harness.log(f"{name}: {sum(counted.values())} passes, {moved} bytes a coefficient: {dict(sorted(counted.items()))}")
+        by_name = dict(sorted(counted.items()))
+        figures["passes"][name] = {"total": sum(counted.values()), "bytes": moved, **by_name}
+        harness.log(f"{name}: {sum(counted.values())} passes, {moved} bytes a coefficient: {by_name}")
     coefficients, inputs, batch = random_batch(*shape)
     states = {name: folded_state(module, shape, args.top_k, "cpu") for name, module in folds.items()}
+    if args.compiled:
+        folds["compiled"] = fold_torch
+        states["compiled"] = folded_state(fold_torch, shape, args.top_k, "cpu", compiled=True)
     work = torch.empty_like(coefficients)  # the fold overwrites its coefficients: a copy each time
     layers = slice(0, args.layers)
     seconds: dict[str, list[float]] = {name: [] for name in folds}
@@ -126,14 +135,18 @@ def main() -> None:
                 seconds[name].append(time.perf_counter() - start)
         if round_:
             last = {name: times[-1] for name, times in seconds.items()}
-            harness.log(f"round {round_}: then {last['then']:.2f} s, now {last['now']:.2f} s a batch")
-    for a, b in ((states["then"], states["now"]),):
+            harness.log(f"round {round_}: " + ", ".join(f"{name} {t:.2f} s" for name, t in last.items()))
+    for a, b in ((states["then"], other) for name, other in states.items() if name != "then"):
         for name in ("histogram", "quadrant_count", "quadrant_order", "sample_order"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name  # the same state
         assert torch.equal(a.top[1].order, b.top[1].order) and torch.equal(a.top[-1].order, b.top[-1].order)
     ratios = [then / now for then, now in zip(seconds["then"], seconds["now"], strict=True)]
     figures["seconds"] = {name: [round(t, 3) for t in times] for name, times in seconds.items()}
     figures["then_over_now"] = round(statistics.median(ratios), 2)
+    if args.compiled:
+        compiled = [then / now for then, now in zip(seconds["then"], seconds["compiled"], strict=True)]
+        figures["then_over_compiled"] = round(statistics.median(compiled), 2)
+        print(f"then over compiled: {figures['then_over_compiled']} (per round: {compiled})")
     print(
         f"passes over the group's coefficients: then {figures['passes']['then']['total']}, now "
         f"{figures['passes']['now']['total']} ({figures['passes']['then']['bytes']} and "

@@ -7,13 +7,13 @@ read each coefficient once or twice.
 
 The passes, few as torch allows. An ungated layer's are nine: the fill of unmined positions with their
 row's first mined coefficient, the maximum and the minimum with their positions, the first NaN (a test and
-a byte maximum), the sum, and the histogram's codes (a shift, the keys' offsets, one scatter-add). The fill serves them all: it changes no
-extreme, and the copies it makes are taken back out of the sum and the histogram from the [layers, batch,
-keys] first coefficients alone (no zeroing pass). A gated layer's sign quadrants add comparisons and
-byte-wide logic on the signs of m and x·u, counted in 16-bit sums, and per input sign one masked copy read
-by a maximum and a minimum: over the positions whose input is ≥ 0 the largest m ≥ 0 is pp's largest |m|
-and the smallest m < 0 np's; over those whose input is < 0 the largest m > 0 is nn's and the smallest m ≤ 0
-pn's (m = gate · input: a zero input has a zero m).
+a byte maximum), the sum, and the histogram's codes (a shift, the keys' offsets, one scatter-add). The fill
+serves them all: it changes no extreme, and the copies it makes are taken back out of the sum and the
+histogram from the [layers, batch, keys] first coefficients alone (no zeroing pass). A gated layer's sign
+quadrants add comparisons and byte-wide logic on the signs of m and x·u, counted in 16-bit sums, and per
+input sign one masked copy read by a maximum and a minimum: over the positions whose input is ≥ 0 the
+largest m ≥ 0 is pp's largest |m| and the smallest m < 0 np's; over those whose input is < 0 the largest
+m > 0 is nn's and the smallest m ≤ 0 pn's (m = gate · input: a zero input has a zero m).
 
 Every shape is fixed by the group's: no value is read back to the host.
 """
