@@ -1,9 +1,9 @@
 """The torch fold's passes over a group's coefficients (ffmem.engine.mining.fold_torch): one pure function
 from a group's [layers, batch, pos, keys] coefficients (and a gated layer's inputs x·u) to what the fold
 keeps of them, per sentence and key ([.., layers, batch, keys]) and per key ([layers, keys, ..]). Run as it
-is, each operation is a pass over the group; compiled (`compiled`, torch.compile: an option, as compiling
-takes a minute and a GPU needs triton) its elementwise work and reductions fuse into a few kernels that
-read each coefficient once or twice.
+is, each operation is a pass over the group. Compiled (`compiled`, torch.compile; an option: compiling takes
+a minute, a GPU needs triton) its elementwise work can fuse into the reductions that read it: on a CPU the
+compiled passes take as long as the eager ones (bench.torch_fold); on a GPU they are not yet measured.
 
 The passes, few as torch allows. An ungated layer's are nine: the fill of unmined positions with their
 row's first mined coefficient, the maximum and the minimum with their positions, the first NaN (a test and
