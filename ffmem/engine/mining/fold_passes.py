@@ -60,7 +60,7 @@ def reductions(
     # anchor: the anchor holds that value and no mined position comes before it. A row with nothing mined
     # holds +0.0 throughout: its copies are taken back out like any row's.
     at_anchor = anchor[None, :, None, None].expand(n_layers, -1, 1, n_keys)  # [layers, batch, 1, keys]
-    first = c.gather(2, at_anchor).masked_fill(~has_mined, 0.0)  # like at_anchor
+    first = c.gather(2, at_anchor).masked_fill_(~has_mined, 0.0)  # like at_anchor
     filled = torch.where(mined[None, :, :, None], c, first)  # like c
     (high, high_at), (low, low_at) = filled.max(dim=2), filled.min(dim=2)  # [layers, batch, keys] each
     # [signs, layers, batch, keys]: the extremes and where they first are. A row's first NaN is both its
@@ -95,11 +95,13 @@ def _histogram(
     n_layers, n_keys = filled.shape[0], filled.shape[3]
     layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=filled.device) * (n_keys * CODE_STRIDE)
     offsets = (key_offsets + layer_offsets[:, None])[:, None]  # [layers, 1, keys]
-    codes = (filled.view(torch.int32) >> 23).view(n_layers, -1, n_keys) + offsets  # [layers, batch·pos, keys]
+    codes = (
+        (filled.view(torch.int32) >> 23).view(n_layers, -1, n_keys).add_(offsets)
+    )  # [layers, batch·pos, keys]
     ones = torch.ones(1, dtype=torch.int32, device=filled.device).expand(codes.numel())  # [codes]
     by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=filled.device)
     by_code.index_add_(0, codes.reshape(-1), ones)  # [layers · keys · CODE_STRIDE]
-    copied = (first.view(torch.int32) >> 23) + offsets  # [layers, batch, keys]
+    copied = (first.view(torch.int32) >> 23).add_(offsets)  # [layers, batch, keys]
     taken = copies.int().neg()[:, None].expand(first.shape).reshape(-1)  # [layers · batch · keys]
     by_code.index_add_(0, copied.reshape(-1), taken)
     by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
@@ -115,20 +117,22 @@ def _quadrants(c: torch.Tensor, u: torch.Tensor, mined: torch.Tensor) -> tuple[t
     negative input, and both (bytes summed in 16 bits along a row, then over rows). A NaN m has no negative
     gate and ranks nowhere."""
     mined = mined[None, :, :, None]  # [1, batch, pos, 1]
+    # In place where a tensor is new: fewer allocations (on a CPU each a page fault a page).
     input_negative = u < 0  # [layers, batch, pos, keys]
-    gate_negative = ((c < 0) & (u > 0)) | ((c > 0) & input_negative)  # like c
-    usable = (c == c) & mined  # like c: mined, not NaN
-    gate_negative = gate_negative & usable
-    input_negative = input_negative & mined
+    gate_negative = (c < 0).logical_and_(u > 0).logical_or_((c > 0).logical_and_(input_negative))  # like c
+    usable = (c == c).logical_and_(mined)  # like c: mined, not NaN
+    gate_negative.logical_and_(usable)
+    input_negative.logical_and_(mined)
 
     def count(flags: torch.Tensor) -> torch.Tensor:  # [layers, keys]: the positions flagged
         return flags.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # a row's < 2¹⁵
 
-    gate, inputs, both = count(gate_negative), count(input_negative), count(gate_negative & input_negative)
+    gate, inputs = count(gate_negative), count(input_negative)  # [layers, keys] each
+    both = count(gate_negative.logical_and_(input_negative))  # [layers, keys]
     positions = mined.sum()  # 0-dim: the mined positions of the batch
     counts = torch.stack((positions - gate - inputs + both, inputs - both, gate - both, both), dim=-1)
-    positive = _side_extremes(c, usable > input_negative)  # usable, input ≥ 0
-    negative = _side_extremes(c, usable & input_negative)
+    negative = _side_extremes(c, input_negative.logical_and_(usable))
+    positive = _side_extremes(c, usable.logical_and_(input_negative.logical_not_()))  # usable, input ≥ 0
     # [4, layers, batch, keys] each, pp, pn, np, nn: m's extreme, where it first is, whether it counts
     extreme = torch.stack([positive[0], negative[2], positive[2], negative[0]])
     at = torch.stack([positive[1], negative[3], positive[3], negative[1]])
