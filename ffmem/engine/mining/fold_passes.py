@@ -5,9 +5,9 @@ is, each operation is a pass over the group. Compiled (`compiled`, torch.compile
 a minute, a GPU needs triton) its elementwise work can fuse into the reductions that read it: on a CPU the
 compiled passes take as long as the eager ones (bench.torch_fold); on a GPU they are not yet measured.
 
-The passes, few as torch allows. An ungated layer's are nine: the fill of unmined positions with their
-row's first mined coefficient, the maximum and the minimum with their positions, the first NaN (a test and
-a byte maximum), the sum, and the histogram's codes (a shift, the keys' offsets, one scatter-add). The fill
+The passes, few as torch allows. An ungated layer's are seven: the fill of unmined positions with their
+row's first mined coefficient, the maximum and the minimum with their positions, the sum, and the
+histogram's codes (a shift, the keys' offsets, one scatter-add). The fill
 serves them all: it changes no extreme, and the copies it makes are taken back out of the sum and the
 histogram from the [layers, batch, keys] first coefficients alone (no zeroing pass). A gated layer's sign
 quadrants add comparisons and byte-wide logic on the signs of m and x·u, counted in 16-bit sums, and per
@@ -20,6 +20,7 @@ Every shape is fixed by the group's: no value is read back to the host.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -48,10 +49,12 @@ def reductions(
     anchor: torch.Tensor,
     key_offsets: torch.Tensor,
     code_bins: torch.Tensor,
+    nan_outright: bool = False,
 ) -> Reductions:
     """A group's Reductions: `c` [layers, batch, pos, keys] float32 (read, not overwritten), `u` a gated
     layer's inputs x·u like it (None: not gated), `mined` [batch, pos] bool, `anchor` [batch] each row's
-    first mined position (0: none), `key_offsets` [keys] int32 and `code_bins` [CODES] (TorchFold's)."""
+    first mined position (0: none), `key_offsets` [keys] int32 and `code_bins` [CODES] (TorchFold's).
+    `nan_outright`: each row's first NaN found apart (compiled, a maximum may pass over a NaN)."""
     n_layers, n_keys = c.shape[0], c.shape[3]
     quadrants = (None,) * 4 if u is None else _quadrants(c, u, mined)
     has_mined = mined.any(dim=1)[None, :, None, None]  # [1, batch, 1, 1]
@@ -64,12 +67,12 @@ def reductions(
     filled = torch.where(mined[None, :, :, None], c, first)  # like c
     (high, high_at), (low, low_at) = filled.max(dim=2), filled.min(dim=2)  # [layers, batch, keys] each
     # [signs, layers, batch, keys]: the extremes and where they first are. A row's first NaN is both its
-    # maximum and its minimum (torch.max's rule, and the compiled CPU fold's), said outright: compiled,
-    # a maximum may pass over a NaN.
-    nan = torch.isnan(filled).view(torch.uint8).max(dim=2)  # [layers, batch, keys] each: any, the first
-    has_nan = nan.values.bool()  # [layers, batch, keys]
-    extreme = torch.stack([high, low]).masked_fill(has_nan, float("nan"))
-    at = torch.where(has_nan, nan.indices, torch.stack([high_at, low_at]))
+    # maximum and its minimum (torch.max's rule, and the compiled CPU fold's); compiled, said outright.
+    extreme, at = torch.stack([high, low]), torch.stack([high_at, low_at])
+    if nan_outright:
+        nan = torch.isnan(filled).view(torch.uint8).max(dim=2)  # [layers, batch, keys] each: any, first
+        has_nan = nan.values.bool()  # [layers, batch, keys]
+        extreme, at = extreme.masked_fill(has_nan, float("nan")), torch.where(has_nan, nan.indices, at)
     at = torch.where(mined.expand(2, n_layers, -1, -1).gather(3, at), at, anchor[:, None])
     # The sum and the histogram of the filled c, less each row's copies of its first coefficient (an
     # infinite first one is summed as it is: its copies change no infinite sum).
@@ -164,8 +167,8 @@ _compiled = None
 
 
 def compiled():
-    """`reductions` compiled by torch.compile (once a process, for any shape: dynamic)."""
+    """`reductions` compiled by torch.compile (once a process, for any shape: dynamic), NaN found apart."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(reductions, dynamic=True)
+        _compiled = torch.compile(functools.partial(reductions, nan_outright=True), dynamic=True)
     return _compiled
