@@ -6,7 +6,8 @@ At a model's shape (default SmolLM2-135M's: 30 layers of 1536 keys, gated, a bat
 positions, T = 50), one random batch folded by both folds, a whole group of layers at once as a GPU folds
 it (`MiningState.fold_tensors`), into a state already holding one batch:
 - passes: the aten operators each fold dispatches on the meta device (shapes, no data; on a GPU's code
-  path) that read or write a tensor as large as the group's coefficients, by name;
+  path) that read or write a tensor as large as the group's coefficients, by name, and the bytes they
+  move a coefficient (what a GPU's memory pays; a compiled fold's kernels are not aten operators);
 - seconds: each fold's time a batch on the CPU with `--threads` torch threads (default 1), the two
   interleaved over `--repeats` rounds after one uncounted, and the older over the newer, one ratio a
   round. On a shared machine only that ratio means anything. With `--compiled`, the working tree's fold
