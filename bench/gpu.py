@@ -373,8 +373,11 @@ def check_state(state: MiningState, positions: int) -> dict:
     }
 
 
-def time_config(loaded: LoadedModel, batches: list[Batch], rounds: int, deadline: float) -> dict:
-    """Bare backbone forward and mining over `batches` (already on the device), interleaved."""
+def time_config(
+    loaded: LoadedModel, batches: list[Batch], rounds: int, deadline: float, compiled_fold: bool = False
+) -> dict:
+    """Bare backbone forward and mining over `batches` (already on the device), interleaved; mining with the
+    torch fold's passes compiled (compiled once, in the warm-up) where `compiled_fold`."""
     device = loaded.device
     backbone = loaded.model.base_model
     tokens = sum(b.real_tokens for b in batches)
@@ -387,7 +390,9 @@ def time_config(loaded: LoadedModel, batches: list[Batch], rounds: int, deadline
 
     def mining(part: list[Batch]) -> MiningState:
         gated = loaded.adapter.gates is not None  # the sign quadrants too, as `ffmem index` mines them
-        state = MiningState(loaded.n_layers, loaded.n_keys, TOP_K, device=device, gated=gated)
+        state = MiningState(
+            loaded.n_layers, loaded.n_keys, TOP_K, device=device, gated=gated, compiled_fold=compiled_fold
+        )
         return mine_batches(loaded, part, state)
 
     runs = {"bare": bare, "mining": mining}
@@ -461,6 +466,9 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="timed with it and 4× it")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="of the speed part, in this order")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--compiled-fold", action="store_true", help="the torch fold's passes compiled (needs triton)"
+    )
     parser.add_argument(
         "--budget-s", type=float, help="no timed pass starts after it (default 360 on a GPU, none on a CPU)"
     )
@@ -589,7 +597,7 @@ def speed(results: dict, folder: Path, device: torch.device, ids, first, pad_id:
             try:
                 loaded = loaded or load_model(str(folder), device=str(device), dtype=dtype)
                 on_device = [b.to(device) for b in part]
-                row.update(time_config(loaded, on_device, args.rounds, deadline))
+                row.update(time_config(loaded, on_device, args.rounds, deadline, args.compiled_fold))
                 del on_device
             except Exception:
                 traceback.print_exc()

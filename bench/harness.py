@@ -110,6 +110,28 @@ def interleaved(
     return times
 
 
+def module_at(revision: str, paths: tuple[str, ...], name: str):
+    """The first of `paths` (a module's file, under the names it had) as of git `revision`, imported as a
+    module of its own called `name`: an older version timed beside the working tree's."""
+    import importlib.util
+    import tempfile
+
+    for path in paths:
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no {paths[0]} at git revision {revision}: {shown.stderr.strip()}")
+    source = Path(tempfile.mkdtemp()) / f"{name}.py"
+    source.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def server_ms(response: httpx.Response) -> float:
     """The app's own time for a request (its Server-Timing header); the answer must be a 200."""
     assert response.status_code == 200, (response.status_code, response.text[:300])

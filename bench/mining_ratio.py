@@ -19,12 +19,8 @@ ffmem.engine.mining.fold_cpu). Figures go into bench-results.json under "mining_
 from __future__ import annotations
 
 import copy
-import importlib.util
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -40,21 +36,9 @@ from ffmem.engine.model.loading import load_model
 def mining_at(revision: str):
     """ffmem.engine.mining.state as of `revision` (ffmem/engine/mining.py before the engine's folders),
     imported as its own module."""
-    for path in ("ffmem/engine/mining/state.py", "ffmem/engine/mining.py"):
-        shown = subprocess.run(
-            ["git", "show", f"{revision}:{path}"], cwd=harness.ROOT, capture_output=True, text=True
-        )
-        if shown.returncode == 0:
-            break
-    else:
-        raise SystemExit(f"no mining state at git revision {revision}: {shown.stderr.strip()}")
-    source = shown.stdout
-    path = Path(tempfile.mkdtemp()) / "mining_then.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("mining_then", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return harness.module_at(
+        revision, ("ffmem/engine/mining/state.py", "ffmem/engine/mining.py"), "mining_then"
+    )
 
 
 def main() -> None:

@@ -63,9 +63,11 @@ class Grouped(MiningState):
 
 def mine(batches, n_layers: int, n_keys: int, top_k: int, fold: str) -> MiningState:
     """Every batch's layers through `fold`: "update" (compiled, on a CPU), "fold_tensors" (torch, a layer
-    at a time) or "grouped" (torch, the layers that fit mining.FOLD_BYTES at a time)."""
-    state = (Grouped if fold == "grouped" else MiningState)(n_layers, n_keys, top_k)
-    method = "update" if fold == "grouped" else fold
+    at a time), "grouped" (torch, the layers that fit mining.FOLD_BYTES at a time) or "compiled" (grouped,
+    the torch fold's passes compiled by torch.compile)."""
+    grouped = fold in ("grouped", "compiled")
+    state = (Grouped if grouped else MiningState)(n_layers, n_keys, top_k, compiled_fold=fold == "compiled")
+    method = "update" if grouped else fold
     for coefficients, mined, sentence in batches:
         batch = as_batch(mined, sentence)
         for layer in range(n_layers):
@@ -185,6 +187,11 @@ def test_the_torch_fold_gives_the_compiled_folds_state(case, group_bytes, monkey
         monkeypatch.setattr(mining, "FOLD_BYTES", group_bytes)
     torch_fold = "fold_tensors" if group_bytes is None else "grouped"
     compiled, tensors = (mine(batches, n_layers, n_keys, top_k, fold) for fold in ("update", torch_fold))
+    assert_same_state(compiled, tensors)
+
+
+def assert_same_state(compiled: MiningState, tensors: MiningState) -> None:
+    """The same order keys, positions, histogram and band samples; the sums up to their order."""
     for sign in (1, -1):
         assert torch.equal(compiled.top[sign].order, tensors.top[sign].order), sign
         assert torch.equal(compiled.top[sign].position, tensors.top[sign].position), sign
@@ -244,3 +251,12 @@ def test_the_first_of_a_stable_sort_by_comparisons_equals_torch_sort():
         values[0, 0] = EMPTY  # every entry the empty key: the kept ones stay first
         expected = values.sort(dim=-1, stable=True).indices[..., :k]  # [rows, cells, k]
         assert torch.equal(first_of_stable_sort(values, k), expected)
+
+
+@pytest.mark.slow  # compiling takes a minute
+def test_the_compiled_torch_fold_gives_the_compiled_folds_state():
+    """The torch fold with its passes compiled by torch.compile (`compiled_fold`), every layer of a batch at
+    once, on batches of several shapes (one compilation for them all): `update`'s state bit for bit."""
+    seed, n_layers, n_keys, top_k, n_batches = CASES["small T, many batches"]
+    batches = random_batches(seed + 200, n_layers, n_keys, n_batches)
+    assert_same_state(*(mine(batches, n_layers, n_keys, top_k, fold) for fold in ("update", "compiled")))

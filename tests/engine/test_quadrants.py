@@ -14,6 +14,7 @@ from ffmem.engine.mining import fold_torch as mining
 from ffmem.engine.mining.batches import mine_batches, shard_batches
 from ffmem.engine.mining.corpus import Batch
 from ffmem.engine.mining.mined_layer import MinedLayer
+from ffmem.engine.mining.order import unpack
 from ffmem.engine.mining.state import MiningState
 
 E = 8  # examples kept per quadrant (mined_layer.QUADRANT_EXAMPLES)
@@ -198,3 +199,24 @@ def test_a_tiny_gated_models_quadrants_equal_its_gate_and_up_projections_read_ap
                 close = {"rel": 1e-4, "abs": 1e-6}
                 assert got.quadrant_coefficient[key, q, :n] == pytest.approx([w[0] for w in want], **close)
                 assert got.quadrant_input[key, q, :n] == pytest.approx([w[3] for w in want], **close)
+
+
+@pytest.mark.parametrize(
+    "compiled_fold", [False, pytest.param(True, marks=pytest.mark.slow)]
+)  # slow: compiling
+def test_the_grouped_torch_fold_gives_the_compiled_folds_quadrants_and_triggers(compiled_fold):
+    """The gated torch fold, every layer of a batch at once, its passes eager or compiled by torch.compile
+    (`compiled_fold`), on batches of several shapes with NaN coefficients: the compiled CPU fold's
+    quadrants, histogram and triggers (a row's first NaN its extreme of both signs) bit for bit."""
+    batches = random_batches(5, 2, 9, 8)
+    compiled = mine(batches, 2, 9, "update")
+    tensors = MiningState(2, 9, 3, gated=True, compiled_fold=compiled_fold)
+    for c, u, mined, sentence in batches:
+        tensors.fold_tensors(slice(0, 2), torch.from_numpy(c), as_batch(mined, sentence), torch.from_numpy(u))
+        tensors.count(as_batch(mined, sentence))
+    assert bool(torch.isnan(unpack(compiled.top[1].order)[0]).any())  # NaN triggers in the compared state
+    for name in ("quadrant_count", "quadrant_order", "quadrant_position", "quadrant_input", "histogram"):
+        assert torch.equal(getattr(compiled, name), getattr(tensors, name)), name
+    for sign in (1, -1):
+        assert torch.equal(compiled.top[sign].order, tensors.top[sign].order), sign
+        assert torch.equal(compiled.top[sign].position, tensors.top[sign].position), sign

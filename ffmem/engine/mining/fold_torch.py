@@ -6,6 +6,10 @@ Every operation has a shape fixed by (layers, batch, pos, keys, T, bins, SAMPLES
 indexing, no value read back to the host, so that on a GPU a batch's folds of every layer are enqueued
 without waiting for one to finish. The state it gives is the compiled fold's, tested equal: the same order
 keys and ties, the same positions, histograms and band samples.
+
+What costs is the passes over the group's [layers, batch, pos, keys] coefficients: they are
+ffmem.engine.mining.fold_passes's, eager or compiled. What they give, [.., layers, batch, keys] tensors a
+position's worth smaller, is merged here into the top-T, the band samples and the quadrant examples.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ffmem.engine.mining import fold_passes
 from ffmem.engine.mining.bins import CODE_STRIDE, CODES, FOLD_BYTES, code_values, histogram_bins, scratch
 from ffmem.engine.mining.corpus import Batch
-from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, QUADRANT_EXAMPLES, SAMPLES, SIGNS, ZERO_BIN
+from ffmem.engine.mining.fold_passes import Reductions
+from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, QUADRANT_EXAMPLES, SAMPLES, SIGNS
 from ffmem.engine.mining.order import first_of_stable_sort, order_key, sample_priority
 
 if TYPE_CHECKING:
@@ -27,8 +33,10 @@ class TorchFold:
     """The torch fold into one MiningState: its tables, its workspace, and the group of a batch's
     consecutive layers gathered so far and not yet folded."""
 
-    def __init__(self, state: MiningState, device: torch.device | str):
+    def __init__(self, state: MiningState, device: torch.device | str, compiled: bool = False):
+        """`compiled`: the passes over a group compiled by torch.compile (fold_passes.compiled)."""
         self.state = state
+        self._reductions = fold_passes.compiled() if compiled else fold_passes.reductions
         # A key's codes in the bincount (see _histogram): (bits >> 23) + CODES / 2 + key · CODE_STRIDE.
         keys = torch.arange(state.n_keys, dtype=torch.int32, device=device)  # [keys]
         self._key_offsets = keys * CODE_STRIDE + CODES // 2  # [keys]
@@ -82,81 +90,42 @@ class TorchFold:
         self, layers: int | slice, c: torch.Tensor, batch: Batch, inputs: torch.Tensor | None = None
     ) -> None:
         """Fold one layer (`c` [batch, pos, keys]) or consecutive ones (a slice, `c` [layers, batch, pos,
-        keys]) of a batch into the state; `c`, float32, is overwritten. A gated state takes the `inputs` x·u
-        of the same shape (read, not overwritten).
+        keys]) of a batch into the state; `c` is float32. A gated state takes the `inputs` x·u of the same
+        shape. Both are read, not overwritten.
 
-        Passes over the whole [layers, batch, pos, keys] tensor: the fill of unmined positions, the maximum
-        and the minimum with their positions, the zeroing, the sum, the codes and their count; the top-T
-        and the band samples then work on [signs, layers, batch, keys], both signs at once.
+        The passes over the whole group (fold_passes.reductions) give each row's extremes and where they
+        are, the sums and histograms; the top-T and the band samples then work on [signs, layers, batch,
+        keys], both signs at once, and a gated state's quadrant examples on [4, layers, batch, keys].
         """
         state = self.state
         if isinstance(layers, int):
             layers, c = slice(layers, layers + 1), c[None]
             inputs = None if inputs is None else inputs[None]
-        n_layers, n_keys = c.shape[0], state.n_keys
-        mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
-        if state.gated:
-            self._fold_quadrants(layers, c, inputs, batch)
         anchor, has_mined = batch.anchor  # [batch] each: the first mined position, whether there is one
-        # Unmined positions first hold their row's first mined coefficient, which changes neither its
-        # maximum nor its minimum. Where an extreme's first occurrence is such a copy, its first mined
-        # occurrence is the anchor: the anchor holds that value and no mined position comes before it.
-        at_anchor = anchor[None, :, None, None].expand(n_layers, -1, 1, n_keys)  # [layers, batch, 1, keys]
-        first = c.gather(2, at_anchor)  # [layers, batch, 1, keys]
-        torch.where(mined, c, first, out=c)
-        (high, high_at), (low, low_at) = c.max(dim=2), c.min(dim=2)  # [layers, batch, keys] each
-        # [signs, layers, batch, keys] each: the maximum (+1) and the minimum (−1), where each first is
-        # (torch.max's rule), whether that is a mined position, and so its first mined occurrence
-        extreme, at = torch.stack([high, low]), torch.stack([high_at, low_at])
-        at_mined = batch.mined.expand(len(SIGNS), n_layers, -1, -1).gather(3, at)
-        at = torch.where(at_mined, at, anchor[:, None])
+        found = self._reductions(c, inputs, batch.mined, anchor, self._key_offsets, self._code_bins)
+        state.total[layers] += found.total
+        state.histogram[layers] += found.histogram
+        if state.gated:
+            self._enter_quadrants(layers, found, inputs, batch)
         # best: s·extreme. A sentence with no mined position has best −inf; its sentence −1 then gives
         # it the empty slot's order key (and position 0: its anchor), so it never ranks above an empty slot.
+        high, low = found.extreme  # [layers, batch, keys] each
         best = torch.stack([high, low.neg()]).masked_fill_(~has_mined[:, None], float("-inf"))
         sentence = batch.sentence_index.masked_fill(~has_mined, -1)  # [batch]
-        # Statistics with unmined positions set to +0.0: they add nothing to the sum, and their
-        # histogram bin (ZERO_BIN) is corrected by their number, counted on the device.
-        c.masked_fill_(~mined, 0.0)
-        state.total[layers] += c.sum(dim=(1, 2), dtype=torch.float64)  # [layers, keys]
-        state.histogram[layers] += self._histogram(c, batch.mined.numel() - batch.mined.sum())
-        self._enter_top(layers, best, at, sentence)
-        priority = sample_priority(batch.sentence_index, layers, n_keys)  # [layers, keys, batch]
-        self._enter_samples(layers, extreme, best, at, priority << 32 | batch.sentence_index)
+        self._enter_top(layers, best, found.at, sentence)
+        priority = sample_priority(batch.sentence_index, layers, state.n_keys)  # [layers, keys, batch]
+        self._enter_samples(layers, found.extreme, best, found.at, priority << 32 | batch.sentence_index)
 
-    def _fold_quadrants(self, layers: slice, c: torch.Tensor, u: torch.Tensor, batch: Batch) -> None:
-        """Fold a batch's sign quadrants (before `c` [layers, batch, pos, keys] is overwritten; `u` the
-        inputs x·u, like `c`): the positions in each, and per sentence its largest |m| in each quadrant (a
-        NaN coefficient ranks nowhere), first where it is, entered into the quadrant's top examples.
-
-        Three counts give the four: the mined positions with a negative gate, a negative input, and both.
-        The largest |m| of the four quadrants take four maxima, one per input sign and sign of m: where the
-        input is ≥ 0, m ≥ 0 is pp and m < 0 np; where it is < 0, m > 0 is nn and m ≤ 0 pn."""
+    def _enter_quadrants(self, layers: slice, found: Reductions, u: torch.Tensor, batch: Batch) -> None:
+        """Merge a batch's quadrant counts and, per sentence, its largest |m| in each quadrant (first where
+        it is, with the input x·u there: `u` [layers, batch, pos, keys]) into the quadrants' top examples."""
         state = self.state
-        mined = batch.mined[None, :, :, None]  # [1, batch, pos, 1]
-        input_negative = u < 0  # [layers, batch, pos, keys]
-        gate_negative = torch.where(input_negative, c > 0, (c < 0) & (u > 0))  # the gate's sign: m / u
-        gate = (gate_negative & mined).sum(dim=(1, 2))  # [layers, keys]
-        both = (gate_negative.logical_and_(input_negative) & mined).sum(dim=(1, 2))  # [layers, keys]
-        inputs = (input_negative & mined).sum(dim=(1, 2))  # [layers, keys]
-        positions = batch.mined.sum()  # 0-dim: the mined positions of the batch
-        counts = (positions - gate - inputs + both, inputs - both, gate - both, both)  # the four quadrants'
-        state.quadrant_count[layers] += torch.stack(counts, dim=-1)  # [layers, keys, 4]
-        usable = mined & ~torch.isnan(c)  # [layers, batch, pos, keys]
-        positive_input, negative_input = usable & ~input_negative, usable.logical_and_(input_negative)
-        negated = c.neg()  # [layers, batch, pos, keys]
-        sides = (positive_input, c), (negative_input, negated), (positive_input, negated), (negative_input, c)
-        found = [  # per quadrant: s·m's largest where it lies, first where it is ([layers, batch, keys] each)
-            torch.where(where, signed, float("-inf")).max(dim=2) for where, signed in sides
-        ]
-        best = torch.stack([value for value, _ in found])  # [4, layers, batch, keys]: s·m, −inf where none
-        at = torch.stack([where for _, where in found])  # [4, layers, batch, keys]
-        present = torch.stack([best[0] >= 0, best[1] >= 0, best[2] > 0, best[3] > 0])  # pp, pn: m may be 0
-        best = best.abs().masked_fill_(~present, float("-inf"))  # |m| (+0.0 for m = −0.0)
-        entered = torch.where(
-            present, batch.sentence_index[:, None], -1
-        )  # [4, layers, batch, keys]: −1 empty
+        state.quadrant_count[layers] += found.quadrant_count  # [layers, keys, 4]
+        present = found.quadrant_present  # [4, layers, batch, keys]
+        best = found.quadrant_extreme.abs().masked_fill_(~present, float("-inf"))  # |m| (+0.0 for m = −0.0)
+        entered = torch.where(present, batch.sentence_index[:, None], -1)  # like present: −1 empty
         new = order_key(best, entered).permute(1, 3, 0, 2)  # [layers, keys, 4, batch]
-        at = at.masked_fill_(~present, 0)  # [4, layers, batch, keys]
+        at = found.quadrant_at.masked_fill(~present, 0)  # [4, layers, batch, keys]
         read = torch.stack([u.gather(2, where[:, :, None]).squeeze(2) for where in at])  # like at
         read = read.masked_fill_(~present, 0.0).permute(1, 3, 0, 2)  # [layers, keys, 4, batch]
         merged = torch.cat([state.quadrant_order[layers], new], dim=3)  # [layers, keys, 4, E + batch]
@@ -166,29 +135,6 @@ class TorchFold:
         state.quadrant_order[layers] = kept
         state.quadrant_position[layers] = where.gather(3, index)  # [layers, keys, 4, E]
         state.quadrant_input[layers] = values.gather(3, index)  # [layers, keys, 4, E]
-
-    def _histogram(self, c: torch.Tensor, unmined: torch.Tensor) -> torch.Tensor:
-        """[layers, keys, bins] counts of one batch's coefficients `c` [layers, batch, pos, keys]
-        (`unmined`, a 0-dim tensor, of each layer's are padding set to +0.0).
-
-        Each float's sign and exponent (a code) is counted per layer and key with one scatter-add
-        (torch.bincount would read its input's maximum back to the host), then the codes are folded into
-        the histogram's bins: two cheap passes over the coefficients, not ten.
-        """
-        n_layers, n_keys = c.shape[0], self.state.n_keys
-        codes = scratch(self._workspace, "codes", c.shape, torch.int32, c.device)  # like c
-        torch.bitwise_right_shift(c.contiguous().view(torch.int32), 23, out=codes)  # −256 … 255
-        layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=c.device) * (n_keys * CODE_STRIDE)
-        offsets = self._key_offsets + layer_offsets[:, None]  # [layers, keys]: each layer after the last
-        codes = codes.view(n_layers, -1, n_keys).add_(offsets[:, None])  # [layers, batch·pos, keys]
-        ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(codes.numel())  # [codes]
-        by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
-        by_code.index_add_(0, codes.view(-1), ones)  # [layers · keys · CODE_STRIDE]
-        by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
-        counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=c.device)
-        counts.index_add_(2, self._code_bins, by_code)  # [layers, keys, bins]
-        counts[..., ZERO_BIN] -= unmined
-        return counts
 
     def _enter_top(self, layers: slice, best: torch.Tensor, at: torch.Tensor, sentence: torch.Tensor) -> None:
         """Merge a batch's sentences into the top-T of both signs: `best` [signs, layers, batch, keys] is

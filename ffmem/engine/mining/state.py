@@ -57,8 +57,15 @@ class MiningState:
     """Everything mined so far: per sign a TopK, and the per-key statistics."""
 
     def __init__(
-        self, n_layers: int, n_keys: int, top_k: int, device: torch.device | str = "cpu", gated: bool = False
+        self,
+        n_layers: int,
+        n_keys: int,
+        top_k: int,
+        device: torch.device | str = "cpu",
+        gated: bool = False,
+        compiled_fold: bool = False,
     ):
+        """`compiled_fold`: the torch fold's passes compiled by torch.compile (fold_passes.compiled)."""
         self.n_layers, self.n_keys, self.top_k, self.gated = n_layers, n_keys, top_k, gated
         shape = (n_layers, n_keys, top_k)
         empty = order_key(torch.tensor(float("-inf")), torch.tensor(-1))  # ranks below every entry
@@ -90,7 +97,7 @@ class MiningState:
         # The two folds: the compiled one's table ([CODES] int32: each sign and exponent code's bin) and
         # the torch fold of every other device, with its tables and workspace.
         self._code_bins_by_code = histogram_bins(code_values()).numpy()
-        self._torch_fold = TorchFold(self, device)
+        self._torch_fold = TorchFold(self, device, compiled=compiled_fold)
 
     # -- update ---------------------------------------------------------------------------------
     def update(
@@ -101,7 +108,7 @@ class MiningState:
 
         On a CPU, one compiled pass (ffmem.engine.mining.fold_cpu); elsewhere the vectorised torch fold
         (ffmem.engine.mining.fold_torch), which gives the same state, of consecutive layers together
-        (`_gather`: the last layer, or a full group, folds them). `coefficients` may be overwritten.
+        (`_gather`: the last layer, or a full group, folds them).
         """
         if self.gated and inputs is None:
             raise ValueError("a gated mining state needs each layer's inputs x·u beside its coefficients")
@@ -146,8 +153,8 @@ class MiningState:
         self, layers: int | slice, c: torch.Tensor, batch: Batch, inputs: torch.Tensor | None = None
     ) -> None:
         """`update` in torch operations on any device, for one layer (`c` [batch, pos, keys]) or
-        consecutive ones (a slice, `c` [layers, batch, pos, keys]); `c`, float32, is overwritten. A gated
-        state takes the `inputs` x·u of the same shape (read, not overwritten). See fold_torch.TorchFold.fold.
+        consecutive ones (a slice, `c` [layers, batch, pos, keys]), float32. A gated state takes the
+        `inputs` x·u of the same shape. Both are read, not overwritten. See fold_torch.TorchFold.fold.
         """
         self._torch_fold.fold(layers, c, batch, inputs)
 

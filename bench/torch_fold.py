@@ -1,0 +1,162 @@
+"""The torch fold (ffmem.engine.mining.fold_torch) against an older revision's: passes and seconds a batch.
+
+    OMP_NUM_THREADS=1 python -m bench.torch_fold --against 5a96198 --repeats 3 --compiled
+
+At a model's shape (default SmolLM2-135M's: 30 layers of 1536 keys, gated, a batch of 32 sentences of 64
+positions, T = 50), one random batch folded by both folds, a whole group of layers at once as a GPU folds
+it (`MiningState.fold_tensors`), into a state already holding one batch:
+- passes: the aten operators each fold dispatches on the meta device (shapes, no data; on a GPU's code
+  path) that read or write a tensor as large as the group's coefficients, by name, and the bytes they
+  move a coefficient (what a GPU's memory pays; a compiled fold's kernels are not aten operators);
+- seconds: each fold's time a batch on the CPU with `--threads` torch threads (default 1), the two
+  interleaved over `--repeats` rounds after one uncounted, and the older over the newer, one ratio a
+  round. On a shared machine only that ratio means anything. With `--compiled`, the working tree's fold
+  with its passes compiled too (fold_passes.compiled; compiled once, in the uncounted round).
+Figures go into bench-results.json under "torch_fold".
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench import harness
+from ffmem.engine.mining import fold_torch
+from ffmem.engine.mining.corpus import Batch
+from ffmem.engine.mining.state import MiningState
+
+# Operators that move no data (views, allocations) or read only what they write (a gather of a few
+# positions): no pass over a tensor, however large.
+NO_PASS = {"alias", "as_strided", "detach", "empty", "expand", "gather", "permute", "select", "slice", "view"}
+
+
+class Passes(TorchDispatchMode):
+    """Counts the aten operators dispatched while active that read or write `size` elements or more (a
+    pass over them), but NO_PASS's, and the bytes they move a coefficient: each such tensor read (an
+    argument) or written (the result, or an `out=`) once, an in-place operator's both."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.names, self.bytes = size, Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func).removeprefix("aten.")
+        if name.split(".")[0] in NO_PASS:
+            return out
+        read = [x for x in (*args, *(kwargs or {}).values()) if isinstance(x, torch.Tensor)]
+        written = [x for x in (out if isinstance(out, tuple) else (out,)) if isinstance(x, torch.Tensor)]
+        large = [x for x in (*read, *written) if x.numel() >= self.size]
+        if large:
+            self.names[name] += 1
+            self.bytes += sum(x.element_size() for x in large)  # an out= and a result are the same tensor
+            if "out" in (kwargs or {}):
+                self.bytes -= kwargs["out"].element_size() if kwargs["out"].numel() >= self.size else 0
+        return out
+
+
+def random_batch(layers: int, rows: int, positions: int, keys: int, device: str = "cpu"):
+    """(coefficients m = silu(x·g)·(x·u), inputs x·u [layers, rows, positions, keys], Batch): rows of 8 to
+    `positions` tokens, the first (a BOS) not mined."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, positions + 1, (rows,), generator=generator)  # [rows]
+    mined = torch.arange(positions)[None] < lengths[:, None]  # [rows, positions]
+    mined[:, 0] = False
+    shape = (layers, rows, positions, keys)
+    inputs = torch.randn(shape, generator=generator)  # [layers, rows, positions, keys]
+    coefficients = torch.nn.functional.silu(torch.randn(shape, generator=generator)).mul_(inputs)  # like it
+    batch = Batch(torch.zeros(rows, positions, dtype=torch.long), mined.long(), mined, torch.arange(rows))
+    return coefficients.to(device), inputs.to(device), batch.to(torch.device(device))
+
+
+def folded_state(
+    module, shape: tuple[int, int, int, int], top_k: int, device: str, **compiled: bool
+) -> MiningState:
+    """A gated MiningState on `device` whose torch fold is `module`'s TorchFold (`compiled=True`: its passes
+    compiled)."""
+    layers, _, _, keys = shape
+    state = MiningState(layers, keys, top_k, device=device, gated=True)
+    state._torch_fold = module.TorchFold(state, device, **compiled)
+    return state
+
+
+def passes(module, shape: tuple[int, int, int, int], top_k: int) -> tuple[Counter, int]:
+    """The operators over whole groups in one fold of a batch by `module`'s TorchFold, on the meta device,
+    and the bytes they move a coefficient."""
+    coefficients, inputs, batch = random_batch(*shape, device="meta")
+    state = folded_state(module, shape, top_k, "meta")
+    with Passes(coefficients.numel()) as counted:
+        state.fold_tensors(slice(0, shape[0]), coefficients, batch, inputs)
+    return counted.names, counted.bytes
+
+
+def main() -> None:
+    parser = harness.parser(__doc__, repeats=3)
+    parser.add_argument("--against", default="5a96198", help="git revision of the older fold_torch.py")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--keys", type=int, default=1536)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--positions", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true", help="time the compiled passes too")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    shape = (args.layers, args.rows, args.positions, args.keys)
+    folds = {
+        "then": harness.module_at(args.against, ("ffmem/engine/mining/fold_torch.py",), "fold_torch_then"),
+        "now": fold_torch,
+    }
+    figures = {"against": args.against, "shape": shape, "threads": args.threads, "passes": {}}
+    for name, module in folds.items():
+        counted, moved = passes(module, shape, args.top_k)
+        by_name = dict(sorted(counted.items()))
+        figures["passes"][name] = {"total": sum(counted.values()), "bytes": moved, **by_name}
+        harness.log(f"{name}: {sum(counted.values())} passes, {moved} bytes a coefficient: {by_name}")
+    coefficients, inputs, batch = random_batch(*shape)
+    states = {name: folded_state(module, shape, args.top_k, "cpu") for name, module in folds.items()}
+    if args.compiled:
+        folds["compiled"] = fold_torch
+        states["compiled"] = folded_state(fold_torch, shape, args.top_k, "cpu", compiled=True)
+    work = torch.empty_like(coefficients)  # the fold overwrites its coefficients: a copy each time
+    layers = slice(0, args.layers)
+    seconds: dict[str, list[float]] = {name: [] for name in folds}
+    for round_ in range(args.repeats + 1):
+        batch.sentence_index += args.rows  # each round's sentences new
+        for name in list(folds) if round_ % 2 == 0 else list(folds)[::-1]:
+            state = states[name]
+            work.copy_(coefficients)
+            start = time.perf_counter()
+            state.fold_tensors(layers, work, batch, inputs)
+            if round_:  # the first round fills the states and workspaces: not counted
+                seconds[name].append(time.perf_counter() - start)
+        if round_:
+            last = {name: times[-1] for name, times in seconds.items()}
+            harness.log(f"round {round_}: " + ", ".join(f"{name} {t:.2f} s" for name, t in last.items()))
+    for a, b in ((states["then"], other) for name, other in states.items() if name != "then"):
+        for name in ("histogram", "quadrant_count", "quadrant_order", "sample_order"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name  # the same state
+        assert torch.equal(a.top[1].order, b.top[1].order) and torch.equal(a.top[-1].order, b.top[-1].order)
+    ratios = [then / now for then, now in zip(seconds["then"], seconds["now"], strict=True)]
+    figures["seconds"] = {name: [round(t, 3) for t in times] for name, times in seconds.items()}
+    figures["then_over_now"] = round(statistics.median(ratios), 2)
+    if args.compiled:
+        compiled = [then / now for then, now in zip(seconds["then"], seconds["compiled"], strict=True)]
+        figures["then_over_compiled"] = round(statistics.median(compiled), 2)
+        print(f"then over compiled: {figures['then_over_compiled']} (per round: {compiled})")
+    print(
+        f"passes over the group's coefficients: then {figures['passes']['then']['total']}, now "
+        f"{figures['passes']['now']['total']} ({figures['passes']['then']['bytes']} and "
+        f"{figures['passes']['now']['bytes']} bytes a coefficient); seconds a batch (median): then "
+        f"{statistics.median(seconds['then']):.2f}, now {statistics.median(seconds['now']):.2f}; then over "
+        f"now {figures['then_over_now']} (per round: {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    harness.record(args, "torch_fold", figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The torch fold's passes over a group's coefficients (ffmem.engine.mining.fold_torch): one pure function
+from a group's [layers, batch, pos, keys] coefficients (and a gated layer's inputs x·u) to what the fold
+keeps of them, per sentence and key ([.., layers, batch, keys]) and per key ([layers, keys, ..]). Run as it
+is, each operation is a pass over the group. Compiled (`compiled`, torch.compile; an option: compiling takes
+a minute, a GPU needs triton) its elementwise work can fuse into the reductions that read it: on a CPU the
+compiled passes take as long as the eager ones (bench.torch_fold); on a GPU they are not yet measured.
+
+The passes, few as torch allows. An ungated layer's are seven: the fill of unmined positions with their
+row's first mined coefficient, the maximum and the minimum with their positions, the sum, and the
+histogram's codes (a shift, the keys' offsets, one scatter-add). The fill
+serves them all: it changes no extreme, and the copies it makes are taken back out of the sum and the
+histogram from the [layers, batch, keys] first coefficients alone (no zeroing pass). A gated layer's sign
+quadrants add comparisons and byte-wide logic on the signs of m and x·u, counted in 16-bit sums, and per
+input sign one masked copy read by a maximum and a minimum: over the positions whose input is ≥ 0 the
+largest m ≥ 0 is pp's largest |m| and the smallest m < 0 np's; over those whose input is < 0 the largest
+m > 0 is nn's and the smallest m ≤ 0 pn's (m = gate · input: a zero input has a zero m).
+
+Every shape is fixed by the group's: no value is read back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ffmem.engine.mining.bins import CODE_STRIDE, CODES
+from ffmem.engine.mining.mined_layer import N_BINS
+
+
+class Reductions(NamedTuple):
+    """What the fold keeps of a group's coefficients; the quadrants' fields None where not gated."""
+
+    extreme: torch.Tensor  # [signs, layers, batch, keys]: each row's maximum (+1) and minimum (−1)
+    at: torch.Tensor  # like extreme: its first mined position (a row with nothing mined: its anchor)
+    total: torch.Tensor  # [layers, keys] float64: the sum of the mined coefficients
+    histogram: torch.Tensor  # [layers, keys, bins] int64: their histogram
+    quadrant_count: torch.Tensor | None  # [layers, keys, 4]: mined positions in pp, pn, np, nn
+    quadrant_extreme: torch.Tensor | None  # [4, layers, batch, keys]: each row's m of largest |m| there
+    quadrant_at: torch.Tensor | None  # like quadrant_extreme: its first position there
+    quadrant_present: torch.Tensor | None  # like quadrant_extreme: whether the row has a usable m there
+
+
+def reductions(
+    c: torch.Tensor,
+    u: torch.Tensor | None,
+    mined: torch.Tensor,
+    anchor: torch.Tensor,
+    key_offsets: torch.Tensor,
+    code_bins: torch.Tensor,
+    nan_outright: bool = False,
+) -> Reductions:
+    """A group's Reductions: `c` [layers, batch, pos, keys] float32 (read, not overwritten), `u` a gated
+    layer's inputs x·u like it (None: not gated), `mined` [batch, pos] bool, `anchor` [batch] each row's
+    first mined position (0: none), `key_offsets` [keys] int32 and `code_bins` [CODES] (TorchFold's).
+    `nan_outright`: each row's first NaN found apart (compiled, a maximum may pass over a NaN)."""
+    n_layers, n_keys = c.shape[0], c.shape[3]
+    quadrants = (None,) * 4 if u is None else _quadrants(c, u, mined)
+    has_mined = mined.any(dim=1)[None, :, None, None]  # [1, batch, 1, 1]
+    # Unmined positions hold their row's first mined coefficient, which changes neither its maximum nor
+    # its minimum. Where an extreme's first occurrence is such a copy, its first mined occurrence is the
+    # anchor: the anchor holds that value and no mined position comes before it. A row with nothing mined
+    # holds +0.0 throughout: its copies are taken back out like any row's.
+    at_anchor = anchor[None, :, None, None].expand(n_layers, -1, 1, n_keys)  # [layers, batch, 1, keys]
+    first = c.gather(2, at_anchor).masked_fill_(~has_mined, 0.0)  # like at_anchor
+    filled = torch.where(mined[None, :, :, None], c, first)  # like c
+    (high, high_at), (low, low_at) = filled.max(dim=2), filled.min(dim=2)  # [layers, batch, keys] each
+    # [signs, layers, batch, keys]: the extremes and where they first are. A row's first NaN is both its
+    # maximum and its minimum (torch.max's rule, and the compiled CPU fold's); compiled, said outright.
+    extreme, at = torch.stack([high, low]), torch.stack([high_at, low_at])
+    if nan_outright:
+        nan = torch.isnan(filled).view(torch.uint8).max(dim=2)  # [layers, batch, keys] each: any, first
+        has_nan = nan.values.bool()  # [layers, batch, keys]
+        extreme, at = extreme.masked_fill(has_nan, float("nan")), torch.where(has_nan, nan.indices, at)
+    at = torch.where(mined.expand(2, n_layers, -1, -1).gather(3, at), at, anchor[:, None])
+    # The sum and the histogram of the filled c, less each row's copies of its first coefficient (an
+    # infinite first one is summed as it is: its copies change no infinite sum).
+    copies = mined.shape[1] - mined.sum(dim=1)  # [batch]: each row's unmined positions
+    first = first[:, :, 0]  # [layers, batch, keys]
+    finite = first.double().masked_fill(~torch.isfinite(first), 0.0)  # like first, float64
+    total = filled.sum(dim=(1, 2), dtype=torch.float64)  # [layers, keys]
+    total = total - (finite * copies[:, None]).sum(dim=1)
+    histogram = _histogram(filled, first, copies, key_offsets, code_bins)
+    return Reductions(extreme, at, total, histogram, *quadrants)
+
+
+def _histogram(
+    filled: torch.Tensor, first: torch.Tensor, copies: torch.Tensor, key_offsets: torch.Tensor, code_bins
+) -> torch.Tensor:
+    """[layers, keys, bins] counts of `filled` [layers, batch, pos, keys], less `copies` [batch] of each
+    row's `first` [layers, batch, keys] (the fill of its unmined positions).
+
+    Each float's sign and exponent (a code) is counted per layer and key with one scatter-add
+    (torch.bincount would read its input's maximum back to the host), the copies taken back with a second
+    over [layers, batch, keys], then the codes are folded into the histogram's bins.
+    """
+    n_layers, n_keys = filled.shape[0], filled.shape[3]
+    layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=filled.device) * (n_keys * CODE_STRIDE)
+    offsets = (key_offsets + layer_offsets[:, None])[:, None]  # [layers, 1, keys]
+    codes = (
+        (filled.view(torch.int32) >> 23).view(n_layers, -1, n_keys).add_(offsets)
+    )  # [layers, batch·pos, keys]
+    ones = torch.ones(1, dtype=torch.int32, device=filled.device).expand(codes.numel())  # [codes]
+    by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=filled.device)
+    by_code.index_add_(0, codes.reshape(-1), ones)  # [layers · keys · CODE_STRIDE]
+    copied = (first.view(torch.int32) >> 23).add_(offsets)  # [layers, batch, keys]
+    taken = copies.int().neg()[:, None].expand(first.shape).reshape(-1)  # [layers · batch · keys]
+    by_code.index_add_(0, copied.reshape(-1), taken)
+    by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
+    counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=filled.device)
+    return counts.index_add_(2, code_bins, by_code)  # [layers, keys, bins]
+
+
+def _quadrants(c: torch.Tensor, u: torch.Tensor, mined: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Reductions' quadrant fields from `c` and `u` [layers, batch, pos, keys] and `mined` [batch, pos].
+
+    A position's quadrant is the compiled fold's: 2·(gate < 0) + (input < 0), the gate negative where
+    m < 0 < u or u < 0 < m. Three counts give the four: the mined positions with a negative gate, a
+    negative input, and both (bytes summed in 16 bits along a row, then over rows). A NaN m has no negative
+    gate and ranks nowhere."""
+    mined = mined[None, :, :, None]  # [1, batch, pos, 1]
+    # In place where a tensor is new: fewer allocations (on a CPU each a page fault a page).
+    input_negative = u < 0  # [layers, batch, pos, keys]
+    gate_negative = (c < 0).logical_and_(u > 0).logical_or_((c > 0).logical_and_(input_negative))  # like c
+    usable = (c == c).logical_and_(mined)  # like c: mined, not NaN
+    gate_negative.logical_and_(usable)
+    input_negative.logical_and_(mined)
+
+    def count(flags: torch.Tensor) -> torch.Tensor:  # [layers, keys]: the positions flagged
+        return flags.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # a row's < 2¹⁵
+
+    gate, inputs = count(gate_negative), count(input_negative)  # [layers, keys] each
+    both = count(gate_negative.logical_and_(input_negative))  # [layers, keys]
+    positions = mined.sum()  # 0-dim: the mined positions of the batch
+    counts = torch.stack((positions - gate - inputs + both, inputs - both, gate - both, both), dim=-1)
+    negative = _side_extremes(c, input_negative.logical_and_(usable))
+    positive = _side_extremes(c, usable.logical_and_(input_negative.logical_not_()))  # usable, input ≥ 0
+    # [4, layers, batch, keys] each, pp, pn, np, nn: m's extreme, where it first is, whether it counts
+    extreme = torch.stack([positive[0], negative[2], positive[2], negative[0]])
+    at = torch.stack([positive[1], negative[3], positive[3], negative[1]])
+    signs = torch.stack([extreme[0] >= 0, extreme[1] <= 0, extreme[2] < 0, extreme[3] > 0])  # like at
+    present = signs & torch.stack([positive[4], negative[4], positive[4], negative[4]])
+    return counts, extreme, at, present  # counts [layers, keys, 4]
+
+
+def _side_extremes(c: torch.Tensor, side: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The maximum of `c` [layers, batch, pos, keys] over a row's positions in `side` (like c), where it
+    first is, the minimum, where it first is, and whether the row has any ([layers, batch, keys] each): one
+    masked copy, in which the other positions hold the row's first of the side (as unmined positions hold
+    the first mined one), read by a maximum and a minimum."""
+    # [layers, batch, 1, keys]: the side's first position (0: none), by max, not argmax (ten times slower
+    # on a CPU), whose position is the first of the largest as well
+    first = side.view(torch.uint8).max(dim=2, keepdim=True).indices
+    masked = torch.where(side, c, c.gather(2, first))  # like c
+    (high, high_at), (low, low_at) = masked.max(dim=2), masked.min(dim=2)  # [layers, batch, keys] each
+    first = first.squeeze(2)  # [layers, batch, keys]
+
+    def first_on_side(at: torch.Tensor) -> torch.Tensor:  # a copy's first occurrence is the side's first
+        return torch.where(side.gather(2, at[:, :, None]).squeeze(2), at, first)
+
+    any_on_side = side.gather(2, first[:, :, None]).squeeze(2)  # [layers, batch, keys]
+    return high, first_on_side(high_at), low, first_on_side(low_at), any_on_side
+
+
+_compiled = None
+
+
+def compiled():
+    """`reductions` compiled by torch.compile (once a process, for any shape: dynamic), NaN found apart."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(functools.partial(reductions, nan_outright=True), dynamic=True)
+    return _compiled
