@@ -27,7 +27,7 @@ from ffmem.engine.explanations.fitting import (
     START,
     CorpusCounts,
     dominant_sign,
-    fit_pattern,
+    fit_patterns,
     previous_tokens,
 )
 from ffmem.engine.explanations.protocol import (
@@ -273,13 +273,28 @@ def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list
             for sign in POLARITIES
         }
     by_key = {sign: _by_key(found, n_keys) for sign, found in triggers.items()}
+    positions = [  # per key and side (POLARITIES): (tokens, previous tokens, coefficients)
+        by_side[sign]
+        for key in range(n_keys)
+        for by_side in [
+            _fitting_positions(shaded.get(key), {s: by_key[s][key] for s in POLARITIES}, run.sentences)
+        ]
+        for sign in POLARITIES
+    ]
+    patterns = iter(
+        fit_patterns(
+            *(np.concatenate([p[part] for p in positions]) for part in range(3)),
+            [len(p[2]) for p in positions],
+            [sign for _ in range(n_keys) for sign in POLARITIES],
+            run.counts,
+        )
+    )
     evidence = []
     for key in range(n_keys):
         found = {s: by_key[s][key] for s in POLARITIES}
         shallow = run.shallowness.get((layer, key))
-        positions = _fitting_positions(shaded.get(key), found, run.sentences)
         for sign in POLARITIES:
-            pattern = fit_pattern(*positions[sign], sign, run.counts)
+            pattern = next(patterns)
             values = written[sign][key].tolist() if key < len(written[sign]) else []
             prefixes = [  # what a prompt shows: the ends of the strongest trigger prefixes
                 run.sentences[s][max(p + 1 - PROMPT_TOKENS, 0) : p + 1]

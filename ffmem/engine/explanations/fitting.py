@@ -90,8 +90,9 @@ def dominant_sign(largest: float | None, smallest: float | None) -> int:
     return -1 if smallest is not None and -smallest > (largest if largest is not None else 0.0) else 1
 
 
-def _significant(value: float) -> float:
-    return float(f"{value:.3g}")
+def _significant(values: np.ndarray) -> np.ndarray:
+    """Each value to 3 significant digits (as a person reads it: decimal rounding of the float)."""
+    return np.array([float(f"{value:.3g}") for value in values.tolist()], dtype=np.float64)
 
 
 def fit_pattern(
@@ -99,26 +100,75 @@ def fit_pattern(
 ) -> Pattern:
     """The pattern fitted on some mined positions of a memory: their tokens, previous tokens (START at a
     sentence's start) and coefficients ([positions] each), with the memory's sign and the corpus's counts."""
-    if not len(m):
-        return Pattern(sign=sign)
-    m = sign * np.asarray(m, dtype=np.float64)  # [positions]
-    mean = m.mean()
-    distinct, row = np.unique(np.asarray(tokens, np.int64), return_inverse=True)  # [tokens], [positions]
-    fitted = _shrunk(row, m, mean) - mean  # [tokens]
-    final = _most_important(counts.tokens[distinct] * fitted**2, MAX_TOKENS)
-    weights = np.zeros(len(distinct))  # [tokens] as the pattern has them: 0 where it lists none
-    weights[final] = [_significant(w) for w in fitted[final]]
-    codes, row = np.unique(pair_code(np.asarray(previous, np.int64), distinct[row]), return_inverse=True)
-    alone = weights[np.searchsorted(distinct, codes % 2**32)]  # [pairs] their token's weight
-    own = _shrunk(row, m, mean + alone) - mean  # [pairs]
-    pairs = _most_important(counts.of_pairs(codes) * (own - alone) ** 2, MAX_PAIRS)
-    return Pattern(
-        sign=sign,
-        final=distinct[final].tolist(),
-        weights=weights[final].tolist(),
-        pairs=[[int(c // 2**32) - 1, int(c % 2**32)] for c in codes[pairs]],
-        pair_weights=[_significant(w) for w in own[pairs]],
+    return fit_patterns(tokens, previous, m, [len(m)], [sign], counts)[0]
+
+
+def fit_patterns(
+    tokens: np.ndarray,
+    previous: np.ndarray,
+    m: np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    signs: Sequence[int] | np.ndarray,
+    counts: CorpusCounts,
+) -> list[Pattern]:
+    """`fit_pattern` of many memories (or sides) at once: their positions one after another in tokens,
+    previous tokens and coefficients ([positions] each), `lengths` [patterns] positions each, `signs`
+    [patterns]. Each is fitted on its own positions alone, with the same sums in the same order."""
+    lengths, signs = np.asarray(lengths, np.int64), np.asarray(signs, np.int64)  # [patterns] each
+    tokens, previous = np.asarray(tokens, np.int64), np.asarray(previous, np.int64)  # [positions] each
+    segment = np.repeat(np.arange(len(lengths)), lengths)  # [positions] each position's pattern
+    m = signs[segment] * np.asarray(m, dtype=np.float64)  # [positions]
+    # [patterns] each one's ndarray.mean, its positions summed pairwise (np.add.reduceat sums otherwise)
+    ends = np.cumsum(lengths).tolist()
+    mean = np.array(
+        [m[end - n : end].mean() if n else 0.0 for end, n in zip(ends, lengths.tolist(), strict=True)]
     )
+    # tokens: groups of (pattern, token), sorted so
+    width = max(len(counts.tokens), int(tokens.max(initial=0)) + 1)
+    groups, row = np.unique(segment * width + tokens, return_inverse=True)  # [groups], [positions]
+    group_pattern, group_token = groups // width, groups % width  # [groups] each
+    fitted = _shrunk(row, m, mean[group_pattern]) - mean[group_pattern]  # [groups]
+    final = _most_important(counts.tokens[group_token] * fitted**2, group_pattern, MAX_TOKENS)  # [kept]
+    weights = np.zeros(len(groups))  # [groups] as the patterns have them: 0 where one lists none
+    weights[final] = _significant(fitted[final])
+    # pairs: groups of (pattern, previous token, token), sorted so
+    codes, code_row = np.unique(pair_code(previous, tokens), return_inverse=True)  # [codes], [positions]
+    pairs, row = np.unique(segment * len(codes) + code_row, return_inverse=True)  # [pairs], [positions]
+    pair_pattern, pair_codes = pairs // max(len(codes), 1), codes[pairs % max(len(codes), 1)]  # [pairs]
+    alone = weights[np.searchsorted(groups, pair_pattern * width + pair_codes % 2**32)]  # [pairs]
+    own = _shrunk(row, m, mean[pair_pattern] + alone) - mean[pair_pattern]  # [pairs]
+    chosen = _most_important(counts.of_pairs(pair_codes) * (own - alone) ** 2, pair_pattern, MAX_PAIRS)
+    return _patterns(
+        signs,
+        group_pattern[final],
+        group_token[final],
+        weights[final],
+        pair_pattern[chosen],
+        pair_codes[chosen],
+        _significant(own[chosen]),
+        lengths,
+    )
+
+
+def _patterns(signs, token_pattern, token, weight, pair_pattern, pair, pair_weight, lengths) -> list[Pattern]:
+    """The patterns from their kept tokens and pairs (each [kept], grouped by pattern, in order)."""
+    token_ends = np.searchsorted(token_pattern, np.arange(len(signs)), side="right").tolist()
+    pair_ends = np.searchsorted(pair_pattern, np.arange(len(signs)), side="right").tolist()
+    token, weight, pair_weight = token.tolist(), weight.tolist(), pair_weight.tolist()
+    pair = np.stack([pair // 2**32 - 1, pair % 2**32], axis=1).tolist()  # [kept, 2]
+    found, token_start, pair_start = [], 0, 0
+    for sign, token_end, pair_end in zip(signs.tolist(), token_ends, pair_ends, strict=True):
+        found.append(
+            Pattern(
+                sign=sign,
+                final=token[token_start:token_end],
+                weights=weight[token_start:token_end],
+                pairs=pair[pair_start:pair_end],
+                pair_weights=pair_weight[pair_start:pair_end],
+            )
+        )
+        token_start, pair_start = token_end, pair_end
+    return found
 
 
 def _shrunk(row: np.ndarray, m: np.ndarray, towards) -> np.ndarray:
@@ -127,10 +177,14 @@ def _shrunk(row: np.ndarray, m: np.ndarray, towards) -> np.ndarray:
     return (np.bincount(row, weights=m) + PRIOR * towards) / (np.bincount(row) + PRIOR)
 
 
-def _most_important(importance: np.ndarray, most: int) -> np.ndarray:
-    """The rows of the `most` largest importances, largest first (ties by row), that are above 0 and at
-    least LEAST_IMPORTANCE of the largest."""
-    order = np.argsort(-importance, kind="stable")[:most]
-    if not len(order) or importance[order[0]] <= 0:
-        return order[:0]
-    return order[importance[order] >= LEAST_IMPORTANCE * importance[order[0]]]
+def _most_important(importance: np.ndarray, pattern: np.ndarray, most: int) -> np.ndarray:
+    """Per pattern (`pattern`: each row's, ascending), the rows of its `most` largest importances, largest
+    first (ties by row), that are above 0 and at least LEAST_IMPORTANCE of its largest: [kept], grouped by
+    pattern."""
+    order = np.lexsort((np.arange(len(importance)), -importance, pattern))  # [rows]
+    ordered = pattern[order]  # [rows]
+    first = np.searchsorted(ordered, ordered)  # [rows] where each row's pattern starts in the order
+    largest = importance[order[first]]  # [rows] its pattern's largest importance
+    rank = np.arange(len(order)) - first  # [rows]
+    keep = (rank < most) & (largest > 0) & (importance[order] >= LEAST_IMPORTANCE * largest)
+    return order[keep]

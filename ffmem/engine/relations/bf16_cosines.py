@@ -151,7 +151,8 @@ def _insert(values, ids, uppers, floor, outside, row, value, index, upper):
     outside[row] = max(outside[row], uppers[row, last])
     at = last
     while at > 0 and value > values[row, at - 1]:
-        values[row, at], ids[row, at], uppers[row, at] = values[row, at - 1], ids[row, at - 1], uppers[row, at - 1]
+        values[row, at], ids[row, at] = values[row, at - 1], ids[row, at - 1]
+        uppers[row, at] = uppers[row, at - 1]
         at -= 1
     values[row, at], ids[row, at], uppers[row, at] = value, index, upper
     floor[row] = values[row, last]
