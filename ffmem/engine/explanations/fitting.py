@@ -123,21 +123,30 @@ def fit_patterns(
     mean = np.array(
         [m[end - n : end].mean() if n else 0.0 for end, n in zip(ends, lengths.tolist(), strict=True)]
     )
-    # tokens: groups of (pattern, token), sorted so
+    # one sort by (pattern, token, previous token): each token's and each pair's positions run together
     width = max(len(counts.tokens), int(tokens.max(initial=0)) + 1)
-    groups, row = np.unique(segment * width + tokens, return_inverse=True)  # [groups], [positions]
-    group_pattern, group_token = groups // width, groups % width  # [groups] each
-    fitted = _shrunk(row, m, mean[group_pattern]) - mean[group_pattern]  # [groups]
+    key = (segment * width + tokens) * (width + 1) + previous + 1  # [positions]
+    order = np.argsort(key)  # [positions] (any order of equal keys: the sums are taken in the positions')
+    ordered = key[order]  # [positions]
+    pair_start = np.r_[True, ordered[1:] != ordered[:-1]]  # [positions] in sorted order: a pair's first
+    token_start = pair_start.copy()  # … a token's first (the previous token aside)
+    token_start[1:] &= (ordered[1:] - previous[order[1:]]) != (ordered[:-1] - previous[order[:-1]])
+    token_row = _groups(order, token_start)  # [positions] each one's (pattern, token) group
+    row = _groups(order, pair_start)  # [positions] each one's (pattern, previous token, token) group
+    firsts = order[token_start]  # [groups] a position of each (pattern, token), in their order
+    group_pattern, group_token = segment[firsts], tokens[firsts]  # [groups] each
+    # tokens (the sums of m in the positions' order: as the memory's own bincount adds them)
+    fitted = _shrunk(token_row, m, mean[group_pattern]) - mean[group_pattern]  # [groups]
     final = _most_important(counts.tokens[group_token] * fitted**2, group_pattern, MAX_TOKENS)  # [kept]
-    weights = np.zeros(len(groups))  # [groups] as the patterns have them: 0 where one lists none
+    weights = np.zeros(len(firsts))  # [groups] as the patterns have them: 0 where one lists none
     weights[final] = _significant(fitted[final])
-    # pairs: groups of (pattern, previous token, token), sorted so
-    codes, code_row = np.unique(pair_code(previous, tokens), return_inverse=True)  # [codes], [positions]
-    pairs, row = np.unique(segment * len(codes) + code_row, return_inverse=True)  # [pairs], [positions]
-    pair_pattern, pair_codes = pairs // max(len(codes), 1), codes[pairs % max(len(codes), 1)]  # [pairs]
-    alone = weights[np.searchsorted(groups, pair_pattern * width + pair_codes % 2**32)]  # [pairs]
+    # pairs
+    firsts = order[pair_start]  # [pairs] a position of each (pattern, previous token, token)
+    pair_pattern, pair_codes = segment[firsts], pair_code(previous[firsts], tokens[firsts])  # [pairs] each
+    alone = weights[token_row[firsts]]  # [pairs] their token's weight
     own = _shrunk(row, m, mean[pair_pattern] + alone) - mean[pair_pattern]  # [pairs]
-    chosen = _most_important(counts.of_pairs(pair_codes) * (own - alone) ** 2, pair_pattern, MAX_PAIRS)
+    importance = counts.of_pairs(pair_codes) * (own - alone) ** 2  # [pairs]
+    chosen = _most_important(importance, pair_pattern, MAX_PAIRS, tie=pair_codes)  # ties: by pair code
     return _patterns(
         signs,
         group_pattern[final],
@@ -177,14 +186,29 @@ def _shrunk(row: np.ndarray, m: np.ndarray, towards) -> np.ndarray:
     return (np.bincount(row, weights=m) + PRIOR * towards) / (np.bincount(row) + PRIOR)
 
 
-def _most_important(importance: np.ndarray, pattern: np.ndarray, most: int) -> np.ndarray:
+def _groups(order: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Each row's group (0, 1, …), the rows sorted by `order` and `starts` [rows] marking where each group
+    begins in that order, put back in the rows' own order."""
+    group = np.empty(len(order), np.int64)
+    group[order] = np.cumsum(starts) - 1
+    return group
+
+
+def _most_important(
+    importance: np.ndarray, pattern: np.ndarray, most: int, tie: np.ndarray | None = None
+) -> np.ndarray:
     """Per pattern (`pattern`: each row's, ascending), the rows of its `most` largest importances, largest
-    first (ties by row), that are above 0 and at least LEAST_IMPORTANCE of its largest: [kept], grouped by
-    pattern."""
-    order = np.lexsort((np.arange(len(importance)), -importance, pattern))  # [rows]
-    ordered = pattern[order]  # [rows]
-    first = np.searchsorted(ordered, ordered)  # [rows] where each row's pattern starts in the order
-    largest = importance[order[first]]  # [rows] its pattern's largest importance
-    rank = np.arange(len(order)) - first  # [rows]
-    keep = (rank < most) & (largest > 0) & (importance[order] >= LEAST_IMPORTANCE * largest)
-    return order[keep]
+    first (ties by `tie`, else by row), that are above 0 and at least LEAST_IMPORTANCE of its largest:
+    [kept], grouped by pattern. (Those below that share come after every one kept: left out before the
+    sort.)"""
+    if not len(importance):
+        return np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, pattern[1:] != pattern[:-1]])  # [present patterns]
+    largest = np.maximum.reduceat(importance, starts)  # [present patterns]
+    largest = np.repeat(largest, np.diff(np.r_[starts, len(pattern)]))  # [rows] its pattern's largest
+    candidates = np.flatnonzero((largest > 0) & (importance >= LEAST_IMPORTANCE * largest))  # [c]
+    ties = candidates if tie is None else tie[candidates]  # [c]
+    order = candidates[np.lexsort((ties, -importance[candidates], pattern[candidates]))]  # [c]
+    ordered = pattern[order]  # [c]
+    rank = np.arange(len(order)) - np.searchsorted(ordered, ordered)  # [c] within its pattern
+    return order[rank < most]
