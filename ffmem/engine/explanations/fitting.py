@@ -116,6 +116,8 @@ def fit_patterns(
     [patterns]. Each is fitted on its own positions alone, with the same sums in the same order."""
     lengths, signs = np.asarray(lengths, np.int64), np.asarray(signs, np.int64)  # [patterns] each
     tokens, previous = np.asarray(tokens, np.int64), np.asarray(previous, np.int64)  # [positions] each
+    if not lengths.sum():
+        return [Pattern(sign=sign) for sign in signs.tolist()]
     segment = np.repeat(np.arange(len(lengths)), lengths)  # [positions] each position's pattern
     m = signs[segment] * np.asarray(m, dtype=np.float64)  # [positions]
     # [patterns] each one's ndarray.mean, its positions summed pairwise (np.add.reduceat sums otherwise)
