@@ -26,6 +26,7 @@ MAX_TOKENS, MAX_PAIRS = 64, 16  # tokens and (previous token, token) pairs a pat
 PRIOR = 3.0  # shaded positions' worth of the memory's mean a weight is shrunk towards
 LEAST_IMPORTANCE = 0.01  # a token or pair kept matters at least this share of the first (count × weight²)
 START = -1  # the previous token of a sentence's first
+CHUNK = 2**15  # positions fitted together (their arrays stay in a cache)
 
 
 @dataclass
@@ -116,6 +117,27 @@ def fit_patterns(
     [patterns]. Each is fitted on its own positions alone, with the same sums in the same order."""
     lengths, signs = np.asarray(lengths, np.int64), np.asarray(signs, np.int64)  # [patterns] each
     tokens, previous = np.asarray(tokens, np.int64), np.asarray(previous, np.int64)  # [positions] each
+    m = np.asarray(m, dtype=np.float64)  # [positions]
+    ends = np.cumsum(lengths)  # [patterns]
+    cuts = [0, *np.flatnonzero(np.diff(ends // CHUNK)) + 1, len(lengths)]  # patterns a chunk each
+    found = []
+    for first, last in zip(cuts[:-1], cuts[1:], strict=True):
+        if first < last:
+            start, end = ends[first] - lengths[first], ends[last - 1]
+            chunk = (tokens[start:end], previous[start:end], m[start:end], lengths[first:last])
+            found += _fit_chunk(*chunk, signs[first:last], counts)
+    return found
+
+
+def _fit_chunk(
+    tokens: np.ndarray,
+    previous: np.ndarray,
+    m: np.ndarray,
+    lengths: np.ndarray,
+    signs: np.ndarray,
+    counts: CorpusCounts,
+) -> list[Pattern]:
+    """`fit_patterns` of patterns whose positions fit in a cache (its arrays as it takes them)."""
     if not lengths.sum():
         return [Pattern(sign=sign) for sign in signs.tolist()]
     segment = np.repeat(np.arange(len(lengths)), lengths)  # [positions] each position's pattern

@@ -94,7 +94,7 @@ def nearest_pools(
     fast = bf16_available()
     prepared = [Factor(f, block, fast) for f in factors]
     n = prepared[0].rows.shape[0]
-    pools = Pools(n, min(POOL, n - 1))
+    pools = Pools(n, min(max(POOL, 2 * k), n - 1))
     errors = np.stack([f.error() for f in prepared])  # [F, n] float32: each row's ε
     starts = range(0, n, block)
     # the diagonal blocks first: every pool fills on its own rows (cheaper than as a column of another's)
