@@ -10,6 +10,7 @@ import torch
 
 from ffmem.engine.relations import bf16_cosines
 from ffmem.engine.relations.bf16_cosines import OUT, SLACK, Factor, nearest_pools
+from ffmem.engine.relations.neighbours import nearest_on_device
 
 
 def _brute_force(factors: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,3 +72,12 @@ def test_the_bound_holds_for_every_pair_of_a_block():
     bound = torch.from_numpy(factor.error()).double()[:, None] + OUT * SLACK * approximate.abs()
     assert ((approximate - exact).abs() <= bound).all()
     assert (bound < 0.01).all() and (approximate - exact).abs().max() > 1e-4  # a bound, and a rounding
+
+
+def test_the_device_path_gives_the_same_neighbours():
+    """`nearest_on_device` (float32 blocks where the factors are: a GPU's path), run here on the CPU."""
+    factors = [torch.randn(300, 32, generator=torch.Generator().manual_seed(f)) for f in range(2)]
+    index, similarity = nearest_on_device(factors, k=7, block=64)
+    expected_index, expected = _brute_force([f.double().numpy() for f in factors], 7)
+    assert (index.numpy() == expected_index).all()
+    np.testing.assert_allclose(similarity.numpy(), expected, atol=1e-6)

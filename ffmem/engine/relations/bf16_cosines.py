@@ -169,6 +169,7 @@ def _fold(products, first_row, first_column, errors, values, ids, uppers, floor,
     upper = np.empty(columns, np.float32)  # [bj] ŝ
     size = np.empty(columns, np.float32)  # [bj] Π |c̃|
     reach = np.empty(columns, np.float32)  # [bj] Π (|c̃| + e)
+    staying = np.empty(columns, np.float32)  # [bj] ŝ of the row's pairs that stay out of its pool
     bits = np.empty(columns, np.uint32)
     widened = bits.view(np.float32)  # [bj] c̃
     out = np.float32(OUT * SLACK)
@@ -192,13 +193,16 @@ def _fold(products, first_row, first_column, errors, values, ids, uppers, floor,
         if diagonal:  # a row is not its own candidate
             similarity[r] = upper[r] = LOW
         start = floor[row]
-        high = outside[row]
         for c in range(columns):  # the row's pairs that stay out, before any enters
-            high = max(high, upper[c] if similarity[c] <= start else LOW)
-        outside[row] = high
+            staying[c] = upper[c] if similarity[c] <= start else LOW
+        outside[row] = max(outside[row], np.max(staying))  # (a buffer's max: vectorized, a running one not)
         for c in range(columns):
-            if similarity[c] > start:
-                _insert(values, ids, uppers, floor, outside, row, similarity[c], first_column + c, upper[c])
+            if similarity[c] > start:  # (against the pool's floor as it rises: few calls)
+                if similarity[c] > floor[row]:
+                    column = first_column + c
+                    _insert(values, ids, uppers, floor, outside, row, similarity[c], column, upper[c])
+                else:
+                    outside[row] = max(outside[row], upper[c])
         if diagonal:
             continue
         for c in range(columns):  # the same pairs as candidates of their columns' rows: those that stay out
