@@ -38,6 +38,7 @@ bench: install
 	$(PY) -m bench.load
 	$(PY) -m bench.analysis
 	$(PY) -m bench.weight_graph
+	$(PY) -m bench.relations
 	$(PY) -m bench.circuit
 	$(PY) -m bench.explanations
 	$(PY) -m bench.compare

@@ -27,7 +27,7 @@ from ffmem.engine.explanations.fitting import (
     START,
     CorpusCounts,
     dominant_sign,
-    fit_pattern,
+    fit_patterns,
     previous_tokens,
 )
 from ffmem.engine.explanations.protocol import (
@@ -181,6 +181,9 @@ class _RunInputs:
     fires_at: torch.Tensor  # [sides, layers, keys]: half the side's strongest sign · m (NaN: none)
     shallowness: dict[tuple[int, int], float | None]
     counts: CorpusCounts
+    tokens: np.ndarray  # [corpus tokens] int64: every sentence's tokens, one after another
+    previous: np.ndarray  # [corpus tokens] int64: each one's previous token (START at a sentence's first)
+    starts: np.ndarray  # [sentences + 1] int64: where each sentence begins in them (and their end)
 
     @classmethod
     def read(cls, sessions: sessionmaker, run_id: int, loaded: LoadedModel) -> _RunInputs:
@@ -218,7 +221,17 @@ class _RunInputs:
             fires_at,
             shallowness,
             CorpusCounts.of(sentences, len(texts)),
+            *_flat(sentences),
         )
+
+
+def _flat(sentences: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The corpus's tokens one after another, each one's previous token, each sentence's start ([n + 1])."""
+    ids = [np.asarray(s, dtype=np.int64) for s in sentences]
+    starts = np.cumsum([0] + [len(s) for s in ids])
+    if not starts[-1]:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), starts
+    return np.concatenate(ids), np.concatenate([previous_tokens(s) for s in ids]), starts
 
 
 def _describe_layers(
@@ -273,13 +286,26 @@ def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list
             for sign in POLARITIES
         }
     by_key = {sign: _by_key(found, n_keys) for sign, found in triggers.items()}
+    positions = [  # per key and side (POLARITIES): (tokens, previous tokens, coefficients)
+        by_side[sign]
+        for key in range(n_keys)
+        for by_side in [_fitting_positions(shaded.get(key), {s: by_key[s][key] for s in POLARITIES}, run)]
+        for sign in POLARITIES
+    ]
+    patterns = iter(
+        fit_patterns(
+            *(np.concatenate([p[part] for p in positions]) for part in range(3)),
+            [len(p[2]) for p in positions],
+            [sign for _ in range(n_keys) for sign in POLARITIES],
+            run.counts,
+        )
+    )
     evidence = []
     for key in range(n_keys):
         found = {s: by_key[s][key] for s in POLARITIES}
         shallow = run.shallowness.get((layer, key))
-        positions = _fitting_positions(shaded.get(key), found, run.sentences)
         for sign in POLARITIES:
-            pattern = fit_pattern(*positions[sign], sign, run.counts)
+            pattern = next(patterns)
             values = written[sign][key].tolist() if key < len(written[sign]) else []
             prefixes = [  # what a prompt shows: the ends of the strongest trigger prefixes
                 run.sentences[s][max(p + 1 - PROMPT_TOKENS, 0) : p + 1]
@@ -340,12 +366,13 @@ def _by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
 
 
 def _fitting_positions(
-    stored: StoredExamples | None, triggers: dict[int, list], sentences: list[list[int]]
+    stored: StoredExamples | None, triggers: dict[int, list], run: _RunInputs
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per side (POLARITIES), (tokens, previous tokens, coefficients) of the mined positions its pattern is
     fitted on (its own records): every mined token of the shaded sentences of its first triggers of that
     sign and of its band samples (each sentence once), or — for a run stored before the shading — its top
     triggers of that sign alone. The stored shading is decoded once for both."""
+    sentences = run.sentences
     if stored is None:
         found = {}
         for side in POLARITIES:
@@ -364,22 +391,24 @@ def _fitting_positions(
         1: list(zip(positive, arrays[: len(positive)], strict=True)) + backdrop,
         -1: list(zip(negative, arrays[len(positive) : shown], strict=True)) + backdrop,
     }
-    return {side: _positions(chosen, sentences) for side, chosen in own.items()}
+    return {side: _positions(chosen, run) for side, chosen in own.items()}
 
 
-def _positions(chosen: list, sentences: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _positions(chosen: list, run: _RunInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, previous tokens, coefficients) of the mined positions of (sentence, shading) pairs, each
     sentence once."""
-    tokens, previous, m, seen = [], [], [], set()
+    sentences, arrays, seen = [], [], set()
     for sentence, values in chosen:
-        if sentence in seen:
-            continue
-        seen.add(sentence)
-        ids = np.asarray(sentences[sentence], dtype=np.int64)
-        mined = ~np.isnan(values)  # [len]
-        tokens.append(ids[mined])
-        previous.append(previous_tokens(ids)[mined])
-        m.append(values[mined].astype(np.float64))
-    if not m:
+        if sentence not in seen:
+            seen.add(sentence)
+            sentences.append(sentence)
+            arrays.append(values)
+    if not sentences:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-    return np.concatenate(tokens), np.concatenate(previous), np.concatenate(m)
+    values = np.concatenate(arrays)  # [positions] the sentences' shading, one after another
+    starts = run.starts[sentences]  # [sentences] where each begins in the corpus's tokens
+    lengths = run.starts[np.asarray(sentences) + 1] - starts  # [sentences]
+    index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(len(values))  # [positions]
+    mined = ~np.isnan(values)  # [positions]
+    index = index[mined]
+    return run.tokens[index], run.previous[index], values[mined].astype(np.float64)

@@ -10,6 +10,7 @@ measured it. The numbers stay in the pattern's table, which the key page shows b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class Description:
     pattern: Pattern
 
 
+@functools.lru_cache(maxsize=2**16)
 def quoted(text: str) -> str:
     """A token as the description names it: in quotes, made visible as on every page (↵, ⇥, ⟨U+200B⟩,
     ∅; ffmem.engine.values.token_display) but for its spaces, which the quotes show."""
@@ -43,9 +45,9 @@ def describe(
     """One side's description: its pattern, the tokens its value writes on that side (strongest first) and
     the memory's shallowness (or None); `texts` names every token id (as the pages do: a byte-level token
     as its bytes, ⟨0x80⟩)."""
-    weighed = sorted(zip(pattern.weights, pattern.final, strict=True), key=lambda item: (-item[0], item[1]))
-    raise_ = [token for weight, token in weighed if weight > 0][:SHOWN_RAISE]
-    lower = [token for weight, token in weighed[::-1] if weight < 0][:SHOWN_LOWER]
+    weighed = sorted((-weight, token) for weight, token in zip(pattern.weights, pattern.final, strict=True))
+    raise_ = [token for minus, token in weighed if minus < 0][:SHOWN_RAISE]  # the largest weight first
+    lower = [token for minus, token in weighed[::-1] if minus > 0][:SHOWN_LOWER]
     pairs = sorted(
         ((w, pair) for w, pair in zip(pattern.pair_weights, pattern.pairs, strict=True) if w > 0),
         key=lambda item: (-item[0], item[1]),
@@ -61,7 +63,7 @@ def describe(
         return f"{quoted(texts[token])} after {'the start' if before == START else quoted(texts[before])}"
 
     shown = [named(token) for token in raise_]
-    shown += [named(token) for _, (_, token) in pairs if token not in raise_][:SHOWN_PAIRS]
+    shown += [named(token) for token in [t for _, (_, t) in pairs if t not in raise_][:SHOWN_PAIRS]]
     side = "fires on" if pattern.sign > 0 else "goes negative on"
     sentence = f"{side.capitalize()} {listed(shown)}" if shown else "No token sets it apart in its records"
     if shown and lower:

@@ -26,6 +26,7 @@ MAX_TOKENS, MAX_PAIRS = 64, 16  # tokens and (previous token, token) pairs a pat
 PRIOR = 3.0  # shaded positions' worth of the memory's mean a weight is shrunk towards
 LEAST_IMPORTANCE = 0.01  # a token or pair kept matters at least this share of the first (count × weight²)
 START = -1  # the previous token of a sentence's first
+CHUNK = 2**15  # positions fitted together (their arrays stay in a cache)
 
 
 @dataclass
@@ -90,8 +91,9 @@ def dominant_sign(largest: float | None, smallest: float | None) -> int:
     return -1 if smallest is not None and -smallest > (largest if largest is not None else 0.0) else 1
 
 
-def _significant(value: float) -> float:
-    return float(f"{value:.3g}")
+def _significant(values: np.ndarray) -> np.ndarray:
+    """Each value to 3 significant digits (as a person reads it: decimal rounding of the float)."""
+    return np.array([float(f"{value:.3g}") for value in values.tolist()], dtype=np.float64)
 
 
 def fit_pattern(
@@ -99,26 +101,107 @@ def fit_pattern(
 ) -> Pattern:
     """The pattern fitted on some mined positions of a memory: their tokens, previous tokens (START at a
     sentence's start) and coefficients ([positions] each), with the memory's sign and the corpus's counts."""
-    if not len(m):
-        return Pattern(sign=sign)
-    m = sign * np.asarray(m, dtype=np.float64)  # [positions]
-    mean = m.mean()
-    distinct, row = np.unique(np.asarray(tokens, np.int64), return_inverse=True)  # [tokens], [positions]
-    fitted = _shrunk(row, m, mean) - mean  # [tokens]
-    final = _most_important(counts.tokens[distinct] * fitted**2, MAX_TOKENS)
-    weights = np.zeros(len(distinct))  # [tokens] as the pattern has them: 0 where it lists none
-    weights[final] = [_significant(w) for w in fitted[final]]
-    codes, row = np.unique(pair_code(np.asarray(previous, np.int64), distinct[row]), return_inverse=True)
-    alone = weights[np.searchsorted(distinct, codes % 2**32)]  # [pairs] their token's weight
-    own = _shrunk(row, m, mean + alone) - mean  # [pairs]
-    pairs = _most_important(counts.of_pairs(codes) * (own - alone) ** 2, MAX_PAIRS)
-    return Pattern(
-        sign=sign,
-        final=distinct[final].tolist(),
-        weights=weights[final].tolist(),
-        pairs=[[int(c // 2**32) - 1, int(c % 2**32)] for c in codes[pairs]],
-        pair_weights=[_significant(w) for w in own[pairs]],
+    return fit_patterns(tokens, previous, m, [len(m)], [sign], counts)[0]
+
+
+def fit_patterns(
+    tokens: np.ndarray,
+    previous: np.ndarray,
+    m: np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    signs: Sequence[int] | np.ndarray,
+    counts: CorpusCounts,
+) -> list[Pattern]:
+    """`fit_pattern` of many memories (or sides) at once: their positions one after another in tokens,
+    previous tokens and coefficients ([positions] each), `lengths` [patterns] positions each, `signs`
+    [patterns]. Each is fitted on its own positions alone, with the same sums in the same order."""
+    lengths, signs = np.asarray(lengths, np.int64), np.asarray(signs, np.int64)  # [patterns] each
+    tokens, previous = np.asarray(tokens, np.int64), np.asarray(previous, np.int64)  # [positions] each
+    m = np.asarray(m, dtype=np.float64)  # [positions]
+    ends = np.cumsum(lengths)  # [patterns]
+    cuts = [0, *np.flatnonzero(np.diff(ends // CHUNK)) + 1, len(lengths)]  # patterns a chunk each
+    found = []
+    for first, last in zip(cuts[:-1], cuts[1:], strict=True):
+        if first < last:
+            start, end = ends[first] - lengths[first], ends[last - 1]
+            chunk = (tokens[start:end], previous[start:end], m[start:end], lengths[first:last])
+            found += _fit_chunk(*chunk, signs[first:last], counts)
+    return found
+
+
+def _fit_chunk(
+    tokens: np.ndarray,
+    previous: np.ndarray,
+    m: np.ndarray,
+    lengths: np.ndarray,
+    signs: np.ndarray,
+    counts: CorpusCounts,
+) -> list[Pattern]:
+    """`fit_patterns` of patterns whose positions fit in a cache (its arrays as it takes them)."""
+    if not lengths.sum():
+        return [Pattern(sign=sign) for sign in signs.tolist()]
+    segment = np.repeat(np.arange(len(lengths)), lengths)  # [positions] each position's pattern
+    m = signs[segment] * np.asarray(m, dtype=np.float64)  # [positions]
+    # [patterns] each one's ndarray.mean, its positions summed pairwise (np.add.reduceat sums otherwise)
+    ends = np.cumsum(lengths).tolist()
+    mean = np.array(
+        [m[end - n : end].mean() if n else 0.0 for end, n in zip(ends, lengths.tolist(), strict=True)]
     )
+    # one sort by (pattern, token, previous token): each token's and each pair's positions run together
+    width = max(len(counts.tokens), int(tokens.max(initial=0)) + 1)
+    key = (segment * width + tokens) * (width + 1) + previous + 1  # [positions]
+    order = np.argsort(key)  # [positions] (any order of equal keys: the sums are taken in the positions')
+    ordered = key[order]  # [positions]
+    pair_start = np.r_[True, ordered[1:] != ordered[:-1]]  # [positions] in sorted order: a pair's first
+    token_start = pair_start.copy()  # … a token's first (the previous token aside)
+    token_start[1:] &= (ordered[1:] - previous[order[1:]]) != (ordered[:-1] - previous[order[:-1]])
+    token_row = _groups(order, token_start)  # [positions] each one's (pattern, token) group
+    row = _groups(order, pair_start)  # [positions] each one's (pattern, previous token, token) group
+    firsts = order[token_start]  # [groups] a position of each (pattern, token), in their order
+    group_pattern, group_token = segment[firsts], tokens[firsts]  # [groups] each
+    # tokens (the sums of m in the positions' order: as the memory's own bincount adds them)
+    fitted = _shrunk(token_row, m, mean[group_pattern]) - mean[group_pattern]  # [groups]
+    final = _most_important(counts.tokens[group_token] * fitted**2, group_pattern, MAX_TOKENS)  # [kept]
+    weights = np.zeros(len(firsts))  # [groups] as the patterns have them: 0 where one lists none
+    weights[final] = _significant(fitted[final])
+    # pairs
+    firsts = order[pair_start]  # [pairs] a position of each (pattern, previous token, token)
+    pair_pattern, pair_codes = segment[firsts], pair_code(previous[firsts], tokens[firsts])  # [pairs] each
+    alone = weights[token_row[firsts]]  # [pairs] their token's weight
+    own = _shrunk(row, m, mean[pair_pattern] + alone) - mean[pair_pattern]  # [pairs]
+    importance = counts.of_pairs(pair_codes) * (own - alone) ** 2  # [pairs]
+    chosen = _most_important(importance, pair_pattern, MAX_PAIRS, tie=pair_codes)  # ties: by pair code
+    return _patterns(
+        signs,
+        group_pattern[final],
+        group_token[final],
+        weights[final],
+        pair_pattern[chosen],
+        pair_codes[chosen],
+        _significant(own[chosen]),
+        lengths,
+    )
+
+
+def _patterns(signs, token_pattern, token, weight, pair_pattern, pair, pair_weight, lengths) -> list[Pattern]:
+    """The patterns from their kept tokens and pairs (each [kept], grouped by pattern, in order)."""
+    token_ends = np.searchsorted(token_pattern, np.arange(len(signs)), side="right").tolist()
+    pair_ends = np.searchsorted(pair_pattern, np.arange(len(signs)), side="right").tolist()
+    token, weight, pair_weight = token.tolist(), weight.tolist(), pair_weight.tolist()
+    pair = np.stack([pair // 2**32 - 1, pair % 2**32], axis=1).tolist()  # [kept, 2]
+    found, token_start, pair_start = [], 0, 0
+    for sign, token_end, pair_end in zip(signs.tolist(), token_ends, pair_ends, strict=True):
+        found.append(
+            Pattern(
+                sign=sign,
+                final=token[token_start:token_end],
+                weights=weight[token_start:token_end],
+                pairs=pair[pair_start:pair_end],
+                pair_weights=pair_weight[pair_start:pair_end],
+            )
+        )
+        token_start, pair_start = token_end, pair_end
+    return found
 
 
 def _shrunk(row: np.ndarray, m: np.ndarray, towards) -> np.ndarray:
@@ -127,10 +210,29 @@ def _shrunk(row: np.ndarray, m: np.ndarray, towards) -> np.ndarray:
     return (np.bincount(row, weights=m) + PRIOR * towards) / (np.bincount(row) + PRIOR)
 
 
-def _most_important(importance: np.ndarray, most: int) -> np.ndarray:
-    """The rows of the `most` largest importances, largest first (ties by row), that are above 0 and at
-    least LEAST_IMPORTANCE of the largest."""
-    order = np.argsort(-importance, kind="stable")[:most]
-    if not len(order) or importance[order[0]] <= 0:
-        return order[:0]
-    return order[importance[order] >= LEAST_IMPORTANCE * importance[order[0]]]
+def _groups(order: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Each row's group (0, 1, …), the rows sorted by `order` and `starts` [rows] marking where each group
+    begins in that order, put back in the rows' own order."""
+    group = np.empty(len(order), np.int64)
+    group[order] = np.cumsum(starts) - 1
+    return group
+
+
+def _most_important(
+    importance: np.ndarray, pattern: np.ndarray, most: int, tie: np.ndarray | None = None
+) -> np.ndarray:
+    """Per pattern (`pattern`: each row's, ascending), the rows of its `most` largest importances, largest
+    first (ties by `tie`, else by row), that are above 0 and at least LEAST_IMPORTANCE of its largest:
+    [kept], grouped by pattern. (Those below that share come after every one kept: left out before the
+    sort.)"""
+    if not len(importance):
+        return np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, pattern[1:] != pattern[:-1]])  # [present patterns]
+    largest = np.maximum.reduceat(importance, starts)  # [present patterns]
+    largest = np.repeat(largest, np.diff(np.r_[starts, len(pattern)]))  # [rows] its pattern's largest
+    candidates = np.flatnonzero((largest > 0) & (importance >= LEAST_IMPORTANCE * largest))  # [c]
+    ties = candidates if tie is None else tie[candidates]  # [c]
+    order = candidates[np.lexsort((ties, -importance[candidates], pattern[candidates]))]  # [c]
+    ordered = pattern[order]  # [c]
+    rank = np.arange(len(order)) - np.searchsorted(ordered, ordered)  # [c] within its pattern
+    return order[rank < most]

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.relations.bf16_cosines import nearest_pools
 
 NEIGHBOURS = 10  # per memory and kind
 BASELINE_PAIRS = 20_000  # random pairs per layer and kind for the baseline (200 above its p99)
@@ -153,7 +154,22 @@ def nearest(
     """Each row's `k` most similar other rows, similarity(i, j) = Π_f cos(f[i], f[j]) over the factors
     (one factor: the cosine): (indices [n, k] int64, similarities [n, k] float32, on the CPU), the
     highest first. A zero row has similarity 0 with every row. `report(done, total)` after each block
-    pair."""
+    pair. On a CPU, bf16 products with a rigorous bound and the candidates rescored exactly
+    (ffmem.engine.relations.bf16_cosines); on another device, float32 products there (`nearest_on_device`)."""
+    k = min(k, factors[0].shape[0] - 1)
+    if factors[0].device.type == "cpu":
+        return nearest_pools(factors, k, block, report)
+    return nearest_on_device(factors, k, block, report)
+
+
+def nearest_on_device(
+    factors: Sequence[torch.Tensor],
+    k: int = NEIGHBOURS,
+    block: int = 4096,
+    report: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nearest` in float32 products on the factors' device: each block pair once, its block rows' and
+    (transposed) columns' running top k merged as it goes."""
     # Each factor stays in its dtype; a block's rows are normalized in float32 as the block is read (no
     # float32 copy of every row: 2 GiB at Llama-3.2-1B's 131,072 memories for a gated key's two factors).
     n = factors[0].shape[0]
