@@ -146,7 +146,8 @@ def layer_extremes(
 ) -> Iterator[tuple[int, torch.Tensor, Extremes]]:
     """(first key, logits [chunk, vocab] float32, Extremes) for the layer's values a chunk at a time: the
     logits in the module docstring's arithmetic, the top (+1) and bottom (−1) n tokens exactly the
-    float32 readout's, extreme first, and each value's log Z."""
+    float32 readout's, extreme first, and each value's log Z. In bf16, a chunk's logits are valid until
+    the next chunk is asked for (their memory is reused)."""
     if not uses_bf16(loaded, arithmetic):
         for start, logits in layer_logits(loaded, layer, readout, chunk):
             found = {d: logits.topk(n, dim=-1, largest=d == 1) for d in (1, -1)}  # [chunk, n] each
@@ -155,10 +156,11 @@ def layer_extremes(
         return
     table = Unembedding.of(loaded, bias=readout != "raw")
     values = loaded.adapter.value_matrix(loaded.adapter.blocks(loaded.model)[layer])  # [keys, d]
+    into = table.buffers(min(chunk, values.shape[0]))  # each chunk's logits, in memory reused
     with torch.inference_mode():
         for start in range(0, values.shape[0], chunk):
             read = readout_input(loaded, values[start : start + chunk], readout)  # [chunk, d]
-            part = Bf16Logits.of(table, read)
+            part = Bf16Logits.of(table, read, into)
             yield start, part.logits, extreme_tokens(table, part, n)  # exact extremes, log Z
 
 
