@@ -328,10 +328,12 @@ def _scan(x, a, b, token_norm, token_rounding, token_slack, n, sign, ids):
 
 @numba.njit(nogil=True, inline="always")
 def _dot(read, weight, bias, row, t):
-    """The exact logit: float32 products summed in float64, plus the bias."""
+    """The exact logit: float32 products summed in float64, plus the bias (rows read as one-dimensional
+    slices: what LLVM vectorizes)."""
+    a, e = read[row], weight[t]
     total = 0.0
-    for i in range(read.shape[1]):
-        total += np.float64(read[row, i]) * np.float64(weight[t, i])
+    for i in range(a.shape[0]):
+        total += np.float64(a[i]) * np.float64(e[i])
     return total + bias[t]
 
 
