@@ -25,8 +25,8 @@ What is read from L̃ itself, with its tolerance, is said where it is used (ffme
 
 from __future__ import annotations
 
-import weakref
 import threading
+import weakref
 from dataclasses import dataclass, field, replace
 
 import numba
@@ -299,7 +299,9 @@ def _candidates(logits, rounding, norm, token_norm, token_rounding, token_slack,
                             _insert(kept, sign * x[t] - beta)
                         seen += 1
             if seen > SUPERSET:  # too many to hold: the row token by token
-                counts[row, slot] = _scan(x, a, b, token_norm, token_rounding, token_slack, n, sign, ids[row, slot])
+                counts[row, slot] = _scan(
+                    x, a, b, token_norm, token_rounding, token_slack, n, sign, ids[row, slot]
+                )
                 continue
             limit, taken = kept[n - 1], 0
             for j in range(seen):

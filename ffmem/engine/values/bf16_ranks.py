@@ -33,12 +33,16 @@ def bf16_target_ranks(table: Unembedding, chunk: Bf16Logits, targets: torch.Tens
         raise ValueError(f"{targets.shape[0]} targets for {chunk.logits.shape[0]} values")
     ranks = np.full(chunk.logits.shape[0], -1, np.int64)  # [c]
     targets = np.ascontiguousarray(targets.numpy().astype(np.int64))  # [c]
-    _ranks(*chunk._arguments(table), chunk.read.numpy(), table.weight.numpy(), table.bias.numpy(), targets, ranks)
+    _ranks(
+        *chunk._arguments(table), chunk.read.numpy(), table.weight.numpy(), table.bias.numpy(), targets, ranks
+    )
     return torch.from_numpy(ranks)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=EXACT_MATH)
-def _ranks(logits, rounding, norm, token_norm, token_rounding, token_slack, read, weight, bias, targets, ranks):
+def _ranks(
+    logits, rounding, norm, token_norm, token_rounding, token_slack, read, weight, bias, targets, ranks
+):
     """ranks[row] = #{t : L_t > L_target} for each row with a target ≥ 0. A vector pass a row counts the
     tokens surely above and flags those within their bound of the target's exact logit; then a block of
     tokens at a time (their embedding rows stay in the cache while the chunk's rows pass), the flagged

@@ -259,7 +259,9 @@ def target_ranks(
                 [
                     bf16_target_ranks(
                         table,
-                        Bf16Logits.of(table, readout_input(loaded, values[start : start + chunk], readout), into),
+                        Bf16Logits.of(
+                            table, readout_input(loaded, values[start : start + chunk], readout), into
+                        ),
                         targets[start : start + chunk].cpu(),
                     )
                     for start in range(0, values.shape[0], chunk)

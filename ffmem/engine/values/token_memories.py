@@ -92,7 +92,7 @@ def _keep_best(
         begin, end = block * width, min(block * width + width, vocab)
         flags = np.zeros(width, np.uint8)  # [width]: 1 where the row's logit beats a floor
         words = flags.view(np.uint64)  # eight flags a word: a word of zeros is skipped at once
-        # the block's slices, read in one-dimensional loops: what LLVM vectorizes (2-D indexing: ten times slower)
+        # the block's slices, read in one-dimensional loops: what LLVM vectorizes (2-D indexing: 10× slower)
         promote, suppress = floor[0, begin:end], floor[1, begin:end]
         promote_p, suppress_p = floor[2, begin:end], floor[3, begin:end]
         for row in range(chunk):
@@ -102,7 +102,10 @@ def _keep_best(
                 logit = part[j]
                 log_p = logit - z
                 flags[j] = (
-                    (logit > promote[j]) | (logit < suppress[j]) | (log_p > promote_p[j]) | (log_p < suppress_p[j])
+                    (logit > promote[j])
+                    | (logit < suppress[j])
+                    | (log_p > promote_p[j])
+                    | (log_p < suppress_p[j])
                 )
             for word in range((end - begin + 7) // 8):
                 if words[word]:

@@ -22,7 +22,14 @@ LN2_LO = np.float32(-2.12194440e-4)
 EXP_FLOOR = np.float32(-87.0)  # e^-87 ≈ 1.6e-38, the smallest power of two a float32 holds normally
 EXP_POLYNOMIAL = tuple(  # Cephes expf: e^r ≈ 1 + r + r²·P(r)
     np.float32(c)
-    for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.50000001201)
+    for c in (
+        1.9875691500e-4,
+        1.3981999507e-3,
+        8.3334519073e-3,
+        4.1665795894e-2,
+        1.6666665459e-1,
+        0.50000001201,
+    )
 )
 
 
