@@ -20,6 +20,12 @@ leaves ~2n candidates per value at SmolLM2's shape (n = 30: 55–170), which are
   {t : L̃_t + β_t ≥ λ} hold the true top n (each has L_t ≥ λ), rescored in float32 products summed in
   float64; a value with more candidates than `capacity` is recomputed whole in float32.
 
+**Speed** (one thread does in a pass over a chunk what a matrix product does in a few cycles): the product
+is widened into buffers reused chunk after chunk (`Bf16Buffers`, in huge pages); the candidates take one
+vectorized pass for each segment's extremes and the row's Σ e^L̃ (ffmem.engine.values.vector_math), then
+read token by token only the segments that can hold one (`_candidates`); rows are read as
+one-dimensional slices, the form LLVM vectorizes.
+
 What is read from L̃ itself, with its tolerance, is said where it is used (ffmem.engine.values.projection).
 """
 
