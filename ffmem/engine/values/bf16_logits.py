@@ -39,6 +39,7 @@ import numba
 import numpy as np
 import torch
 
+from ffmem.engine.allocator import large_empty
 from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.loaded import LoadedModel
 from ffmem.engine.values.vector_math import as_float32, exp_sum
@@ -124,19 +125,11 @@ _PREPARED: weakref.WeakKeyDictionary[torch.nn.Module, Unembedding] = weakref.Wea
 
 class Bf16Buffers:
     """The memory a run of chunks reuses: the bf16 product and its logits, [rows, vocab] each (a fresh
-    [512, 49,152] float32 is a hundred megabytes of page faults a chunk)."""
+    [512, 49,152] float32 is a hundred megabytes of page faults a chunk), in huge pages."""
 
     def __init__(self, rows: int, vocab: int):
         self.product = large_empty((rows, vocab), torch.bfloat16)  # [rows, vocab]
         self.logits = large_empty((rows, vocab), torch.float32)  # [rows, vocab]
-
-
-def large_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor in numpy's memory, which asks the kernel for huge pages (torch's does
-    not): a pass over [512, 49,152] logits, or a gather of the embedding's rows, then misses the TLB a
-    2 MiB page at a time instead of every 4 KiB, several times faster in a virtual machine."""
-    width = torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.empty(shape, dtype=f"u{width}")).view(dtype)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)

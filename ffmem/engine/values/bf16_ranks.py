@@ -8,8 +8,7 @@ not count). Per value, L_τ is computed exactly, then each token is read from th
 its bound β_t ≥ |L̃_t − L_t|:
 
 - L̃_t − β_t > L_τ: above (L_t ≥ L̃_t − β_t);   L̃_t + β_t ≤ L_τ: not above;
-- otherwise (|L̃_t − L_τ| within β_t: ~5% of SmolLM2's vocabulary in its bulk): L_t in float32 with its
-  own bound, and exactly where that bound does not decide either (a few tokens).
+- otherwise (|L̃_t − L_τ| within β_t: ~5% of SmolLM2's vocabulary in its bulk): L_t computed exactly.
 
 So the rank is the exact one, not a bf16 estimate. A float32 product (`value_logits`) rounds each logit
 by up to ~d·2⁻²⁴·Σ|a_i·e_i|: its rank differs from this one only by tokens whose float32 logit lies
@@ -22,7 +21,7 @@ import numba
 import numpy as np
 import torch
 
-from ffmem.engine.values.bf16_logits import EXACT_MATH, SLACK, Bf16Logits, Unembedding, _bound, _dot
+from ffmem.engine.values.bf16_logits import EXACT_MATH, Bf16Logits, Unembedding, _bound, _dot
 
 RANK_BLOCK = 256  # tokens whose embedding rows (0.6 MB at SmolLM2) the exact pass keeps in the cache
 
@@ -47,8 +46,7 @@ def _ranks(
     """ranks[row] = #{t : L_t > L_target} for each row with a target ≥ 0. A vector pass a row counts the
     tokens surely above and flags those within their bound of the target's exact logit; then a block of
     tokens at a time (their embedding rows stay in the cache while the chunk's rows pass), the flagged
-    ones are computed in float32 (a sum of d products in any order is within γ_d·Σ|a_i·e_i| ≤ γ_d·‖a‖·‖e_t‖
-    of the exact one, ~70 times inside β), and exactly only where that does not decide."""
+    ones are computed exactly."""
     rows, vocab = logits.shape
     own = np.zeros(rows)  # [c]: each row's target logit, exact
     flags = np.zeros((rows, (vocab + 7) // 8 * 8), np.uint8)  # [c, vocab]: 1 within the bound of `own`
@@ -65,8 +63,6 @@ def _ranks(
             above += x[t] - beta > theirs
             flagged[t] = (x[t] - beta <= theirs) & (x[t] + beta > theirs) & (t != target)
         ranks[row] = above
-    d = read.shape[1]
-    gamma = (d + 2) * 2.0**-24 / (1 - (d + 2) * 2.0**-24) * SLACK  # a float32 sum of d products, any order
     blocks = (vocab + RANK_BLOCK - 1) // RANK_BLOCK
     found = np.zeros((blocks, rows), np.int64)  # [blocks, c]: flagged tokens above, per block
     for block in numba.prange(blocks):
@@ -78,22 +74,7 @@ def _ranks(
                 if packed:
                     for t in range(block * RANK_BLOCK + 8 * word, block * RANK_BLOCK + 8 * word + 8):
                         if flags[row, t]:
-                            coarse = np.float64(_dot32(read, weight, row, t)) + bias[t]
-                            error = gamma * (norm[row] + rounding[row]) * token_norm[t]  # ≥ γ_d·‖a‖·‖e_t‖
-                            if coarse - error > own[row]:
-                                found[block, row] += 1
-                            elif coarse + error > own[row]:
-                                found[block, row] += _dot(read, weight, bias, row, t) > own[row]
+                            found[block, row] += _dot(read, weight, bias, row, t) > own[row]
     for row in range(rows):
         if targets[row] >= 0:
             ranks[row] += found[:, row].sum()
-
-
-@numba.njit(nogil=True, inline="always")
-def _dot32(read, weight, row, t):
-    """a·e_t in float32, summed in whatever order the caller's fastmath vectorizes."""
-    a, e = read[row], weight[t]
-    total = np.float32(0.0)
-    for i in range(a.shape[0]):
-        total += a[i] * e[i]
-    return total
