@@ -24,6 +24,7 @@ from ffmem.engine.mining.corpus import mined_from
 from ffmem.engine.mining.sentence_coefficients import sentence_coefficients
 from ffmem.engine.mining.state import MiningState
 from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.bf16_logits import Unembedding
 from ffmem.engine.values.projection import target_ranks
 from ffmem.store import jobs, key_examples, memory_writes, runs, shards
 from ffmem.store.models import Job
@@ -121,6 +122,7 @@ def store_layers(run: Finishing) -> None:
                 )
                 run.lease.check(session)
                 session.commit()
+        Unembedding.forget(loaded)  # the ranks' bf16 copy of the output embedding and its buffers, if made
         with run.timed("storing"):
             store_sentence_triggers(session, run)
             run.lease.check(session)

@@ -20,26 +20,37 @@ leaves ~2n candidates per value at SmolLM2's shape (n = 30: 55–170), which are
   {t : L̃_t + β_t ≥ λ} hold the true top n (each has L_t ≥ λ), rescored in float32 products summed in
   float64; a value with more candidates than `capacity` is recomputed whole in float32.
 
+**Speed** (one thread does in a pass over a chunk what a matrix product does in a few cycles): the product
+is widened into buffers reused chunk after chunk (`Bf16Buffers`, in huge pages); the candidates take one
+vectorized pass for each segment's extremes and the row's Σ e^L̃ (ffmem.engine.values.vector_math), then
+read token by token only the segments that can hold one (`_candidates`); rows are read as
+one-dimensional slices, the form LLVM vectorizes.
+
 What is read from L̃ itself, with its tolerance, is said where it is used (ffmem.engine.values.projection).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numba
 import numpy as np
 import torch
 
+from ffmem.engine.allocator import large_empty
 from ffmem.engine.model.adapters.base import resolve
 from ffmem.engine.model.loaded import LoadedModel
+from ffmem.engine.values.vector_math import as_float32, exp_sum
 
 ROUNDING = 2.0**-8  # bfloat16's unit roundoff (8 significant bits, to nearest)
 OUT = ROUNDING / (1 - ROUNDING) + 2.0**-22  # the bf16 result's rounding, plus a float32 bias add
 SLACK = 1 + 2.0**-10  # on every norm and on β: their own float32 rounding
 MIN_SIZE = 2**22  # vocab × d from which the bf16 product pays (below, float32: tiny models stay exact)
 CAPACITY = 512  # candidates kept per value and direction before it is recomputed whole
+SEGMENT = 32  # tokens whose extremes the candidates' first pass keeps (`_candidates`)
+SUPERSET = 4 * CAPACITY  # the candidates' superset held per value and direction before a slow read
 
 
 def bf16_available() -> bool:
@@ -59,6 +70,7 @@ class Unembedding:
     norm: torch.Tensor  # [vocab] float32
     rounding: torch.Tensor  # [vocab] float32
     bias_slack: torch.Tensor  # [vocab] float32
+    reused: dict = field(default_factory=dict, compare=False)  # (thread, rows) → Bf16Buffers
 
     @classmethod
     def of(cls, loaded: LoadedModel, bias: bool = True) -> Unembedding:
@@ -76,6 +88,14 @@ class Unembedding:
         is done."""
         _PREPARED.pop(resolve(loaded.model, loaded.adapter.unembedding), None)
 
+    def buffers(self, rows: int) -> Bf16Buffers:
+        """The calling thread's buffers for chunks of up to `rows` values, kept with the prepared copy
+        (so with and without its bias) until it is forgotten."""
+        key = (threading.get_ident(), rows)
+        if key not in self.reused:
+            self.reused[key] = Bf16Buffers(rows, self.weight.shape[0])
+        return self.reused[key]
+
     def without_bias(self) -> Unembedding:
         zeros = torch.zeros_like(self.bias)  # [vocab]
         return replace(self, bias=zeros, bias_slack=zeros + 1e-30)
@@ -83,8 +103,8 @@ class Unembedding:
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Unembedding:
         with torch.inference_mode():
-            weight = weight.detach().float().contiguous()  # [vocab, d]
-            weight_bf16 = weight.bfloat16()  # [vocab, d]
+            weight = large_empty(weight.shape, torch.float32).copy_(weight.detach())  # [vocab, d]
+            weight_bf16 = large_empty(weight.shape, torch.bfloat16).copy_(weight)  # [vocab, d]
             d = weight.shape[1]
             gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
             rounded = weight_bf16.float()  # [vocab, d]
@@ -103,6 +123,23 @@ class Unembedding:
 _PREPARED: weakref.WeakKeyDictionary[torch.nn.Module, Unembedding] = weakref.WeakKeyDictionary()
 
 
+class Bf16Buffers:
+    """The memory a run of chunks reuses: the bf16 product and its logits, [rows, vocab] each (a fresh
+    [512, 49,152] float32 is a hundred megabytes of page faults a chunk), in huge pages."""
+
+    def __init__(self, rows: int, vocab: int):
+        self.product = large_empty((rows, vocab), torch.bfloat16)  # [rows, vocab]
+        self.logits = large_empty((rows, vocab), torch.float32)  # [rows, vocab]
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _widen(product, bias, logits):
+    """logits = float32(product) + bias: product [c, vocab] as the bf16 bits (uint16), bias [vocab]."""
+    for row in numba.prange(product.shape[0]):
+        for t in range(product.shape[1]):
+            logits[row, t] = as_float32(np.int32(product[row, t]) << np.int32(16)) + bias[t]
+
+
 @dataclass
 class Bf16Logits:
     """One chunk's bf16 logits and what their bound needs: read [c, d] float32 (the exact inputs), logits
@@ -114,12 +151,14 @@ class Bf16Logits:
     norm: torch.Tensor  # [c] float32
 
     @classmethod
-    def of(cls, table: Unembedding, read: torch.Tensor) -> Bf16Logits:
+    def of(cls, table: Unembedding, read: torch.Tensor, into: Bf16Buffers | None = None) -> Bf16Logits:
+        """The chunk's logits, in `into`'s memory where given (then valid until its next chunk)."""
         read = read.detach().float().contiguous()  # [c, d]
         rounded = read.bfloat16()  # [c, d]
-        logits = (rounded @ table.weight_bf16.T).float()  # [c, vocab]
-        if table.bias.any():  # (a pass over the logits saved where there is none)
-            logits += table.bias
+        into = into or Bf16Buffers(read.shape[0], table.weight.shape[0])
+        product = torch.matmul(rounded, table.weight_bf16.T, out=into.product[: read.shape[0]])  # [c, vocab]
+        logits = into.logits[: read.shape[0]]  # [c, vocab]
+        _widen(product.view(torch.int16).numpy().view(np.uint16), table.bias.numpy(), logits.numpy())
         widened = rounded.float()  # [c, d]
         return cls(
             read=read,
@@ -159,7 +198,8 @@ def extreme_tokens(table: Unembedding, chunk: Bf16Logits, n: int, capacity: int 
     n = min(n, vocab)
     ids = np.zeros((rows, 2, capacity), np.int64)  # [c, directions, capacity]
     counts = np.zeros((rows, 2), np.int64)  # [c, directions]
-    _candidates(*chunk._arguments(table), n, ids, counts)
+    shift, sums = np.zeros(rows, np.float32), np.zeros(rows)  # [c] each: max L̃, Σ e^(L̃ − max L̃)
+    _candidates(*chunk._arguments(table), n, ids, counts, shift, sums)
     exact = np.zeros((rows, 2, capacity), np.float32)  # [c, directions, capacity]
     _exact_logits(chunk.read.numpy(), table.weight.numpy(), table.bias.numpy(), ids, counts, exact)
     found, held = {}, {}
@@ -172,11 +212,11 @@ def extreme_tokens(table: Unembedding, chunk: Bf16Logits, n: int, capacity: int 
     # log Z: Σ exp(L̃ − m) over all tokens, the top candidates' terms swapped for their exact ones
     candidates = torch.from_numpy(ids[:, 0])  # [c, capacity]
     high = found[1][0][:, :1]  # [c, 1]: the exact largest logit (every L̃ − high ≤ β: no overflow)
-    total = (logits - high).exp_().sum(dim=1)  # [c]
+    total = torch.from_numpy(sums) * (torch.from_numpy(shift) - high[:, 0]).double().exp()  # [c]
     approximate = (logits.gather(1, candidates) - high).exp() * held[1]  # [c, capacity]
     exact_terms = (torch.from_numpy(exact[:, 0]) - high).exp() * held[1]  # [c, capacity]
     swapped = (total - approximate.sum(dim=1)).clamp_min(0) + exact_terms.sum(dim=1)  # [c]
-    log_z = high[:, 0] + swapped.log()  # [c]
+    log_z = (high[:, 0] + swapped.log()).float()  # [c]
     overflow = np.flatnonzero((counts > capacity).any(axis=1))
     if len(overflow):  # too many candidates (a value near no token): the whole row in float32
         rows_exact = chunk.read[overflow] @ table.weight.T + table.bias  # [o, vocab]
@@ -204,64 +244,97 @@ def _insert(kept, value):
     kept[at] = value
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
-def _candidates(logits, rounding, norm, token_norm, token_rounding, token_slack, n, ids, counts):
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath={"nnan", "nsz"})
+def _candidates(logits, rounding, norm, token_norm, token_rounding, token_slack, n, ids, counts, shift, sums):
     """Per row of logits [c, vocab]: λ₊ the n-th largest of L̃ − β and λ₋ that of −L̃ − β (lower bounds
     of the true n-th largest and of minus the n-th smallest), then the tokens with L̃ + β ≥ λ₊ into
-    ids[row, 0] and those with −L̃ + β ≥ λ₋ into ids[row, 1] (the first `capacity` of each; counts
-    [c, 2] says how many there were). One pass keeps every token that reaches the running λ (never
-    above the final one: a superset), then drops those below the final λ; a row whose superset
-    overflows `capacity` is read a second time."""
+    ids[row, 0] and those with −L̃ + β ≥ λ₋ into ids[row, 1], in token order (the first `capacity` of
+    each; counts [c, 2] says how many there were); and shift[row] = max L̃, sums[row] = Σ e^(L̃ − max L̃).
+
+    Two passes over the row, the first vectorized: each segment's max and min of L̃, and from them, with
+    β* ≥ every β_t of the row (`_bound` of the row's largest |L̃| and terms: it grows with each), a
+    threshold λ⁰ = (n-th largest segment extreme) − β* ≤ λ (n tokens reach that extreme, each with
+    ±L̃ − β ≥ λ⁰). The second sums the exponentials and reads only the segments whose extreme + β* reaches
+    λ⁰: there the tokens with ±L̃ + β ≥ λ⁰, a superset of those with ±L̃ − β ≥ λ and of the candidates,
+    give λ exactly and then the candidates. A row whose superset overflows is read token by token."""
     rows, vocab = logits.shape
     capacity = ids.shape[2]
+    segments = (vocab + SEGMENT - 1) // SEGMENT
+    norm_max, rounding_max, slack_max = token_norm.max(), token_rounding.max(), token_slack.max()
     for row in numba.prange(rows):
+        x = logits[row]
         a, b = rounding[row], norm[row]
-        top = np.full(n, -np.inf)  # float64: λ is not rounded up
-        bottom = np.full(n, -np.inf)
-        above = below = 0
-        for t in range(vocab):
-            x = logits[row, t]
-            beta = _bound(x, a, b, token_norm[t], token_rounding[t], token_slack[t])
-            _insert(top, x - beta)
-            _insert(bottom, -x - beta)
-            if x + beta >= top[n - 1]:
-                if above < capacity:
-                    ids[row, 0, above] = t
-                above += 1
-            if beta - x >= bottom[n - 1]:
-                if below < capacity:
-                    ids[row, 1, below] = t
-                below += 1
-        limits = (top[n - 1], bottom[n - 1])
+        extremes = np.empty((2, segments), np.float32)  # [±, segments]: max L̃ and max −L̃
+        for s in range(segments):
+            start = s * SEGMENT
+            high = low = x[start]
+            for t in range(start + 1, min(start + SEGMENT, vocab)):
+                high = max(high, x[t])
+                low = min(low, x[t])
+            extremes[0, s], extremes[1, s] = high, -low
+        top, bottom = extremes[0].max(), -extremes[1].max()
+        widest = _bound(max(top, -bottom), a, b, norm_max, rounding_max, slack_max)  # β*
+        shift[row] = top
+        sums[row] = exp_sum(x, top)
         for slot in range(2):
             sign = 1.0 if slot == 0 else -1.0
-            seen = above if slot == 0 else below
-            kept = 0
-            if seen <= capacity:  # the superset is whole: keep those reaching the final λ
-                for j in range(seen):
-                    t = ids[row, slot, j]
-                    x = logits[row, t]
-                    beta = _bound(x, a, b, token_norm[t], token_rounding[t], token_slack[t])
-                    if sign * x + beta >= limits[slot]:
-                        ids[row, slot, kept] = t
-                        kept += 1
-            else:  # read the row again against the final λ
-                for t in range(vocab):
-                    x = logits[row, t]
-                    beta = _bound(x, a, b, token_norm[t], token_rounding[t], token_slack[t])
-                    if sign * x + beta >= limits[slot]:
-                        if kept < capacity:
-                            ids[row, slot, kept] = t
-                        kept += 1
-            counts[row, slot] = kept
+            kept = np.full(n, -np.inf)  # float64: λ is not rounded up
+            if n <= segments:
+                for s in range(segments):
+                    _insert(kept, extremes[slot, s] - widest)
+            floor = kept[n - 1]  # λ⁰ (−inf where the segments are fewer than n)
+            found = np.empty(SUPERSET, np.int64)  # the superset's tokens
+            reach = np.empty(SUPERSET)  # their ±L̃ + β
+            kept[:] = -np.inf
+            seen = 0
+            for s in range(segments):
+                if extremes[slot, s] + widest < floor:
+                    continue
+                for t in range(s * SEGMENT, min(s * SEGMENT + SEGMENT, vocab)):
+                    beta = _bound(x[t], a, b, token_norm[t], token_rounding[t], token_slack[t])
+                    if sign * x[t] + beta >= floor:
+                        if seen < SUPERSET:
+                            found[seen], reach[seen] = t, sign * x[t] + beta
+                            _insert(kept, sign * x[t] - beta)
+                        seen += 1
+            if seen > SUPERSET:  # too many to hold: the row token by token
+                counts[row, slot] = _scan(
+                    x, a, b, token_norm, token_rounding, token_slack, n, sign, ids[row, slot]
+                )
+                continue
+            limit, taken = kept[n - 1], 0
+            for j in range(seen):
+                if reach[j] >= limit:
+                    if taken < capacity:
+                        ids[row, slot, taken] = found[j]
+                    taken += 1
+            counts[row, slot] = taken
+
+
+@numba.njit(nogil=True)
+def _scan(x, a, b, token_norm, token_rounding, token_slack, n, sign, ids):
+    """`_candidates` for one row and direction, token by token: λ the n-th largest of ±L̃ − β, then the
+    tokens with ±L̃ + β ≥ λ into ids (the first `capacity`); returns how many there were."""
+    kept = np.full(n, -np.inf)
+    for t in range(x.shape[0]):
+        _insert(kept, sign * x[t] - _bound(x[t], a, b, token_norm[t], token_rounding[t], token_slack[t]))
+    taken = 0
+    for t in range(x.shape[0]):
+        if sign * x[t] + _bound(x[t], a, b, token_norm[t], token_rounding[t], token_slack[t]) >= kept[n - 1]:
+            if taken < ids.shape[0]:
+                ids[taken] = t
+            taken += 1
+    return taken
 
 
 @numba.njit(nogil=True, inline="always")
 def _dot(read, weight, bias, row, t):
-    """The exact logit: float32 products summed in float64, plus the bias."""
+    """The exact logit: float32 products summed in float64, plus the bias (rows read as one-dimensional
+    slices: what LLVM vectorizes)."""
+    a, e = read[row], weight[t]
     total = 0.0
-    for i in range(read.shape[1]):
-        total += np.float64(read[row, i]) * np.float64(weight[t, i])
+    for i in range(a.shape[0]):
+        total += np.float64(a[i]) * np.float64(e[i])
     return total + bias[t]
 
 

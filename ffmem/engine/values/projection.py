@@ -21,7 +21,8 @@ these guarantees against the float32 readout:
   counted in the bin beside it (the counts still sum to the vocabulary);
 - the token → memories lists are filled from the bf16 logits: a listed score is within β_t of the
   float32 one, and memories whose scores are within that of each other may swap places at a list's end;
-- `target_ranks` are float32 throughout (its docstring says why).
+- `target_ranks` are exact: the bf16 product decides every token but those within their bound of the
+  target's logit, which are computed exactly (ffmem.engine.values.bf16_ranks).
 Elsewhere (a GPU, a tiny model, a CPU without bf16, or `arithmetic="float32"`) everything is float32.
 """
 
@@ -44,6 +45,7 @@ from ffmem.engine.values.bf16_logits import (
     bf16_available,
     extreme_tokens,
 )
+from ffmem.engine.values.bf16_ranks import bf16_target_ranks
 from ffmem.engine.values.token_memories import TokenMemories
 
 READOUTS = ("raw", "norm")
@@ -146,7 +148,8 @@ def layer_extremes(
 ) -> Iterator[tuple[int, torch.Tensor, Extremes]]:
     """(first key, logits [chunk, vocab] float32, Extremes) for the layer's values a chunk at a time: the
     logits in the module docstring's arithmetic, the top (+1) and bottom (−1) n tokens exactly the
-    float32 readout's, extreme first, and each value's log Z."""
+    float32 readout's, extreme first, and each value's log Z. In bf16, a chunk's logits are valid until
+    the next chunk is asked for (their memory is reused)."""
     if not uses_bf16(loaded, arithmetic):
         for start, logits in layer_logits(loaded, layer, readout, chunk):
             found = {d: logits.topk(n, dim=-1, largest=d == 1) for d in (1, -1)}  # [chunk, n] each
@@ -155,10 +158,11 @@ def layer_extremes(
         return
     table = Unembedding.of(loaded, bias=readout != "raw")
     values = loaded.adapter.value_matrix(loaded.adapter.blocks(loaded.model)[layer])  # [keys, d]
+    into = table.buffers(min(chunk, values.shape[0]))  # each chunk's logits, in memory reused
     with torch.inference_mode():
         for start in range(0, values.shape[0], chunk):
             read = readout_input(loaded, values[start : start + chunk], readout)  # [chunk, d]
-            part = Bf16Logits.of(table, read)
+            part = Bf16Logits.of(table, read, into)
             yield start, part.logits, extreme_tokens(table, part, n)  # exact extremes, log Z
 
 
@@ -233,12 +237,36 @@ def _fill_histogram(logits: np.ndarray, low: np.ndarray, scale: np.ndarray, coun
 
 
 def target_ranks(
-    loaded: LoadedModel, layer: int, targets: torch.Tensor, readout: str = "raw", chunk: int = 512
+    loaded: LoadedModel,
+    layer: int,
+    targets: torch.Tensor,
+    readout: str = "raw",
+    chunk: int = 512,
+    arithmetic: str = "auto",
 ) -> torch.Tensor:
     """Each target's 0-based rank in its value's full distribution: the number of tokens with a
-    higher logit ([keys] token ids in, [keys] ranks out; −1 where the target is −1). Always float32: a
-    rank in the bulk of the vocabulary leaves thousands of tokens within the bf16 bound (~2,600 of
-    49,152 at SmolLM2), too many to rescore."""
+    higher logit ([keys] token ids in, [keys] ranks out; −1 where the target is −1). In bf16 arithmetic
+    (module docstring) the rank among the exact logits, read off the bf16 product and each token within
+    its bound of the target's logit computed exactly (ffmem.engine.values.bf16_ranks: equal to float32's
+    rank but where float32 rounds a token's logit to a near-tie with the target's); elsewhere the rank
+    among the float32 logits."""
+    if uses_bf16(loaded, arithmetic):
+        table = Unembedding.of(loaded, bias=readout != "raw")
+        values = loaded.adapter.value_matrix(loaded.adapter.blocks(loaded.model)[layer])  # [keys, d]
+        into = table.buffers(min(chunk, values.shape[0]))
+        with torch.inference_mode():
+            return torch.cat(
+                [
+                    bf16_target_ranks(
+                        table,
+                        Bf16Logits.of(
+                            table, readout_input(loaded, values[start : start + chunk], readout), into
+                        ),
+                        targets[start : start + chunk].cpu(),
+                    )
+                    for start in range(0, values.shape[0], chunk)
+                ]
+            )  # [keys]
     ranks = []
     for start, logits in layer_logits(loaded, layer, readout, chunk):
         target = targets[start : start + logits.shape[0]].to(logits.device)[:, None]  # [chunk, 1]
