@@ -172,10 +172,10 @@ def pack_token_tables(patterns: Sequence[dict]) -> list[bytes]:
     if (weighed != tokens).any() or (pair_weighed != pairs).any():
         raise ValueError("a pattern has not one weight a token and one a pair")
     signs = np.fromiter((p["sign"] for p in patterns), np.int64, count)  # [patterns]
-    final = _flat((p["final"] for p in patterns), np.int64)  # [tokens]
-    weights = _flat((p["weights"] for p in patterns), np.float64)  # [tokens]
-    pair_ids = _flat((chain.from_iterable(p["pairs"]) for p in patterns), np.int64)  # [2 · pairs]
-    pair_weights = _flat((p["pair_weights"] for p in patterns), np.float64)  # [pairs]
+    final = _flat([p["final"] for p in patterns], np.int64)  # [tokens]
+    weights = _flat([p["weights"] for p in patterns], np.float64)  # [tokens]
+    pair_ids = _flat([p["pairs"] for p in patterns], np.int64, nested=True)  # [2 · pairs]
+    pair_weights = _flat([p["pair_weights"] for p in patterns], np.float64)  # [pairs]
     sizes = tokens * (pairs.max() + 1) + pairs  # [patterns]: one number per (tokens, pairs)
     order = np.argsort(sizes, kind="stable")  # [patterns], by size
     bounds = np.flatnonzero(np.diff(sizes[order])) + 1
@@ -210,9 +210,12 @@ def _table_record(n: int, p: int) -> np.dtype:
     return np.dtype(fields)
 
 
-def _flat(lists: Iterable, dtype: type) -> np.ndarray:
-    """Lists of numbers as one flat array."""
-    return np.fromiter(chain.from_iterable(lists), dtype)
+def _flat(lists: list, dtype: type, *, nested: bool = False) -> np.ndarray:
+    """Lists of numbers (`nested`: of pairs of numbers), or numpy arrays of them, as one flat array."""
+    if lists and all(isinstance(part, np.ndarray) for part in lists):
+        return np.concatenate([part.reshape(-1) for part in lists]).astype(dtype)
+    numbers = chain.from_iterable(chain.from_iterable(lists) if nested else lists)
+    return np.fromiter(numbers, dtype)
 
 
 def _float16(weights: np.ndarray) -> np.ndarray:
