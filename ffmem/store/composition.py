@@ -49,29 +49,32 @@ def store_links(
     direction, the memories with links that way."""
     if unknown := set(links) - set(DIRECTIONS):
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {sorted(unknown)[0]!r}")
-    packed, kept = {}, {}
+    blobs, kept = {}, {}
     for direction, (layers, keys, scores) in links.items():
         layers, keys, scores = same_shape(3, layers=layers, keys=keys, scores=scores)
-        packed[direction] = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
-        packed[direction]["layer"], packed[direction]["key"], packed[direction]["score"] = (
-            layers,
-            keys,
-            scores,
-        )
+        packed = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
+        packed["layer"], packed["key"], packed["score"] = layers, keys, scores
         kept[direction] = layers >= 0  # [n_layers, d_ff, n]
-    shape = next(iter(packed.values())).shape[:2] if packed else (0, 0)
-    rows = []
-    for layer, key in np.ndindex(*shape):
-        found = [
-            packed[d][layer, key][kept[d][layer, key]].tobytes()
-            if d in packed and kept[d][layer, key].any()
-            else None
-            for d in DIRECTIONS
-        ]
-        if any(f is not None for f in found):
-            rows.append((run_id, layer, key, *found))
+        blobs[direction] = _memory_blobs(packed, kept[direction])  # [n_layers · d_ff]
+    shape = next(iter(kept.values())).shape[:2] if kept else (0, 0)
+    found = [blobs.get(d, repeat(None)) for d in DIRECTIONS]
+    memories = zip(range(shape[0] * shape[1]), *found)
+    rows = (
+        (run_id, *divmod(memory, shape[1]), inbound, outbound)
+        for memory, inbound, outbound in memories
+        if inbound is not None or outbound is not None
+    )
     bulk_insert(session, MemoryLinks.__table__, ("run_id", "layer", "key", "inbound", "outbound"), rows)
-    return {d: int(kept[d].any(axis=2).sum()) for d in packed}
+    return {d: int(kept[d].any(axis=2).sum()) for d in kept}
+
+
+def _memory_blobs(packed: np.ndarray, kept: np.ndarray) -> list[bytes | None]:
+    """Each memory's kept entries of [n_layers, d_ff, n] records as bytes (None: none kept), in memory
+    order: the kept entries' bytes at once, then each memory's slice of them."""
+    counts = kept.reshape(-1, kept.shape[-1]).sum(axis=1) * packed.dtype.itemsize  # [memories]: bytes
+    data = packed[kept].tobytes()  # row-major: memory after memory
+    ends = np.cumsum(counts)  # [memories]
+    return [data[a:b] if a < b else None for a, b in zip((ends - counts).tolist(), ends.tolist(), strict=True)]
 
 
 def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[Link]] | None:
