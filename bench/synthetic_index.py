@@ -11,12 +11,15 @@ so a test can compute what a page must show; the run is written one layer at a t
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from ffmem.engine.explanations.fitting import MAX_PAIRS, MAX_TOKENS
@@ -290,6 +293,25 @@ class Written:
     run_id: int
     seconds: dict[str, float] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time (all threads)
+    server_cpu_seconds: dict[str, float] = field(default_factory=dict)  # Postgres's backend's (a local one)
+
+
+def server_clock(session: Session) -> Callable[[], float]:
+    """The CPU seconds so far of the Postgres backend serving the session (read from /proc: a server on
+    this machine), or of none (always 0: SQLite's work is this process's)."""
+    if session.connection().dialect.name != "postgresql":
+        return lambda: 0.0
+    pid = session.scalar(text("SELECT pg_backend_pid()"))
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():
+        return lambda: 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def seconds() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    return seconds
 
 
 def write_run(session: Session, shape: Shape, report: Callable[[str], None] | None = None) -> Written:
@@ -297,13 +319,16 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     committing a layer at a time."""
     seconds: dict[str, float] = {}
     cpu: dict[str, float] = {}
-    clock = [time.process_time()]
+    server: dict[str, float] = {}
+    server_seconds = server_clock(session)
+    clock = [time.process_time(), server_seconds()]
 
     def timed(name: str, start: float) -> float:
-        now, cpu_now = time.perf_counter(), time.process_time()
+        now, cpu_now, server_now = time.perf_counter(), time.process_time(), server_seconds()
         seconds[name] = seconds.get(name, 0.0) + now - start
         cpu[name] = cpu.get(name, 0.0) + cpu_now - clock[0]
-        clock[0] = cpu_now
+        server[name] = server.get(name, 0.0) + server_now - clock[1]
+        clock[:] = cpu_now, server_now
         return now
 
     start = time.perf_counter()
@@ -445,7 +470,7 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))
     session.commit()
     timed("closing", start)
-    return Written(run.id, seconds, cpu)
+    return Written(run.id, seconds, cpu, server)
 
 
 def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tuple[int, int]], int]:
