@@ -515,7 +515,7 @@ def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
         texts = _explanation_texts(finals, three)  # [keys]
         tables = np.stack([before, finals[:, :pairs]], axis=2)  # [keys, pairs, 2]: (previous, token)
         scores = np.where(np.arange(shape.n_keys) % 10 == 0, None, scores.astype(object)).tolist()
-        for key, (text, sign, score) in enumerate(zip(texts, signs, scores, strict=True)):
+        for key, (said, sign, score) in enumerate(zip(texts, signs, scores, strict=True)):
             pattern = {
                 "sign": sign,
                 "final": finals[key],
@@ -523,7 +523,7 @@ def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
                 "pairs": tables[key],
                 "pair_weights": three[key, n:],
             }
-            yield layer, key, "heuristic", text, score, pattern, details
+            yield layer, key, "heuristic", said, score, pattern, details
 
 
 def _explanation_texts(finals: np.ndarray, three: np.ndarray, shown: int = 6) -> list[str]:

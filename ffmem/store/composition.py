@@ -58,7 +58,7 @@ def store_links(
         blobs[direction] = _memory_blobs(packed, kept[direction])  # [n_layers · d_ff]
     shape = next(iter(kept.values())).shape[:2] if kept else (0, 0)
     found = [blobs.get(d, repeat(None)) for d in DIRECTIONS]
-    memories = zip(range(shape[0] * shape[1]), *found)
+    memories = zip(range(shape[0] * shape[1]), *found, strict=False)  # a missing direction: repeat(None)
     rows = (
         (run_id, *divmod(memory, shape[1]), inbound, outbound)
         for memory, inbound, outbound in memories
@@ -74,7 +74,8 @@ def _memory_blobs(packed: np.ndarray, kept: np.ndarray) -> list[bytes | None]:
     counts = kept.reshape(-1, kept.shape[-1]).sum(axis=1) * packed.dtype.itemsize  # [memories]: bytes
     data = packed[kept].tobytes()  # row-major: memory after memory
     ends = np.cumsum(counts)  # [memories]
-    return [data[a:b] if a < b else None for a, b in zip((ends - counts).tolist(), ends.tolist(), strict=True)]
+    starts = ends - counts  # [memories]
+    return [data[a:b] if a < b else None for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 
 def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[Link]] | None:
