@@ -14,7 +14,7 @@ from sqlalchemy import delete, func, literal_column, or_, select
 from sqlalchemy import text as sa_text
 from sqlalchemy.orm import Session, undefer
 
-from ffmem.store.bulk import bulk_insert
+from ffmem.store.bulk import bulk_insert, collector_paused
 from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.memory_writes import same_shape
 from ffmem.store.models import Explanation, MemoryLinks
@@ -105,7 +105,11 @@ def store_explanations(*, session: Session, run_id: int, rows: Iterable[tuple]) 
     the patterns (ffmem.engine.explanations.fitting.Pattern.to_dict) packed as TOKEN_TABLE bytes, all at
     once (pack_token_tables). On SQLite the trigram table indexes the rows after they are in, in one
     statement (`_text_indexed_after`)."""
-    rows = list(rows)
+    with collector_paused():
+        _store_explanations(session, run_id, list(rows))
+
+
+def _store_explanations(session: Session, run_id: int, rows: list[tuple]) -> None:
     if not rows:
         return
     layers, keys, sources, texts, scores, patterns, details = zip(*rows, strict=True)
