@@ -11,12 +11,15 @@ so a test can compute what a page must show; the run is written one layer at a t
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from ffmem.engine.explanations.fitting import MAX_PAIRS, MAX_TOKENS
@@ -290,6 +293,25 @@ class Written:
     run_id: int
     seconds: dict[str, float] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time (all threads)
+    server_cpu_seconds: dict[str, float] = field(default_factory=dict)  # Postgres's backend's (a local one)
+
+
+def server_clock(session: Session) -> Callable[[], float]:
+    """The CPU seconds so far of the Postgres backend serving the session (read from /proc: a server on
+    this machine), or of none (always 0: SQLite's work is this process's)."""
+    if session.connection().dialect.name != "postgresql":
+        return lambda: 0.0
+    pid = session.scalar(text("SELECT pg_backend_pid()"))
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():
+        return lambda: 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def seconds() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    return seconds
 
 
 def write_run(session: Session, shape: Shape, report: Callable[[str], None] | None = None) -> Written:
@@ -297,13 +319,16 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     committing a layer at a time."""
     seconds: dict[str, float] = {}
     cpu: dict[str, float] = {}
-    clock = [time.process_time()]
+    server: dict[str, float] = {}
+    server_seconds = server_clock(session)
+    clock = [time.process_time(), server_seconds()]
 
     def timed(name: str, start: float) -> float:
-        now, cpu_now = time.perf_counter(), time.process_time()
+        now, cpu_now, server_now = time.perf_counter(), time.process_time(), server_seconds()
         seconds[name] = seconds.get(name, 0.0) + now - start
         cpu[name] = cpu.get(name, 0.0) + cpu_now - clock[0]
-        clock[0] = cpu_now
+        server[name] = server.get(name, 0.0) + server_now - clock[1]
+        clock[:] = cpu_now, server_now
         return now
 
     start = time.perf_counter()
@@ -445,7 +470,7 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
     runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))
     session.commit()
     timed("closing", start)
-    return Written(run.id, seconds, cpu)
+    return Written(run.id, seconds, cpu, server)
 
 
 def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tuple[int, int]], int]:
@@ -478,32 +503,43 @@ def explanation_scores(shape: Shape, layer: int) -> np.ndarray:
 
 def _explanations(shape: Shape, lengths: np.ndarray) -> Iterator[tuple]:
     """One explanation per memory: (layer, key, source, text, score, pattern, details); the pattern a token
-    table of the explainer's size (explanations.MAX_TOKENS tokens, MAX_PAIRS pairs; weights to 3 digits)."""
+    table of the explainer's size (explanations.MAX_TOKENS tokens, MAX_PAIRS pairs; weights to 3 digits).
+    A layer at a time in numpy: the texts joined as string arrays, the patterns' lists views of the
+    layer's arrays, one details dict for all (few objects for the collector to walk)."""
     n, pairs = MAX_TOKENS, MAX_PAIRS
+    details = {"positions": int(lengths.sum()) // 10, "matches": 40, "auroc": 0.7}
+    signs = np.where(np.arange(shape.n_keys) % 2, 1, -1).tolist()  # [keys]
     for layer, (finals, weights, before, scores) in enumerate(_explanation_draws(shape)):
-        finals, before, scores = finals.tolist(), before.tolist(), scores.tolist()
         digits = 10.0 ** (2 - np.floor(np.log10(np.abs(weights))))  # [keys, n + pairs]: 3 significant
-        three = (np.round(weights * digits) / digits).tolist()  # as float(f"{w:.3g}"), 5 million at once
-        for key, (final, score) in enumerate(zip(finals, scores, strict=True)):
-            rounded = three[key]
-            shown = ", ".join(
-                f"“{token_text(t).strip()}” {w:+.3g}" for t, w in zip(final[:6], rounded, strict=False)
-            )
-            yield (
-                layer,
-                key,
-                "heuristic",
-                f"strongest (m > 0) at {shown}; {n - 6} more weighed; promotes “{token_text(final[-1])}”",
-                None if key % 10 == 0 else score,
-                {
-                    "sign": 1 if key % 2 else -1,
-                    "final": final,
-                    "weights": rounded[:n],
-                    "pairs": [[b, t] for b, t in zip(before[key], final[:pairs], strict=True)],
-                    "pair_weights": rounded[n:],
-                },
-                {"positions": int(lengths.sum()) // 10, "matches": 40, "auroc": 0.7},
-            )
+        three = np.round(weights * digits) / digits  # as float(f"{w:.3g}"), 5 million at once
+        texts = _explanation_texts(finals, three)  # [keys]
+        tables = np.stack([before, finals[:, :pairs]], axis=2)  # [keys, pairs, 2]: (previous, token)
+        scores = np.where(np.arange(shape.n_keys) % 10 == 0, None, scores.astype(object)).tolist()
+        for key, (said, sign, score) in enumerate(zip(texts, signs, scores, strict=True)):
+            pattern = {
+                "sign": sign,
+                "final": finals[key],
+                "weights": three[key, :n],
+                "pairs": tables[key],
+                "pair_weights": three[key, n:],
+            }
+            yield layer, key, "heuristic", said, score, pattern, details
+
+
+def _explanation_texts(finals: np.ndarray, three: np.ndarray, shown: int = 6) -> list[str]:
+    """[keys] a layer's texts: its `shown` first tokens with their weights (3 digits, signed), the count of
+    the others, the last token as what it promotes; numpy's string functions over the layer at once."""
+    add = np.strings.add
+    weights = np.array([format(w, "+.3g") for w in three[:, :shown].ravel().tolist()])
+    weights = weights.reshape(len(finals), shown)  # [keys, shown]
+    ids = finals[:, :shown].astype(str)  # [keys, shown]
+    text = np.full(len(finals), "strongest (m > 0) at ")
+    for at in range(shown):
+        text = add(add(add(add(text, ", “w" if at else "“w"), ids[:, at]), "” "), weights[:, at])
+    last = finals[:, -1]  # [keys]: token_text's form, a leading space on even ids
+    promoted = add(np.where(last % 2 == 0, " w", "w"), last.astype(str))
+    text = add(add(add(text, f"; {finals.shape[1] - shown} more weighed; promotes “"), promoted), "”")
+    return text.tolist()
 
 
 def token_table(shape: Shape, readout: str) -> tuple[np.ndarray, np.ndarray]:
@@ -512,14 +548,17 @@ def token_table(shape: Shape, readout: str) -> tuple[np.ndarray, np.ndarray]:
     rising (suppressing) from the first, log-probabilities likewise, below 0."""
     rng = np.random.default_rng([shape.seed, 5, READOUTS.index(readout)])
     vocab, depth, n = shape.vocab_size, shape.token_memories, shape.memories
-    start = rng.integers(0, n, (vocab, len(TOKEN_LISTS), 1))
-    stride = rng.integers(1, max(2, n // depth), (vocab, len(TOKEN_LISTS), 1))
-    memories = ((start + stride * np.arange(depth)) % n).astype(np.int32)  # distinct while depth · stride < n
+    start = rng.integers(0, n, (vocab, len(TOKEN_LISTS), 1)).astype(np.int32)
+    stride = rng.integers(1, max(2, n // depth), (vocab, len(TOKEN_LISTS), 1)).astype(np.int32)
+    # distinct while depth · stride < n; below 2 n < 2**31, so int32 all along (a tenth of int64's time)
+    memories = (start + stride * np.arange(depth, dtype=np.int32)) % np.int32(n)  # [vocab, lists, depth]
     steps = rng.exponential(0.05, (vocab, len(TOKEN_LISTS), depth)).astype(np.float32).cumsum(axis=2)
-    scores = np.empty_like(steps)
+    scores = np.empty_like(steps)  # [vocab, lists, depth]
     for index, (by, direction) in enumerate(TOKEN_LISTS):
-        center = (
-            0.0 if by == "logit" else -11.5
-        )  # logits about 0; log-probabilities −3 (strong) to −20 (weak)
-        scores[:, index] = center + direction * (8.0 - steps[:, index])
+        # logits about 0; log-probabilities −3 (strong) to −20 (weak): center + direction · (8 − step)
+        center = np.float32(0.0 if by == "logit" else -11.5)
+        part = np.subtract(np.float32(8.0), steps[:, index], out=scores[:, index])  # [vocab, depth]
+        if direction < 0:
+            np.negative(part, out=part)
+        np.add(part, center, out=part)
     return memories, scores

@@ -1,12 +1,16 @@
-"""Bulk inserts in the session's transaction: COPY on Postgres, a driver-level executemany per chunk on
-SQLite (about twice as fast as Core's dict rows), Core's portable insert on any other backend."""
+"""Bulk inserts in the session's transaction: COPY on Postgres (binary where every column's type has a
+binary form written from the same Python values: half the server's work of parsing the text form, a third
+of ours of writing it), a driver-level executemany per chunk on SQLite (about twice as fast as Core's dict
+rows), Core's portable insert on any other backend."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import islice
 
-from sqlalchemy import JSON, Table, insert
+from sqlalchemy import JSON, Connection, Table, insert, text
 from sqlalchemy.orm import Session
 
 from ffmem.store.db import json_dumps
@@ -15,7 +19,28 @@ CHUNK_ROWS = 50_000  # rows per executemany
 
 
 def bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
-    """Insert tuples of `columns` in the session's transaction: COPY on Postgres, executemany on SQLite."""
+    """Insert tuples of `columns` in the session's transaction: COPY on Postgres, executemany on SQLite;
+    the cycle collector paused meanwhile (`collector_paused`)."""
+    with collector_paused():
+        _insert(session, table, columns, rows)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for the while: the rows of a bulk write are tuples of numbers, bytes
+    and text, which make no cycles, but their hundreds of thousands of allocations would run it again and
+    again over every object the process holds (a tenth to a half of an explanations' or key statistics'
+    write)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
     connection = session.connection()
     dialect = connection.dialect.name
     if dialect not in ("postgresql", "sqlite"):  # any other backend: the portable, slower Core path
@@ -28,14 +53,44 @@ def bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: It
     quote = connection.dialect.identifier_preparer
     target = f"{quote.format_table(table)} ({', '.join(quote.quote(column) for column in columns)})"
     if dialect == "postgresql":
+        types = _binary_types(connection, quote.format_table(table), columns)
+        binary = " (FORMAT BINARY)" if types else ""
         driver = connection.connection.driver_connection  # psycopg: COPY joins the session's transaction
-        with driver.cursor() as cursor, cursor.copy(f"COPY {target} FROM STDIN") as copy:
+        with driver.cursor() as cursor, cursor.copy(f"COPY {target} FROM STDIN{binary}") as copy:
+            if types:
+                copy.set_types(types)
             for row in rows:
                 copy.write_row(row)
     else:
         sql = f"INSERT INTO {target} VALUES ({', '.join('?' * len(columns))})"
         for chunk in chunks(rows, CHUNK_ROWS):
             connection.exec_driver_sql(sql, chunk)
+
+
+# Postgres types whose binary COPY form psycopg writes from the values the text form is written from (ints,
+# floats, bytes, str): by name, the type it is written as. JSON's binary form is its text.
+BINARY_COPY = {
+    "int2": "int2",
+    "int4": "int4",
+    "int8": "int8",
+    "float4": "float4",
+    "float8": "float8",
+    "bytea": "bytea",
+    "text": "text",
+    "varchar": "varchar",
+    "json": "text",
+}
+
+
+def _binary_types(connection: Connection, table: str, columns: Sequence[str]) -> list[str] | None:
+    """The types a binary COPY into these columns declares, or None where one has no binary form here."""
+    query = text(
+        "SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+        "WHERE a.attrelid = to_regclass(:table) AND a.attnum > 0 AND NOT a.attisdropped"
+    )
+    found = dict(connection.execute(query, {"table": table}).all())
+    types = [BINARY_COPY.get(found.get(column, "")) for column in columns]
+    return None if None in types else types
 
 
 def _json_encoded(row: tuple, json_columns: list[int]) -> tuple:

@@ -4,15 +4,17 @@ array inputs are numpy arrays."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 import numpy as np
 from sqlalchemy import delete, func, literal_column, or_, select
 from sqlalchemy import text as sa_text
 from sqlalchemy.orm import Session, undefer
 
-from ffmem.store.bulk import bulk_insert
+from ffmem.store.bulk import bulk_insert, collector_paused
 from ffmem.store.memory_lists import SCORED_MEMORY
 from ffmem.store.memory_writes import same_shape
 from ffmem.store.models import Explanation, MemoryLinks
@@ -47,29 +49,33 @@ def store_links(
     direction, the memories with links that way."""
     if unknown := set(links) - set(DIRECTIONS):
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {sorted(unknown)[0]!r}")
-    packed, kept = {}, {}
+    blobs, kept = {}, {}
     for direction, (layers, keys, scores) in links.items():
         layers, keys, scores = same_shape(3, layers=layers, keys=keys, scores=scores)
-        packed[direction] = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
-        packed[direction]["layer"], packed[direction]["key"], packed[direction]["score"] = (
-            layers,
-            keys,
-            scores,
-        )
+        packed = np.empty(layers.shape, SCORED_MEMORY)  # [n_layers, d_ff, n]
+        packed["layer"], packed["key"], packed["score"] = layers, keys, scores
         kept[direction] = layers >= 0  # [n_layers, d_ff, n]
-    shape = next(iter(packed.values())).shape[:2] if packed else (0, 0)
-    rows = []
-    for layer, key in np.ndindex(*shape):
-        found = [
-            packed[d][layer, key][kept[d][layer, key]].tobytes()
-            if d in packed and kept[d][layer, key].any()
-            else None
-            for d in DIRECTIONS
-        ]
-        if any(f is not None for f in found):
-            rows.append((run_id, layer, key, *found))
+        blobs[direction] = _memory_blobs(packed, kept[direction])  # [n_layers · d_ff]
+    shape = next(iter(kept.values())).shape[:2] if kept else (0, 0)
+    found = [blobs.get(d, repeat(None)) for d in DIRECTIONS]
+    memories = zip(range(shape[0] * shape[1]), *found, strict=False)  # a missing direction: repeat(None)
+    rows = (
+        (run_id, *divmod(memory, shape[1]), inbound, outbound)
+        for memory, inbound, outbound in memories
+        if inbound is not None or outbound is not None
+    )
     bulk_insert(session, MemoryLinks.__table__, ("run_id", "layer", "key", "inbound", "outbound"), rows)
-    return {d: int(kept[d].any(axis=2).sum()) for d in packed}
+    return {d: int(kept[d].any(axis=2).sum()) for d in kept}
+
+
+def _memory_blobs(packed: np.ndarray, kept: np.ndarray) -> list[bytes | None]:
+    """Each memory's kept entries of [n_layers, d_ff, n] records as bytes (None: none kept), in memory
+    order: the kept entries' bytes at once, then each memory's slice of them."""
+    counts = kept.reshape(-1, kept.shape[-1]).sum(axis=1) * packed.dtype.itemsize  # [memories]: bytes
+    data = packed[kept].tobytes()  # row-major: memory after memory
+    ends = np.cumsum(counts)  # [memories]
+    starts = ends - counts  # [memories]
+    return [data[a:b] if a < b else None for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 
 def get_links(*, session: Session, run_id: int, layer: int, key: int) -> dict[str, list[Link]] | None:
@@ -96,17 +102,59 @@ def has_links(*, session: Session, run_id: int) -> bool:
 
 def store_explanations(*, session: Session, run_id: int, rows: Iterable[tuple]) -> None:
     """Store explanations: rows of (layer, key, source, text, score or None, pattern dict, details dict);
-    the pattern (ffmem.engine.explanations.fitting.Pattern.to_dict) packed as TOKEN_TABLE bytes."""
+    the patterns (ffmem.engine.explanations.fitting.Pattern.to_dict) packed as TOKEN_TABLE bytes, all at
+    once (pack_token_tables). On SQLite the trigram table indexes the rows after they are in, in one
+    statement (`_text_indexed_after`)."""
+    with collector_paused():
+        _store_explanations(session, run_id, list(rows))
+
+
+def _store_explanations(session: Session, run_id: int, rows: list[tuple]) -> None:
+    if not rows:
+        return
+    layers, keys, sources, texts, scores, patterns, details = zip(*rows, strict=True)
     columns = ("run_id", "layer", "key", "source", "text", "score", "token_table", "details")
-    bulk_insert(
-        session,
-        Explanation.__table__,
-        columns,
-        (
-            (run_id, int(layer), int(key), source, stored_text(text), score, pack_token_table(table), details)
-            for layer, key, source, text, score, table, details in rows
-        ),
+    stored = zip(
+        repeat(run_id),
+        np.asarray(layers, np.int64).tolist(),
+        np.asarray(keys, np.int64).tolist(),
+        sources,
+        map(stored_text, texts),
+        scores,
+        pack_token_tables(patterns),
+        details,
     )
+    with _text_indexed_after(session):
+        bulk_insert(session, Explanation.__table__, columns, stored)
+
+
+@contextmanager
+def _text_indexed_after(session: Session) -> Iterator[None]:
+    """On SQLite with the trigram table (EXPLANATION_TEXT), the explanations inserted inside are indexed
+    afterwards by one INSERT … SELECT of their rows (a fifth of the work of its insert trigger, row by
+    row): the trigger is dropped for the while and made again as it was, in the same transaction, so no
+    other connection ever sees it missing. Elsewhere, nothing."""
+    trigger = f"{EXPLANATION_TEXT}_insert"
+    made = None
+    if _has_text_index(session):
+        found = sa_text("SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = :name")
+        made = session.scalar(found, {"name": trigger})
+    if made is None:
+        yield
+        return
+    last = session.scalar(sa_text("SELECT coalesce(max(rowid), 0) FROM explanations"))
+    session.execute(sa_text(f"DROP TRIGGER {trigger}"))
+    try:
+        yield
+    finally:  # new rows get rowids above the largest (SQLite's rule below 2**63 − 1)
+        session.execute(
+            sa_text(
+                f"INSERT INTO {EXPLANATION_TEXT}(rowid, text) "
+                "SELECT rowid, text FROM explanations WHERE rowid > :last"
+            ),
+            {"last": last},
+        )
+        session.execute(sa_text(made))
 
 
 # An explanation's pattern as stored: a header (the sign it predicts, +1: m, −1: −m; its tokens; its pairs),
@@ -117,18 +165,70 @@ TOKEN_TABLE_PARTS = ("<i4", "<f2", "<i4", "<f2")  # final ids, weights, pairs (t
 WEIGHT_LIMIT = float(np.finfo(np.float16).max)  # a weight beyond ±65,504 is stored as that bound
 
 
-def pack_token_table(pattern: dict) -> bytes:
-    """A pattern dict ({"sign", "final", "weights", "pairs", "pair_weights"}) as TOKEN_TABLE bytes; the
-    weights to float16's precision (3 significant digits, as the key page shows them)."""
-    header = np.array([(pattern["sign"], len(pattern["final"]), len(pattern["pairs"]))], TOKEN_TABLE_HEADER)
-    parts = (pattern["final"], pattern["weights"], np.reshape(pattern["pairs"], -1), pattern["pair_weights"])
-    packed = [header.tobytes()]
-    for dtype, values in zip(TOKEN_TABLE_PARTS, parts, strict=True):
-        values = np.asarray(values, np.float64 if dtype == "<f2" else None)
-        if dtype == "<f2":
-            values = np.clip(values, -WEIGHT_LIMIT, WEIGHT_LIMIT)
-        packed.append(values.astype(dtype).tobytes())
-    return b"".join(packed)
+def pack_token_tables(patterns: Sequence[dict]) -> list[bytes]:
+    """Pattern dicts ({"sign", "final", "weights", "pairs", "pair_weights"}) as TOKEN_TABLE bytes, one
+    blob each; the weights to float16's precision (3 significant digits, as the key page shows them). In
+    bulk: every pattern's lists flattened into one array each, then the patterns of each size (tokens,
+    pairs) laid out as one record array of that size."""
+    if not patterns:
+        return []
+    count = len(patterns)
+    tokens = np.fromiter((len(p["final"]) for p in patterns), np.int64, count)  # [patterns]
+    pairs = np.fromiter((len(p["pairs"]) for p in patterns), np.int64, count)  # [patterns]
+    weighed = np.fromiter((len(p["weights"]) for p in patterns), np.int64, count)
+    pair_weighed = np.fromiter((len(p["pair_weights"]) for p in patterns), np.int64, count)
+    if (weighed != tokens).any() or (pair_weighed != pairs).any():
+        raise ValueError("a pattern has not one weight a token and one a pair")
+    signs = np.fromiter((p["sign"] for p in patterns), np.int64, count)  # [patterns]
+    final = _flat([p["final"] for p in patterns], np.int64)  # [tokens]
+    weights = _flat([p["weights"] for p in patterns], np.float64)  # [tokens]
+    pair_ids = _flat([p["pairs"] for p in patterns], np.int64, nested=True)  # [2 · pairs]
+    pair_weights = _flat([p["pair_weights"] for p in patterns], np.float64)  # [pairs]
+    sizes = tokens * (pairs.max() + 1) + pairs  # [patterns]: one number per (tokens, pairs)
+    order = np.argsort(sizes, kind="stable")  # [patterns], by size
+    bounds = np.flatnonzero(np.diff(sizes[order])) + 1
+    token_starts, pair_starts = np.cumsum(tokens) - tokens, np.cumsum(pairs) - pairs  # [patterns] each
+    packed = [b""] * count
+    for rows in np.split(order, bounds):
+        n, p = int(tokens[rows[0]]), int(pairs[rows[0]])
+        table = np.zeros(len(rows), _table_record(n, p))  # [rows]
+        table["header"]["sign"] = signs[rows]
+        table["header"]["tokens"], table["header"]["pairs"] = n, p
+        if n:
+            at = token_starts[rows, None] + np.arange(n)  # [rows, n]
+            table["final"] = final[at].astype("<i4")
+            table["weights"] = _float16(weights[at])
+        if p:
+            at = pair_starts[rows, None] + np.arange(p)  # [rows, p]
+            table["pair_weights"] = _float16(pair_weights[at])
+            at = 2 * pair_starts[rows, None] + np.arange(2 * p)  # [rows, 2p]
+            table["pairs"] = pair_ids[at].astype("<i4")
+        blobs = table.view(np.dtype((np.void, table.dtype.itemsize))).tolist()  # bytes, zeros kept
+        for at, blob in zip(rows.tolist(), blobs, strict=True):
+            packed[at] = blob
+    return packed
+
+
+def _table_record(n: int, p: int) -> np.dtype:
+    """One packed token table of n tokens and p pairs as a record (no padding)."""
+    fields = [("header", TOKEN_TABLE_HEADER)]
+    names = ("final", "weights", "pairs", "pair_weights")
+    for name, dtype, size in zip(names, TOKEN_TABLE_PARTS, (n, n, 2 * p, p), strict=True):
+        fields.append((name, dtype, (size,)))
+    return np.dtype(fields)
+
+
+def _flat(lists: list, dtype: type, *, nested: bool = False) -> np.ndarray:
+    """Lists of numbers (`nested`: of pairs of numbers), or numpy arrays of them, as one flat array."""
+    if lists and all(isinstance(part, np.ndarray) for part in lists):
+        return np.concatenate([part.reshape(-1) for part in lists]).astype(dtype)
+    numbers = chain.from_iterable(chain.from_iterable(lists) if nested else lists)
+    return np.fromiter(numbers, dtype)
+
+
+def _float16(weights: np.ndarray) -> np.ndarray:
+    """Weights as stored: float16, those beyond its range at its bound."""
+    return np.clip(weights, -WEIGHT_LIMIT, WEIGHT_LIMIT).astype("<f2")
 
 
 def unpack_token_table(data: bytes) -> dict:

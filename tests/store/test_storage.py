@@ -522,6 +522,36 @@ def test_the_keys_promoting_a_token_are_those_whose_value_lists_hold_it(session,
     assert keys(session=session, run_id=run.id, layer=1, token_ids=[target], readout="norm") == []
 
 
+def test_explanations_stored_in_bulk_are_indexed_as_their_trigger_would_and_it_is_back(session, run):
+    from ffmem.store import composition
+
+    texts = {(0, key): f"ends in “w{key}” then w{key + 1}" for key in range(3)}
+    empty = {"sign": 1, "final": [], "weights": [], "pairs": [], "pair_weights": []}
+    rows = [(layer, key, "heuristic", t, None, empty, {}) for (layer, key), t in texts.items()]
+    composition.store_explanations(session=session, run_id=run.id, rows=rows[:2])
+    composition.store_explanations(session=session, run_id=run.id, rows=rows[2:])
+    reread(session)
+    for needle, expected in (("w1", [(0, 0), (0, 1)]), ("w2", [(0, 1), (0, 2)]), ("“w0”", [(0, 0)])):
+        found = composition.search_explanations(session=session, run_id=run.id, text=needle, limit=10)
+        assert sorted((e.layer, e.key) for e in found) == expected
+    if session.get_bind().dialect.name != "sqlite":
+        return
+    fts = composition.EXPLANATION_TEXT
+    triggers = text("SELECT name FROM sqlite_master WHERE type = 'trigger' AND name = :name")
+    assert session.scalars(triggers, {"name": f"{fts}_insert"}).all() == [f"{fts}_insert"]
+    session.execute(  # a row inserted another way is indexed by the trigger, as before
+        text(
+            "INSERT INTO explanations (run_id, layer, key, source, text, details) "
+            "VALUES (:run, 1, 0, 'heuristic', 'quite apart', '{}')"
+        ),
+        {"run": run.id},
+    )
+    session.execute(text(f"INSERT INTO {fts}({fts}) VALUES ('integrity-check')"))  # raises when out of step
+    reread(session)
+    found = composition.search_explanations(session=session, run_id=run.id, text="apart", limit=10)
+    assert [(e.layer, e.key) for e in found] == [(1, 0)]
+
+
 def test_every_page_of_a_layer_in_every_order_from_either_end(session, run):
     """Pages past the middle are read backwards from the end: each page equals a slice of the full order
     (NULLs last, ties by key), on both databases."""
