@@ -2,10 +2,12 @@
 al. 2025), and how well its vocabulary projection (VocabProj, ffmem.engine.values.projection) predicts it.
 
 For a memory (layer ℓ, key i) and a context — a sentence and a position p where its key fires — the model
-reads the sentence once (its attention keys and values cached); then it runs position p again from that cache
-twice: with m_i at p multiplied by `factor` (amplified) and with m_i = 0 there (switched off). Every later
-layer, the final norm and the unembedding run for real: this is not the value's direct logits. Only position
-p is edited (the earlier positions never see it), so a context costs one token per edit.
+reads the sentence through p once (its attention keys and values cached, and the residual stream entering
+layer ℓ at p kept); then it runs position p again from that cache twice: with m_i at p multiplied by
+`factor` (amplified) and with m_i = 0 there (switched off). Layer ℓ, every later layer, the final norm and
+the unembedding run for real: this is not the value's direct logits. Only position p is edited (the earlier
+positions never see it) and nothing below layer ℓ changes, so an edit costs one token through the layers
+from ℓ up.
 
 A memory's TokenChange is, per vocabulary token t, the mean over its contexts of
     log p_amplified(t) − log p_off(t)
@@ -17,10 +19,12 @@ the overlap of the two top-`top` token sets, and the rank correlation over the w
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from ffmem.engine.mining.corpus import Batch, length_bucketed_batches
@@ -80,15 +84,21 @@ def token_change(
         for index, context in enumerate(found):
             at[context.sentence].append((row, context.position, index))
     coefficients = [[0.0] * len(found) for found in contexts]
-    last = {sentence: max(p for _, p, _ in wanted) for sentence, wanted in at.items()}  # cached: before it
+    ends = {sentence: 1 + max(p for _, p, _ in wanted) for sentence, wanted in at.items()}  # tokens read
     with torch.inference_mode():
-        for group in _groups(sorted(at, key=lambda s: -last[s]), last):
+        for group in _groups(sorted(at, key=lambda s: -ends[s]), ends):
             texts = [sentences[s] for s in group]
-            cache = _group_cache(loaded, texts, [last[s] for s in group])
-            wanted = [(slot, *context) for slot, s in enumerate(group) for context in at[s]]
-            for start in range(0, len(wanted), ROWS // len(scales)):
-                chunk = wanted[start : start + ROWS // len(scales)]
-                read = _fold(loaded, texts, cache, memories, chunk, scales, sums)
+            wanted = sorted(
+                ((slot, *context) for slot, s in enumerate(group) for context in at[s]),
+                key=lambda w: memories[w[1]][0],
+            )  # by the memory's layer: a chunk's rows start at its lowest
+            per = ROWS // len(scales)
+            chunks = [wanted[start : start + per] for start in range(0, len(wanted), per)]
+            firsts = [memories[chunk[0][1]][0] for chunk in chunks]
+            cached = _group_cache(loaded, texts, [ends[s] for s in group], chunks, firsts)
+            for chunk, first, entering in zip(chunks, firsts, cached.entering, strict=True):
+                edited = _Edited(first, entering, cached.tuples)
+                read = _fold(loaded, texts, cached.cache, memories, chunk, scales, sums, edited)
                 for (_, row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
     counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
@@ -97,62 +107,108 @@ def token_change(
     return TokenChange(**means, contexts=[len(found) for found in contexts], coefficients=coefficients)
 
 
-def _groups(order: list[int], last: dict[int, int]) -> list[list[int]]:
-    """Sentences (the longest cache first) in groups of at most GROUP_TOKENS padded tokens, each at least
+def _groups(order: list[int], ends: dict[int, int]) -> list[list[int]]:
+    """Sentences (the longest read first) in groups of at most GROUP_TOKENS padded tokens, each at least
     MIN_FILL of its group's width (padding is work too)."""
     groups: list[list[int]] = []
     for sentence in order:
-        width = max(last[groups[-1][0]], 1) if groups else 0
-        if groups and (len(groups[-1]) + 1) * width <= GROUP_TOKENS and last[sentence] >= MIN_FILL * width:
+        width = ends[groups[-1][0]] if groups else 0
+        if groups and (len(groups[-1]) + 1) * width <= GROUP_TOKENS and ends[sentence] >= MIN_FILL * width:
             groups[-1].append(sentence)
         else:
             groups.append([sentence])
     return groups
 
 
-def _group_cache(loaded: LoadedModel, texts: list[Sequence[int]], lasts: list[int]) -> DynamicCache | None:
-    """One padded pass (no logits) caching each sentence's positions before its `last`: [group, …, width,
-    …]; None when every context is at position 0."""
-    width = max(lasts)
-    if width == 0:
-        return None
+@dataclass
+class _Cached:
+    """A group's one pass: its cache and, per chunk of contexts, the residual stream entering the chunk's
+    first layer at each context's position."""
+
+    cache: DynamicCache
+    entering: list[torch.Tensor]  # per chunk [contexts, d]
+    tuples: bool  # whether the model's blocks return tuples (their hidden state first)
+
+
+@dataclass(frozen=True)
+class _Edited:
+    """Where a chunk's rows start: its first (lowest) layer, the residual stream entering it, the blocks'
+    output shape."""
+
+    first: int
+    entering: torch.Tensor  # [contexts, d]
+    tuples: bool
+
+
+def _group_cache(
+    loaded: LoadedModel,
+    texts: list[Sequence[int]],
+    ends: list[int],
+    chunks: list[list[tuple[int, int, int, int]]],
+    firsts: list[int],
+) -> _Cached:
+    """One padded pass (no logits) through each sentence's first `ends` tokens: the cache [group, …, width,
+    …] and, read off as it runs, each chunk's residual stream entering its first layer at its contexts."""
+    width = max(ends)
     ids = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width] right-padded
     mask = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width]
-    for slot, (text, n) in enumerate(zip(texts, lasts, strict=True)):
+    for slot, (text, n) in enumerate(zip(texts, ends, strict=True)):
         ids[slot, :n] = torch.tensor(list(text[:n]))
         mask[slot, :n] = 1
-    cache = DynamicCache(config=loaded.model.config)
-    loaded.model.base_model(
-        input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), cache=cache, use_cache=True
-    )
-    return cache
+    blocks = loaded.adapter.blocks(loaded.model)
+    entering: list[torch.Tensor | None] = [None] * len(chunks)
+    tuples: list[bool] = []
+
+    def read(layer: int):
+        wanted = [(index, chunk) for index, chunk in enumerate(chunks) if firsts[index] == layer]
+
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]  # [group, width, d]
+            for index, chunk in wanted:
+                slots = torch.tensor([slot for slot, _, _, _ in chunk], device=hidden.device)  # [contexts]
+                positions = torch.tensor([p for _, _, p, _ in chunk], device=hidden.device)  # [contexts]
+                entering[index] = hidden[slots, positions]  # [contexts, d]
+
+        return hook
+
+    handles = [blocks[layer].register_forward_pre_hook(read(layer), with_kwargs=True) for layer in set(firsts)]
+    handles.append(blocks[0].register_forward_hook(lambda m, i, output: tuples.append(isinstance(output, tuple))))
+    cache = DynamicCache()  # every layer whole: a sliding layer's would keep only the batch's last positions
+    try:
+        loaded.model.base_model(
+            input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), cache=cache, use_cache=True
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _Cached(cache, entering, tuples[0])
 
 
 def _fold(
     loaded: LoadedModel,
     texts: list[Sequence[int]],
-    cache: DynamicCache | None,
+    cache: DynamicCache,
     memories: Sequence[tuple[int, int]],
     chunk: list[tuple[int, int, int, int]],
     scales: tuple[float, ...],
     sums: dict[str, torch.Tensor],
+    edited: _Edited,
 ) -> list[float]:
     """Run the chunk's contexts (slot of its sentence in the group, memory row, position, index): per context
     a row per scale of m — (unedited,) amplified and switched off — each position p from its sentence's cache
-    of the positions before it; add their log-probability changes (and probabilities) to `sums`. Each
-    context's unedited m."""
+    of the positions before it and from the chunk's first layer on (the layers below it are the unedited
+    pass's: its residual stream is put in there); add their log-probability changes (and probabilities) to
+    `sums`. Each context's unedited m."""
     k = len(scales)
     slots = torch.tensor([slot for slot, _, _, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
-    at = [p for _, _, p, _ in chunk for _ in range(k)]
-    positions = torch.tensor(at, device=loaded.device)  # [rows]
+    positions = torch.tensor([p for _, _, p, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
     rows = len(positions)
     ids = torch.tensor(
         [[texts[slot][p]] for slot, _, p, _ in chunk for _ in range(k)], device=loaded.device
     )  # [rows, 1]
-    width = 0 if cache is None else cache.get_seq_length()
-    # Row r sees the cached positions before its own p, and itself: [rows, width + 1].
-    mask = torch.arange(width + 1, device=loaded.device)[None, :] < positions[:, None]
-    mask[:, -1] = True
+    width = cache.get_seq_length()
+    # Row r sees its p cached positions (right-aligned by `_selected`) and itself: [rows, width + 1].
+    mask = torch.arange(width + 1, device=loaded.device)[None, :] >= (width - positions)[:, None]
     factors = torch.tensor([s for _ in chunk for s in scales], device=loaded.device)  # [rows]
     edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
     for index, (_, row, _, _) in enumerate(chunk):
@@ -160,27 +216,27 @@ def _fold(
         edits[layer] += [(k * index + offset, key) for offset in range(k)]  # an unedited row scales by 1
     blocks = loaded.adapter.blocks(loaded.model)
     read: dict[int, float] = {}  # row → its m before the edit
-    handles = [
-        loaded.adapter.value_projection(blocks[layer]).register_forward_pre_hook(
-            _scale(found, factors, rows, read)
+    entering = edited.entering.repeat_interleave(k, dim=0)[:, None, :]  # [rows, 1, d]
+    with ExitStack() as stack:
+        for layer, found in edits.items():
+            projection = loaded.adapter.value_projection(blocks[layer])
+            stack.enter_context(projection.register_forward_pre_hook(_scale(found, factors, rows, read)))
+        for block in blocks[: edited.first]:
+            stack.enter_context(_skipped(block, edited.tuples))
+        stack.enter_context(
+            blocks[edited.first].register_forward_pre_hook(_entering(entering), with_kwargs=True)
         )
-        for layer, found in edits.items()
-    ]
-    try:
         logits = (
             loaded.model(
                 input_ids=ids,
                 attention_mask=mask.long(),
                 position_ids=positions[:, None],
-                cache=_selected(loaded, cache, slots),
-                use_cache=cache is not None,
+                cache=_selected(cache, slots, positions),
+                use_cache=True,
             )
             .logits[:, -1]
             .float()
         )  # [rows, vocab]
-    finally:
-        for handle in handles:
-            handle.remove()
     log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), k, -1)  # [contexts, k, vocab]
     memory_rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
     sums["change"].index_add_(0, memory_rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
@@ -189,6 +245,33 @@ def _fold(
         for index, name in enumerate(("base", "amplified", "off")):
             sums[name].index_add_(0, memory_rows, p[:, index])
     return [read[k * index] for index in range(len(chunk))]  # m before its row's edit
+
+
+@contextmanager
+def _skipped(block: nn.Module, tuples: bool) -> Iterator[None]:
+    """A block below the edited layers passes its input through unchanged, in its output's shape (its
+    output is replaced at the first edited layer's input anyway)."""
+
+    def forward(*args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden, None) if tuples else hidden
+
+    block.forward = forward
+    try:
+        yield
+    finally:
+        del block.forward
+
+
+def _entering(entering: torch.Tensor):
+    """A pre-hook on the first edited layer's block: its input is the unedited pass's residual stream."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (entering.to(args[0].dtype), *args[1:]), kwargs
+        return args, kwargs | {"hidden_states": entering.to(kwargs["hidden_states"].dtype)}
+
+    return hook
 
 
 def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: dict[int, float]):
@@ -208,15 +291,19 @@ def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: 
     return hook
 
 
-def _selected(loaded: LoadedModel, cache: DynamicCache | None, slots: torch.Tensor) -> DynamicCache | None:
-    """A fresh cache holding, for each row, its sentence's keys and values (the rows' pass appends to it)."""
-    if cache is None:
-        return None
-    selected = DynamicCache(config=loaded.model.config)
-    for index, layer in enumerate(cache.layers):
+def _selected(cache: DynamicCache, slots: torch.Tensor, positions: torch.Tensor) -> DynamicCache:
+    """A fresh cache holding, for each row, its sentence's keys and values before its position p, right-aligned
+    (left-padded: the row's query sits right after them, so a sliding window counts back from it); the
+    rows' pass appends to it. Every layer is kept whole (no sliding layer drops what a row needs)."""
+    width = cache.get_seq_length()
+    shift = width - positions  # [rows]: position j of a row is at slot j + shift
+    index = (torch.arange(width, device=positions.device)[None, :] - shift[:, None]).clamp(min=0)  # [rows, width]
+    selected = DynamicCache()
+    for at, layer in enumerate(cache.layers):
         keys = layer.keys.index_select(0, slots)  # [rows, heads, width, head_dim]
         values = layer.values.index_select(0, slots)  # [rows, heads, width, head_dim]
-        selected.update(keys, values, index)
+        spread = index[:, None, :, None].expand_as(keys)  # [rows, heads, width, head_dim]
+        selected.update(keys.gather(2, spread), values.gather(2, spread), at)
     return selected
 
 
