@@ -72,8 +72,9 @@ def token_change(
 ) -> TokenChange:
     """Each memory's TokenChange over its own contexts (`contexts[j]` for `memories[j]`, positions into
     `sentences`), with the mean probabilities unedited, amplified and off where `probabilities` (else an
-    unedited row is not run: two rows a context, not three). A memory without contexts keeps zeros. Memory
-    grows with memories × vocabulary: a caller with thousands passes them in chunks."""
+    unedited row is not run: two rows a context, not three). A memory without contexts keeps zeros. Each
+    sentence is read once for all the memories passed, so pass them together; memory grows with memories ×
+    vocabulary (a caller with tens of thousands passes them in chunks)."""
     vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]  # the logits' width
     n = len(memories)
     scales = (1.0, factor, 0.0) if probabilities else (factor, 0.0)  # the rows of a context
@@ -102,7 +103,7 @@ def token_change(
                 for (_, row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
     counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
-    means = {name: total / counts for name, total in sums.items()}  # [n, vocab] each
+    means = {name: total.div_(counts) for name, total in sums.items()}  # [n, vocab] each, in place
     means = {"base": None, "amplified": None, "off": None} | means
     return TokenChange(**means, contexts=[len(found) for found in contexts], coefficients=coefficients)
 
@@ -171,12 +172,19 @@ def _group_cache(
 
         return hook
 
-    handles = [blocks[layer].register_forward_pre_hook(read(layer), with_kwargs=True) for layer in set(firsts)]
-    handles.append(blocks[0].register_forward_hook(lambda m, i, output: tuples.append(isinstance(output, tuple))))
+    handles = [
+        blocks[layer].register_forward_pre_hook(read(layer), with_kwargs=True) for layer in set(firsts)
+    ]
+    handles.append(
+        blocks[0].register_forward_hook(lambda m, i, output: tuples.append(isinstance(output, tuple)))
+    )
     cache = DynamicCache()  # every layer whole: a sliding layer's would keep only the batch's last positions
     try:
         loaded.model.base_model(
-            input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), cache=cache, use_cache=True
+            input_ids=ids.to(loaded.device),
+            attention_mask=mask.to(loaded.device),
+            cache=cache,
+            use_cache=True,
         )
     finally:
         for handle in handles:
@@ -231,7 +239,7 @@ def _fold(
                 input_ids=ids,
                 attention_mask=mask.long(),
                 position_ids=positions[:, None],
-                cache=_selected(cache, slots, positions),
+                cache=_selected(cache, slots, positions, edited.first),
                 use_cache=True,
             )
             .logits[:, -1]
@@ -291,19 +299,26 @@ def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: 
     return hook
 
 
-def _selected(cache: DynamicCache, slots: torch.Tensor, positions: torch.Tensor) -> DynamicCache:
-    """A fresh cache holding, for each row, its sentence's keys and values before its position p, right-aligned
-    (left-padded: the row's query sits right after them, so a sliding window counts back from it); the
-    rows' pass appends to it. Every layer is kept whole (no sliding layer drops what a row needs)."""
+def _selected(cache: DynamicCache, slots: torch.Tensor, positions: torch.Tensor, first: int) -> DynamicCache:
+    """A fresh cache holding, for each row, its sentence's keys and values before its position p,
+    right-aligned (left-padded: the row's query sits right after them, so a sliding window counts back from
+    it), every layer whole (no sliding layer drops what a row needs); the layers below `first`, which the
+    rows skip, hold one sentence's (only their width is read). The rows' pass appends to it."""
     width = cache.get_seq_length()
     shift = width - positions  # [rows]: position j of a row is at slot j + shift
-    index = (torch.arange(width, device=positions.device)[None, :] - shift[:, None]).clamp(min=0)  # [rows, width]
+    at = torch.arange(width, device=positions.device)[None, :] - shift[:, None]  # [rows, width]
+    at = at.clamp(min=0)  # the left padding reads position 0 (masked)
     selected = DynamicCache()
-    for at, layer in enumerate(cache.layers):
-        keys = layer.keys.index_select(0, slots)  # [rows, heads, width, head_dim]
-        values = layer.values.index_select(0, slots)  # [rows, heads, width, head_dim]
-        spread = index[:, None, :, None].expand_as(keys)  # [rows, heads, width, head_dim]
-        selected.update(keys.gather(2, spread), values.gather(2, spread), at)
+    for index, layer in enumerate(cache.layers):
+        if index < first:
+            keys = values = layer.keys[:1]  # [1, heads, width, head_dim]: never read, only its width
+        else:
+            heads = torch.arange(layer.keys.shape[1], device=positions.device)[None, :, None]  # [1, heads, 1]
+            keys = layer.keys[slots[:, None, None], heads, at[:, None, :]]  # [rows, heads, width, head_dim]
+            values = layer.values[
+                slots[:, None, None], heads, at[:, None, :]
+            ]  # [rows, heads, width, head_dim]
+        selected.update(keys, values, index)
     return selected
 
 
