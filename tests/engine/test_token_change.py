@@ -75,7 +75,7 @@ def test_token_change_matches_edited_forward_passes_by_hand(tiny):
     assert min(float(found.change[row].abs().max()) for row in (0, 1)) > 1e-3  # the edit moves something
     assert not found.change[2].any()  # no contexts: zeros
     lean = token_change(tiny, sentences, memories, contexts, factor=3.0, probabilities=False)
-    torch.testing.assert_close(lean.change, found.change, atol=2e-5, rtol=0)  # two rows a context, not three
+    torch.testing.assert_close(lean.change, found.change, atol=2e-5, rtol=0)  # the change alone kept
     assert lean.base is None
     for (layer, key), wanted, read, again in zip(
         memories, contexts, found.coefficients, lean.coefficients, strict=True
@@ -98,14 +98,14 @@ def test_every_family_runs_only_the_edited_layers_and_matches_a_whole_forward(ca
     sentences = [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (9, 7)]
     memories = [(1, 3), (0, 11)]
     contexts = [[Context(0, 4), Context(1, 6)], [Context(0, 8), Context(0, 0)]]
-    found = token_change(loaded, sentences, memories, contexts, factor=4.0, probabilities=False)
+    found = token_change(loaded, sentences, memories, contexts, factor=4.0)
     blocks = adapter.blocks(model)
     for row, (layer, key) in enumerate(memories):
-        change = torch.zeros(VOCAB)
+        change, base = torch.zeros(VOCAB), torch.zeros(VOCAB)
         for context in contexts[row]:
             prefix = sentences[context.sentence][: context.position + 1]
             logs = []
-            for scale in (4.0, 0.0):
+            for scale in (4.0, 0.0, 1.0):
 
                 def hook(module, inputs, scale=scale, key=key):
                     m = inputs[0].clone()  # [1, pos, d_ff] ([pos, d_ff] for OPT)
@@ -116,8 +116,9 @@ def test_every_family_runs_only_the_edited_layers_and_matches_a_whole_forward(ca
                     with torch.inference_mode():
                         logits = model(torch.tensor([prefix])).logits[0, -1]  # [vocab]
                 logs.append(logits.float().log_softmax(-1))
-            change += logs[0] - logs[1]
+            change, base = change + logs[0] - logs[1], base + logs[2].exp()
         torch.testing.assert_close(found.change[row], change / len(contexts[row]), atol=2e-5, rtol=0)
+        torch.testing.assert_close(found.base[row], base / len(contexts[row]), atol=2e-6, rtol=0)  # unedited
     assert float(found.change.abs().max()) > 1e-3  # the edits move something (a ReLU's m can be 0)
 
 

@@ -71,13 +71,13 @@ def token_change(
     probabilities: bool = True,
 ) -> TokenChange:
     """Each memory's TokenChange over its own contexts (`contexts[j]` for `memories[j]`, positions into
-    `sentences`), with the mean probabilities unedited, amplified and off where `probabilities` (else an
-    unedited row is not run: two rows a context, not three). A memory without contexts keeps zeros. Each
-    sentence is read once for all the memories passed, so pass them together; memory grows with memories ×
-    vocabulary (a caller with tens of thousands passes them in chunks)."""
+    `sentences`), with the mean probabilities unedited (from the sentence's own pass), amplified and off
+    where `probabilities`. A memory without contexts keeps zeros. Each sentence is read once for all the
+    memories passed, so pass them together; memory grows with memories × vocabulary (a caller with tens of
+    thousands passes them in chunks)."""
     vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]  # the logits' width
     n = len(memories)
-    scales = (1.0, factor, 0.0) if probabilities else (factor, 0.0)  # the rows of a context
+    scales = (factor, 0.0)  # the rows of a context (its unedited logits come from the sentence's pass)
     names = ("change", *(("base", "amplified", "off") if probabilities else ()))
     sums = {name: torch.zeros(n, vocab) for name in names}  # [n, vocab] each
     at: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # sentence → [(row, position, index)]
@@ -97,8 +97,8 @@ def token_change(
             chunks = [wanted[start : start + per] for start in range(0, len(wanted), per)]
             firsts = [memories[chunk[0][1]][0] for chunk in chunks]
             cached = _group_cache(loaded, texts, [ends[s] for s in group], chunks, firsts)
-            for chunk, first, entering in zip(chunks, firsts, cached.entering, strict=True):
-                edited = _Edited(first, entering, cached.tuples)
+            for index, (chunk, first) in enumerate(zip(chunks, firsts, strict=True)):
+                edited = _Edited(first, cached.entering[index], cached.final[index], cached.tuples)
                 read = _fold(loaded, texts, cached.cache, memories, chunk, scales, sums, edited)
                 for (_, row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
@@ -128,16 +128,18 @@ class _Cached:
 
     cache: DynamicCache
     entering: list[torch.Tensor]  # per chunk [contexts, d]
+    final: list[torch.Tensor]  # per chunk [contexts, d]: the last hidden state (final norm and all) there
     tuples: bool  # whether the model's blocks return tuples (their hidden state first)
 
 
 @dataclass(frozen=True)
 class _Edited:
-    """Where a chunk's rows start: its first (lowest) layer, the residual stream entering it, the blocks'
-    output shape."""
+    """Where a chunk's rows start: its first (lowest) layer, the residual stream entering it, the unedited
+    last hidden state, the blocks' output shape."""
 
     first: int
     entering: torch.Tensor  # [contexts, d]
+    final: torch.Tensor  # [contexts, d]
     tuples: bool
 
 
@@ -166,9 +168,7 @@ def _group_cache(
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]  # [group, width, d]
             for index, chunk in wanted:
-                slots = torch.tensor([slot for slot, _, _, _ in chunk], device=hidden.device)  # [contexts]
-                positions = torch.tensor([p for _, _, p, _ in chunk], device=hidden.device)  # [contexts]
-                entering[index] = hidden[slots, positions]  # [contexts, d]
+                entering[index] = hidden[_slots(chunk, hidden.device), _positions(chunk, hidden.device)]
 
         return hook
 
@@ -180,7 +180,7 @@ def _group_cache(
     )
     cache = DynamicCache()  # every layer whole: a sliding layer's would keep only the batch's last positions
     try:
-        loaded.model.base_model(
+        last = loaded.model.base_model(
             input_ids=ids.to(loaded.device),
             attention_mask=mask.to(loaded.device),
             cache=cache,
@@ -189,7 +189,18 @@ def _group_cache(
     finally:
         for handle in handles:
             handle.remove()
-    return _Cached(cache, entering, tuples[0])
+    final = [
+        last.last_hidden_state[_slots(chunk, ids.device), _positions(chunk, ids.device)] for chunk in chunks
+    ]
+    return _Cached(cache, entering, final, tuples[0])  # final: [contexts, d] each
+
+
+def _slots(chunk: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor([slot for slot, _, _, _ in chunk], device=device)  # [contexts]
+
+
+def _positions(chunk: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor([p for _, _, p, _ in chunk], device=device)  # [contexts]
 
 
 def _fold(
@@ -203,10 +214,10 @@ def _fold(
     edited: _Edited,
 ) -> list[float]:
     """Run the chunk's contexts (slot of its sentence in the group, memory row, position, index): per context
-    a row per scale of m — (unedited,) amplified and switched off — each position p from its sentence's cache
+    a row per scale of m — amplified and switched off — each position p from its sentence's cache
     of the positions before it and from the chunk's first layer on (the layers below it are the unedited
-    pass's: its residual stream is put in there); add their log-probability changes (and probabilities) to
-    `sums`. Each context's unedited m."""
+    pass's: its residual stream is put in there); add their log-probability changes (and with the unedited
+    pass's own, probabilities) to `sums`. Each context's unedited m."""
     k = len(scales)
     slots = torch.tensor([slot for slot, _, _, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
     positions = torch.tensor([p for _, _, p, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
@@ -221,7 +232,7 @@ def _fold(
     edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
     for index, (_, row, _, _) in enumerate(chunk):
         layer, key = memories[row]
-        edits[layer] += [(k * index + offset, key) for offset in range(k)]  # an unedited row scales by 1
+        edits[layer] += [(k * index + offset, key) for offset in range(k)]
     blocks = loaded.adapter.blocks(loaded.model)
     read: dict[int, float] = {}  # row → its m before the edit
     entering = edited.entering.repeat_interleave(k, dim=0)[:, None, :]  # [rows, 1, d]
@@ -248,8 +259,10 @@ def _fold(
     log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), k, -1)  # [contexts, k, vocab]
     memory_rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
     sums["change"].index_add_(0, memory_rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
-    if k == 3:
-        p = log_p.exp()  # [contexts, 3, vocab]
+    if "base" in sums:
+        unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+        base = unembedding(edited.final).float().log_softmax(dim=-1).cpu()  # [contexts, vocab]
+        p = torch.cat([base[:, None], log_p], dim=1).exp()  # [contexts, 3, vocab]
         for index, name in enumerate(("base", "amplified", "off")):
             sums[name].index_add_(0, memory_rows, p[:, index])
     return [read[k * index] for index in range(len(chunk))]  # m before its row's edit
