@@ -36,6 +36,7 @@ from ffmem.engine.values.projection import value_logits
 ROWS = 48  # edited rows run at once (each holds a copy of its sentence's cache)
 GROUP_TOKENS = 2048  # sentence tokens whose caches one padded pass computes
 MIN_FILL = 0.75  # a sentence joins a group when its cache is at least this share of the group's width
+UNEMBEDDED = 128  # contexts whose rows go through the unembedding at once (its weight read once for them)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ def token_change(
             at[context.sentence].append((row, context.position, index))
     coefficients = [[0.0] * len(found) for found in contexts]
     ends = {sentence: 1 + max(p for _, p, _ in wanted) for sentence, wanted in at.items()}  # tokens read
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (memory rows, last hidden states) to unembed
     with torch.inference_mode():
         for group in _groups(sorted(at, key=lambda s: -ends[s]), ends):
             texts = [sentences[s] for s in group]
@@ -99,9 +101,15 @@ def token_change(
             cached = _group_cache(loaded, texts, [ends[s] for s in group], chunks, firsts)
             for index, (chunk, first) in enumerate(zip(chunks, firsts, strict=True)):
                 edited = _Edited(first, cached.entering[index], cached.final[index], cached.tuples)
-                read = _fold(loaded, texts, cached.cache, memories, chunk, scales, sums, edited)
+                read, states = _fold(loaded, texts, cached.cache, memories, chunk, scales, edited)
+                rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
+                pending.append((rows, states if probabilities else states[:, 1:]))
                 for (_, row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
+                if sum(len(rows) for rows, _ in pending) >= UNEMBEDDED:
+                    _unembed(loaded, pending, sums)
+        if pending:
+            _unembed(loaded, pending, sums)
     counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
     means = {name: total.div_(counts) for name, total in sums.items()}  # [n, vocab] each, in place
     means = {"base": None, "amplified": None, "off": None} | means
@@ -210,14 +218,13 @@ def _fold(
     memories: Sequence[tuple[int, int]],
     chunk: list[tuple[int, int, int, int]],
     scales: tuple[float, ...],
-    sums: dict[str, torch.Tensor],
     edited: _Edited,
-) -> list[float]:
+) -> tuple[list[float], torch.Tensor]:
     """Run the chunk's contexts (slot of its sentence in the group, memory row, position, index): per context
     a row per scale of m — amplified and switched off — each position p from its sentence's cache
     of the positions before it and from the chunk's first layer on (the layers below it are the unedited
-    pass's: its residual stream is put in there); add their log-probability changes (and with the unedited
-    pass's own, probabilities) to `sums`. Each context's unedited m."""
+    pass's: its residual stream is put in there). Each context's unedited m, and its last hidden states
+    [contexts, 3, d]: unedited (the sentence's pass's), amplified, off."""
     k = len(scales)
     slots = torch.tensor([slot for slot, _, _, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
     positions = torch.tensor([p for _, _, p, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
@@ -245,27 +252,33 @@ def _fold(
         stack.enter_context(
             blocks[edited.first].register_forward_pre_hook(_entering(entering), with_kwargs=True)
         )
-        logits = (
-            loaded.model(
-                input_ids=ids,
-                attention_mask=mask.long(),
-                position_ids=positions[:, None],
-                cache=_selected(cache, slots, positions, edited.first),
-                use_cache=True,
-            )
-            .logits[:, -1]
-            .float()
-        )  # [rows, vocab]
-    log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), k, -1)  # [contexts, k, vocab]
-    memory_rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
-    sums["change"].index_add_(0, memory_rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
+        hidden = loaded.model.base_model(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            position_ids=positions[:, None],
+            cache=_selected(cache, slots, positions, edited.first),
+            use_cache=True,
+        ).last_hidden_state[:, -1]  # [rows, d]
+    states = torch.cat([edited.final[:, None], hidden.reshape(len(chunk), k, -1)], dim=1)  # [contexts, 3, d]
+    return [read[k * index] for index in range(len(chunk))], states  # m before its row's edit
+
+
+def _unembed(
+    loaded: LoadedModel, pending: list[tuple[torch.Tensor, torch.Tensor]], sums: dict[str, torch.Tensor]
+) -> None:
+    """The pending contexts' last hidden states through the unembedding in one product: their
+    log-probability changes amplified − off (and, with the unedited state first, their probabilities)
+    added to their memories' `sums`; `pending` emptied."""
+    rows = torch.cat([found for found, _ in pending])  # [contexts]
+    states = torch.cat([state for _, state in pending])  # [contexts, 3 or 2, d]
+    pending.clear()
+    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+    log_p = unembedding(states).float().log_softmax(dim=-1).cpu()  # [contexts, 3 or 2, vocab]
+    sums["change"].index_add_(0, rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
     if "base" in sums:
-        unembedding = resolve(loaded.model, loaded.adapter.unembedding)
-        base = unembedding(edited.final).float().log_softmax(dim=-1).cpu()  # [contexts, vocab]
-        p = torch.cat([base[:, None], log_p], dim=1).exp()  # [contexts, 3, vocab]
+        p = log_p.exp()  # [contexts, 3, vocab]
         for index, name in enumerate(("base", "amplified", "off")):
-            sums[name].index_add_(0, memory_rows, p[:, index])
-    return [read[k * index] for index in range(len(chunk))]  # m before its row's edit
+            sums[name].index_add_(0, rows, p[:, index])
 
 
 @contextmanager
