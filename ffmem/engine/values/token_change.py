@@ -99,14 +99,14 @@ def token_change(
             chunks = [wanted[start : start + per] for start in range(0, len(wanted), per)]
             firsts = [memories[chunk[0][1]][0] for chunk in chunks]
             cached = _group_cache(loaded, texts, [ends[s] for s in group], chunks, firsts)
-            for index, (chunk, first) in enumerate(zip(chunks, firsts, strict=True)):
-                edited = _Edited(first, cached.entering[index], cached.final[index], cached.tuples)
+            for number, (chunk, first) in enumerate(zip(chunks, firsts, strict=True)):
+                edited = _Edited(first, cached.entering[number], cached.final[number], cached.tuples)
                 read, states = _fold(loaded, texts, cached.cache, memories, chunk, scales, edited)
                 rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
                 pending.append((rows, states if probabilities else states[:, 1:]))
                 for (_, row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
-                if sum(len(rows) for rows, _ in pending) >= UNEMBEDDED:
+                if sum(len(found) for found, _ in pending) >= UNEMBEDDED:
                     _unembed(loaded, pending, sums)
         if pending:
             _unembed(loaded, pending, sums)
