@@ -9,7 +9,10 @@ import math
 
 import pytest
 import torch
+from test_adapters import CASES, VOCAB, _tiny
 
+from ffmem.engine.model.adapters import adapter_for
+from ffmem.engine.model.loaded import LoadedModel
 from ffmem.engine.values.token_change import Context, control_key, output_score, token_change
 
 SENTENCES = ["The capital of France is Paris, a city on the Seine", "Water boils at one hundred degrees"]
@@ -72,7 +75,7 @@ def test_token_change_matches_edited_forward_passes_by_hand(tiny):
     assert min(float(found.change[row].abs().max()) for row in (0, 1)) > 1e-3  # the edit moves something
     assert not found.change[2].any()  # no contexts: zeros
     lean = token_change(tiny, sentences, memories, contexts, factor=3.0, probabilities=False)
-    torch.testing.assert_close(lean.change, found.change, atol=2e-5, rtol=0)  # two rows a context, not three
+    torch.testing.assert_close(lean.change, found.change, atol=2e-5, rtol=0)  # the change alone kept
     assert lean.base is None
     for (layer, key), wanted, read, again in zip(
         memories, contexts, found.coefficients, lean.coefficients, strict=True
@@ -80,6 +83,43 @@ def test_token_change_matches_edited_forward_passes_by_hand(tiny):
         for context, m, m_again in zip(wanted, read, again, strict=True):  # m unedited at the context
             by_hand = _coefficients(tiny, sentences[context.sentence], layer, key)  # [pos]
             assert m == pytest.approx(float(by_hand[context.position]), abs=1e-5) == m_again
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_family_runs_only_the_edited_layers_and_matches_a_whole_forward(case):
+    """Rows start at their chunk's lowest layer (the blocks below pass through, in each family's output
+    shape: GPT-Neo's blocks return tuples) from right-aligned caches (sliding windows: GPT-Neo's local
+    layer, Mistral's); a memory of layer 0 and one of layer 1 share a sentence's chunk, each equal to the
+    whole prefix run with a plain hook on the value projection."""
+    model = _tiny(case)
+    adapter = adapter_for(model)
+    loaded = LoadedModel(model, None, adapter, case.name, case.name, None, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    sentences = [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (9, 7)]
+    memories = [(1, 3), (0, 11)]
+    contexts = [[Context(0, 4), Context(1, 6)], [Context(0, 8), Context(0, 0)]]
+    found = token_change(loaded, sentences, memories, contexts, factor=4.0)
+    blocks = adapter.blocks(model)
+    for row, (layer, key) in enumerate(memories):
+        change, base = torch.zeros(VOCAB), torch.zeros(VOCAB)
+        for context in contexts[row]:
+            prefix = sentences[context.sentence][: context.position + 1]
+            logs = []
+            for scale in (4.0, 0.0, 1.0):
+
+                def hook(module, inputs, scale=scale, key=key):
+                    m = inputs[0].clone()  # [1, pos, d_ff] ([pos, d_ff] for OPT)
+                    m.view(-1, m.shape[-1])[-1, key] *= scale
+                    return (m,)
+
+                with adapter.value_projection(blocks[layer]).register_forward_pre_hook(hook):
+                    with torch.inference_mode():
+                        logits = model(torch.tensor([prefix])).logits[0, -1]  # [vocab]
+                logs.append(logits.float().log_softmax(-1))
+            change, base = change + logs[0] - logs[1], base + logs[2].exp()
+        torch.testing.assert_close(found.change[row], change / len(contexts[row]), atol=2e-5, rtol=0)
+        torch.testing.assert_close(found.base[row], base / len(contexts[row]), atol=2e-6, rtol=0)  # unedited
+    assert float(found.change.abs().max()) > 1e-3  # the edits move something (a ReLU's m can be 0)
 
 
 def test_the_output_score_is_top_overlap_and_spearman():

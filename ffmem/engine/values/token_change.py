@@ -2,10 +2,12 @@
 al. 2025), and how well its vocabulary projection (VocabProj, ffmem.engine.values.projection) predicts it.
 
 For a memory (layer ℓ, key i) and a context — a sentence and a position p where its key fires — the model
-reads the sentence once (its attention keys and values cached); then it runs position p again from that cache
-twice: with m_i at p multiplied by `factor` (amplified) and with m_i = 0 there (switched off). Every later
-layer, the final norm and the unembedding run for real: this is not the value's direct logits. Only position
-p is edited (the earlier positions never see it), so a context costs one token per edit.
+reads the sentence through p once (its attention keys and values cached, and the residual stream entering
+layer ℓ at p kept); then it runs position p again from that cache twice: with m_i at p multiplied by
+`factor` (amplified) and with m_i = 0 there (switched off). Layer ℓ, every later layer, the final norm and
+the unembedding run for real: this is not the value's direct logits. Only position p is edited (the earlier
+positions never see it) and nothing below layer ℓ changes, so an edit costs one token through the layers
+from ℓ up.
 
 A memory's TokenChange is, per vocabulary token t, the mean over its contexts of
     log p_amplified(t) − log p_off(t)
@@ -17,10 +19,12 @@ the overlap of the two top-`top` token sets, and the rank correlation over the w
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from ffmem.engine.mining.corpus import Batch, length_bucketed_batches
@@ -32,6 +36,7 @@ from ffmem.engine.values.projection import value_logits
 ROWS = 48  # edited rows run at once (each holds a copy of its sentence's cache)
 GROUP_TOKENS = 2048  # sentence tokens whose caches one padded pass computes
 MIN_FILL = 0.75  # a sentence joins a group when its cache is at least this share of the group's width
+UNEMBEDDED = 128  # contexts whose rows go through the unembedding at once (its weight read once for them)
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,13 @@ def token_change(
     probabilities: bool = True,
 ) -> TokenChange:
     """Each memory's TokenChange over its own contexts (`contexts[j]` for `memories[j]`, positions into
-    `sentences`), with the mean probabilities unedited, amplified and off where `probabilities` (else an
-    unedited row is not run: two rows a context, not three). A memory without contexts keeps zeros. Memory
-    grows with memories × vocabulary: a caller with thousands passes them in chunks."""
+    `sentences`), with the mean probabilities unedited (from the sentence's own pass), amplified and off
+    where `probabilities`. A memory without contexts keeps zeros. Each sentence is read once for all the
+    memories passed, so pass them together; memory grows with memories × vocabulary (a caller with tens of
+    thousands passes them in chunks)."""
     vocab = resolve(loaded.model, loaded.adapter.unembedding).weight.shape[0]  # the logits' width
     n = len(memories)
-    scales = (1.0, factor, 0.0) if probabilities else (factor, 0.0)  # the rows of a context
+    scales = (factor, 0.0)  # the rows of a context (its unedited logits come from the sentence's pass)
     names = ("change", *(("base", "amplified", "off") if probabilities else ()))
     sums = {name: torch.zeros(n, vocab) for name in names}  # [n, vocab] each
     at: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # sentence → [(row, position, index)]
@@ -80,115 +86,226 @@ def token_change(
         for index, context in enumerate(found):
             at[context.sentence].append((row, context.position, index))
     coefficients = [[0.0] * len(found) for found in contexts]
-    last = {sentence: max(p for _, p, _ in wanted) for sentence, wanted in at.items()}  # cached: before it
+    ends = {sentence: 1 + max(p for _, p, _ in wanted) for sentence, wanted in at.items()}  # tokens read
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (memory rows, last hidden states) to unembed
     with torch.inference_mode():
-        for group in _groups(sorted(at, key=lambda s: -last[s]), last):
+        for group in _groups(sorted(at, key=lambda s: -ends[s]), ends):
             texts = [sentences[s] for s in group]
-            cache = _group_cache(loaded, texts, [last[s] for s in group])
-            wanted = [(slot, *context) for slot, s in enumerate(group) for context in at[s]]
-            for start in range(0, len(wanted), ROWS // len(scales)):
-                chunk = wanted[start : start + ROWS // len(scales)]
-                read = _fold(loaded, texts, cache, memories, chunk, scales, sums)
+            wanted = sorted(
+                ((slot, *context) for slot, s in enumerate(group) for context in at[s]),
+                key=lambda w: memories[w[1]][0],
+            )  # by the memory's layer: a chunk's rows start at its lowest
+            per = ROWS // len(scales)
+            chunks = [wanted[start : start + per] for start in range(0, len(wanted), per)]
+            firsts = [memories[chunk[0][1]][0] for chunk in chunks]
+            cached = _group_cache(loaded, texts, [ends[s] for s in group], chunks, firsts)
+            for number, (chunk, first) in enumerate(zip(chunks, firsts, strict=True)):
+                edited = _Edited(first, cached.entering[number], cached.final[number], cached.tuples)
+                read, states = _fold(loaded, texts, cached.cache, memories, chunk, scales, edited)
+                rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
+                pending.append((rows, states if probabilities else states[:, 1:]))
                 for (_, row, _, index), m in zip(chunk, read, strict=True):
                     coefficients[row][index] = m
+                if sum(len(found) for found, _ in pending) >= UNEMBEDDED:
+                    _unembed(loaded, pending, sums)
+        if pending:
+            _unembed(loaded, pending, sums)
     counts = torch.tensor([len(found) for found in contexts], dtype=torch.float32).clamp(min=1)[:, None]
-    means = {name: total / counts for name, total in sums.items()}  # [n, vocab] each
+    means = {name: total.div_(counts) for name, total in sums.items()}  # [n, vocab] each, in place
     means = {"base": None, "amplified": None, "off": None} | means
     return TokenChange(**means, contexts=[len(found) for found in contexts], coefficients=coefficients)
 
 
-def _groups(order: list[int], last: dict[int, int]) -> list[list[int]]:
-    """Sentences (the longest cache first) in groups of at most GROUP_TOKENS padded tokens, each at least
+def _groups(order: list[int], ends: dict[int, int]) -> list[list[int]]:
+    """Sentences (the longest read first) in groups of at most GROUP_TOKENS padded tokens, each at least
     MIN_FILL of its group's width (padding is work too)."""
     groups: list[list[int]] = []
     for sentence in order:
-        width = max(last[groups[-1][0]], 1) if groups else 0
-        if groups and (len(groups[-1]) + 1) * width <= GROUP_TOKENS and last[sentence] >= MIN_FILL * width:
+        width = ends[groups[-1][0]] if groups else 0
+        if groups and (len(groups[-1]) + 1) * width <= GROUP_TOKENS and ends[sentence] >= MIN_FILL * width:
             groups[-1].append(sentence)
         else:
             groups.append([sentence])
     return groups
 
 
-def _group_cache(loaded: LoadedModel, texts: list[Sequence[int]], lasts: list[int]) -> DynamicCache | None:
-    """One padded pass (no logits) caching each sentence's positions before its `last`: [group, …, width,
-    …]; None when every context is at position 0."""
-    width = max(lasts)
-    if width == 0:
-        return None
+@dataclass
+class _Cached:
+    """A group's one pass: its cache and, per chunk of contexts, the residual stream entering the chunk's
+    first layer at each context's position."""
+
+    cache: DynamicCache
+    entering: list[torch.Tensor]  # per chunk [contexts, d]
+    final: list[torch.Tensor]  # per chunk [contexts, d]: the last hidden state (final norm and all) there
+    tuples: bool  # whether the model's blocks return tuples (their hidden state first)
+
+
+@dataclass(frozen=True)
+class _Edited:
+    """Where a chunk's rows start: its first (lowest) layer, the residual stream entering it, the unedited
+    last hidden state, the blocks' output shape."""
+
+    first: int
+    entering: torch.Tensor  # [contexts, d]
+    final: torch.Tensor  # [contexts, d]
+    tuples: bool
+
+
+def _group_cache(
+    loaded: LoadedModel,
+    texts: list[Sequence[int]],
+    ends: list[int],
+    chunks: list[list[tuple[int, int, int, int]]],
+    firsts: list[int],
+) -> _Cached:
+    """One padded pass (no logits) through each sentence's first `ends` tokens: the cache [group, …, width,
+    …] and, read off as it runs, each chunk's residual stream entering its first layer at its contexts."""
+    width = max(ends)
     ids = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width] right-padded
     mask = torch.zeros((len(texts), width), dtype=torch.long)  # [group, width]
-    for slot, (text, n) in enumerate(zip(texts, lasts, strict=True)):
+    for slot, (text, n) in enumerate(zip(texts, ends, strict=True)):
         ids[slot, :n] = torch.tensor(list(text[:n]))
         mask[slot, :n] = 1
-    cache = DynamicCache(config=loaded.model.config)
-    loaded.model.base_model(
-        input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), cache=cache, use_cache=True
+    blocks = loaded.adapter.blocks(loaded.model)
+    entering: list[torch.Tensor | None] = [None] * len(chunks)
+    tuples: list[bool] = []
+
+    def read(layer: int):
+        wanted = [(index, chunk) for index, chunk in enumerate(chunks) if firsts[index] == layer]
+
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]  # [group, width, d]
+            for index, chunk in wanted:
+                entering[index] = hidden[_slots(chunk, hidden.device), _positions(chunk, hidden.device)]
+
+        return hook
+
+    handles = [
+        blocks[layer].register_forward_pre_hook(read(layer), with_kwargs=True) for layer in set(firsts)
+    ]
+    handles.append(
+        blocks[0].register_forward_hook(lambda m, i, output: tuples.append(isinstance(output, tuple)))
     )
-    return cache
+    cache = DynamicCache()  # every layer whole: a sliding layer's would keep only the batch's last positions
+    try:
+        last = loaded.model.base_model(
+            input_ids=ids.to(loaded.device),
+            attention_mask=mask.to(loaded.device),
+            cache=cache,
+            use_cache=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    final = [
+        last.last_hidden_state[_slots(chunk, ids.device), _positions(chunk, ids.device)] for chunk in chunks
+    ]
+    return _Cached(cache, entering, final, tuples[0])  # final: [contexts, d] each
+
+
+def _slots(chunk: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor([slot for slot, _, _, _ in chunk], device=device)  # [contexts]
+
+
+def _positions(chunk: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor([p for _, _, p, _ in chunk], device=device)  # [contexts]
 
 
 def _fold(
     loaded: LoadedModel,
     texts: list[Sequence[int]],
-    cache: DynamicCache | None,
+    cache: DynamicCache,
     memories: Sequence[tuple[int, int]],
     chunk: list[tuple[int, int, int, int]],
     scales: tuple[float, ...],
-    sums: dict[str, torch.Tensor],
-) -> list[float]:
+    edited: _Edited,
+) -> tuple[list[float], torch.Tensor]:
     """Run the chunk's contexts (slot of its sentence in the group, memory row, position, index): per context
-    a row per scale of m — (unedited,) amplified and switched off — each position p from its sentence's cache
-    of the positions before it; add their log-probability changes (and probabilities) to `sums`. Each
-    context's unedited m."""
+    a row per scale of m — amplified and switched off — each position p from its sentence's cache
+    of the positions before it and from the chunk's first layer on (the layers below it are the unedited
+    pass's: its residual stream is put in there). Each context's unedited m, and its last hidden states
+    [contexts, 3, d]: unedited (the sentence's pass's), amplified, off."""
     k = len(scales)
     slots = torch.tensor([slot for slot, _, _, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
-    at = [p for _, _, p, _ in chunk for _ in range(k)]
-    positions = torch.tensor(at, device=loaded.device)  # [rows]
+    positions = torch.tensor([p for _, _, p, _ in chunk for _ in range(k)], device=loaded.device)  # [rows]
     rows = len(positions)
     ids = torch.tensor(
         [[texts[slot][p]] for slot, _, p, _ in chunk for _ in range(k)], device=loaded.device
     )  # [rows, 1]
-    width = 0 if cache is None else cache.get_seq_length()
-    # Row r sees the cached positions before its own p, and itself: [rows, width + 1].
-    mask = torch.arange(width + 1, device=loaded.device)[None, :] < positions[:, None]
-    mask[:, -1] = True
+    width = cache.get_seq_length()
+    # Row r sees its p cached positions (right-aligned by `_selected`) and itself: [rows, width + 1].
+    mask = torch.arange(width + 1, device=loaded.device)[None, :] >= (width - positions)[:, None]
     factors = torch.tensor([s for _ in chunk for s in scales], device=loaded.device)  # [rows]
     edits: dict[int, list[tuple[int, int]]] = defaultdict(list)  # layer → [(row, key)]
     for index, (_, row, _, _) in enumerate(chunk):
         layer, key = memories[row]
-        edits[layer] += [(k * index + offset, key) for offset in range(k)]  # an unedited row scales by 1
+        edits[layer] += [(k * index + offset, key) for offset in range(k)]
     blocks = loaded.adapter.blocks(loaded.model)
     read: dict[int, float] = {}  # row → its m before the edit
-    handles = [
-        loaded.adapter.value_projection(blocks[layer]).register_forward_pre_hook(
-            _scale(found, factors, rows, read)
+    entering = edited.entering.repeat_interleave(k, dim=0)[:, None, :]  # [rows, 1, d]
+    with ExitStack() as stack:
+        for layer, found in edits.items():
+            projection = loaded.adapter.value_projection(blocks[layer])
+            stack.enter_context(projection.register_forward_pre_hook(_scale(found, factors, rows, read)))
+        for block in blocks[: edited.first]:
+            stack.enter_context(_skipped(block, edited.tuples))
+        stack.enter_context(
+            blocks[edited.first].register_forward_pre_hook(_entering(entering), with_kwargs=True)
         )
-        for layer, found in edits.items()
-    ]
-    try:
-        logits = (
-            loaded.model(
-                input_ids=ids,
-                attention_mask=mask.long(),
-                position_ids=positions[:, None],
-                cache=_selected(loaded, cache, slots),
-                use_cache=cache is not None,
-            )
-            .logits[:, -1]
-            .float()
-        )  # [rows, vocab]
-    finally:
-        for handle in handles:
-            handle.remove()
-    log_p = logits.log_softmax(dim=-1).cpu().reshape(len(chunk), k, -1)  # [contexts, k, vocab]
-    memory_rows = torch.tensor([row for _, row, _, _ in chunk])  # [contexts]
-    sums["change"].index_add_(0, memory_rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
-    if k == 3:
+        hidden = loaded.model.base_model(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            position_ids=positions[:, None],
+            cache=_selected(cache, slots, positions, edited.first),
+            use_cache=True,
+        ).last_hidden_state[:, -1]  # [rows, d]
+    states = torch.cat([edited.final[:, None], hidden.reshape(len(chunk), k, -1)], dim=1)  # [contexts, 3, d]
+    return [read[k * index] for index in range(len(chunk))], states  # m before its row's edit
+
+
+def _unembed(
+    loaded: LoadedModel, pending: list[tuple[torch.Tensor, torch.Tensor]], sums: dict[str, torch.Tensor]
+) -> None:
+    """The pending contexts' last hidden states through the unembedding in one product: their
+    log-probability changes amplified − off (and, with the unedited state first, their probabilities)
+    added to their memories' `sums`; `pending` emptied."""
+    rows = torch.cat([found for found, _ in pending])  # [contexts]
+    states = torch.cat([state for _, state in pending])  # [contexts, 3 or 2, d]
+    pending.clear()
+    unembedding = resolve(loaded.model, loaded.adapter.unembedding)
+    log_p = unembedding(states).float().log_softmax(dim=-1).cpu()  # [contexts, 3 or 2, vocab]
+    sums["change"].index_add_(0, rows, log_p[:, -2] - log_p[:, -1])  # amplified − off
+    if "base" in sums:
         p = log_p.exp()  # [contexts, 3, vocab]
         for index, name in enumerate(("base", "amplified", "off")):
-            sums[name].index_add_(0, memory_rows, p[:, index])
-    return [read[k * index] for index in range(len(chunk))]  # m before its row's edit
+            sums[name].index_add_(0, rows, p[:, index])
+
+
+@contextmanager
+def _skipped(block: nn.Module, tuples: bool) -> Iterator[None]:
+    """A block below the edited layers passes its input through unchanged, in its output's shape (its
+    output is replaced at the first edited layer's input anyway)."""
+
+    def forward(*args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden, None) if tuples else hidden
+
+    block.forward = forward
+    try:
+        yield
+    finally:
+        del block.forward
+
+
+def _entering(entering: torch.Tensor):
+    """A pre-hook on the first edited layer's block: its input is the unedited pass's residual stream."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (entering.to(args[0].dtype), *args[1:]), kwargs
+        return args, kwargs | {"hidden_states": entering.to(kwargs["hidden_states"].dtype)}
+
+    return hook
 
 
 def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: dict[int, float]):
@@ -208,14 +325,25 @@ def _scale(found: list[tuple[int, int]], scales: torch.Tensor, rows: int, read: 
     return hook
 
 
-def _selected(loaded: LoadedModel, cache: DynamicCache | None, slots: torch.Tensor) -> DynamicCache | None:
-    """A fresh cache holding, for each row, its sentence's keys and values (the rows' pass appends to it)."""
-    if cache is None:
-        return None
-    selected = DynamicCache(config=loaded.model.config)
+def _selected(cache: DynamicCache, slots: torch.Tensor, positions: torch.Tensor, first: int) -> DynamicCache:
+    """A fresh cache holding, for each row, its sentence's keys and values before its position p,
+    right-aligned (left-padded: the row's query sits right after them, so a sliding window counts back from
+    it), every layer whole (no sliding layer drops what a row needs); the layers below `first`, which the
+    rows skip, hold one sentence's (only their width is read). The rows' pass appends to it."""
+    width = cache.get_seq_length()
+    shift = width - positions  # [rows]: position j of a row is at slot j + shift
+    at = torch.arange(width, device=positions.device)[None, :] - shift[:, None]  # [rows, width]
+    at = at.clamp(min=0)  # the left padding reads position 0 (masked)
+    selected = DynamicCache()
     for index, layer in enumerate(cache.layers):
-        keys = layer.keys.index_select(0, slots)  # [rows, heads, width, head_dim]
-        values = layer.values.index_select(0, slots)  # [rows, heads, width, head_dim]
+        if index < first:
+            keys = values = layer.keys[:1]  # [1, heads, width, head_dim]: never read, only its width
+        else:
+            heads = torch.arange(layer.keys.shape[1], device=positions.device)[None, :, None]  # [1, heads, 1]
+            keys = layer.keys[slots[:, None, None], heads, at[:, None, :]]  # [rows, heads, width, head_dim]
+            values = layer.values[
+                slots[:, None, None], heads, at[:, None, :]
+            ]  # [rows, heads, width, head_dim]
         selected.update(keys, values, index)
     return selected
 
