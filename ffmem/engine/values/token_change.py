@@ -358,17 +358,33 @@ class OutputScore:
 
 def output_score(change: torch.Tensor, value_logits: torch.Tensor, top: int) -> OutputScore:
     """The agreement of one TokenChange [vocab] with one value's logits [vocab]."""
-    promoted = set(change.topk(top).indices.tolist())
-    read = set(value_logits.topk(top).indices.tolist())
-    return OutputScore(overlap=len(promoted & read) / top, spearman=_spearman(change, value_logits))
+    return output_scores(change[None], _ranks(change[None]), value_logits[None], top)[0]
 
 
-def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman's rank correlation of two [n] vectors (ties broken by order: logits of floats rarely tie)."""
-    ranks = [x.double().argsort().argsort().double() for x in (a, b)]  # [n] each
-    centered = [r - r.mean() for r in ranks]
-    denominator = (centered[0].norm() * centered[1].norm()).item()
-    return float((centered[0] @ centered[1]).item() / denominator) if denominator else 0.0
+def output_scores(
+    change: torch.Tensor, change_ranks: torch.Tensor, value_logits: torch.Tensor, top: int
+) -> list[OutputScore]:
+    """The agreement of each TokenChange (`change` [rows, vocab] and its `_ranks`) with the value logits of
+    its row ([rows, vocab]): the overlap of the two top-`top` sets and Spearman's rank correlation, which for
+    ranks without ties (ties broken by order: logits of floats rarely tie) is 1 − 6·Σd² / (n(n² − 1))."""
+    n = change.shape[-1]
+    promoted = change.topk(top, dim=-1).indices  # [rows, top]
+    read = value_logits.topk(top, dim=-1).indices  # [rows, top]
+    common = (promoted[:, :, None] == read[:, None, :]).any(dim=-1).sum(dim=-1)  # [rows]
+    apart = (change_ranks - _ranks(value_logits)).pow_(2).sum(dim=-1)  # [rows]: Σd²
+    spearman = 1 - 6 * apart / (n * (n * n - 1)) if n > 1 else torch.zeros_like(apart)  # [rows]
+    return [
+        OutputScore(overlap=int(c) / top, spearman=float(r))
+        for c, r in zip(common.tolist(), spearman.tolist(), strict=True)
+    ]
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Each entry's 0-based rank in its row, ties broken by order: [rows, n] → [rows, n] float64 (one sort
+    and a scatter, not two sorts)."""
+    order = x.argsort(dim=-1, stable=True)  # [rows, n]
+    steps = torch.arange(x.shape[-1], dtype=torch.float64).expand(order.shape)  # [rows, n]
+    return torch.empty(order.shape, dtype=torch.float64).scatter_(-1, order, steps)
 
 
 def control_key(key: int, n_keys: int) -> int:
@@ -388,19 +404,28 @@ class Scored:
 
 
 def scored(
-    loaded: LoadedModel, found: TokenChange, memories: Sequence[tuple[int, int]], top: int
+    loaded: LoadedModel, found: TokenChange, memories: Sequence[tuple[int, int]], top: int, rows: int = 64
 ) -> list[Scored]:
-    """Each memory's VocabProj (its value's raw logits, v·E) and its control's against its TokenChange."""
+    """Each memory's VocabProj (its value's raw logits, v·E) and its control's against its TokenChange, `rows`
+    memories at a time (their TokenChange ranked once for both)."""
     blocks = loaded.adapter.blocks(loaded.model)
     out = []
     with torch.inference_mode():
-        for row, (layer, key) in enumerate(memories):
-            other = control_key(key, loaded.n_keys)
-            values = loaded.adapter.value_matrix(blocks[layer])[[key, other]]  # [2, d]
-            logits = value_logits(loaded, values, "raw").float().cpu()  # [2, vocab]
-            change = found.change[row]  # [vocab]
-            score, control = (output_score(change, logits[i], top) for i in (0, 1))
-            out.append(Scored(score, other, control, logits[0].topk(top).indices.tolist()))
+        for start in range(0, len(memories), rows):
+            part = memories[start : start + rows]
+            others = [control_key(key, loaded.n_keys) for _, key in part]
+            read = [*part, *((layer, other) for (layer, _), other in zip(part, others, strict=True))]
+            values = torch.stack(
+                [loaded.adapter.value_matrix(blocks[layer])[key] for layer, key in read]
+            )  # [2·part, d]: the memories', then their controls'
+            logits = value_logits(loaded, values, "raw").float().cpu()  # [2·part, vocab]
+            change = found.change[start : start + len(part)]  # [part, vocab]
+            change_ranks = _ranks(change)  # [part, vocab]
+            own, control = (
+                output_scores(change, change_ranks, half, top) for half in logits.split(len(part))
+            )
+            vocab_proj = logits[: len(part)].topk(top, dim=-1).indices.tolist()  # [part, top]
+            out += [Scored(*fields) for fields in zip(own, others, control, vocab_proj, strict=True)]
     return out
 
 
