@@ -4,6 +4,8 @@ numpy's correlation and a pairwise AUROC), the memory's sign, and determinism.""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -367,3 +369,25 @@ def test_the_protocol_equals_a_hand_recomputation():
         # (the same table read against −m) is the opposite; a pattern that weighs nothing scores nothing
         assert sign * found[0].pooled > 0.2 and sign * found[0].pooled > sign * found[0].pooled_control
         assert found[4].pooled is None and found[4].matches == 0
+
+
+def test_auroc_of_levels_equals_every_pair_compared():
+    """The AUROC from level counts (sorted matches, running sums) equals comparing every positive position
+    with every negative one, ties counted half, with many tied matches; NaN for a key without both."""
+    from ffmem.engine.explanations.scoring import auroc_of_levels
+
+    rng = np.random.default_rng(3)
+    levels, keys = 9, 40
+    positive = rng.integers(0, 4, (levels, keys)) * (rng.random((levels, keys)) < 0.5)  # [levels, keys]
+    negative = rng.integers(0, 6, (levels, keys)) * (rng.random((levels, keys)) < 0.6)  # [levels, keys]
+    positive[:, 0] = 0  # no positive: NaN
+    value = rng.integers(-2, 3, (levels, keys)) * 0.5  # [levels, keys]: a match per level, tied often
+    found = auroc_of_levels(*(torch.from_numpy(x).double() for x in (positive, negative, value)))
+    for key in range(keys):
+        pos = np.repeat(value[:, key], positive[:, key])  # every positive position's match
+        neg = np.repeat(value[:, key], negative[:, key])
+        if not len(pos) or not len(neg):
+            assert math.isnan(found[key]), key
+            continue
+        pairs = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
+        assert float(found[key]) == pytest.approx(pairs.mean(), abs=1e-12), key

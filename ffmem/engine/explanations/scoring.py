@@ -195,12 +195,18 @@ class PatternScores:
 
 def auroc_of_levels(positive: torch.Tensor, negative: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """AUROC of the match from its level counts among positives and negatives and each level's match
-    ([levels, keys] each): P(match of a positive > match of a negative) + ½ P(equal). NaN without both."""
+    ([levels, keys] each): P(match of a positive > match of a negative) + ½ P(equal). NaN without both.
+    Each key's levels sorted by their match: the negatives below a level and those level with it are running
+    sums read at the ends of its group of equal matches (counts and halves: the sums are exact)."""
     n_pos, n_neg = positive.sum(0), negative.sum(0)  # [keys]
-    wins = torch.zeros_like(n_pos)
-    for keys in torch.arange(len(n_pos)).split(512):  # [levels, levels, 512] at a time
-        beats = (torch.sign(value[:, None, keys] - value[None, :, keys]) + 1) / 2  # 1, ½ or 0
-        wins[keys] = torch.einsum("ak,abk,bk->k", positive[:, keys], beats, negative[:, keys])
+    order = value.T.argsort(dim=1)  # [keys, levels]
+    matches = value.T.gather(1, order).contiguous()  # [keys, levels], ascending
+    negatives = negative.T.gather(1, order)  # [keys, levels]
+    below = negatives.cumsum(dim=1)  # [keys, levels]
+    below = torch.cat([torch.zeros_like(n_neg)[:, None], below], dim=1)  # [keys, 1 + levels]
+    lower = below.gather(1, torch.searchsorted(matches, matches))  # [keys, levels]: negatives below
+    level = below.gather(1, torch.searchsorted(matches, matches, right=True)) - lower  # level with it
+    wins = (positive.T.gather(1, order) * (lower + level / 2)).sum(dim=1)  # [keys]
     return torch.where((n_pos > 0) & (n_neg > 0), wins / (n_pos * n_neg).clamp(min=1), torch.nan)
 
 
