@@ -215,3 +215,14 @@ def pytest_collection_modifyitems(items) -> None:
         return 0 if item.get_closest_marker("smollm2") else 1 if item.get_closest_marker("slow") else 2
 
     items.sort(key=weight)  # stable: a module's tests stay together and in order
+
+
+@pytest.fixture
+def compile_backend(monkeypatch):
+    """torch.compile's backend for the torch fold's compiled passes in a test: aot_eager (the graph dynamo
+    traces, run without generating code: seconds) unless FFMEM_TEST_COMPILE_BACKEND says another. The
+    option's own backend, inductor, generates code for a minute on a cold cache; its parity with the CPU
+    fold is checked with FFMEM_TEST_COMPILE_BACKEND=inductor."""
+    from ffmem.engine.mining import fold_passes
+
+    monkeypatch.setattr(fold_passes, "BACKEND", os.environ.get("FFMEM_TEST_COMPILE_BACKEND", "aot_eager"))

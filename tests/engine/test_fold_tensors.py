@@ -253,8 +253,7 @@ def test_the_first_of_a_stable_sort_by_comparisons_equals_torch_sort():
         assert torch.equal(first_of_stable_sort(values, k), expected)
 
 
-@pytest.mark.slow  # compiling takes a minute
-def test_the_compiled_torch_fold_gives_the_compiled_folds_state():
+def test_the_compiled_torch_fold_gives_the_compiled_folds_state(compile_backend):
     """The torch fold with its passes compiled by torch.compile (`compiled_fold`), every layer of a batch at
     once, on batches of several shapes (one compilation for them all): `update`'s state bit for bit."""
     seed, n_layers, n_keys, top_k, n_batches = CASES["small T, many batches"]

@@ -201,10 +201,10 @@ def test_a_tiny_gated_models_quadrants_equal_its_gate_and_up_projections_read_ap
                 assert got.quadrant_input[key, q, :n] == pytest.approx([w[3] for w in want], **close)
 
 
-@pytest.mark.parametrize(
-    "compiled_fold", [False, pytest.param(True, marks=pytest.mark.slow)]
-)  # slow: compiling
-def test_the_grouped_torch_fold_gives_the_compiled_folds_quadrants_and_triggers(compiled_fold):
+@pytest.mark.parametrize("compiled_fold", [False, True])
+def test_the_grouped_torch_fold_gives_the_compiled_folds_quadrants_and_triggers(
+    compiled_fold, compile_backend
+):
     """The gated torch fold, every layer of a batch at once, its passes eager or compiled by torch.compile
     (`compiled_fold`), on batches of several shapes with NaN coefficients: the compiled CPU fold's
     quadrants, histogram and triggers (a row's first NaN its extreme of both signs) bit for bit."""
