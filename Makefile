@@ -21,11 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/ffmem demo
 
-# A pytest worker per core and one more (at most 4: many tests wait on a subprocess, a browser or the
-# database), each taking whole modules, the slowest first (tests/conftest.py).
-WORKERS ?= $(shell python3 -c "import os; print(min(4, (os.cpu_count() or 1) + 1))")
+# A pytest worker per core (at most 4), each taking whole modules, the slowest first (tests/conftest.py).
 test: install
-	$(VENV)/bin/pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder
+	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadscope --no-loadscope-reorder
 
 # Each benchmark is a module of the bench package, run from the repository root (docs/benchmarks.md).
 bench: install
