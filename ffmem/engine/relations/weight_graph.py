@@ -152,27 +152,49 @@ def weight_graph(
     with torch.inference_mode():
         blocks = loaded.adapter.blocks(loaded.model)
         values = [loaded.adapter.value_matrix(b).to(device) for b in blocks]  # L × [d_ff, d]
+        # One buffer each for a block's writers, scores and |scores|, reused block after block: fresh
+        # ones would be mapped from the system and faulted in page by page at every block.
+        rows = min(block_layers, n_layers - 1) * d_ff
+        buffers = _Buffers(rows, values[0].shape[1], d_ff, device)
         for reader in range(1, n_layers):
             reads = read_vectors(loaded, reader).to(device)  # [d_ff, d]
             best_in = _no_links(d_ff, device)
             for start in range(0, reader, block_layers):
                 stop = min(start + block_layers, reader)
-                writers = torch.cat(values[start:stop]).float()  # [(stop − start)·d_ff, d]
-                scores = writers @ reads.T  # [writers, d_ff]
-                magnitude = scores.abs()  # [writers, d_ff]
+                writers, scores, magnitude = buffers.block(values[start:stop])  # [w, d], [w, d_ff] ×2
+                torch.matmul(writers, reads.T, out=scores)  # [writers, d_ff]
+                torch.abs(scores, out=magnitude)  # [writers, d_ff]
                 first = start * d_ff
                 # inbound: per reader key (a column), the writers with the largest |score|
-                rows = top_per_column(magnitude, n)  # [n, d_ff]
-                found = (scores.gather(0, rows).T, (first + rows).T)  # [d_ff, n] each
+                top = top_per_column(magnitude, n)  # [n, d_ff]
+                found = (scores.gather(0, top).T, (first + top).T)  # [d_ff, n] each
                 best_in = _merge(best_in, found, n)
                 # outbound: per writer (a row), the reader keys with the largest |score|
                 columns = magnitude.topk(min(n, d_ff), dim=1).indices  # [writers, n]
                 found = (scores.gather(1, columns), reader * d_ff + columns)  # [writers, n] each
                 for offset, layer in enumerate(range(start, stop)):
-                    rows = slice(offset * d_ff, (offset + 1) * d_ff)
-                    outbound[layer] = _merge(outbound[layer], (found[0][rows], found[1][rows]), n)
+                    kept = slice(offset * d_ff, (offset + 1) * d_ff)
+                    outbound[layer] = _merge(outbound[layer], (found[0][kept], found[1][kept]), n)
             inbound.append(best_in)
     return WeightGraph(*_unflatten(inbound, n, d_ff), *_unflatten(outbound, n, d_ff))
+
+
+class _Buffers:
+    """A block's float32 writers [rows, d], scores and |scores| [rows, d_ff], allocated once."""
+
+    def __init__(self, rows: int, d: int, d_ff: int, device) -> None:
+        self.writers = torch.empty(rows, d, device=device)
+        self.scores = torch.empty(rows, d_ff, device=device)
+        self.magnitude = torch.empty(rows, d_ff, device=device)
+
+    def block(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The writers `values` (each [d_ff, d]) copied in float32 into the first rows, and those rows of
+        the score buffers."""
+        rows = 0
+        for value in values:
+            self.writers[rows : rows + len(value)].copy_(value)  # [d_ff, d], in float32
+            rows += len(value)
+        return self.writers[:rows], self.scores[:rows], self.magnitude[:rows]
 
 
 def _unflatten(
