@@ -1,6 +1,6 @@
 """The torch fold (ffmem.engine.mining.fold_torch) against an older revision's: passes and seconds a batch.
 
-    OMP_NUM_THREADS=1 python -m bench.torch_fold --against 5a96198 --repeats 3 --compiled
+    OMP_NUM_THREADS=1 python -m bench.torch_fold --against 5a96198 --repeats 3 --compiled --bar
 
 At a model's shape (default SmolLM2-135M's: 30 layers of 1536 keys, gated, a batch of 32 sentences of 64
 positions, T = 50), one random batch folded by both folds, a whole group of layers at once as a GPU folds
@@ -11,7 +11,9 @@ it (`MiningState.fold_tensors`), into a state already holding one batch:
 - seconds: each fold's time a batch on the CPU with `--threads` torch threads (default 1), the two
   interleaved over `--repeats` rounds after one uncounted, and the older over the newer, one ratio a
   round. On a shared machine only that ratio means anything. With `--compiled`, the working tree's fold
-  with its passes compiled too (fold_passes.compiled; compiled once, in the uncounted round).
+  with its passes compiled too (fold_passes.compiled; compiled once, in the uncounted round). With `--bar`,
+  the working tree's fold with its lists merged in the bar form (fold_torch), eager and (with
+  `--compiled`) compiled, timed in the same rounds: the merge form over the bar form, one ratio a round.
 Figures go into bench-results.json under "torch_fold".
 """
 
@@ -74,21 +76,21 @@ def random_batch(layers: int, rows: int, positions: int, keys: int, device: str 
 
 
 def folded_state(
-    module, shape: tuple[int, int, int, int], top_k: int, device: str, **compiled: bool
+    module, shape: tuple[int, int, int, int], top_k: int, device: str, **options: bool
 ) -> MiningState:
     """A gated MiningState on `device` whose torch fold is `module`'s TorchFold (`compiled=True`: its passes
-    compiled)."""
+    compiled; `bar=True`: its lists merged in the bar form)."""
     layers, _, _, keys = shape
     state = MiningState(layers, keys, top_k, device=device, gated=True)
-    state._torch_fold = module.TorchFold(state, device, **compiled)
+    state._torch_fold = module.TorchFold(state, device, **options)
     return state
 
 
-def passes(module, shape: tuple[int, int, int, int], top_k: int) -> tuple[Counter, int]:
+def passes(module, shape: tuple[int, int, int, int], top_k: int, **options: bool) -> tuple[Counter, int]:
     """The operators over whole groups in one fold of a batch by `module`'s TorchFold, on the meta device,
     and the bytes they move a coefficient."""
     coefficients, inputs, batch = random_batch(*shape, device="meta")
-    state = folded_state(module, shape, top_k, "meta")
+    state = folded_state(module, shape, top_k, "meta", **options)
     with Passes(coefficients.numel()) as counted:
         state.fold_tensors(slice(0, shape[0]), coefficients, batch, inputs)
     return counted.names, counted.bytes
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compiled", action="store_true", help="time the compiled passes too")
+    parser.add_argument("--bar", action="store_true", help="time the bar form of the lists' merge too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = (args.layers, args.rows, args.positions, args.keys)
@@ -112,16 +115,27 @@ def main() -> None:
         "now": fold_torch,
     }
     figures = {"against": args.against, "shape": shape, "threads": args.threads, "passes": {}}
+    options = {"then": {}, "now": {}}  # each fold's TorchFold options
+    if args.bar:
+        folds["bar"], options["bar"] = fold_torch, {"bar": True}
     for name, module in folds.items():
-        counted, moved = passes(module, shape, args.top_k)
+        counted, moved = passes(module, shape, args.top_k, **options[name])
         by_name = dict(sorted(counted.items()))
         figures["passes"][name] = {"total": sum(counted.values()), "bytes": moved, **by_name}
         harness.log(f"{name}: {sum(counted.values())} passes, {moved} bytes a coefficient: {by_name}")
     coefficients, inputs, batch = random_batch(*shape)
-    states = {name: folded_state(module, shape, args.top_k, "cpu") for name, module in folds.items()}
+    states = {
+        name: folded_state(module, shape, args.top_k, "cpu", **options[name])
+        for name, module in folds.items()
+    }
     if args.compiled:
         folds["compiled"] = fold_torch
         states["compiled"] = folded_state(fold_torch, shape, args.top_k, "cpu", compiled=True)
+        if args.bar:
+            folds["bar compiled"] = fold_torch
+            states["bar compiled"] = folded_state(
+                fold_torch, shape, args.top_k, "cpu", compiled=True, bar=True
+            )
     work = torch.empty_like(coefficients)  # the fold overwrites its coefficients: a copy each time
     layers = slice(0, args.layers)
     seconds: dict[str, list[float]] = {name: [] for name in folds}
@@ -148,6 +162,12 @@ def main() -> None:
         compiled = [then / now for then, now in zip(seconds["then"], seconds["compiled"], strict=True)]
         figures["then_over_compiled"] = round(statistics.median(compiled), 2)
         print(f"then over compiled: {figures['then_over_compiled']} (per round: {compiled})")
+    for merge, bar in (("now", "bar"), ("compiled", "bar compiled")):
+        if bar in seconds:  # the merge form over the bar form, eager and compiled
+            ratios = [a / b for a, b in zip(seconds[merge], seconds[bar], strict=True)]
+            figures[f"{merge}_over_{bar.replace(' ', '_')}"] = round(statistics.median(ratios), 2)
+            rounds = ", ".join(f"{r:.2f}" for r in ratios)
+            print(f"{merge} over {bar}: {statistics.median(ratios):.2f} (per round: {rounds})")
     print(
         f"passes over the group's coefficients: then {figures['passes']['then']['total']}, now "
         f"{figures['passes']['now']['total']} ({figures['passes']['then']['bytes']} and "

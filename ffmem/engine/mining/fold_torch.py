@@ -30,7 +30,7 @@ from ffmem.engine.mining import fold_passes
 from ffmem.engine.mining.bins import CODE_STRIDE, CODES, FOLD_BYTES, code_values, histogram_bins, scratch
 from ffmem.engine.mining.corpus import Batch
 from ffmem.engine.mining.fold_passes import Reductions
-from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, QUADRANT_EXAMPLES, SAMPLES, SIGNS
+from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, SAMPLES, SIGNS
 from ffmem.engine.mining.order import EMPTY_ORDER, first_of_stable_sort, order_key, sample_priority
 
 if TYPE_CHECKING:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-
 # An empty slot's order key, order_key(−inf, sentence −1): −inf's bits (−2²³ as an int32) made
 # order-preserving, a tie of 0. Only a −NaN ranks below it.
 EMPTY_ORDER = (-(2**23) ^ 0x7FFFFFFF) << 32
