@@ -69,6 +69,7 @@ class MiningState:
         """`compiled_fold`: the torch fold's passes compiled by torch.compile (fold_passes.compiled);
         `bar_fold`: its top-T and quadrant examples merged in the bar form (fold_torch)."""
         self.n_layers, self.n_keys, self.top_k, self.gated = n_layers, n_keys, top_k, gated
+        self.compiled_fold, self.bar_fold = compiled_fold, bar_fold
         shape = (n_layers, n_keys, top_k)
         self.top = {
             sign: TopK(
@@ -201,10 +202,13 @@ class MiningState:
         }
 
     @classmethod
-    def from_layers(cls, layers: list[MinedLayer], device: torch.device | str = "cpu") -> MiningState:
-        """The state whose `layer(l)` gives back `layers[l]`."""
+    def from_layers(
+        cls, layers: list[MinedLayer], device: torch.device | str = "cpu", compiled_fold: bool = False
+    ) -> MiningState:
+        """The state whose `layer(l)` gives back `layers[l]` (`compiled_fold`: as in the constructor)."""
         first = layers[0]
-        state = cls(len(layers), first.histogram.shape[0], first.top_k, device=device, gated=first.gated)
+        n_keys, gated = first.histogram.shape[0], first.gated
+        state = cls(len(layers), n_keys, first.top_k, device, gated, compiled_fold=compiled_fold)
         for index, layer in enumerate(layers):
             for sign in SIGNS:
                 values = torch.from_numpy(sign * layer.coefficient[sign]).to(device)  # [keys, T]; −inf: empty
