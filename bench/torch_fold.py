@@ -8,12 +8,14 @@ it (`MiningState.fold_tensors`), into a state already holding one batch:
 - passes: the aten operators each fold dispatches on the meta device (shapes, no data; on a GPU's code
   path) that read or write a tensor as large as the group's coefficients, by name, and the bytes they
   move a coefficient (what a GPU's memory pays; a compiled fold's kernels are not aten operators);
-- seconds: each fold's time a batch on the CPU with `--threads` torch threads (default 1), the two
-  interleaved over `--repeats` rounds after one uncounted, and the older over the newer, one ratio a
-  round. On a shared machine only that ratio means anything. With `--compiled`, the working tree's fold
-  with its passes compiled too (fold_passes.compiled; compiled once, in the uncounted round). With `--bar`,
-  the working tree's fold with its lists merged in the bar form (fold_torch), eager and (with
-  `--compiled`) compiled, timed in the same rounds: the merge form over the bar form, one ratio a round.
+- seconds: each fold's processor time a batch on the CPU (time.process_time: what it computed, not what
+  it waited for on a loaded machine; with more threads, all of theirs) with `--threads` torch threads
+  (default 1), the folds interleaved over `--repeats` rounds after one uncounted, and the older over the
+  newer, one ratio a round. On a shared machine only that ratio means anything. With `--compiled`, the
+  working tree's fold with its passes compiled too (fold_passes.compiled; compiled once, in the uncounted
+  round). With `--bar`, the working tree's fold with its lists merged in the bar form (fold_torch), eager
+  and (with `--compiled`) compiled, timed in the same rounds: the merge form over the bar form, one ratio
+  a round.
 Figures go into bench-results.json under "torch_fold".
 """
 
@@ -144,10 +146,10 @@ def main() -> None:
         for name in list(folds) if round_ % 2 == 0 else list(folds)[::-1]:
             state = states[name]
             work.copy_(coefficients)
-            start = time.perf_counter()
+            start = time.process_time()
             state.fold_tensors(layers, work, batch, inputs)
             if round_:  # the first round fills the states and workspaces: not counted
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(time.process_time() - start)
         if round_:
             last = {name: times[-1] for name, times in seconds.items()}
             harness.log(f"round {round_}: " + ", ".join(f"{name} {t:.2f} s" for name, t in last.items()))
@@ -164,10 +166,10 @@ def main() -> None:
         print(f"then over compiled: {figures['then_over_compiled']} (per round: {compiled})")
     for merge, bar in (("now", "bar"), ("compiled", "bar compiled")):
         if bar in seconds:  # the merge form over the bar form, eager and compiled
-            ratios = [a / b for a, b in zip(seconds[merge], seconds[bar], strict=True)]
-            figures[f"{merge}_over_{bar.replace(' ', '_')}"] = round(statistics.median(ratios), 2)
-            rounds = ", ".join(f"{r:.2f}" for r in ratios)
-            print(f"{merge} over {bar}: {statistics.median(ratios):.2f} (per round: {rounds})")
+            over = [a / b for a, b in zip(seconds[merge], seconds[bar], strict=True)]
+            figures[f"{merge}_over_{bar.replace(' ', '_')}"] = round(statistics.median(over), 2)
+            rounds = ", ".join(f"{r:.2f}" for r in over)
+            print(f"{merge} over {bar}: {statistics.median(over):.2f} (per round: {rounds})")
     print(
         f"passes over the group's coefficients: then {figures['passes']['then']['total']}, now "
         f"{figures['passes']['now']['total']} ({figures['passes']['then']['bytes']} and "

@@ -172,15 +172,20 @@ class TorchFold:
         that go with them, [.., n] each: one topk of [.., n + batch], or in the bar form (`self.bar`) the
         candidates that beat the bar, at most n of them, then one topk of [.., n + min(batch, n)]."""
         n = kept.shape[-1]
-        if self.bar:
-            beat = new > kept[..., -1:]  # [.., batch]: the one comparison with each list's bar
-            new = new.masked_fill(~beat, EMPTY_ORDER)  # [.., batch]: those below it empty entries
-            payloads = tuple((old, fresh.masked_fill(~beat, 0)) for old, fresh in payloads)
-            if new.shape[-1] > n:  # more sentences than slots: only the best n candidates can enter
-                new, which = new.topk(n, dim=-1)  # [.., n] each: the candidate buffer
-                payloads = tuple((old, fresh.gather(-1, which)) for old, fresh in payloads)
+        if not self.bar:
+            order, index = torch.cat([kept, new], dim=-1).topk(n, dim=-1)  # [.., n] each, best first
+            return order, [torch.cat([old, fresh], dim=-1).gather(-1, index) for old, fresh in payloads]
+        below = new <= kept[..., -1:]  # [.., batch]: the one comparison with each list's bar
+        new = new.masked_fill(below, EMPTY_ORDER)  # [.., batch]: the candidates; the others empty entries
+        if new.shape[-1] > n:  # more sentences than slots: only the best n candidates can enter
+            new, which = new.topk(n, dim=-1)  # [.., n] each: the candidate buffer
+            payloads = tuple((old, fresh.gather(-1, which)) for old, fresh in payloads)
         order, index = torch.cat([kept, new], dim=-1).topk(n, dim=-1)  # [.., n] each, best first
-        return order, [torch.cat([old, fresh], dim=-1).gather(-1, index) for old, fresh in payloads]
+        empty = order == EMPTY_ORDER  # [.., n]: an empty slot's payload is 0, whichever entry it came from
+        return order, [
+            torch.cat([old, fresh], dim=-1).gather(-1, index).masked_fill_(empty, 0)
+            for old, fresh in payloads
+        ]
 
     def _enter_samples(
         self,
