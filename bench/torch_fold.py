@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench import harness
 from ffmem.engine.mining import fold_torch
 from ffmem.engine.mining.corpus import Batch
+from ffmem.engine.mining.mined_layer import QUADRANT_EXAMPLES
 from ffmem.engine.mining.state import MiningState
 
 # Operators that move no data (views, allocations) or read only what they write (a gather of a few
@@ -96,6 +97,40 @@ def passes(module, shape: tuple[int, int, int, int], top_k: int, **options: bool
     with Passes(coefficients.numel()) as counted:
         state.fold_tensors(slice(0, shape[0]), coefficients, batch, inputs)
     return counted.names, counted.bytes
+
+
+def merge_seconds(shape: tuple[int, int, int, int], top_k: int, repeats: int) -> dict[str, dict[str, float]]:
+    """The lists' merge alone (TorchFold._merge), in the merge form and the bar form, on random order keys of
+    a group's shapes: the top-T of both signs ([2, layers, keys, T] kept and [2, layers, keys, rows] new,
+    positions beside) and the quadrant examples ([layers, keys, 4, E] and [.., rows], positions and inputs
+    beside). The processor seconds of each, the best of `repeats` rounds, the forms interleaved. Their work
+    does not depend on the values (fixed shapes): random keys stand for any batch."""
+    layers, rows, _, keys = shape
+    generator = torch.Generator().manual_seed(1)
+
+    def entries(kept_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:  # kept sorted, new, positions
+        new_shape = (*kept_shape[:-1], rows)
+        kept = (
+            torch.randint(-(2**62), 2**62, kept_shape, generator=generator).sort(-1, descending=True).values
+        )
+        new = torch.randint(-(2**62), 2**62, new_shape, generator=generator)  # like new_shape
+        positions = (torch.zeros(kept_shape, dtype=torch.long), torch.zeros(new_shape, dtype=torch.long))
+        return kept, new, positions
+
+    top = entries((2, layers, keys, top_k))  # [2, layers, keys, T] kept, [2, layers, keys, rows] new
+    quadrants = entries((layers, keys, 4, QUADRANT_EXAMPLES))  # [layers, keys, 4, E], [.., rows]
+    inputs = (torch.zeros(quadrants[0].shape), torch.zeros(quadrants[1].shape))  # float32, like them
+    lists = {"top": (*top[:2], top[2]), "quadrants": (*quadrants[:2], quadrants[2], inputs)}
+    state = MiningState(1, 1, top_k)  # _merge reads none of it
+    forms = {form: fold_torch.TorchFold(state, "cpu", bar=form == "bar") for form in ("merge", "bar")}
+    seconds = {name: {form: float("inf") for form in forms} for name in lists}
+    for round_ in range(repeats):
+        for form in list(forms) if round_ % 2 == 0 else list(forms)[::-1]:
+            for name, arguments in lists.items():
+                start = time.process_time()
+                forms[form]._merge(*arguments)
+                seconds[name][form] = min(seconds[name][form], time.process_time() - start)
+    return seconds
 
 
 def main() -> None:
@@ -164,6 +199,16 @@ def main() -> None:
         compiled = [then / now for then, now in zip(seconds["then"], seconds["compiled"], strict=True)]
         figures["then_over_compiled"] = round(statistics.median(compiled), 2)
         print(f"then over compiled: {figures['then_over_compiled']} (per round: {compiled})")
+    if args.bar:  # the lists' merge alone, where the two forms differ
+        merges = merge_seconds(shape, args.top_k, max(args.repeats, 5))
+        figures["merge_seconds"] = {
+            name: {f: round(t, 4) for f, t in by.items()} for name, by in merges.items()
+        }
+        for name, by in merges.items():
+            ratio = by["merge"] / by["bar"]
+            figures[f"{name}_merge_over_bar"] = round(ratio, 2)
+            alone = f"merge {by['merge']:.3f} s, bar {by['bar']:.3f} s"
+            print(f"{name} lists alone: {alone}; merge over bar {ratio:.2f}")
     for merge, bar in (("now", "bar"), ("compiled", "bar compiled")):
         if bar in seconds:  # the merge form over the bar form, eager and compiled
             over = [a / b for a, b in zip(seconds[merge], seconds[bar], strict=True)]
