@@ -12,12 +12,16 @@ ffmem.engine.mining.fold_passes's, eager or compiled. What they give, [.., layer
 position's worth smaller, is merged here into the top-T, the band samples and the quadrant examples.
 
 The top-T and the quadrant examples are merged in one of two forms (`bar`). The merge: every sentence of
-the batch and every kept entry in one topk of [.., T + batch]. The bar form: each sentence's order key is
-compared with its list's last kept one (the bar, the T-th largest; the E-th for a quadrant), those that do
-not beat it made empty entries; where the batch has more sentences than the list has slots, only its best
-T candidates (a topk of [.., batch]) can enter, so a candidate buffer of min(batch, T) never overflows; the
-buffer then goes into the list with one topk of [.., T + min(batch, T)]. Both give the same lists
-(order keys are unique but for the empty slot's, position 0, input 0.0 wherever it is).
+the batch and every kept entry in one topk of [.., T + batch]. The bar form: where the batch has more
+sentences than the list has slots, only its best T can enter (a topk of [.., batch]): a candidate buffer of
+min(batch, T), which never overflows; each buffered order key is compared with its list's last kept one
+(the bar, the T-th largest; the E-th for a quadrant) and those that do not beat it made empty entries; the
+buffer goes into the list with one topk of [.., T + min(batch, T)]. Both give the same lists (order keys
+are unique but for the empty slot's, whose position is 0 and input 0.0 wherever it is: an empty slot's
+payloads are zeroed after the topk). Fixed shapes both: the bar cannot shrink the work to the candidates
+that beat it without reading their number back to the host. On a CPU the bar form is the slower for the
+top-T and the faster for the quadrant examples where a batch has many more sentences than E
+(docs/benchmarks.md, issue 44's bar fold).
 """
 
 from __future__ import annotations
@@ -170,16 +174,17 @@ class TorchFold:
         """The best n of `kept` [.., n] (order keys, best first) and `new` [.., batch] (unordered), best
         first, and each payload pair's (kept's [.., n], new's [.., batch]: positions, inputs) entries
         that go with them, [.., n] each: one topk of [.., n + batch], or in the bar form (`self.bar`) the
-        candidates that beat the bar, at most n of them, then one topk of [.., n + min(batch, n)]."""
+        batch's best n (where it has more), those of them that beat the bar, then one topk of
+        [.., n + min(batch, n)]."""
         n = kept.shape[-1]
         if not self.bar:
             order, index = torch.cat([kept, new], dim=-1).topk(n, dim=-1)  # [.., n] each, best first
             return order, [torch.cat([old, fresh], dim=-1).gather(-1, index) for old, fresh in payloads]
-        below = new <= kept[..., -1:]  # [.., batch]: the one comparison with each list's bar
-        new = new.masked_fill(below, EMPTY_ORDER)  # [.., batch]: the candidates; the others empty entries
-        if new.shape[-1] > n:  # more sentences than slots: only the best n candidates can enter
+        if new.shape[-1] > n:  # more sentences than slots: only the batch's best n can enter
             new, which = new.topk(n, dim=-1)  # [.., n] each: the candidate buffer
             payloads = tuple((old, fresh.gather(-1, which)) for old, fresh in payloads)
+        below = new <= kept[..., -1:]  # [.., min(batch, n)]: the one comparison with each list's bar
+        new = new.masked_fill(below, EMPTY_ORDER)  # like below: the candidates; the others empty entries
         order, index = torch.cat([kept, new], dim=-1).topk(n, dim=-1)  # [.., n] each, best first
         empty = order == EMPTY_ORDER  # [.., n]: an empty slot's payload is 0, whichever entry it came from
         return order, [
