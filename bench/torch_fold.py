@@ -15,7 +15,8 @@ it (`MiningState.fold_tensors`), into a state already holding one batch:
   working tree's fold with its passes compiled too (fold_passes.compiled; compiled once, in the uncounted
   round). With `--bar`, the working tree's fold with its lists merged in the bar form (fold_torch), eager
   and (with `--compiled`) compiled, timed in the same rounds: the merge form over the bar form, one ratio
-  a round.
+  a round; and the lists' merge alone in both forms (`merge_seconds`; `--lists-only`: that alone, into
+  "torch_fold_lists").
 Figures go into bench-results.json under "torch_fold".
 """
 
@@ -133,6 +134,20 @@ def merge_seconds(shape: tuple[int, int, int, int], top_k: int, repeats: int) ->
     return seconds
 
 
+def lists_alone(shape: tuple[int, int, int, int], top_k: int, repeats: int) -> dict:
+    """merge_seconds's figures, printed: each list's seconds in both forms and the merge over the bar."""
+    merges = merge_seconds(shape, top_k, max(repeats, 5))
+    figures = {
+        "merge_seconds": {name: {f: round(t, 4) for f, t in by.items()} for name, by in merges.items()}
+    }
+    for name, by in merges.items():
+        ratio = by["merge"] / by["bar"]
+        figures[f"{name}_merge_over_bar"] = round(ratio, 2)
+        alone = f"merge {by['merge']:.3f} s, bar {by['bar']:.3f} s"
+        print(f"{name} lists alone ({shape[1]} sentences a batch): {alone}; merge over bar {ratio:.2f}")
+    return figures
+
+
 def main() -> None:
     parser = harness.parser(__doc__, repeats=3)
     parser.add_argument("--against", default="5a96198", help="git revision of the older fold_torch.py")
@@ -144,9 +159,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compiled", action="store_true", help="time the compiled passes too")
     parser.add_argument("--bar", action="store_true", help="time the bar form of the lists' merge too")
+    parser.add_argument("--lists-only", action="store_true", help="with --bar: the lists' merge alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = (args.layers, args.rows, args.positions, args.keys)
+    if args.bar and args.lists_only:  # no fold: the two forms of the lists' merge at this shape
+        figures = {"shape": shape, "threads": args.threads, **lists_alone(shape, args.top_k, args.repeats)}
+        harness.record(args, "torch_fold_lists", figures)
+        return
     folds = {
         "then": harness.module_at(args.against, ("ffmem/engine/mining/fold_torch.py",), "fold_torch_then"),
         "now": fold_torch,
@@ -200,15 +220,7 @@ def main() -> None:
         figures["then_over_compiled"] = round(statistics.median(compiled), 2)
         print(f"then over compiled: {figures['then_over_compiled']} (per round: {compiled})")
     if args.bar:  # the lists' merge alone, where the two forms differ
-        merges = merge_seconds(shape, args.top_k, max(args.repeats, 5))
-        figures["merge_seconds"] = {
-            name: {f: round(t, 4) for f, t in by.items()} for name, by in merges.items()
-        }
-        for name, by in merges.items():
-            ratio = by["merge"] / by["bar"]
-            figures[f"{name}_merge_over_bar"] = round(ratio, 2)
-            alone = f"merge {by['merge']:.3f} s, bar {by['bar']:.3f} s"
-            print(f"{name} lists alone: {alone}; merge over bar {ratio:.2f}")
+        figures.update(lists_alone(shape, args.top_k, args.repeats))
     for merge, bar in (("now", "bar"), ("compiled", "bar compiled")):
         if bar in seconds:  # the merge form over the bar form, eager and compiled
             over = [a / b for a, b in zip(seconds[merge], seconds[bar], strict=True)]
