@@ -19,9 +19,9 @@ min(batch, T), which never overflows; each buffered order key is compared with i
 buffer goes into the list with one topk of [.., T + min(batch, T)]. Both give the same lists (order keys
 are unique but for the empty slot's, whose position is 0 and input 0.0 wherever it is: an empty slot's
 payloads are zeroed after the topk). Fixed shapes both: the bar cannot shrink the work to the candidates
-that beat it without reading their number back to the host. On a CPU the bar form is the slower for the
-top-T and the faster for the quadrant examples where a batch has many more sentences than E
-(docs/benchmarks.md, issue 44's bar fold).
+that beat it without reading their number back to the host. On a CPU the bar form is the slower at 32
+sentences a batch and the faster from ~128 (quadrant examples) and ~512 (top-T) (docs/benchmarks.md, the
+torch fold's bar form).
 """
 
 from __future__ import annotations
