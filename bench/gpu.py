@@ -332,9 +332,16 @@ def verdict(name: str, figures: dict) -> bool:
 
 
 def parity(
-    folder: Path, device: torch.device, ids: list[list[int]], first: list[int], batch_tokens: int, top_k: int
+    folder: Path,
+    device: torch.device,
+    ids: list[list[int]],
+    first: list[int],
+    batch_tokens: int,
+    top_k: int,
+    bar_fold: bool = False,
 ) -> dict:
-    """Mine the same batches with the model on the CPU (compiled fold) and on `device` (torch fold)."""
+    """Mine the same batches with the model on the CPU (compiled fold) and on `device` (torch fold; its
+    lists merged in the bar form where `bar_fold`)."""
     reference = load_model(str(folder), device="cpu", dtype="float32")
     other = load_model(str(folder), device=str(device), dtype="float32")  # a copy of its own on a CPU too
     pad_id, memories = reference.tokenizer.eos_token_id or 0, reference.n_layers * reference.n_keys
@@ -345,7 +352,7 @@ def parity(
     for loaded, fold in ((reference, MiningState), (other, TorchFoldedState)):
         start = time.perf_counter()
         gated = loaded.adapter.gates is not None
-        state = fold(loaded.n_layers, loaded.n_keys, top_k, device=loaded.device, gated=gated)
+        state = fold(loaded.n_layers, loaded.n_keys, top_k, loaded.device, gated, bar_fold=bar_fold)
         states.append(mine_batches(loaded, batches, state))
         sync(loaded.device)
         log(
@@ -374,10 +381,16 @@ def check_state(state: MiningState, positions: int) -> dict:
 
 
 def time_config(
-    loaded: LoadedModel, batches: list[Batch], rounds: int, deadline: float, compiled_fold: bool = False
+    loaded: LoadedModel,
+    batches: list[Batch],
+    rounds: int,
+    deadline: float,
+    compiled_fold: bool = False,
+    bar_fold: bool = False,
 ) -> dict:
     """Bare backbone forward and mining over `batches` (already on the device), interleaved; mining with the
-    torch fold's passes compiled (compiled once, in the warm-up) where `compiled_fold`."""
+    torch fold's passes compiled (compiled once, in the warm-up) where `compiled_fold`, its lists merged in
+    the bar form where `bar_fold`."""
     device = loaded.device
     backbone = loaded.model.base_model
     tokens = sum(b.real_tokens for b in batches)
@@ -390,9 +403,8 @@ def time_config(
 
     def mining(part: list[Batch]) -> MiningState:
         gated = loaded.adapter.gates is not None  # the sign quadrants too, as `ffmem index` mines them
-        state = MiningState(
-            loaded.n_layers, loaded.n_keys, TOP_K, device=device, gated=gated, compiled_fold=compiled_fold
-        )
+        folds = {"compiled_fold": compiled_fold, "bar_fold": bar_fold}
+        state = MiningState(loaded.n_layers, loaded.n_keys, TOP_K, device, gated, **folds)
         return mine_batches(loaded, part, state)
 
     runs = {"bare": bare, "mining": mining}
@@ -470,6 +482,9 @@ def main() -> None:
         "--compiled-fold", action="store_true", help="the torch fold's passes compiled (needs triton)"
     )
     parser.add_argument(
+        "--fold", choices=("merge", "bar"), default="merge", help="the torch fold's lists: merge or bar form"
+    )
+    parser.add_argument(
         "--budget-s", type=float, help="no timed pass starts after it (default 360 on a GPU, none on a CPU)"
     )
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
@@ -485,6 +500,7 @@ def main() -> None:
     import numba
     import transformers
 
+    bar = args.fold == "bar"  # the torch fold's lists merged in the bar form
     results: dict = {
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
         "python": platform.python_version(),
@@ -524,7 +540,7 @@ def main() -> None:
         log("1. parity, float32: tiny random models")
         for name, folder in tiny_models(scratch).items():
             ids, first = random_sentences(vocab_size(folder))
-            checked(name, lambda f=folder, i=ids, p=first: parity(f, device, i, p, batch_tokens=256, top_k=8))
+            checked(name, lambda f=folder, i=ids, p=first: parity(f, device, i, p, 256, 8, bar_fold=bar))
         if args.parity_sentences or args.dtypes:  # else the tiny models' parity alone (a dry run)
             try:
                 corpus_file = args.assets / CORPUS_FILE
@@ -536,7 +552,7 @@ def main() -> None:
                     name = f"random SmolLM2-135M, {n} corpus sentences"
                     log(f"1b. parity, float32: {name}")
                     tokens = args.batch_tokens
-                    checked(name, lambda: parity(folder, device, ids[:n], first[:n], tokens, top_k=TOP_K))
+                    checked(name, lambda: parity(folder, device, ids[:n], first[:n], tokens, TOP_K, bar))
                 log("2. speed: bare backbone forward vs mining")
                 speed(results, folder, device, ids, first, pad_id, args, save)
             except Exception:
@@ -597,7 +613,8 @@ def speed(results: dict, folder: Path, device: torch.device, ids, first, pad_id:
             try:
                 loaded = loaded or load_model(str(folder), device=str(device), dtype=dtype)
                 on_device = [b.to(device) for b in part]
-                row.update(time_config(loaded, on_device, args.rounds, deadline, args.compiled_fold))
+                bar = args.fold == "bar"
+                row.update(time_config(loaded, on_device, args.rounds, deadline, args.compiled_fold, bar))
                 del on_device
             except Exception:
                 traceback.print_exc()

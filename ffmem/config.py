@@ -267,6 +267,12 @@ class Settings(BaseSettings):
         "proxy passed on.",
     )
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
+    compiled_fold: bool = Field(
+        False,
+        description="Mining on a GPU (any device but the CPU): the torch fold's passes over each group of "
+        "layers compiled by torch.compile (needs triton; compiling takes about a minute a process). Off: "
+        "run as they are. Mining on the CPU always runs its own compiled fold (numba).",
+    )
     dtype: str = Field(
         "auto", description="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."
     )

@@ -12,7 +12,8 @@
 # The dry run on a CPU, tiny shapes (what tests/bench/test_device_check.py runs):
 #   DRY_RUN=1 PYTHON=.venv/bin/python OUT=/tmp/check bash bench/device/check.sh
 # Flags go to every script; SHAPES and RATIO_SHAPES override the shapes of parts 2 and 3, a part's *_S its
-# time limit (0: the part is skipped), WORK run_index's folder of models and databases.
+# time limit (0: the part is skipped), WORK run_index's folder of models and databases, FOLD the torch fold's
+# lists in parity and ratios: merge (the default) or bar (the bar form, ffmem/engine/mining/fold_torch.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ffmem-check}
@@ -35,6 +36,7 @@ else
   LIMIT=
 fi
 WORK=(--work "${WORK:-/tmp/ffmem-device}")  # run_index's models and databases
+FOLD=(--fold "${FOLD:-merge}")  # the torch fold's lists: merge or bar
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 echo "$(nproc) CPU cores"
 no_bars() { tr '\r' '\n' | grep -v '%|'; }  # the logs keep the progress bars, the output does not
@@ -47,8 +49,9 @@ part() {  # part NAME LIMIT_S COMMAND…: run it under its limit, its output in 
   local code=${PIPESTATUS[0]}
   echo "$name: exit $code after $((SECONDS - start)) s (limit ${limit} s)"
 }
-part gpu "${PARITY_S:-${LIMIT:-90}}" "$PYTHON" -m bench.gpu "${PARITY[@]}" "${DEVICE[@]}" --out "$OUT/gpu.json" "$@"
+part gpu "${PARITY_S:-${LIMIT:-90}}" "$PYTHON" -m bench.gpu "${PARITY[@]}" "${DEVICE[@]}" "${FOLD[@]}" --out "$OUT/gpu.json" "$@"
 part index "${INDEX_S:-${LIMIT:-330}}" "$PYTHON" -m bench.device.run_index --shapes "${SHAPES:-llama-3.1-8b:1000000}" \
-  "${RATIO[@]}" "${WORK[@]}" "${DEVICE[@]}" --out "$OUT/index.json" "$@"
+  "${RATIO[@]}" "${WORK[@]}" "${DEVICE[@]}" "${FOLD[@]}" --out "$OUT/index.json" "$@"
 part ratio "${RATIO_S:-${LIMIT:-120}}" "$PYTHON" -m bench.device.run_index --shapes "${RATIO_SHAPES:-smollm2-135m,qwen3-32b}" \
-  --ratio-only --in-memory "${RATIO[@]}" --trace-repeats 0 "${WORK[@]}" "${DEVICE[@]}" --out "$OUT/ratio.json" "$@"
+  --ratio-only --in-memory "${RATIO[@]}" --trace-repeats 0 "${WORK[@]}" "${DEVICE[@]}" "${FOLD[@]}" \
+  --out "$OUT/ratio.json" "$@"

@@ -276,7 +276,7 @@ def build(folder: Path, sentences: int, url: str, args, stages: Stages, result: 
     options = IndexOptions.from_settings(
         settings, device=args.device, model=str(folder), sentences=sentences, dtype=args.dtype
     )
-    options = dataclasses.replace(options, observer=stages.observe)
+    options = dataclasses.replace(options, observer=stages.observe, compiled_fold=args.compiled_fold)
     loaded = None
     try:
         with stages.stage("loading"):
@@ -300,10 +300,12 @@ def measure_mining(loaded, name: str, args, result: dict) -> None:
     """Mining over the bare forward, then (`--profile`) a profile of mining, into `result`."""
     try:
         batches = ratio_batches(loaded, args.ratio_sentences)
-        result["mining_ratio"] = mining_ratio(loaded, batches, args.ratio_rounds, args.ratio_budget_s)
+        fold = {"compiled_fold": args.compiled_fold, "bar_fold": args.fold == "bar"}  # the torch fold's form
+        result["mining_ratio"] = mining_ratio(loaded, batches, args.ratio_rounds, args.ratio_budget_s, **fold)
+        result["mining_ratio"]["fold"] = args.fold
         if args.profile:
             path = (args.out.parent if args.out else args.work) / f"profile-{name}.txt"
-            result["profile"] = profile_mining(loaded, batches, path)
+            result["profile"] = profile_mining(loaded, batches, path, **fold)
     except Exception:
         traceback.print_exc()
         result.setdefault("mining_ratio", {})["error"] = traceback.format_exc().strip().splitlines()[-1]
@@ -365,7 +367,9 @@ def ratio_batches(loaded, sentences: int) -> list:
     return [b.to(loaded.device) for b in batches]
 
 
-def mining_ratio(loaded, batches: list, rounds: int, budget_s: float) -> dict:
+def mining_ratio(
+    loaded, batches: list, rounds: int, budget_s: float, compiled_fold: bool = False, bar_fold: bool = False
+) -> dict:
     """Mining over the bare backbone forward on the model the index loaded (bench.gpu's `time_config`:
     interleaved, after a warm-up), over the index's own batches: issue 28's figure, on the same card as
     the index's stage times."""
@@ -373,10 +377,10 @@ def mining_ratio(loaded, batches: list, rounds: int, budget_s: float) -> dict:
 
     tokens = sum(b.real_tokens for b in batches)
     log(f"  mining ratio: {len(batches)} batches, {tokens:,} tokens, {rounds} rounds")
-    return time_config(loaded, batches, rounds, time.monotonic() + budget_s)
+    return time_config(loaded, batches, rounds, time.monotonic() + budget_s, compiled_fold, bar_fold)
 
 
-def profile_mining(loaded, batches: list, path: Path, n: int = 8) -> dict:
+def profile_mining(loaded, batches: list, path: Path, n: int = 8, **fold: bool) -> dict:
     """torch.profiler over mining `n` batches after two: the kernels by device time and by host time, and
     the host's waits on the device (what keeps mining from the forward pass's speed), into `path`."""
     from torch.profiler import ProfilerActivity, profile
@@ -385,7 +389,7 @@ def profile_mining(loaded, batches: list, path: Path, n: int = 8) -> dict:
     from ffmem.engine.mining.state import MiningState
 
     gated = loaded.adapter.gates is not None  # with the sign quadrants, as `ffmem index` mines
-    state = MiningState(loaded.n_layers, loaded.n_keys, 50, device=loaded.device, gated=gated)
+    state = MiningState(loaded.n_layers, loaded.n_keys, 50, loaded.device, gated, **fold)
     mine_batches(loaded, batches[:2], state)
     part = batches[2 : 2 + n]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loaded.device.type == "cuda" else [])
@@ -504,6 +508,12 @@ def main() -> None:
         help="with --ratio-only: each model built on the device",
     )
     parser.add_argument("--trace-repeats", type=int, default=0, help="live traces timed per shape; 0: none")
+    parser.add_argument(
+        "--compiled-fold", action="store_true", help="the torch fold's passes compiled (needs triton)"
+    )
+    parser.add_argument(
+        "--fold", choices=("merge", "bar"), default="merge", help="the torch fold's lists (the ratio's)"
+    )
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     shapes = parse_shapes(args.shapes)

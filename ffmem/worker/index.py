@@ -69,6 +69,7 @@ class IndexOptions:
     max_attempts: int
     explainer_url: str = ""
     explainer_timeout: float = Settings.model_fields["explainer_timeout"].default
+    compiled_fold: bool = False  # the torch fold's passes compiled (Settings.compiled_fold)
     # Told of each timed step (IndexPipeline.timed): (name, None) at its start, (name, seconds) at its end.
     observer: Callable[[str, float | None], None] | None = None
 
@@ -88,6 +89,7 @@ class IndexOptions:
             max_attempts=settings.max_attempts,
             explainer_url=settings.explainer_url,
             explainer_timeout=settings.explainer_timeout,
+            compiled_fold=settings.compiled_fold,
         )
 
     @property
@@ -271,11 +273,14 @@ class IndexPipeline:
             self.resumed_shards += 1
         token_ids, first_positions, _ = self.corpus(corpus_id)
         first_positions = mined_from(first_positions, first_position=spec.first_position)
+        compiled_fold = self.options.compiled_fold
         if saved:
-            state = _state(saved, loaded.device)
+            state = _state(saved, loaded.device, compiled_fold)
         else:
             gated = loaded.adapter.gates is not None
-            state = MiningState(loaded.n_layers, loaded.n_keys, spec.top_k, device=loaded.device, gated=gated)
+            state = MiningState(
+                loaded.n_layers, loaded.n_keys, spec.top_k, loaded.device, gated, compiled_fold=compiled_fold
+            )
         batches = shard_batches(
             token_ids,
             first_positions,
@@ -451,8 +456,9 @@ class Checkpoints:
         self.cost = self.last - begun
 
 
-def _state(layers: list[bytes], device) -> MiningState:
-    return MiningState.from_layers([MinedLayer.from_bytes(data) for data in layers], device=device)
+def _state(layers: list[bytes], device, compiled_fold: bool = False) -> MiningState:
+    mined = [MinedLayer.from_bytes(data) for data in layers]
+    return MiningState.from_layers(mined, device=device, compiled_fold=compiled_fold)
 
 
 def _pad_id(loaded: LoadedModel) -> int:

@@ -61,12 +61,14 @@ class Grouped(MiningState):
         self._gather(layer, coefficients, batch, inputs)
 
 
-def mine(batches, n_layers: int, n_keys: int, top_k: int, fold: str) -> MiningState:
+def mine(batches, n_layers: int, n_keys: int, top_k: int, fold: str, bar: bool = False) -> MiningState:
     """Every batch's layers through `fold`: "update" (compiled, on a CPU), "fold_tensors" (torch, a layer
     at a time), "grouped" (torch, the layers that fit mining.FOLD_BYTES at a time) or "compiled" (grouped,
-    the torch fold's passes compiled by torch.compile)."""
+    the torch fold's passes compiled by torch.compile); `bar`: the torch fold's lists merged in the bar
+    form."""
     grouped = fold in ("grouped", "compiled")
-    state = (Grouped if grouped else MiningState)(n_layers, n_keys, top_k, compiled_fold=fold == "compiled")
+    kind = Grouped if grouped else MiningState
+    state = kind(n_layers, n_keys, top_k, compiled_fold=fold == "compiled", bar_fold=bar)
     method = "update" if grouped else fold
     for coefficients, mined, sentence in batches:
         batch = as_batch(mined, sentence)
@@ -190,6 +192,18 @@ def test_the_torch_fold_gives_the_compiled_folds_state(case, group_bytes, monkey
     assert_same_state(compiled, tensors)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_bar_form_gives_the_compiled_folds_state(case, monkeypatch):
+    """The torch fold's lists merged in the bar form (`bar_fold`), in groups of as many layers as fit 2,000
+    bytes: `update`'s state bit for bit, with batches of fewer sentences than T and of more (T of 1 and 3:
+    the candidate buffer of T cut from the batch's)."""
+    seed, n_layers, n_keys, top_k, n_batches = CASES[case]
+    batches = random_batches(seed + 300, n_layers, n_keys, n_batches)
+    monkeypatch.setattr(mining, "FOLD_BYTES", 2000)
+    compiled = mine(batches, n_layers, n_keys, top_k, "update")
+    assert_same_state(compiled, mine(batches, n_layers, n_keys, top_k, "grouped", bar=True))
+
+
 def assert_same_state(compiled: MiningState, tensors: MiningState) -> None:
     """The same order keys, positions, histogram and band samples; the sums up to their order."""
     for sign in (1, -1):
@@ -222,16 +236,17 @@ class Operators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("bar", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
-def test_the_fold_of_a_batch_never_reads_a_value_back_to_the_host(gated):
+def test_the_fold_of_a_batch_never_reads_a_value_back_to_the_host(gated, bar):
     """Every layer of a batch folded on the meta device (shapes, no data), as `update` does on any non-CPU
     device: `nonzero`, boolean indexing, `bincount`, `.item()`, `bool()`, `.tolist()` or `.numpy()` of a
     tensor raise there, so any host synchronisation that creeps back into the fold fails this test. Gated:
-    with the sign quadrants."""
+    with the sign quadrants; `bar`: the lists merged in the bar form."""
     n_layers, n_keys, top_k = 3, 11, 4
     coefficients, mined, sentence = random_batches(5, n_layers, n_keys, 1)[0]
     batch = as_batch(mined, sentence).to(torch.device("meta"))
-    state = MiningState(n_layers, n_keys, top_k, device="meta", gated=gated)
+    state = MiningState(n_layers, n_keys, top_k, device="meta", gated=gated, bar_fold=bar)
     with Operators() as operators:
         for layer in range(n_layers):
             inputs = torch.from_numpy(coefficients[layer]).to("meta") if gated else None
@@ -253,9 +268,12 @@ def test_the_first_of_a_stable_sort_by_comparisons_equals_torch_sort():
         assert torch.equal(first_of_stable_sort(values, k), expected)
 
 
-def test_the_compiled_torch_fold_gives_the_compiled_folds_state(compile_backend):
+@pytest.mark.parametrize("bar", [False, True])
+def test_the_compiled_torch_fold_gives_the_compiled_folds_state(compile_backend, bar):
     """The torch fold with its passes compiled by torch.compile (`compiled_fold`), every layer of a batch at
-    once, on batches of several shapes (one compilation for them all): `update`'s state bit for bit."""
+    once, on batches of several shapes (one compilation for them all), its lists merged as a topk of all or
+    in the bar form (`bar`): `update`'s state bit for bit."""
     seed, n_layers, n_keys, top_k, n_batches = CASES["small T, many batches"]
     batches = random_batches(seed + 200, n_layers, n_keys, n_batches)
-    assert_same_state(*(mine(batches, n_layers, n_keys, top_k, fold) for fold in ("update", "compiled")))
+    compiled = mine(batches, n_layers, n_keys, top_k, "update")
+    assert_same_state(compiled, mine(batches, n_layers, n_keys, top_k, "compiled", bar=bar))

@@ -22,14 +22,14 @@ SIGN = (1, -1, -1, 1)  # m's sign in quadrants pp, pn, np, nn
 TIES = np.array([-2.0, -1.0, 0.0, 1.0, 2.0], dtype=np.float32)
 
 
-def random_batches(seed: int, n_layers: int, n_keys: int, n_batches: int):
+def random_batches(seed: int, n_layers: int, n_keys: int, n_batches: int, most_rows: int = 8):
     """(coefficients, inputs [layers, batch, pos, keys], mined [batch, pos], sentence [batch]) each: tied
     and continuous values of both signs, zeros (of m and of u), a few NaN coefficients, holes, padding, rows
-    with nothing mined; unmined positions hold garbage."""
+    with nothing mined; unmined positions hold garbage. Batches of 1 to `most_rows` sentences."""
     rng = np.random.default_rng(seed)
     batches, next_sentence = [], 0
     for _ in range(n_batches):
-        rows, width = int(rng.integers(1, 9)), int(rng.integers(1, 15))
+        rows, width = int(rng.integers(1, most_rows + 1)), int(rng.integers(1, 15))
         mined = np.zeros((rows, width), dtype=bool)
         for row in range(rows):
             mined[row, int(rng.integers(0, 2)) : int(rng.integers(1, width + 1))] = True
@@ -201,16 +201,18 @@ def test_a_tiny_gated_models_quadrants_equal_its_gate_and_up_projections_read_ap
                 assert got.quadrant_input[key, q, :n] == pytest.approx([w[3] for w in want], **close)
 
 
+@pytest.mark.parametrize("bar_fold", [False, True])
 @pytest.mark.parametrize("compiled_fold", [False, True])
 def test_the_grouped_torch_fold_gives_the_compiled_folds_quadrants_and_triggers(
-    compiled_fold, compile_backend
+    compiled_fold, bar_fold, compile_backend
 ):
     """The gated torch fold, every layer of a batch at once, its passes eager or compiled by torch.compile
-    (`compiled_fold`), on batches of several shapes with NaN coefficients: the compiled CPU fold's
-    quadrants, histogram and triggers (a row's first NaN its extreme of both signs) bit for bit."""
-    batches = random_batches(5, 2, 9, 8)
+    (`compiled_fold`), its lists merged as a topk of all or in the bar form (`bar_fold`), on batches of 1
+    to 12 sentences (fewer and more than E) with NaN coefficients: the compiled CPU fold's quadrants,
+    histogram and triggers (a row's first NaN its extreme of both signs) bit for bit."""
+    batches = random_batches(5, 2, 9, 8, most_rows=12)
     compiled = mine(batches, 2, 9, "update")
-    tensors = MiningState(2, 9, 3, gated=True, compiled_fold=compiled_fold)
+    tensors = MiningState(2, 9, 3, gated=True, compiled_fold=compiled_fold, bar_fold=bar_fold)
     for c, u, mined, sentence in batches:
         tensors.fold_tensors(slice(0, 2), torch.from_numpy(c), as_batch(mined, sentence), torch.from_numpy(u))
         tensors.count(as_batch(mined, sentence))

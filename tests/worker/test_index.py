@@ -153,25 +153,34 @@ def test_a_crashed_index_resumes_from_its_checkpoint(
 
     real = mining.mine_batches
     calls = {"n": 0}
+    compiled_fold = []  # each batch's MiningState.compiled_fold
 
-    def crash_on_fifth_batch(*args, **kwargs):
+    def crash_on_fifth_batch(loaded, batches, state, *args, **kwargs):
         calls["n"] += 1
+        compiled_fold.append(state.compiled_fold)
         if calls["n"] == 5:
             raise KeyboardInterrupt("simulated crash")
-        return real(*args, **kwargs)
+        return real(loaded, batches, state, *args, **kwargs)
 
+    # The crashed and resumed runs with the setting compiled_fold (FFMEM_COMPILED_FOLD): it reaches the
+    # mining state of a new shard and of a resumed one; on a CPU it changes nothing stored.
     monkeypatch.setattr("ffmem.worker.index.mine_batches", crash_on_fifth_batch)
     with pytest.raises(KeyboardInterrupt):
         build_index(
-            options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2), crashed, loaded=tiny
+            options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2, compiled_fold=True),
+            crashed,
+            loaded=tiny,
         )
     with crashed() as session:
         shard = session.scalars(select(Shard).where(Shard.status != "done")).first()
         assert shard.batches_done >= 2 and session.scalars(select(Job.status)).one() == "running"
-    monkeypatch.setattr("ffmem.worker.index.mine_batches", real)
+    calls["n"] = -1000  # no more crashes
     resumed = build_index(
-        options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2), crashed, loaded=tiny
+        options(tiny_model_dir, corpus_file, tmp_path, checkpoint_batches=2, compiled_fold=True),
+        crashed,
+        loaded=tiny,
     )
+    assert len(compiled_fold) > 5 and all(compiled_fold)
     assert resumed.resumed_shards == 1 and resumed.run_id == 1  # the same run, not a new one
     with one() as a, crashed() as b:
         assert stored_rows(a, uninterrupted.run_id) == stored_rows(b, resumed.run_id)

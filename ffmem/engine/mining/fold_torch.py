@@ -10,6 +10,18 @@ keys and ties, the same positions, histograms and band samples.
 What costs is the passes over the group's [layers, batch, pos, keys] coefficients: they are
 ffmem.engine.mining.fold_passes's, eager or compiled. What they give, [.., layers, batch, keys] tensors a
 position's worth smaller, is merged here into the top-T, the band samples and the quadrant examples.
+
+The top-T and the quadrant examples are merged in one of two forms (`bar`). The merge: every sentence of
+the batch and every kept entry in one topk of [.., T + batch]. The bar form: where the batch has more
+sentences than the list has slots, only its best T can enter (a topk of [.., batch]): a candidate buffer of
+min(batch, T), which never overflows; each buffered order key is compared with its list's last kept one
+(the bar, the T-th largest; the E-th for a quadrant) and those that do not beat it made empty entries; the
+buffer goes into the list with one topk of [.., T + min(batch, T)]. Both give the same lists (order keys
+are unique but for the empty slot's, whose position is 0 and input 0.0 wherever it is: an empty slot's
+payloads are zeroed after the topk). Fixed shapes both: the bar cannot shrink the work to the candidates
+that beat it without reading their number back to the host. On a CPU the bar form is the slower at 32
+sentences a batch and the faster from ~128 (quadrant examples) and ~512 (top-T) (docs/benchmarks.md, the
+torch fold's bar form).
 """
 
 from __future__ import annotations
@@ -22,8 +34,8 @@ from ffmem.engine.mining import fold_passes
 from ffmem.engine.mining.bins import CODE_STRIDE, CODES, FOLD_BYTES, code_values, histogram_bins, scratch
 from ffmem.engine.mining.corpus import Batch
 from ffmem.engine.mining.fold_passes import Reductions
-from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, QUADRANT_EXAMPLES, SAMPLES, SIGNS
-from ffmem.engine.mining.order import first_of_stable_sort, order_key, sample_priority
+from ffmem.engine.mining.mined_layer import EMPTY_SAMPLE, N_BINS, SAMPLES, SIGNS
+from ffmem.engine.mining.order import EMPTY_ORDER, first_of_stable_sort, order_key, sample_priority
 
 if TYPE_CHECKING:
     from ffmem.engine.mining.state import MiningState
@@ -33,9 +45,12 @@ class TorchFold:
     """The torch fold into one MiningState: its tables, its workspace, and the group of a batch's
     consecutive layers gathered so far and not yet folded."""
 
-    def __init__(self, state: MiningState, device: torch.device | str, compiled: bool = False):
-        """`compiled`: the passes over a group compiled by torch.compile (fold_passes.compiled)."""
-        self.state = state
+    def __init__(
+        self, state: MiningState, device: torch.device | str, compiled: bool = False, bar: bool = False
+    ):
+        """`compiled`: the passes over a group compiled by torch.compile (fold_passes.compiled); `bar`: the
+        top-T and quadrant examples merged in the bar form (see the module's doc)."""
+        self.state, self.bar = state, bar
         self._reductions = fold_passes.compiled() if compiled else fold_passes.reductions
         # A key's codes in the bincount (see _histogram): (bits >> 23) + CODES / 2 + key · CODE_STRIDE.
         keys = torch.arange(state.n_keys, dtype=torch.int32, device=device)  # [keys]
@@ -128,13 +143,15 @@ class TorchFold:
         at = found.quadrant_at.masked_fill(~present, 0)  # [4, layers, batch, keys]
         read = torch.stack([u.gather(2, where[:, :, None]).squeeze(2) for where in at])  # like at
         read = read.masked_fill_(~present, 0.0).permute(1, 3, 0, 2)  # [layers, keys, 4, batch]
-        merged = torch.cat([state.quadrant_order[layers], new], dim=3)  # [layers, keys, 4, E + batch]
-        kept, index = merged.topk(QUADRANT_EXAMPLES, dim=3)  # [layers, keys, 4, E] each
-        where = torch.cat([state.quadrant_position[layers], at.permute(1, 3, 0, 2)], dim=3)  # like merged
-        values = torch.cat([state.quadrant_input[layers], read], dim=3)  # like merged
-        state.quadrant_order[layers] = kept
-        state.quadrant_position[layers] = where.gather(3, index)  # [layers, keys, 4, E]
-        state.quadrant_input[layers] = values.gather(3, index)  # [layers, keys, 4, E]
+        kept, (where, values) = self._merge(
+            state.quadrant_order[layers],  # [layers, keys, 4, E]
+            new,
+            (state.quadrant_position[layers], at.permute(1, 3, 0, 2)),  # [layers, keys, 4, E] and like new
+            (state.quadrant_input[layers], read),
+        )
+        state.quadrant_order[layers] = kept  # [layers, keys, 4, E]
+        state.quadrant_position[layers] = where  # [layers, keys, 4, E]
+        state.quadrant_input[layers] = values  # [layers, keys, 4, E]
 
     def _enter_top(self, layers: slice, best: torch.Tensor, at: torch.Tensor, sentence: torch.Tensor) -> None:
         """Merge a batch's sentences into the top-T of both signs: `best` [signs, layers, batch, keys] is
@@ -146,13 +163,34 @@ class TorchFold:
         kept_order = torch.stack([top[sign].order[layers] for sign in SIGNS])  # [signs, layers, keys, T]
         kept_position = torch.stack([top[sign].position[layers] for sign in SIGNS])  # like kept_order
         new = order_key(best.transpose(2, 3), sentence)  # [signs, layers, keys, batch]
-        merged = torch.cat([kept_order, new], dim=3)  # [signs, layers, keys, T + batch]
-        kept, index = merged.topk(self.state.top_k, dim=3)  # [signs, layers, keys, T] each, best first
-        positions = torch.cat([kept_position, at.transpose(2, 3)], dim=3)  # [signs, layers, keys, T + batch]
-        position = positions.gather(3, index)  # [signs, layers, keys, T]
-        for i, sign in enumerate(SIGNS):
+        kept, (position,) = self._merge(kept_order, new, (kept_position, at.transpose(2, 3)))
+        for i, sign in enumerate(SIGNS):  # kept, position: [signs, layers, keys, T] each
             top[sign].order[layers] = kept[i]
             top[sign].position[layers] = position[i]
+
+    def _merge(
+        self, kept: torch.Tensor, new: torch.Tensor, *payloads: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The best n of `kept` [.., n] (order keys, best first) and `new` [.., batch] (unordered), best
+        first, and each payload pair's (kept's [.., n], new's [.., batch]: positions, inputs) entries
+        that go with them, [.., n] each: one topk of [.., n + batch], or in the bar form (`self.bar`) the
+        batch's best n (where it has more), those of them that beat the bar, then one topk of
+        [.., n + min(batch, n)]."""
+        n = kept.shape[-1]
+        if not self.bar:
+            order, index = torch.cat([kept, new], dim=-1).topk(n, dim=-1)  # [.., n] each, best first
+            return order, [torch.cat([old, fresh], dim=-1).gather(-1, index) for old, fresh in payloads]
+        if new.shape[-1] > n:  # more sentences than slots: only the batch's best n can enter
+            new, which = new.topk(n, dim=-1)  # [.., n] each: the candidate buffer
+            payloads = tuple((old, fresh.gather(-1, which)) for old, fresh in payloads)
+        below = new <= kept[..., -1:]  # [.., min(batch, n)]: the one comparison with each list's bar
+        new = new.masked_fill(below, EMPTY_ORDER)  # like below: the candidates; the others empty entries
+        order, index = torch.cat([kept, new], dim=-1).topk(n, dim=-1)  # [.., n] each, best first
+        empty = order == EMPTY_ORDER  # [.., n]: an empty slot's payload is 0, whichever entry it came from
+        return order, [
+            torch.cat([old, fresh], dim=-1).gather(-1, index).masked_fill_(empty, 0)
+            for old, fresh in payloads
+        ]
 
     def _enter_samples(
         self,

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+# An empty slot's order key, order_key(−inf, sentence −1): −inf's bits (−2²³ as an int32) made
+# order-preserving, a tie of 0. Only a −NaN ranks below it.
+EMPTY_ORDER = (-(2**23) ^ 0x7FFFFFFF) << 32
+
 
 def first_of_stable_sort(values: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the first `k` of a stable ascending sort along the last dimension, for short rows

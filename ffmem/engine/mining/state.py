@@ -42,7 +42,7 @@ from ffmem.engine.mining.mined_layer import (
     MinedLayer,
     histogram_edges,
 )
-from ffmem.engine.mining.order import order_key, unpack
+from ffmem.engine.mining.order import EMPTY_ORDER, order_key, unpack
 
 
 @dataclass
@@ -64,14 +64,16 @@ class MiningState:
         device: torch.device | str = "cpu",
         gated: bool = False,
         compiled_fold: bool = False,
+        bar_fold: bool = False,
     ):
-        """`compiled_fold`: the torch fold's passes compiled by torch.compile (fold_passes.compiled)."""
+        """`compiled_fold`: the torch fold's passes compiled by torch.compile (fold_passes.compiled);
+        `bar_fold`: its top-T and quadrant examples merged in the bar form (fold_torch)."""
         self.n_layers, self.n_keys, self.top_k, self.gated = n_layers, n_keys, top_k, gated
+        self.compiled_fold, self.bar_fold = compiled_fold, bar_fold
         shape = (n_layers, n_keys, top_k)
-        empty = order_key(torch.tensor(float("-inf")), torch.tensor(-1))  # ranks below every entry
         self.top = {
             sign: TopK(
-                order=torch.full(shape, int(empty), dtype=torch.long, device=device),
+                order=torch.full(shape, EMPTY_ORDER, dtype=torch.long, device=device),
                 position=torch.zeros(shape, dtype=torch.long, device=device),
             )
             for sign in SIGNS
@@ -89,7 +91,7 @@ class MiningState:
         # [layers, keys, 4, E]; empty where not gated).
         quadrants = (n_layers, n_keys, len(QUADRANTS), QUADRANT_EXAMPLES) if gated else (0, 0, 0, 0)
         self.quadrant_count = torch.zeros(quadrants[:3], dtype=torch.long, device=device)
-        self.quadrant_order = torch.full(quadrants, int(empty), dtype=torch.long, device=device)
+        self.quadrant_order = torch.full(quadrants, EMPTY_ORDER, dtype=torch.long, device=device)
         self.quadrant_position = torch.zeros(quadrants, dtype=torch.long, device=device)
         self.quadrant_input = torch.zeros(quadrants, dtype=torch.float32, device=device)
         self.positions = 0  # mined positions (the denominator of every share)
@@ -97,7 +99,7 @@ class MiningState:
         # The two folds: the compiled one's table ([CODES] int32: each sign and exponent code's bin) and
         # the torch fold of every other device, with its tables and workspace.
         self._code_bins_by_code = histogram_bins(code_values()).numpy()
-        self._torch_fold = TorchFold(self, device, compiled=compiled_fold)
+        self._torch_fold = TorchFold(self, device, compiled=compiled_fold, bar=bar_fold)
 
     # -- update ---------------------------------------------------------------------------------
     def update(
@@ -200,10 +202,13 @@ class MiningState:
         }
 
     @classmethod
-    def from_layers(cls, layers: list[MinedLayer], device: torch.device | str = "cpu") -> MiningState:
-        """The state whose `layer(l)` gives back `layers[l]`."""
+    def from_layers(
+        cls, layers: list[MinedLayer], device: torch.device | str = "cpu", compiled_fold: bool = False
+    ) -> MiningState:
+        """The state whose `layer(l)` gives back `layers[l]` (`compiled_fold`: as in the constructor)."""
         first = layers[0]
-        state = cls(len(layers), first.histogram.shape[0], first.top_k, device=device, gated=first.gated)
+        n_keys, gated = first.histogram.shape[0], first.gated
+        state = cls(len(layers), n_keys, first.top_k, device, gated, compiled_fold=compiled_fold)
         for index, layer in enumerate(layers):
             for sign in SIGNS:
                 values = torch.from_numpy(sign * layer.coefficient[sign]).to(device)  # [keys, T]; −inf: empty
