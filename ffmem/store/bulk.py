@@ -51,11 +51,9 @@ def _insert(session: Session, table: Table, columns: Sequence[str], rows: Iterab
     json_columns = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, JSON)]
     if json_columns:
         rows = (_json_encoded(row, json_columns) for row in rows)
-    coded = {
-        i: table.c[column].type for i, column in enumerate(columns) if isinstance(table.c[column].type, Coded)
-    }
+    coded = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, Coded)]
     if coded:  # a name as its number (models.Coded), as the engine writes it
-        rows = (_coded(row, coded, connection.dialect) for row in rows)
+        rows = _numbered(rows, {i: table.c[columns[i]].type for i in coded}, connection.dialect)
     quote = connection.dialect.identifier_preparer
     target = f"{quote.format_table(table)} ({', '.join(quote.quote(column) for column in columns)})"
     if dialect == "postgresql":
@@ -99,11 +97,16 @@ def _binary_types(connection: Connection, table: str, columns: Sequence[str]) ->
     return None if None in types else types
 
 
-def _coded(row: tuple, coded: dict[int, Coded], dialect) -> tuple:
-    row = list(row)
-    for i, kind in coded.items():
-        row[i] = kind.process_bind_param(row[i], dialect)
-    return tuple(row)
+def _numbered(rows: Iterable[tuple], coded: dict[int, Coded], dialect) -> Iterator[tuple]:
+    """The rows with each Coded column's name as its number (a name not of the column: KeyError)."""
+    numbers = {
+        i: {name: kind.process_bind_param(name, dialect) for name in kind.names} for i, kind in coded.items()
+    }
+    for row in rows:
+        row = list(row)
+        for i, number in numbers.items():
+            row[i] = number[row[i]]
+        yield tuple(row)
 
 
 def _json_encoded(row: tuple, json_columns: list[int]) -> tuple:
