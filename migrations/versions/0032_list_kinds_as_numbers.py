@@ -52,7 +52,6 @@ def _names(column: str) -> str:
 
 HEADER = np.dtype([("sign", "i1"), ("tokens", "<u2"), ("pairs", "<u2")])  # composition.TOKEN_TABLE_HEADER
 PACKED_TABLE = 0x40  # composition.PACKED_TABLE: a packed table's first byte is this + 4 · width + sign + 1
-BATCH = 10_000
 
 
 def upgrade() -> None:
@@ -82,25 +81,28 @@ def downgrade() -> None:
 
 
 def _unpack_token_tables() -> None:
-    """Every token table packed with narrow ids written as revision 0024 wrote it (ids int32)."""
+    """Every token table packed with narrow ids written as revision 0024 wrote it (ids int32), a run's
+    layer at a time."""
     bind = op.get_bind()
-    select = sa.text(
-        "SELECT run_id, layer, key, token_table FROM explanations WHERE token_table IS NOT NULL "
-        "AND (run_id, layer, key) > (:run_id, :layer, :key) ORDER BY run_id, layer, key LIMIT :limit"
-    )
-    update = sa.text(
-        "UPDATE explanations SET token_table = :data WHERE run_id = :run_id AND layer = :layer AND key = :key"
-    )
-    after = {"run_id": -1, "layer": -1, "key": -1}
-    while rows := bind.execute(select, {**after, "limit": BATCH}).all():
-        changed = [
-            {"run_id": run_id, "layer": layer, "key": key, "data": _int32_ids(bytes(data))}
-            for run_id, layer, key, data in rows
-            if PACKED_TABLE <= bytes(data)[0] < 0x80
-        ]
-        if changed:
-            bind.execute(update, changed)
-        after = dict(zip(("run_id", "layer", "key"), rows[-1][:3], strict=True))
+    layers = bind.execute(sa.text("SELECT DISTINCT run_id, layer FROM explanations")).all()
+    for run_id, layer in layers:
+        where = {"run_id": run_id, "layer": layer}
+        tables = bind.execute(
+            sa.text(
+                "SELECT key, token_table FROM explanations "
+                "WHERE run_id = :run_id AND layer = :layer AND token_table IS NOT NULL"
+            ),
+            where,
+        ).all()
+        narrow = [(key, bytes(data)) for key, data in tables if PACKED_TABLE <= bytes(data)[0] < 0x80]
+        if narrow:
+            bind.execute(
+                sa.text(
+                    "UPDATE explanations SET token_table = :data "
+                    "WHERE run_id = :run_id AND layer = :layer AND key = :key"
+                ),
+                [{**where, "key": key, "data": _int32_ids(data)} for key, data in narrow],
+            )
 
 
 def _int32_ids(data: bytes) -> bytes:
