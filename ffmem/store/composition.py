@@ -190,9 +190,10 @@ def pack_token_tables(patterns: Sequence[dict]) -> list[bytes]:
     pair_ids = _flat([p["pairs"] for p in patterns], np.int64, nested=True)  # [2 · pairs]
     pair_weights = _flat([p["pair_weights"] for p in patterns], np.float64)  # [pairs]
     token_starts, pair_starts = np.cumsum(tokens) - tokens, np.cumsum(pairs) - pairs  # [patterns] each
-    widths = _id_widths(
-        np.maximum(_largest(final, token_starts, tokens), _largest(pair_ids, 2 * pair_starts, 2 * pairs))
+    largest = np.maximum(  # [patterns]: each pattern's largest id, its tokens' and its pairs'
+        _largest(final, token_starts, tokens), _largest(pair_ids, 2 * pair_starts, 2 * pairs)
     )
+    widths = _id_widths(largest)  # [patterns]: each pattern's id width in bytes
     sizes = (tokens * (pairs.max() + 1) + pairs) * 5 + widths  # [patterns]: one per (tokens, pairs, width)
     order = np.argsort(sizes, kind="stable")  # [patterns], by size
     bounds = np.flatnonzero(np.diff(sizes[order])) + 1
