@@ -14,6 +14,7 @@ from sqlalchemy import JSON, Connection, Table, insert, text
 from sqlalchemy.orm import Session
 
 from ffmem.store.db import json_dumps
+from ffmem.store.models import Coded
 
 CHUNK_ROWS = 50_000  # rows per executemany
 
@@ -50,6 +51,9 @@ def _insert(session: Session, table: Table, columns: Sequence[str], rows: Iterab
     json_columns = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, JSON)]
     if json_columns:
         rows = (_json_encoded(row, json_columns) for row in rows)
+    coded = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, Coded)]
+    if coded:  # a name as its number (models.Coded), as the engine writes it
+        rows = _numbered(rows, {i: table.c[columns[i]].type for i in coded}, connection.dialect)
     quote = connection.dialect.identifier_preparer
     target = f"{quote.format_table(table)} ({', '.join(quote.quote(column) for column in columns)})"
     if dialect == "postgresql":
@@ -91,6 +95,18 @@ def _binary_types(connection: Connection, table: str, columns: Sequence[str]) ->
     found = dict(connection.execute(query, {"table": table}).all())
     types = [BINARY_COPY.get(found.get(column, "")) for column in columns]
     return None if None in types else types
+
+
+def _numbered(rows: Iterable[tuple], coded: dict[int, Coded], dialect) -> Iterator[tuple]:
+    """The rows with each Coded column's name as its number (a name not of the column: KeyError)."""
+    numbers = {
+        i: {name: kind.process_bind_param(name, dialect) for name in kind.names} for i, kind in coded.items()
+    }
+    for row in rows:
+        row = list(row)
+        for i, number in numbers.items():
+            row[i] = number[row[i]]
+        yield tuple(row)
 
 
 def _json_encoded(row: tuple, json_columns: list[int]) -> tuple:

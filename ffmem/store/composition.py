@@ -15,7 +15,7 @@ from sqlalchemy import text as sa_text
 from sqlalchemy.orm import Session, undefer
 
 from ffmem.store.bulk import bulk_insert, collector_paused
-from ffmem.store.memory_lists import SCORED_MEMORY
+from ffmem.store.memory_lists import SCORED_MEMORY, pack_columns, unpack_columns
 from ffmem.store.memory_writes import same_shape
 from ffmem.store.models import Explanation, MemoryLinks
 from ffmem.store.vocabularies import stored_text
@@ -158,10 +158,15 @@ def _text_indexed_after(session: Session) -> Iterator[None]:
 
 
 # An explanation's pattern as stored: a header (the sign it predicts, +1: m, −1: −m; its tokens; its pairs),
-# then the token ids (int32) and their weights (float16), then the (previous token, token) pairs (int32) and
-# their weights (float16): 6 B a token, 10 a pair (revision 0024; float32 weights before, 8 and 12).
+# then the token ids and their weights (float16), then the (previous token, token) pairs' ids and their
+# weights (float16). From revision 0032 on the ids are as wide as the pattern's largest needs (1 to 4 bytes,
+# little-endian; all ones: −1, a pair's start of sentence) and the header's first byte says so:
+# PACKED_TABLE + 4 · width + sign + 1, between 0x40 and 0x80, where the tables before hold the sign alone
+# (int8: 0xff, 0 or 1) and their ids in int32 (revision 0024: 6 B a token, 10 a pair; 4 and 6 at a 49K
+# vocabulary now, 5 and 8 at 128K–152K).
 TOKEN_TABLE_HEADER = np.dtype([("sign", "i1"), ("tokens", "<u2"), ("pairs", "<u2")])
-TOKEN_TABLE_PARTS = ("<i4", "<f2", "<i4", "<f2")  # final ids, weights, pairs (two ids each), pair weights
+TOKEN_TABLE_PARTS = ("<i4", "<f2", "<i4", "<f2")  # before 0032: final ids, weights, pair ids, pair weights
+PACKED_TABLE = 0x40
 WEIGHT_LIMIT = float(np.finfo(np.float16).max)  # a weight beyond ±65,504 is stored as that bound
 
 
@@ -169,7 +174,7 @@ def pack_token_tables(patterns: Sequence[dict]) -> list[bytes]:
     """Pattern dicts ({"sign", "final", "weights", "pairs", "pair_weights"}) as TOKEN_TABLE bytes, one
     blob each; the weights to float16's precision (3 significant digits, as the key page shows them). In
     bulk: every pattern's lists flattened into one array each, then the patterns of each size (tokens,
-    pairs) laid out as one record array of that size."""
+    pairs, id width) laid out as one record array of that size."""
     if not patterns:
         return []
     count = len(patterns)
@@ -184,36 +189,55 @@ def pack_token_tables(patterns: Sequence[dict]) -> list[bytes]:
     weights = _flat([p["weights"] for p in patterns], np.float64)  # [tokens]
     pair_ids = _flat([p["pairs"] for p in patterns], np.int64, nested=True)  # [2 · pairs]
     pair_weights = _flat([p["pair_weights"] for p in patterns], np.float64)  # [pairs]
-    sizes = tokens * (pairs.max() + 1) + pairs  # [patterns]: one number per (tokens, pairs)
+    token_starts, pair_starts = np.cumsum(tokens) - tokens, np.cumsum(pairs) - pairs  # [patterns] each
+    largest = np.maximum(  # [patterns]: each pattern's largest id, its tokens' and its pairs'
+        _largest(final, token_starts, tokens), _largest(pair_ids, 2 * pair_starts, 2 * pairs)
+    )
+    widths = _id_widths(largest)  # [patterns]: each pattern's id width in bytes
+    sizes = (tokens * (pairs.max() + 1) + pairs) * 5 + widths  # [patterns]: one per (tokens, pairs, width)
     order = np.argsort(sizes, kind="stable")  # [patterns], by size
     bounds = np.flatnonzero(np.diff(sizes[order])) + 1
-    token_starts, pair_starts = np.cumsum(tokens) - tokens, np.cumsum(pairs) - pairs  # [patterns] each
     packed = [b""] * count
     for rows in np.split(order, bounds):
-        n, p = int(tokens[rows[0]]), int(pairs[rows[0]])
-        table = np.zeros(len(rows), _table_record(n, p))  # [rows]
-        table["header"]["sign"] = signs[rows]
+        n, p, width = int(tokens[rows[0]]), int(pairs[rows[0]]), int(widths[rows[0]])
+        table = np.zeros(len(rows), _table_record(n, p, width))  # [rows]
+        table["header"]["sign"] = (PACKED_TABLE + 4 * width + signs[rows] + 1).astype(np.uint8).view(np.int8)
         table["header"]["tokens"], table["header"]["pairs"] = n, p
         if n:
             at = token_starts[rows, None] + np.arange(n)  # [rows, n]
-            table["final"] = final[at].astype("<i4")
+            table["final"] = pack_columns([final[at]], [width]).reshape(len(rows), n * width)
             table["weights"] = _float16(weights[at])
         if p:
             at = pair_starts[rows, None] + np.arange(p)  # [rows, p]
             table["pair_weights"] = _float16(pair_weights[at])
             at = 2 * pair_starts[rows, None] + np.arange(2 * p)  # [rows, 2p]
-            table["pairs"] = pair_ids[at].astype("<i4")
+            table["pairs"] = pack_columns([pair_ids[at]], [width]).reshape(len(rows), 2 * p * width)
         blobs = table.view(np.dtype((np.void, table.dtype.itemsize))).tolist()  # bytes, zeros kept
         for at, blob in zip(rows.tolist(), blobs, strict=True):
             packed[at] = blob
     return packed
 
 
-def _table_record(n: int, p: int) -> np.dtype:
-    """One packed token table of n tokens and p pairs as a record (no padding)."""
+def _largest(ids: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each pattern's largest id (its `counts` ids from `starts` of `ids`), 0 where it has none."""
+    largest = np.zeros(len(counts), np.int64)  # [patterns]
+    some = counts > 0
+    if some.any():
+        largest[some] = np.maximum.reduceat(ids, starts[some])
+    return largest
+
+
+def _id_widths(largest: np.ndarray) -> np.ndarray:
+    """memory_lists.int_width of each pattern's largest id, its all-ones code kept free for −1: [patterns]."""
+    top = np.maximum(largest, 0) + 1  # [patterns]
+    return 1 + (top >= 2**8) + (top >= 2**16) + (top >= 2**24)
+
+
+def _table_record(n: int, p: int, width: int) -> np.dtype:
+    """One packed token table of n tokens and p pairs, ids in `width` bytes, as a record (no padding)."""
     fields = [("header", TOKEN_TABLE_HEADER)]
-    names = ("final", "weights", "pairs", "pair_weights")
-    for name, dtype, size in zip(names, TOKEN_TABLE_PARTS, (n, n, 2 * p, p), strict=True):
+    parts = (("u1", n * width), ("<f2", n), ("u1", 2 * p * width), ("<f2", p))
+    for name, (dtype, size) in zip(("final", "weights", "pairs", "pair_weights"), parts, strict=True):
         fields.append((name, dtype, (size,)))
     return np.dtype(fields)
 
@@ -232,17 +256,26 @@ def _float16(weights: np.ndarray) -> np.ndarray:
 
 
 def unpack_token_table(data: bytes) -> dict:
-    """pack_token_table's bytes as the pattern dict (weights as float16 holds them, to 4 digits)."""
+    """pack_token_table's bytes (or a table stored before 0032, ids in int32) as the pattern dict (weights
+    as float16 holds them, to 4 digits)."""
     header = np.frombuffer(data, TOKEN_TABLE_HEADER, count=1)[0]
     n, p = int(header["tokens"]), int(header["pairs"])
+    first = data[0]
+    packed = PACKED_TABLE <= first < 0x80
+    width, sign = ((first - PACKED_TABLE) // 4, (first & 3) - 1) if packed else (4, int(header["sign"]))
     at = TOKEN_TABLE_HEADER.itemsize
     parts = []
-    for dtype, count in zip(TOKEN_TABLE_PARTS, (n, n, 2 * p, p), strict=True):
-        parts.append(np.frombuffer(data, dtype, count=count, offset=at))
+    for dtype, count in zip(("ids", "<f2", "ids", "<f2"), (n, n, 2 * p, p), strict=True):
+        if dtype == "ids" and packed:
+            raw = np.frombuffer(data, np.uint8, count=count * width, offset=at).reshape(count, width)
+            parts.append(unpack_columns(raw, [width], [True])[0])  # [count] int64
+            at += raw.nbytes
+            continue
+        parts.append(np.frombuffer(data, "<i4" if dtype == "ids" else dtype, count=count, offset=at))
         at += parts[-1].nbytes
     final, weights, pairs, pair_weights = parts
     return {
-        "sign": int(header["sign"]),
+        "sign": sign,
         "final": final.tolist(),
         "weights": [float(f"{w:.4g}") for w in weights.tolist()],
         "pairs": pairs.reshape(-1, 2).tolist(),

@@ -14,7 +14,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text
 
 from ffmem.store.db import MIGRATIONS, SQLITE_PAGE_SIZE, make_engine, make_sessionmaker, upgrade
-from ffmem.store.models import Base, Job, JobKind, JobStatus
+from ffmem.store.models import Base, Job, JobKind, JobStatus, MemoryList
 
 
 def _head() -> str:
@@ -525,7 +525,8 @@ def test_0023_packs_new_token_tables_keeps_old_patterns_and_their_text_search(em
         new = composition.get_explanation(session=session, run_id=1, layer=1, key=2)
         assert composition.explanation_pattern(old) == old_pattern and old.token_table is None
         assert composition.explanation_pattern(new) == table and new.pattern is None
-        assert len(new.token_table) == 5 + 6 * 2 + 10 * 1  # float16 weights from 0024 on
+        # float16 weights from 0024 on; ids as wide as the largest (70,000: 3 bytes) from 0032 on
+        assert len(new.token_table) == 5 + (3 + 2) * 2 + (2 * 3 + 2) * 1
         found = composition.search_explanations(session=session, run_id=1, text="paris", limit=5)
         assert sorted((e.layer, e.key) for e in found) == [(0, 1), (1, 2)]
     engine.dispose()
@@ -672,3 +673,59 @@ def test_0030_adds_token_changes_and_downgrading_drops_them(empty_url):
     _migrate(empty_url, "0028", down=True)
     revision, schema = _schema(empty_url)
     assert revision == "0028" and "token_changes" not in {name for name, _, _ in schema}
+
+
+def test_0032_stores_list_kinds_as_numbers_and_downgrading_names_them_again(empty_url):
+    """Issue 41: a memory list's kind is SMALLINT 1, 2, 3 ("norm", "raw", "triggers") from 0032 on; a run
+    stored before reads its lists as before, and downgrading writes the names back."""
+    import numpy as np
+    import sqlalchemy as sa
+
+    from ffmem.store import composition, memory_reads
+
+    _migrate(empty_url, "0031")
+    engine = make_engine(empty_url)
+    stored = {("triggers", 1, 0, 1): b"t+", ("triggers", -1, 1, 3): b"t-", ("raw", 1, 0, 2): b"r"}
+    stored |= {("norm", -1, 1, 0): b"n"}
+    with engine.begin() as connection:
+        _old_run(connection)
+        lists = sa.table("memory_lists", *map(sa.column, ("run_id", "kind", "sign", "layer", "key", "data")))
+        for (kind, sign, layer, key), data in stored.items():
+            connection.execute(
+                sa.insert(lists).values(run_id=1, kind=kind, sign=sign, layer=layer, key=key, data=data)
+            )
+    engine.dispose()
+    _migrate(empty_url, "head")
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        raw = connection.execute(
+            sa.text("SELECT kind, layer, key FROM memory_lists ORDER BY kind, layer")
+        ).all()
+        assert raw == [(1, 1, 0), (2, 0, 2), (3, 0, 1), (3, 1, 3)]  # norm, raw, triggers
+    with make_sessionmaker(engine)() as session:
+        read = session.execute(select(MemoryList.kind, MemoryList.sign, MemoryList.layer, MemoryList.key,
+                                      MemoryList.data)).all()  # fmt: skip
+        assert {tuple(row[:4]): row[4] for row in read} == stored
+        assert memory_reads._list(session, 1, "raw", 1, 0, 2) == b"r"  # the store's lookup of a list
+        table = {
+            "sign": 1,
+            "final": [3, 300],
+            "weights": [1.5, -0.5],
+            "pairs": [[-1, 4]],
+            "pair_weights": [2.0],
+        }
+        rows = [(1, 2, "heuristic", "ends with Paris", 0.5, table, {"positions": 9})]
+        composition.store_explanations(session=session, run_id=1, rows=rows)
+        session.commit()
+        packed = composition.get_explanation(session=session, run_id=1, layer=1, key=2).token_table
+        assert len(packed) == 5 + (2 + 2) * 2 + (2 * 2 + 2)  # ids in 2 bytes (300; −1 all ones)
+    engine.dispose()
+    _migrate(empty_url, "0031", down=True)
+    engine = make_engine(empty_url)
+    with engine.connect() as connection:
+        back = connection.execute(sa.text("SELECT kind, sign, layer, key, data FROM memory_lists")).all()
+        old = bytes(connection.scalar(sa.text("SELECT token_table FROM explanations")))
+    engine.dispose()
+    assert {tuple(row[:4]): bytes(row[4]) for row in back} == stored
+    assert len(old) == 5 + 6 * 2 + 10 and composition.unpack_token_table(old) == table  # int32 ids again
+    assert old[0] == 1 and np.frombuffer(old, "<i4", count=2, offset=5 + 8 + 4).tolist() == [-1, 4]

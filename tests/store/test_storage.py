@@ -191,6 +191,23 @@ def test_triggers_round_trip_and_skip_missing(session, run):
     assert type(triggers(1)[0][3]) is float
     assert triggers(2) == []
     assert memory_reads.get_triggers(session=session, run_id=run.id, layer=1, key=0, sign=1) == []
+    # the kind is stored as its number (revision 0032: "norm" 1, "raw" 2, "triggers" 3), read as its name
+    assert session.execute(text("SELECT DISTINCT kind FROM memory_lists")).scalars().all() == [3]
+    assert session.scalars(select(MemoryList.kind).distinct()).all() == ["triggers"]
+
+
+def test_a_list_of_no_kind_is_refused(session, run):
+    """models.Coded refuses a name outside its own, through the bulk writer as through the ORM."""
+    from sqlalchemy.exc import StatementError
+
+    from ffmem.store.bulk import bulk_insert
+
+    row = (run.id, "trigger", 1, 0, 0, b"x")
+    with pytest.raises(KeyError, match="trigger"):
+        bulk_insert(session, MemoryList.__table__, memory_writes.LIST_COLUMNS, [row])
+    session.rollback()
+    with pytest.raises(StatementError, match="'value' is none of"):
+        session.scalar(select(MemoryList.data).where(MemoryList.kind == "value"))
 
 
 def test_value_tokens_round_trip(session, run):

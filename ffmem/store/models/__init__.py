@@ -8,7 +8,7 @@ character offsets of each token, so the web process can render prefixes without 
 """
 
 from ffmem.store.models.analyses import Analysis, Comparison, KeyChange, Label
-from ffmem.store.models.base import Base, Float32, now
+from ffmem.store.models.base import Base, Coded, Float32, now
 from ffmem.store.models.composition import (
     Explanation,
     MemoryLinks,
@@ -36,6 +36,7 @@ __all__ = [
     "SPECS",
     "Analysis",
     "Base",
+    "Coded",
     "Comparison",
     "Corpus",
     "Explanation",

@@ -1,12 +1,13 @@
 """What every table shares: the declarative `Base` (with stable constraint names), the 4-byte `Float32` of a
-statistic, `now` (every timestamp's UTC), and `stored_as_text` (an enum column as text with a CHECK)."""
+statistic, `now` (every timestamp's UTC), `stored_as_text` (an enum column as text with a CHECK) and `Coded`
+(a column of a few names held as small integers)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 from enum import StrEnum
 
-from sqlalchemy import Enum, Float, MetaData
+from sqlalchemy import Enum, Float, MetaData, SmallInteger, TypeDecorator
 from sqlalchemy.dialects.postgresql import REAL
 from sqlalchemy.orm import DeclarativeBase
 
@@ -32,6 +33,30 @@ def stored_as_text(enum: type[StrEnum], name: str) -> Enum:
         values_callable=lambda members: [member.value for member in members],
         validate_strings=True,
     )
+
+
+class Coded(TypeDecorator):
+    """A column holding one of a few names, stored as its number (SMALLINT: 1 for the first name, 2 for the
+    next…) and read back as the name: 2 bytes where the name's text took 4–9 in a row of every memory and
+    in its primary key's index. Give the names in sorted order and ORDER BY the column sorts as the names
+    did. A name outside them is refused on writing (KeyError)."""
+
+    impl = SmallInteger
+    cache_ok = True
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        self.names = names
+
+    def process_bind_param(self, value: str | None, dialect) -> int | None:
+        if value is None:
+            return None
+        if value not in self.names:
+            raise KeyError(f"{value!r} is none of {self.names}")
+        return self.names.index(value) + 1
+
+    def process_result_value(self, value: int | None, dialect) -> str | None:
+        return None if value is None else self.names[value - 1]
 
 
 class Base(DeclarativeBase):

@@ -16,7 +16,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ffmem.store.models.base import Base, Float32
+from ffmem.store.models.base import Base, Coded, Float32
+
+# A memory list's kinds, sorted (ffmem.store.memory_lists.READOUTS and TRIGGERS), stored as 1, 2, 3.
+LIST_KINDS = ("norm", "raw", "triggers")
 
 
 class MemoryList(Base):
@@ -30,7 +33,8 @@ class MemoryList(Base):
     __tablename__ = "memory_lists"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # triggers | raw | norm
+    # triggers | raw | norm, as 3 | 2 | 1 (revision 0032; text before)
+    kind: Mapped[str] = mapped_column(Coded(*LIST_KINDS), primary_key=True)
     sign: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # +1 | −1
     layer: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     key: Mapped[int] = mapped_column(Integer, primary_key=True)
