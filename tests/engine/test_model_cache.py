@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -205,6 +206,8 @@ def test_threads_and_processes_loading_at_once_on_a_cold_cache_get_identical_wei
     with safe_open(cache / folders[0] / "model.safetensors", "pt") as file:
         stored = set(file.keys())
     assert "model.embed_tokens.weight" in stored and "lm_head.weight" not in stored  # tied: saved once
+    # gguf's reader and name maps, kept once each while a GGUF is dequantized, are gguf's own again
+    assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")
     print(f"cold start: 2 processes and {THREADS} threads loaded in {seconds:.1f} s")
 
 

@@ -3,12 +3,17 @@ sha256), written under a file lock that holds across processes, checksummed tens
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import gguf as gguf_py
 import torch
 import transformers
 from filelock import FileLock, Timeout
@@ -63,15 +68,16 @@ def _write_cache(gguf: Path, sha: str, folder: Path) -> None:
     """With the cache lock held: remove leftovers, dequantize into a temporary folder, rename it in."""
     for leftover in [folder.with_name(folder.name + ".partial"), *folder.parent.glob(f"{folder.name}.tmp-*")]:
         shutil.rmtree(leftover, ignore_errors=True)  # no one writes them: we hold the lock
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent),
-        gguf_file=gguf.name,
-        quantization_config=GgufConfig(dequantize=True),  # plain float32 Linear layers, never GGUF blocks
-        dtype=torch.float32,
-        output_loading_info=True,
-    )
-    check_loading_info(str(gguf), model, info, remedy="is the GGUF file complete?")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with _parsed_once():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent),
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(dequantize=True),  # plain float32 Linear layers, never GGUF blocks
+            dtype=torch.float32,
+            output_loading_info=True,
+        )
+        check_loading_info(str(gguf), model, info, remedy="is the GGUF file complete?")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)  # the weights are plain float32 now
     if hasattr(model.config, "quantization_config"):
@@ -99,3 +105,30 @@ def _write_cache(gguf: Path, sha: str, folder: Path) -> None:
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+_PARSING = threading.Lock()  # one dequantization at a time swaps gguf's functions
+
+
+@contextmanager
+def _parsed_once() -> Iterator[None]:
+    """Within the block, gguf parses a file once and builds a tensor name map once: transformers reads the
+    GGUF anew for its config, its weights and its tokenizer (three `GGUFReader`s, each parsing every
+    metadata field: the vocabulary and merges are ~440K of them at SmolLM2) and builds gguf's
+    `TensorNameMap` once per submodule (~400 at SmolLM2), together ~60% of a cold load's CPU time. Both are
+    read-only once built, so each is kept by its arguments and given again."""
+    with _PARSING:
+        reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+        readers: dict = {}
+
+        def parsed(path, mode="r"):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = reader(path, mode)
+            return readers[key]
+
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = parsed, functools.cache(name_map)
+        try:
+            yield
+        finally:
+            gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, name_map
