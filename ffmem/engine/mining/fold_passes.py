@@ -163,14 +163,87 @@ def _side_extremes(c: torch.Tensor, side: torch.Tensor) -> tuple[torch.Tensor, .
     return high, first_on_side(high_at), low, first_on_side(low_at), any_on_side
 
 
+def fused_reductions(
+    c: torch.Tensor,
+    u: torch.Tensor | None,
+    mined: torch.Tensor,
+    anchor: torch.Tensor,
+    key_offsets: torch.Tensor,
+    code_bins: torch.Tensor,
+) -> Reductions:
+    """`reductions`' fold state in a form whose compiled passes read `c` twice (docs/benchmarks.md, the
+    compiled fold's reads): every per-row reduction over the positions of an expression of c, u and `mined`
+    alone, so that inductor computes them all in one loop over the positions, and the histogram's codes in
+    its scatter's. No filled copy: a maximum's unmined (or off-side) positions are −inf, a minimum's +inf,
+    the sum's 0, the histogram's codes a spare slot past each key's. Where a row's extreme is such a fill
+    (nothing mined, or every value of the row that infinity), its position is taken back to the anchor as
+    a copy's is; a quadrant's extreme and position are then not `present`, as they are not in
+    `reductions`. Eager, each of these is a pass of its own: the eager fold keeps `reductions`. NaN said
+    outright, as `compiled` does."""
+    n_layers, n_keys = c.shape[0], c.shape[3]
+    quadrants = (None,) * 4 if u is None else _fused_quadrants(c, u, mined)
+    mined = mined[None, :, :, None]  # [1, batch, pos, 1]
+    high, high_at = torch.where(mined, c, float("-inf")).max(dim=2)  # [layers, batch, keys] each
+    low, low_at = torch.where(mined, c, float("inf")).min(dim=2)  # [layers, batch, keys] each
+    nan = (torch.isnan(c) & mined).view(torch.uint8).max(dim=2)  # [layers, batch, keys] each: any, first
+    has_nan = nan.values.bool()  # [layers, batch, keys]
+    extreme = torch.stack([high, low]).masked_fill(has_nan, float("nan"))  # [signs, layers, batch, keys]
+    at = torch.where(has_nan, nan.indices, torch.stack([high_at, low_at]))  # like extreme
+    at = torch.where(mined[..., 0].expand(2, n_layers, -1, -1).gather(3, at), at, anchor[:, None])
+    total = torch.where(mined, c, 0.0).sum(dim=2, dtype=torch.float64).sum(dim=1)  # [layers, keys]
+    layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=c.device) * (n_keys * CODE_STRIDE)
+    offsets = (key_offsets + layer_offsets[:, None])[:, None, None]  # [layers, 1, 1, keys]
+    spare = offsets + (CODES - CODES // 2)  # like offsets: each key's slot past its codes
+    codes = torch.where(mined, (c.view(torch.int32) >> 23) + offsets, spare)  # like c
+    ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(codes.numel())  # [codes]
+    by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
+    by_code.index_add_(0, codes.reshape(-1), ones)  # [layers · keys · CODE_STRIDE]
+    by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
+    counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=c.device)
+    histogram = counts.index_add_(2, code_bins, by_code)  # [layers, keys, bins]
+    return Reductions(extreme, at, total, histogram, *quadrants)
+
+
+def _fused_quadrants(c: torch.Tensor, u: torch.Tensor, mined: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_quadrants`' fields as fused_reductions computes them: no tensor written but the reductions'."""
+    mined = mined[None, :, :, None]  # [1, batch, pos, 1]
+    usable = (c == c) & mined  # [layers, batch, pos, keys]: mined, not NaN
+    input_negative = u < 0  # like c
+    gate_negative = ((c < 0) & (u > 0) | (c > 0) & input_negative) & usable  # like c
+
+    def count(flags: torch.Tensor) -> torch.Tensor:  # [layers, keys]: the positions flagged
+        return flags.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # a row's < 2¹⁵
+
+    gate, inputs = count(gate_negative), count(input_negative & mined)  # [layers, keys] each
+    both = count(gate_negative & input_negative)  # [layers, keys]
+    positions = mined.sum()  # 0-dim: the mined positions of the batch
+    counts = torch.stack((positions - gate - inputs + both, inputs - both, gate - both, both), dim=-1)
+    sides = []  # per input sign (≥ 0, < 0): [layers, batch, keys] each: max, where, min, where, any
+    for side in (usable & ~input_negative, usable & input_negative):  # like c each
+        high, high_at = torch.where(side, c, float("-inf")).max(dim=2)
+        low, low_at = torch.where(side, c, float("inf")).min(dim=2)
+        sides.append((high, high_at, low, low_at, side.view(torch.uint8).amax(dim=2).bool()))
+    positive, negative = sides
+    # [4, layers, batch, keys] each, pp, pn, np, nn: m's extreme, where it first is, whether it counts
+    extreme = torch.stack([positive[0], negative[2], positive[2], negative[0]])
+    at = torch.stack([positive[1], negative[3], positive[3], negative[1]])
+    signs = torch.stack([extreme[0] >= 0, extreme[1] <= 0, extreme[2] < 0, extreme[3] > 0])  # like at
+    present = signs & torch.stack([positive[4], negative[4], positive[4], negative[4]])
+    return counts, extreme, at, present  # counts [layers, keys, 4]
+
+
 BACKEND = "inductor"  # torch.compile's backend for `compiled` (the suite's: aot_eager, no code generated)
-_compiled: dict[str, object] = {}
+_compiled: dict[tuple[str, bool], object] = {}
 
 
-def compiled():
-    """`reductions` compiled by torch.compile (once a process and backend, for any shape: dynamic), NaN found
-    apart."""
-    if BACKEND not in _compiled:
-        reduce = functools.partial(reductions, nan_outright=True)
-        _compiled[BACKEND] = torch.compile(reduce, dynamic=True, backend=BACKEND)
-    return _compiled[BACKEND]
+def compiled(fused: bool = True):
+    """`fused_reductions` compiled by torch.compile (once a process and backend, for any shape: dynamic);
+    `fused=False`: `reductions` compiled instead, NaN found apart (the compiled passes before
+    fused_reductions, for bench.torch_fold)."""
+    if (BACKEND, fused) not in _compiled:
+        reduce = fused_reductions if fused else functools.partial(reductions, nan_outright=True)
+        # inductor fuses at most 16 reductions into one CPU loop (config.cpp.max_horizontal_fusion_size):
+        # fused_reductions has 20 over the positions of a gated group
+        options = {"cpp.max_horizontal_fusion_size": 32} if BACKEND == "inductor" and fused else None
+        _compiled[BACKEND, fused] = torch.compile(reduce, dynamic=True, backend=BACKEND, options=options)
+    return _compiled[BACKEND, fused]
