@@ -164,14 +164,16 @@ def compiled_passes(shape: tuple[int, int, int, int], top_k: int, repeats: int, 
         found = figures[form]
         harness.log(f"{form}: loop nests over the group {found['nests']}")
         print(
-            f"{form}: {found['nests_reading_c']} loop nests read c whole, {found['nests_over_the_group']} read "
-            f"or write a tensor of its shape, {found['bytes_a_coefficient']} bytes a coefficient; seconds "
-            f"{figures['seconds'][form]}"
+            f"{form}: {found['nests_reading_c']} loop nests read c whole, "
+            f"{found['nests_over_the_group']} read or write a tensor of its shape, "
+            f"{found['bytes_a_coefficient']} bytes a coefficient; seconds {figures['seconds'][form]}"
         )
     ratios = figures["then_over_now"]
     figures["then_over_now_median"] = statistics.median(ratios)
-    print(f"then over now: {statistics.median(ratios):.2f} (per round: {ratios}); the same reductions: "
-          f"{figures['same_reductions']}")
+    print(
+        f"then over now: {statistics.median(ratios):.2f} (per round: {ratios}); the same reductions: "
+        f"{figures['same_reductions']}"
+    )
     return figures
 
 
@@ -196,7 +198,8 @@ def main() -> None:
         harness.record(args, "torch_fold_lists", figures)
         return
     if args.reads:  # the compiled passes alone, before fused_reductions and now
-        harness.record(args, "torch_fold_reads", compiled_passes(shape, args.top_k, args.repeats, args.threads))
+        figures = compiled_passes(shape, args.top_k, args.repeats, args.threads)
+        harness.record(args, "torch_fold_reads", figures)
         return
     folds = {
         "then": harness.module_at(args.against, ("ffmem/engine/mining/fold_torch.py",), "fold_torch_then"),

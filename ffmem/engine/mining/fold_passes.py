@@ -1,17 +1,21 @@
 """The torch fold's passes over a group's coefficients (ffmem.engine.mining.fold_torch): one pure function
 from a group's [layers, batch, pos, keys] coefficients (and a gated layer's inputs x·u) to what the fold
-keeps of them, per sentence and key ([.., layers, batch, keys]) and per key ([layers, keys, ..]). Run as it
-is, each operation is a pass over the group. Compiled (`compiled`, torch.compile; an option: compiling takes
-a minute, a GPU needs triton) its elementwise work can fuse into the reductions that read it: on a CPU the
-compiled passes take as long as the eager ones (bench.torch_fold); on a GPU they are not yet measured.
+keeps of them, per sentence and key ([.., layers, batch, keys]) and per key ([layers, keys, ..]), in two
+forms. Run as it is (the eager fold), `reductions`: each operation a pass over the group, as few as torch
+allows. Compiled (`compiled`, torch.compile; an option: compiling takes a minute, a GPU needs triton),
+`fused_reductions`: every reduction over a row's positions of an expression of c, u and the mined flags
+alone, so that inductor reads c twice, in one loop nest for all the reductions and one for the histogram's
+scatter, and writes no tensor of c's shape (on a CPU 1.6 times as fast as `reductions` compiled, which
+writes three filled copies of c and reads them five times: docs/benchmarks.md, bench.torch_fold --reads);
+on a GPU not yet measured. Both give the fold the same state, bit for bit.
 
-The passes, few as torch allows. An ungated layer's are seven: the fill of unmined positions with their
-row's first mined coefficient, the maximum and the minimum with their positions, the sum, and the
-histogram's codes (a shift, the keys' offsets, one scatter-add). The fill
-serves them all: it changes no extreme, and the copies it makes are taken back out of the sum and the
-histogram from the [layers, batch, keys] first coefficients alone (no zeroing pass). A gated layer's sign
-quadrants add comparisons and byte-wide logic on the signs of m and x·u, counted in 16-bit sums, and per
-input sign one masked copy read by a maximum and a minimum: over the positions whose input is ≥ 0 the
+`reductions`' passes, few as torch allows. An ungated layer's are seven: the fill of unmined positions
+with their row's first mined coefficient, the maximum and the minimum with their positions, the sum, and
+the histogram's codes (a shift, the keys' offsets, one scatter-add). The fill serves them all: it changes
+no extreme, and the copies it makes are taken back out of the sum and the histogram from the [layers,
+batch, keys] first coefficients alone (no zeroing pass). A gated layer's sign quadrants add comparisons
+and byte-wide logic on the signs of m and x·u, counted in 16-bit sums, and per input sign one masked copy
+read by a maximum and a minimum: over the positions whose input is ≥ 0 the
 largest m ≥ 0 is pp's largest |m| and the smallest m < 0 np's; over those whose input is < 0 the largest
 m > 0 is nn's and the smallest m ≤ 0 pn's (m = gate · input: a zero input has a zero m).
 
@@ -179,7 +183,9 @@ def fused_reductions(
     (nothing mined, or every value of the row that infinity), its position is taken back to the anchor as
     a copy's is; a quadrant's extreme and position are then not `present`, as they are not in
     `reductions`. Eager, each of these is a pass of its own: the eager fold keeps `reductions`. NaN said
-    outright, as `compiled` does."""
+    outright, as `compiled` does. The quadrant counts' 16-bit sums keep inductor's loop scalar over the
+    keys; counted in 32 bits it vectorises sixteen keys at a time and takes twice as long (twenty vector
+    accumulators, most of them a value and a position)."""
     n_layers, n_keys = c.shape[0], c.shape[3]
     quadrants = (None,) * 4 if u is None else _fused_quadrants(c, u, mined)
     mined = mined[None, :, :, None]  # [1, batch, pos, 1]
