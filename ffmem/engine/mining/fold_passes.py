@@ -100,8 +100,7 @@ def _histogram(
     over [layers, batch, keys], then the codes are folded into the histogram's bins.
     """
     n_layers, n_keys = filled.shape[0], filled.shape[3]
-    layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=filled.device) * (n_keys * CODE_STRIDE)
-    offsets = (key_offsets + layer_offsets[:, None])[:, None]  # [layers, 1, keys]
+    offsets = _code_offsets(n_layers, key_offsets)[:, None]  # [layers, 1, keys]
     codes = (
         (filled.view(torch.int32) >> 23).view(n_layers, -1, n_keys).add_(offsets)
     )  # [layers, batch·pos, keys]
@@ -111,8 +110,20 @@ def _histogram(
     copied = (first.view(torch.int32) >> 23).add_(offsets)  # [layers, batch, keys]
     taken = copies.int().neg()[:, None].expand(first.shape).reshape(-1)  # [layers · batch · keys]
     by_code.index_add_(0, copied.reshape(-1), taken)
+    return _binned(by_code, n_layers, n_keys, code_bins)
+
+
+def _code_offsets(n_layers: int, key_offsets: torch.Tensor) -> torch.Tensor:
+    """[layers, keys] int32: what each layer's and key's codes are offset by in the scatter's counts."""
+    layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=key_offsets.device)  # [layers]
+    return key_offsets + layer_offsets[:, None] * (len(key_offsets) * CODE_STRIDE)  # [layers, keys]
+
+
+def _binned(by_code: torch.Tensor, n_layers: int, n_keys: int, code_bins: torch.Tensor) -> torch.Tensor:
+    """[layers, keys, bins] int64: the scatter's counts `by_code` [layers · keys · CODE_STRIDE] int32
+    folded into the histogram's bins (a key's slot past its codes dropped)."""
     by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
-    counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=filled.device)
+    counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=by_code.device)
     return counts.index_add_(2, code_bins, by_code)  # [layers, keys, bins]
 
 
@@ -130,22 +141,34 @@ def _quadrants(c: torch.Tensor, u: torch.Tensor, mined: torch.Tensor) -> tuple[t
     usable = (c == c).logical_and_(mined)  # like c: mined, not NaN
     gate_negative.logical_and_(usable)
     input_negative.logical_and_(mined)
-
-    def count(flags: torch.Tensor) -> torch.Tensor:  # [layers, keys]: the positions flagged
-        return flags.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # a row's < 2¹⁵
-
-    gate, inputs = count(gate_negative), count(input_negative)  # [layers, keys] each
-    both = count(gate_negative.logical_and_(input_negative))  # [layers, keys]
-    positions = mined.sum()  # 0-dim: the mined positions of the batch
-    counts = torch.stack((positions - gate - inputs + both, inputs - both, gate - both, both), dim=-1)
+    gate, inputs = _count(gate_negative), _count(input_negative)  # [layers, keys] each
+    counts = _quadrant_counts(mined, gate, inputs, _count(gate_negative.logical_and_(input_negative)))
     negative = _side_extremes(c, input_negative.logical_and_(usable))
     positive = _side_extremes(c, usable.logical_and_(input_negative.logical_not_()))  # usable, input ≥ 0
-    # [4, layers, batch, keys] each, pp, pn, np, nn: m's extreme, where it first is, whether it counts
-    extreme = torch.stack([positive[0], negative[2], positive[2], negative[0]])
-    at = torch.stack([positive[1], negative[3], positive[3], negative[1]])
+    return counts, *_by_quadrant(positive, negative)
+
+
+def _count(flags: torch.Tensor) -> torch.Tensor:
+    """[layers, keys]: the positions flagged in `flags` [layers, batch, pos, keys] bool (bytes summed in
+    16 bits along a row, < 2¹⁵, then over the rows)."""
+    return flags.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)
+
+
+def _quadrant_counts(mined, gate: torch.Tensor, inputs: torch.Tensor, both: torch.Tensor) -> torch.Tensor:
+    """[layers, keys, 4]: the mined positions (`mined` [1, batch, pos, 1]) in pp, pn, np, nn from those
+    with a negative gate, a negative input and both ([layers, keys] each)."""
+    positions = mined.sum()  # 0-dim: the mined positions of the batch
+    return torch.stack((positions - gate - inputs + both, inputs - both, gate - both, both), dim=-1)
+
+
+def _by_quadrant(positive: tuple[torch.Tensor, ...], negative: tuple[torch.Tensor, ...]):
+    """Reductions' quadrant_extreme, quadrant_at and quadrant_present ([4, layers, batch, keys] each: pp,
+    pn, np, nn) from each input sign's (≥ 0, < 0) maximum, where, minimum, where and whether it has any."""
+    extreme = torch.stack([positive[0], negative[2], positive[2], negative[0]])  # m's extreme
+    at = torch.stack([positive[1], negative[3], positive[3], negative[1]])  # where it first is
     signs = torch.stack([extreme[0] >= 0, extreme[1] <= 0, extreme[2] < 0, extreme[3] > 0])  # like at
-    present = signs & torch.stack([positive[4], negative[4], positive[4], negative[4]])
-    return counts, extreme, at, present  # counts [layers, keys, 4]
+    present = signs & torch.stack([positive[4], negative[4], positive[4], negative[4]])  # whether it counts
+    return extreme, at, present
 
 
 def _side_extremes(c: torch.Tensor, side: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -197,16 +220,13 @@ def fused_reductions(
     at = torch.where(has_nan, nan.indices, torch.stack([high_at, low_at]))  # like extreme
     at = torch.where(mined[..., 0].expand(2, n_layers, -1, -1).gather(3, at), at, anchor[:, None])
     total = torch.where(mined, c, 0.0).sum(dim=2, dtype=torch.float64).sum(dim=1)  # [layers, keys]
-    layer_offsets = torch.arange(n_layers, dtype=torch.int32, device=c.device) * (n_keys * CODE_STRIDE)
-    offsets = (key_offsets + layer_offsets[:, None])[:, None, None]  # [layers, 1, 1, keys]
+    offsets = _code_offsets(n_layers, key_offsets)[:, None, None]  # [layers, 1, 1, keys]
     spare = offsets + (CODES - CODES // 2)  # like offsets: each key's slot past its codes
     codes = torch.where(mined, (c.view(torch.int32) >> 23) + offsets, spare)  # like c
     ones = torch.ones(1, dtype=torch.int32, device=c.device).expand(codes.numel())  # [codes]
     by_code = torch.zeros(n_layers * n_keys * CODE_STRIDE, dtype=torch.int32, device=c.device)
     by_code.index_add_(0, codes.reshape(-1), ones)  # [layers · keys · CODE_STRIDE]
-    by_code = by_code.view(n_layers, n_keys, CODE_STRIDE)[..., :CODES].long()  # [layers, keys, CODES]
-    counts = torch.zeros((n_layers, n_keys, N_BINS), dtype=torch.long, device=c.device)
-    histogram = counts.index_add_(2, code_bins, by_code)  # [layers, keys, bins]
+    histogram = _binned(by_code, n_layers, n_keys, code_bins)  # [layers, keys, bins]
     return Reductions(extreme, at, total, histogram, *quadrants)
 
 
@@ -216,26 +236,14 @@ def _fused_quadrants(c: torch.Tensor, u: torch.Tensor, mined: torch.Tensor) -> t
     usable = (c == c) & mined  # [layers, batch, pos, keys]: mined, not NaN
     input_negative = u < 0  # like c
     gate_negative = ((c < 0) & (u > 0) | (c > 0) & input_negative) & usable  # like c
-
-    def count(flags: torch.Tensor) -> torch.Tensor:  # [layers, keys]: the positions flagged
-        return flags.view(torch.uint8).sum(dim=2, dtype=torch.int16).sum(dim=1)  # a row's < 2¹⁵
-
-    gate, inputs = count(gate_negative), count(input_negative & mined)  # [layers, keys] each
-    both = count(gate_negative & input_negative)  # [layers, keys]
-    positions = mined.sum()  # 0-dim: the mined positions of the batch
-    counts = torch.stack((positions - gate - inputs + both, inputs - both, gate - both, both), dim=-1)
+    gate, inputs = _count(gate_negative), _count(input_negative & mined)  # [layers, keys] each
+    counts = _quadrant_counts(mined, gate, inputs, _count(gate_negative & input_negative))
     sides = []  # per input sign (≥ 0, < 0): [layers, batch, keys] each: max, where, min, where, any
     for side in (usable & ~input_negative, usable & input_negative):  # like c each
         high, high_at = torch.where(side, c, float("-inf")).max(dim=2)
         low, low_at = torch.where(side, c, float("inf")).min(dim=2)
         sides.append((high, high_at, low, low_at, side.view(torch.uint8).amax(dim=2).bool()))
-    positive, negative = sides
-    # [4, layers, batch, keys] each, pp, pn, np, nn: m's extreme, where it first is, whether it counts
-    extreme = torch.stack([positive[0], negative[2], positive[2], negative[0]])
-    at = torch.stack([positive[1], negative[3], positive[3], negative[1]])
-    signs = torch.stack([extreme[0] >= 0, extreme[1] <= 0, extreme[2] < 0, extreme[3] > 0])  # like at
-    present = signs & torch.stack([positive[4], negative[4], positive[4], negative[4]])
-    return counts, extreme, at, present  # counts [layers, keys, 4]
+    return counts, *_by_quadrant(*sides)
 
 
 BACKEND = "inductor"  # torch.compile's backend for `compiled` (the suite's: aot_eager, no code generated)
