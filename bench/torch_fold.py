@@ -16,7 +16,12 @@ it (`MiningState.fold_tensors`), into a state already holding one batch:
   round). With `--bar`, the working tree's fold with its lists merged in the bar form (fold_torch), eager
   and (with `--compiled`) compiled, timed in the same rounds: the merge form over the bar form, one ratio
   a round; and the lists' merge alone in both forms (`merge_seconds`; `--lists-only`: that alone, into
-  "torch_fold_lists").
+  "torch_fold_lists"). With `--reads`, the passes alone, compiled by inductor as before
+  fold_passes.fused_reductions and now (bench.compiled_reads): the loop nests of the generated code that
+  read the coefficients c whole, the bytes they move a coefficient, and each form's processor seconds for
+  one group of `--layers` (the fold's group: every layer of a batch), into "torch_fold_reads":
+
+    OMP_NUM_THREADS=1 python -m bench.torch_fold --reads --repeats 5
 Figures go into bench-results.json under "torch_fold".
 """
 
@@ -29,7 +34,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench import harness
+from bench import compiled_reads, harness
 from ffmem.engine.mining import fold_torch
 from ffmem.engine.mining.corpus import Batch
 from ffmem.engine.mining.mined_layer import QUADRANT_EXAMPLES
@@ -148,6 +153,30 @@ def lists_alone(shape: tuple[int, int, int, int], top_k: int, repeats: int) -> d
     return figures
 
 
+def compiled_passes(shape: tuple[int, int, int, int], top_k: int, repeats: int, threads: int) -> dict:
+    """The compiled passes (fold_passes.compiled) over one random group of `shape`, as inductor generates
+    them before fused_reductions and now (bench.compiled_reads), printed."""
+    coefficients, inputs, batch = random_batch(*shape)
+    fold = fold_torch.TorchFold(MiningState(shape[0], shape[3], top_k, gated=True), "cpu")
+    arguments = (coefficients, inputs, batch.mined, batch.anchor[0], fold._key_offsets, fold._code_bins)
+    figures = {"shape": shape, "threads": threads, **compiled_reads.compare(arguments, repeats)}
+    for form in ("then", "now"):
+        found = figures[form]
+        harness.log(f"{form}: loop nests over the group {found['nests']}")
+        print(
+            f"{form}: {found['nests_reading_c']} loop nests read c whole, "
+            f"{found['nests_over_the_group']} read or write a tensor of its shape, "
+            f"{found['bytes_a_coefficient']} bytes a coefficient; seconds {figures['seconds'][form]}"
+        )
+    ratios = figures["then_over_now"]
+    figures["then_over_now_median"] = statistics.median(ratios)
+    print(
+        f"then over now: {statistics.median(ratios):.2f} (per round: {ratios}); the same reductions: "
+        f"{figures['same_reductions']}"
+    )
+    return figures
+
+
 def main() -> None:
     parser = harness.parser(__doc__, repeats=3)
     parser.add_argument("--against", default="5a96198", help="git revision of the older fold_torch.py")
@@ -160,12 +189,17 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="time the compiled passes too")
     parser.add_argument("--bar", action="store_true", help="time the bar form of the lists' merge too")
     parser.add_argument("--lists-only", action="store_true", help="with --bar: the lists' merge alone")
+    parser.add_argument("--reads", action="store_true", help="the compiled passes' reads of c, then and now")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = (args.layers, args.rows, args.positions, args.keys)
     if args.bar and args.lists_only:  # no fold: the two forms of the lists' merge at this shape
         figures = {"shape": shape, "threads": args.threads, **lists_alone(shape, args.top_k, args.repeats)}
         harness.record(args, "torch_fold_lists", figures)
+        return
+    if args.reads:  # the compiled passes alone, before fused_reductions and now
+        figures = compiled_passes(shape, args.top_k, args.repeats, args.threads)
+        harness.record(args, "torch_fold_reads", figures)
         return
     folds = {
         "then": harness.module_at(args.against, ("ffmem/engine/mining/fold_torch.py",), "fold_torch_then"),
