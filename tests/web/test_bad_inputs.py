@@ -201,7 +201,7 @@ def request(client, method: str, raw_path: str, query: str = "", body: bytes = b
 def snapshot(app) -> dict[str, tuple[int, str]]:
     """Every table's row count and a hash of its rows (sorted: the order rows come back in is free). The
     tables are listed afresh each time, their rows read with `SELECT *`: reflecting their columns (what
-    MetaData.reflect does) took 4/5 of a snapshot's time and adds nothing to the comparison."""
+    MetaData.reflect does) took three quarters of a snapshot's time and adds nothing to the comparison."""
     with app.state.engine.connect() as connection:
         quote = connection.dialect.identifier_preparer.quote
         found = {}

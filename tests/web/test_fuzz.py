@@ -8,7 +8,7 @@ content type and the body of the answer documented for the operation. The reads 
 FFMEM_FUZZ_EXAMPLES sets the cases per operation (default 20: the CI size); bench/fuzz.py runs the
 same test ten times larger and records what it sent in bench-results.json. The cases are derandomized
 and do not depend on the backend (the same document, the same model slug): Hypothesis draws them on the
-first backend, and the second is sent the very same cases, which saves drawing them again (two thirds
+first backend, and the second is sent the very same cases, which saves drawing them again (three fifths
 of an operation's time). Below: a regression test for each failure the fuzzing found, and the
 document's promises.
 """
