@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -317,10 +317,23 @@ def server_clock(session: Session) -> Callable[[], float]:
 def write_run(session: Session, shape: Shape, report: Callable[[str], None] | None = None) -> Written:
     """Write a finished run of `shape` (its model, vocabulary and corpus too, each once per database),
     committing a layer at a time."""
+    return write_runs([session], shape, report)[0]
+
+
+def write_runs(
+    sessions: Sequence[Session], shape: Shape, report: Callable[[str], None] | None = None
+) -> list[Written]:
+    """Write the same finished run of `shape` into each session's database (SQLite and Postgres, say), its
+    arrays generated once and written to each in turn; one Written per session, whose figures are of all
+    the sessions together."""
     seconds: dict[str, float] = {}
     cpu: dict[str, float] = {}
     server: dict[str, float] = {}
-    server_seconds = server_clock(session)
+    clocks = [server_clock(session) for session in sessions]
+
+    def server_seconds() -> float:
+        return sum(clock() for clock in clocks)
+
     clock = [time.process_time(), server_seconds()]
 
     def timed(name: str, start: float) -> float:
@@ -332,6 +345,105 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
         return now
 
     start = time.perf_counter()
+    texts = [token_text(i) for i in range(shape.vocab_size)]
+    token_ids = sentence_tokens(shape)
+    lengths = np.array([len(ids) for ids in token_ids])
+    run_ids = [_start_run(session, shape, texts, token_ids) for session in sessions]
+    targets = list(zip(sessions, run_ids, strict=True))  # (session, its run's id)
+
+    def each(store: Callable[..., object], **arguments) -> None:
+        for session, run_id in targets:
+            store(session=session, run_id=run_id, **arguments)
+
+    def commit() -> None:
+        for session in sessions:
+            session.commit()
+
+    start = timed("model, vocabulary, corpus", start)
+    rng = np.random.default_rng([shape.seed, 3])
+    neighbours = {kind: ([], []) for kind in ("key", "value")}
+    links = {direction: ([], [], []) for direction in composition.DIRECTIONS}
+    positive = []  # per layer: (memory, sentence, position, coefficient) [keys, T] each
+    for layer in range(shape.n_layers):
+        arrays = layer_arrays(shape, layer, lengths)
+        start = timed("generating", start)
+        for (readout, direction), (ids, logits) in arrays.values.items():
+            each(
+                memory_writes.store_value_tokens, layer=layer, readout=readout, direction=direction,
+                token_ids=ids, logits=logits, log_z=arrays.log_z[readout],
+            )  # fmt: skip
+        start = timed("value tokens", start)
+        each(value_histograms.store_value_histograms, layer=layer, histograms=arrays.histograms)
+        start = timed("value histograms", start)
+        for sign, (coefficient, sentence, position) in arrays.triggers.items():
+            each(
+                memory_writes.store_triggers, layer=layer, sign=sign, coefficients=coefficient,
+                sentence_index=sentence, position=position,
+            )  # fmt: skip
+        coefficient, sentence, position = arrays.triggers[1]
+        memory = layer * shape.n_keys + np.arange(shape.n_keys)[:, None].repeat(sentence.shape[1], axis=1)
+        positive.append((memory, sentence, position, coefficient))
+        start = timed("triggers", start)
+        each(memory_writes.store_key_stats, layer=layer, **arrays.stats)
+        start = timed("key stats", start)
+        shading = _shading(rng, arrays, lengths, min(shape.shaded_triggers, shape.top_k, shape.sentences))
+        start = timed("generating", start)
+        each(key_examples.store_key_examples, layer=layer, mined=arrays.mined, shading=shading)
+        commit()
+        start = timed("key examples", start)
+        for kind, (indices, cosines) in arrays.neighbours.items():
+            neighbours[kind][0].append(indices)
+            neighbours[kind][1].append(cosines)
+        for direction, parts in arrays.links.items():
+            for kept, part in zip(links[direction], parts, strict=True):
+                kept.append(part)
+        if report:
+            report(f"layer {layer + 1}/{shape.n_layers} written")
+    flat = (np.concatenate([a.ravel() for a in part]) for part in zip(*positive, strict=True))
+    memory, sentence, position, coefficient = flat
+    each(
+        memory_writes.store_sentence_triggers, memory=memory, sentence_index=sentence, position=position,
+        coefficient=coefficient,
+    )  # fmt: skip
+    commit()
+    start = timed("triggers", start)
+    stacked = {kind: (np.concatenate(i), np.concatenate(c)) for kind, (i, c) in neighbours.items()}
+    each(
+        memory_search.store_neighbours, n_keys=shape.n_keys, neighbours=stacked,
+        baselines={kind: [(20_000, 0.05, 0.2)] * shape.n_layers for kind in stacked},
+    )  # fmt: skip
+    commit()
+    start = timed("neighbours", start)
+    each(
+        composition.store_links,
+        links={direction: tuple(np.stack(part) for part in parts) for direction, parts in links.items()},
+    )
+    commit()
+    start = timed("links", start)
+    explanations = _explanations(shape, lengths)
+    for _ in range(shape.n_layers):  # a layer's rows made (generating), then stored
+        rows = list(islice(explanations, shape.n_keys))
+        start = timed("generating", start)
+        each(composition.store_explanations, rows=rows)
+        start = timed("explanations", start)
+    commit()
+    start = timed("explanations", start)
+    if shape.token_memories:
+        for readout in READOUTS:
+            memories, scores = token_table(shape, readout)
+            start = timed("generating", start)
+            each(memory_search.store_token_memories, readout=readout, memories=memories, scores=scores)
+            start = timed("token table", start)
+        commit()
+        start = timed("token table", start)
+    each(runs.finish_run, n_tokens=int(lengths.sum()))
+    commit()
+    timed("closing", start)
+    return [Written(run_id, seconds, cpu, server) for run_id in run_ids]
+
+
+def _start_run(session: Session, shape: Shape, texts: list[str], token_ids: list[list[int]]) -> int:
+    """The run's model, vocabulary and corpus (each once per database) and the run itself, running: its id."""
     model = runs.upsert_model(
         session=session,
         slug=shape.slug,
@@ -346,12 +458,9 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
         activation="silu",
         gated=True,
     )
-    texts = [token_text(i) for i in range(shape.vocab_size)]
     vocabularies.store_vocabulary(
         session=session, model_id=model.id, texts=texts, pieces=[t.replace(" ", "Ġ") for t in texts]
     )
-    token_ids = sentence_tokens(shape)
-    lengths = np.array([len(ids) for ids in token_ids])
     fingerprint = f"synthetic-{shape.slug}-{shape.sentences}-{shape.sentence_tokens}-{shape.seed}"
     corpus = corpora.find_corpus(session=session, fingerprint=fingerprint)
     if corpus is None:
@@ -380,97 +489,7 @@ def write_run(session: Session, shape: Shape, report: Callable[[str], None] | No
         histogram_edges=histogram_edges(),
     )
     session.commit()
-    start = timed("model, vocabulary, corpus", start)
-    rng = np.random.default_rng([shape.seed, 3])
-    neighbours = {kind: ([], []) for kind in ("key", "value")}
-    links = {direction: ([], [], []) for direction in composition.DIRECTIONS}
-    positive = []  # per layer: (memory, sentence, position, coefficient) [keys, T] each
-    for layer in range(shape.n_layers):
-        arrays = layer_arrays(shape, layer, lengths)
-        start = timed("generating", start)
-        where = dict(session=session, run_id=run.id, layer=layer)
-        for (readout, direction), (ids, logits) in arrays.values.items():
-            memory_writes.store_value_tokens(
-                **where, readout=readout, direction=direction, token_ids=ids, logits=logits,
-                log_z=arrays.log_z[readout],
-            )  # fmt: skip
-        start = timed("value tokens", start)
-        value_histograms.store_value_histograms(**where, histograms=arrays.histograms)
-        start = timed("value histograms", start)
-        for sign, (coefficient, sentence, position) in arrays.triggers.items():
-            memory_writes.store_triggers(
-                **where, sign=sign, coefficients=coefficient, sentence_index=sentence, position=position
-            )
-        coefficient, sentence, position = arrays.triggers[1]
-        memory = layer * shape.n_keys + np.arange(shape.n_keys)[:, None].repeat(sentence.shape[1], axis=1)
-        positive.append((memory, sentence, position, coefficient))
-        start = timed("triggers", start)
-        memory_writes.store_key_stats(**where, **arrays.stats)
-        start = timed("key stats", start)
-        shading = _shading(rng, arrays, lengths, min(shape.shaded_triggers, shape.top_k, shape.sentences))
-        start = timed("generating", start)
-        key_examples.store_key_examples(**where, mined=arrays.mined, shading=shading)
-        session.commit()
-        start = timed("key examples", start)
-        for kind, (indices, cosines) in arrays.neighbours.items():
-            neighbours[kind][0].append(indices)
-            neighbours[kind][1].append(cosines)
-        for direction, parts in arrays.links.items():
-            for kept, part in zip(links[direction], parts, strict=True):
-                kept.append(part)
-        if report:
-            report(f"layer {layer + 1}/{shape.n_layers} written")
-    flat = (np.concatenate([a.ravel() for a in part]) for part in zip(*positive, strict=True))
-    memory, sentence, position, coefficient = flat
-    memory_writes.store_sentence_triggers(
-        session=session,
-        run_id=run.id,
-        memory=memory,
-        sentence_index=sentence,
-        position=position,
-        coefficient=coefficient,
-    )
-    session.commit()
-    start = timed("triggers", start)
-    stacked = {kind: (np.concatenate(i), np.concatenate(c)) for kind, (i, c) in neighbours.items()}
-    memory_search.store_neighbours(
-        session=session,
-        run_id=run.id,
-        n_keys=shape.n_keys,
-        neighbours=stacked,
-        baselines={kind: [(20_000, 0.05, 0.2)] * shape.n_layers for kind in stacked},
-    )
-    session.commit()
-    start = timed("neighbours", start)
-    composition.store_links(
-        session=session,
-        run_id=run.id,
-        links={direction: tuple(np.stack(part) for part in parts) for direction, parts in links.items()},
-    )
-    session.commit()
-    start = timed("links", start)
-    explanations = _explanations(shape, lengths)
-    for _ in range(shape.n_layers):  # a layer's rows made (generating), then stored
-        rows = list(islice(explanations, shape.n_keys))
-        start = timed("generating", start)
-        composition.store_explanations(session=session, run_id=run.id, rows=rows)
-        start = timed("explanations", start)
-    session.commit()
-    start = timed("explanations", start)
-    if shape.token_memories:
-        for readout in READOUTS:
-            memories, scores = token_table(shape, readout)
-            start = timed("generating", start)
-            memory_search.store_token_memories(
-                session=session, run_id=run.id, readout=readout, memories=memories, scores=scores
-            )
-            start = timed("token table", start)
-        session.commit()
-        start = timed("token table", start)
-    runs.finish_run(session=session, run_id=run.id, n_tokens=int(lengths.sum()))
-    session.commit()
-    timed("closing", start)
-    return Written(run.id, seconds, cpu, server)
+    return run.id
 
 
 def _sentence(ids: list[int], texts: list[str]) -> tuple[str, list[int], list[tuple[int, int]], int]:

@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 from markupsafe import escape
 from pydantic import BaseModel
-from sqlalchemy import MetaData, func, select
+from sqlalchemy import func, inspect, select
 
 from ffmem.config import Settings
 from ffmem.store.models import Job, Run
@@ -199,13 +199,15 @@ def request(client, method: str, raw_path: str, query: str = "", body: bytes = b
 
 
 def snapshot(app) -> dict[str, tuple[int, str]]:
-    """Every table's row count and a hash of its rows (sorted: the order rows come back in is free)."""
-    tables = MetaData()
+    """Every table's row count and a hash of its rows (sorted: the order rows come back in is free). The
+    tables are listed afresh each time, their rows read with `SELECT *`: reflecting their columns (what
+    MetaData.reflect does) took three quarters of a snapshot's time and adds nothing to the comparison."""
     with app.state.engine.connect() as connection:
-        tables.reflect(connection)
+        quote = connection.dialect.identifier_preparer.quote
         found = {}
-        for name, table in sorted(tables.tables.items()):
-            rows = sorted(repr(tuple(row)) for row in connection.execute(select(table)))
+        for name in sorted(inspect(connection).get_table_names()):
+            table = connection.exec_driver_sql(f"SELECT * FROM {quote(name)}")
+            rows = sorted(repr(tuple(row)) for row in table)
             found[name] = (len(rows), hashlib.sha256("\n".join(rows).encode()).hexdigest())
     return found
 

@@ -10,19 +10,21 @@ page.
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from bench.synthetic_index import (
+    READOUTS,
     Shape,
     explanation_scores,
     layer_arrays,
     sentence_tokens,
     token_table,
     token_text,
-    write_run,
+    write_runs,
 )
 from ffmem.config import Settings
 from ffmem.store.db import make_engine, make_sessionmaker
@@ -61,18 +63,48 @@ def last_layer(lengths):
     return arrays
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def client(request, tmp_path_factory):
-    """The explorer on a database holding the synthetic wide run."""
-    from conftest import migrated_url
+@pytest.fixture(scope="module")
+def wide_urls(request, tmp_path_factory, migrated_template, postgres_databases) -> dict[str, object]:
+    """backend → the URL of a database holding the synthetic wide run, for each backend this module's
+    selected tests use (or the skip that says why it cannot be used): copies of the process's migrated
+    templates, the run generated once and written into each (write_runs)."""
+    from conftest import copy_database
 
-    url = migrated_url(request, tmp_path_factory.mktemp("wide"))
-    engine = make_engine(url)
-    with make_sessionmaker(engine)() as session:
-        write_run(session, SHAPE)
-    engine.dispose()
-    with TestClient(create_app(Settings(database_url=url))) as test_client:
+    params = (
+        getattr(item, "callspec", None) for item in request.session.items if item.module is request.module
+    )
+    backends = sorted(
+        {callspec.params["client"] for callspec in params if callspec and "client" in callspec.params}
+    )
+    found: dict[str, object] = {}
+    with ExitStack() as stack:
+        for backend in backends:
+            folder = tmp_path_factory.mktemp(f"wide-{backend}")
+            try:
+                found[backend] = stack.enter_context(
+                    copy_database(migrated_template(backend), folder, postgres_databases)
+                )
+            except pytest.skip.Exception as unusable:  # Postgres not reachable (off CI)
+                found[backend] = unusable
+        engines = [make_engine(url) for url in found.values() if isinstance(url, str)]
+        sessions = [make_sessionmaker(engine)() for engine in engines]
+        write_runs(sessions, SHAPE)
+        for session, engine in zip(sessions, engines, strict=True):
+            session.close()
+            engine.dispose()
+        yield found
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def client(request, wide_urls):
+    """The explorer on a database holding the synthetic wide run."""
+    url = wide_urls[request.param]
+    if isinstance(url, BaseException):
+        raise url
+    app = create_app(Settings(database_url=url))
+    with TestClient(app) as test_client:
         yield test_client
+    app.state.engine.dispose()  # before the database is dropped
 
 
 def json_of(client: TestClient, path: str, **params) -> dict:
@@ -203,13 +235,25 @@ def test_the_layer_page_filtered_by_a_token_near_the_vocabulary_end(client, last
     ]
 
 
+@pytest.fixture(scope="module")
+def far_tokens() -> dict[str, tuple[int, np.ndarray, np.ndarray]]:
+    """Per readout, from its token → memories table as written: the last token with a memory past 65,536
+    among its first 20 of a list, and its rows (memories, scores) [lists, depth]. Drawn once for both
+    backends (the table is 150 MB a readout: its rows alone are kept)."""
+    found = {}
+    for readout in READOUTS:
+        memories, scores = token_table(SHAPE, readout)  # [vocab, lists, depth] each
+        far = (memories[:, :, :20] > 2**16).any(axis=(1, 2))  # [vocab]: a memory past 65,536 among the shown
+        token = int(np.flatnonzero(far)[-1])  # near the vocabulary's end
+        found[readout] = (token, memories[token].copy(), scores[token].copy())
+    return found
+
+
 @pytest.mark.parametrize(("readout", "by"), [("raw", "prob"), ("norm", "logit")])
-def test_token_search_finds_a_token_near_the_end_of_the_vocabulary(client, readout, by):
+def test_token_search_finds_a_token_near_the_end_of_the_vocabulary(client, far_tokens, readout, by):
     """Read from the written table: a token id past 65,535 with a memory past 65,535, each way's list in
     order, its scores the logits (or log-probabilities) written."""
-    memories, scores = token_table(SHAPE, readout)
-    far = (memories[:, :, :20] > 2**16).any(axis=(1, 2))  # [vocab]: a memory past 65,536 among the shown
-    token = int(np.flatnonzero(far)[-1])  # near the vocabulary's end
+    token, memories, scores = far_tokens[readout]  # [lists, depth] each
     assert token > SHAPE.vocab_size - 1000
     page = json_of(client, f"{M}/search.json", q=f"w{token}", readout=readout, by=by, limit=20)
     assert page["token_ids"] == [token] and page["token_coverage"] == "full"
@@ -219,13 +263,11 @@ def test_token_search_finds_a_token_near_the_end_of_the_vocabulary(client, reado
         written = TOKEN_LISTS.index((by, direction))
         shown = page[part]
         assert {m["token_id"] for m in shown} == {token}
-        assert [m["layer"] * SHAPE.n_keys + m["key"] for m in shown] == memories[token, written, :20].tolist()
+        assert [m["layer"] * SHAPE.n_keys + m["key"] for m in shown] == memories[written, :20].tolist()
         if by == "logit":
-            assert [m["logit"] for m in shown] == pytest.approx(
-                scores[token, written, :20].tolist(), rel=1e-6
-            )
+            assert [m["logit"] for m in shown] == pytest.approx(scores[written, :20].tolist(), rel=1e-6)
         else:
-            assert [math.log(m["prob"]) for m in shown] == pytest.approx(scores[token, written, :20].tolist())
+            assert [math.log(m["prob"]) for m in shown] == pytest.approx(scores[written, :20].tolist())
     assert client.get(f"{M}/search", params={"q": f"w{token}"}).status_code == 200
 
 
