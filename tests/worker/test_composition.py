@@ -161,9 +161,13 @@ def test_the_description_names_the_planted_word_and_predicts_the_key(planted_run
         assert sides[0]["scores"]["pooled"] == found.score
         pattern = composition.explanation_pattern(found)
         assert pattern["final"][0] == _paris(planted) and pattern["sign"] == 1  # the most important first
-        assert found.pattern is None and len(found.token_table) == 5 + 6 * len(pattern["final"]) + 10 * len(
+        largest = max([*pattern["final"], *(i for pair in pattern["pairs"] for i in pair)]) + 1
+        width = 1 + (largest >= 2**8) + (largest >= 2**16) + (largest >= 2**24)  # bytes an id (−1 kept free)
+        assert found.pattern is None and len(found.token_table) == 5 + (width + 2) * len(pattern["final"]) + (
+            2 * width + 2
+        ) * len(
             pattern["pairs"]
-        )  # packed: 5 B of header, 6 B a token, 10 a pair
+        )  # packed: 5 B of header, a token its id and a float16, a pair two ids and one
         # the held-out sentences (18 of them, 8 with "Paris") were never mined
         assert found.details["positions"] > 100 and found.details["matches"] >= len(PARIS)
         assert found.score > 0.9 and found.details["auroc"] > 0.95

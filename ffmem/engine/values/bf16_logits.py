@@ -18,7 +18,7 @@ leaves ~2n candidates per value at SmolLM2's shape (n = 30: 55–170), which are
 
 - `extreme_tokens`: every value's top and bottom n tokens with their exact logits: the candidates
   {t : L̃_t + β_t ≥ λ} hold the true top n (each has L_t ≥ λ), rescored in float32 products summed in
-  float64; a value with more candidates than `capacity` is recomputed whole in float32.
+  float64; a value with more candidates than `capacity` is recomputed whole, the same way.
 
 **Speed** (one thread does in a pass over a chunk what a matrix product does in a few cycles): the product
 is widened into buffers reused chunk after chunk (`Bf16Buffers`, in huge pages); the candidates take one
@@ -218,13 +218,27 @@ def extreme_tokens(table: Unembedding, chunk: Bf16Logits, n: int, capacity: int 
     swapped = (total - approximate.sum(dim=1)).clamp_min(0) + exact_terms.sum(dim=1)  # [c]
     log_z = (high[:, 0] + swapped.log()).float()  # [c]
     overflow = np.flatnonzero((counts > capacity).any(axis=1))
-    if len(overflow):  # too many candidates (a value near no token): the whole row in float32
-        rows_exact = chunk.read[overflow] @ table.weight.T + table.bias  # [o, vocab]
+    if len(overflow):  # too many candidates (a value near no token): the whole row, exactly
+        rows_exact = _exact_rows(chunk.read[overflow], table)  # [o, vocab]
         log_z[overflow] = rows_exact.logsumexp(dim=1)
         for direction in (1, -1):
             top, where = rows_exact.topk(n, dim=1, largest=direction == 1)  # [o, n] each
             found[direction][0][overflow], found[direction][1][overflow] = top, where
     return Extremes({direction: (top, where) for direction, (top, where) in found.items()}, log_z)
+
+
+def _exact_rows(read: torch.Tensor, table: Unembedding) -> torch.Tensor:
+    """Every token's exact logit for `read`'s rows ([o, d] float32), as `_dot` computes a candidate's (float32
+    products summed in float64, plus the bias), whatever the CPU's float32 product would round: [o, vocab]
+    float32. The output embedding is widened a block of tokens at a time."""
+    rows = read.double()  # [o, d]
+    vocab, d = table.weight.shape
+    step = max(1, 2**22 // d)  # tokens a block: 32 MiB of float64
+    logits = torch.empty(len(read), vocab)  # [o, vocab]
+    for start in range(0, vocab, step):
+        block = slice(start, start + step)
+        logits[:, block] = rows @ table.weight[block].double().T + table.bias[block].double()  # [o, b]
+    return logits
 
 
 @numba.njit(nogil=True, inline="always")
