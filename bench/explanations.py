@@ -3,9 +3,10 @@ after bench.weight_graph (the default index is built first when it is missing).
 
 Describes both sides of every memory of the default run and scores each by the scoring protocol on the
 run's held-out sentences (`explain_sentences` of them: each side's top records and the random ones), as a
-finished run does (ffmem.worker.explanations.store_explanations), and reports the time of each part
-(target: all memories with their controls in ≤ 10 minutes), the medians overall and by depth third with
-their controls, per layer quartiles, and the key page's server time (TestClient, random keys). Figures
+finished run does (ffmem.worker.explanations.store_explanations; a gated model's sign quadrants too), and
+reports the time of each part (target: all memories with their controls in ≤ 10 minutes; wall and CPU
+seconds), the medians overall and by depth third with their controls (and per quadrant), per layer
+quartiles, and the key page's server time (TestClient, random keys). Figures
 go into bench-results.json under "explanations".
 """
 
@@ -61,9 +62,9 @@ def main() -> None:
     options = (
         ExplanationOptions.from_settings(settings) if not settings.explainer_url else ExplanationOptions()
     )
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     summary = store_explanations(sessions, run_id, loaded, options)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     with sessions() as session:
         run = session.get(Run, run_id)
         slug, n_layers, n_keys = run.model.slug, run.model.n_layers, run.model.n_keys
@@ -85,6 +86,7 @@ def main() -> None:
         "memories": len(rows),
         "threads": torch.get_num_threads(),
         "seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu, 1),  # the process's CPU time (every thread's): the machine may be shared
         "parts_seconds": {k: round(v, 1) for k, v in summary.items() if k.endswith("_seconds")},
         "held_out_sentences": summary["held_out_sentences"],
         "top_records": summary["top_records"],
@@ -94,6 +96,8 @@ def main() -> None:
         "medians": summary["medians"],
         "pooled_above_0.3": round(sum(s > 0.3 for s in scores) / max(1, len(scores)), 3),
         "layers": summary["layers"],
+        # a gated model's: per sign quadrant, the medians of its memories' quadrant scores, by depth third
+        "quadrant_medians": summary.get("quadrant_medians"),
         "examples": examples,
         "target_seconds": 600,
     }
