@@ -267,6 +267,44 @@ def test_a_patterns_dict_holds_its_fields_as_plain_lists():
         ), "a copy: changing the dict leaves the pattern as it was"
 
 
+def scores_of(score) -> tuple:
+    """A ProtocolScore's six scores, in reference_scores' order."""
+    names = ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")
+    return tuple(getattr(score, name) for name in names)
+
+
+def reference_scores(gather, pooled: list, random: list, key: int, control: int, threshold: float):
+    """The protocol's six scores by numpy — pooled, its control, random-only, its control, AUROC, its
+    control — from `gather(records, of_key)`: the match of `of_key`'s pattern and sign · m of `key` at the
+    positions scored; with the pooled and the random positions' counts."""
+
+    def pearson(x, y):
+        return (
+            None
+            if len(y) < 2 or x.std() < 1e-6 or y.std() < 1e-6
+            else round(float(np.corrcoef(x, y)[0, 1]), 4)
+        )
+
+    def auroc(x, fires):
+        pairs = (x[fires][:, None] > x[~fires][None]) + 0.5 * (x[fires][:, None] == x[~fires][None])
+        return round(float(pairs.mean()), 4) if pairs.size else None
+
+    p, y = gather(pooled, key)
+    c, _ = gather(pooled, control)
+    rp, ry = gather(random, key)
+    rc, _ = gather(random, control)
+    fires = y >= threshold
+    expected = (
+        pearson(p, y),
+        pearson(c, y),
+        pearson(rp, ry),
+        pearson(rc, ry),
+        auroc(p, fires),
+        auroc(c, fires),
+    )
+    return expected, len(y), len(ry)
+
+
 def test_the_protocol_equals_a_hand_recomputation():
     """Both sides of every key scored by the protocol against numpy over the records by hand: each side's
     top records (its highest sign · m peak among the records that are not random), the fixed random ones,
@@ -326,39 +364,14 @@ def test_the_protocol_equals_a_hand_recomputation():
                 ]
                 return np.concatenate(match), np.concatenate(coefficient)
 
-            def pearson(x, y):
-                return None if x.std() < 1e-6 or y.std() < 1e-6 else round(float(np.corrcoef(x, y)[0, 1]), 4)
-
-            threshold = fires_at[side, 0, key].item()
-
-            def auroc(x, y, threshold=threshold):
-                fires = y >= threshold
-                pairs = (x[fires][:, None] > x[~fires][None]) + 0.5 * (x[fires][:, None] == x[~fires][None])
-                return round(float(pairs.mean()), 4) if pairs.size else None
-
             pooled = sorted(best) + random.tolist()
-            p, y = gather(pooled, key)
-            c, _ = gather(pooled, control[key])
-            rp, ry = gather(random.tolist(), key)
-            rc, _ = gather(random.tolist(), control[key])
-            got = found[key]
-            expected = (
-                pearson(p, y),
-                pearson(c, y),
-                pearson(rp, ry),
-                pearson(rc, ry),
-                auroc(p, y),
-                auroc(c, y),
+            threshold = fires_at[side, 0, key].item()
+            expected, n, n_random = reference_scores(
+                gather, pooled, random.tolist(), key, control[key], threshold
             )
-            assert (
-                got.pooled,
-                got.pooled_control,
-                got.random,
-                got.random_control,
-                got.auroc,
-                got.auroc_control,
-            ) == pytest.approx(expected, abs=2e-4), (side, key)
-            assert got.top_positions + got.random_positions == len(y) and got.random_positions == len(ry)
+            got = found[key]
+            assert scores_of(got) == pytest.approx(expected, abs=2e-4), (side, key)
+            assert got.top_positions + got.random_positions == n and got.random_positions == n_random
             listed = sum(
                 bool(valid[i][at]) and (token in pattern.final or [before, token] in pattern.pairs)
                 for i in pooled
@@ -443,17 +456,6 @@ def test_the_quadrant_scores_equal_a_hand_recomputation():
     for chunk in np.array_split(rng.permutation(n_records), 3):
         scores.update(0, *batch(chunk))
 
-    def pearson(x, y):
-        return (
-            None
-            if len(y) < 2 or x.std() < 1e-6 or y.std() < 1e-6
-            else round(float(np.corrcoef(x, y)[0, 1]), 4)
-        )
-
-    def auroc(x, fires):
-        pairs = (x[fires][:, None] > x[~fires][None]) + 0.5 * (x[fires][:, None] == x[~fires][None])
-        return round(float(pairs.mean()), 4) if pairs.size else None
-
     matches = {  # (quadrant, record) → [valid positions, keys] each key's match there
         (number, i): reference_match(quadrants[number], [records[i]], valid[i][None])
         for number in range(4)
@@ -476,34 +478,17 @@ def test_the_quadrant_scores_equal_a_hand_recomputation():
                 return np.concatenate(x), np.concatenate(y)
 
             pooled = sorted(r for r in top.records()[side, 0, :, key].tolist() if r >= 0) + random.tolist()
-            p, y = gather(pooled, key)
-            c, _ = gather(pooled, control[key])
-            rp, ry = gather(random.tolist(), key)
-            rc, _ = gather(random.tolist(), control[key])
-            fires = y >= fires_at[side, 0, key].item()
+            threshold = fires_at[side, 0, key].item()
+            expected, n, n_random = reference_scores(
+                gather, pooled, random.tolist(), key, control[key], threshold
+            )
             got = found[key]
-            expected = (
-                pearson(p, y),
-                pearson(c, y),
-                pearson(rp, ry),
-                pearson(rc, ry),
-                auroc(p, fires),
-                auroc(c, fires),
-            )
-            have = (
-                got.pooled,
-                got.pooled_control,
-                got.random,
-                got.random_control,
-                got.auroc,
-                got.auroc_control,
-            )
-            for a, b in zip(have, expected, strict=True):
+            for a, b in zip(scores_of(got), expected, strict=True):
                 assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, abs=2e-4)), (
                     number,
                     key,
                 )
-            assert (got.top_positions + got.random_positions, got.random_positions) == (len(y), len(ry))
+            assert (got.top_positions + got.random_positions, got.random_positions) == (n, n_random)
             scored += got.pooled is not None
     assert scored >= 20
     assert scores.quadrant_scores(0, 0)[0].pooled > 0.3  # pp's planted match predicts it
