@@ -53,10 +53,16 @@ def page_times(url: str, slug: str, n_layers: int, n_keys: int, samples: int) ->
 def main() -> None:
     parser = harness.parser(__doc__, db=True)
     parser.add_argument("--pages", type=int, default=100, help="key pages timed (0: none)")
+    parser.add_argument(
+        "--run",
+        type=int,
+        default=None,
+        help="the index run (default: the default run, built first if missing)",
+    )
     args = parser.parse_args()
     settings = get_settings()
     url = harness.database_url(args)
-    run_id = harness.default_run(url).id
+    run_id = args.run or harness.default_run(url).id
     sessions = make_sessionmaker(make_engine(url))
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
     options = (

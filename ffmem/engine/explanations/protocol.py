@@ -199,8 +199,9 @@ class ProtocolScores:
         self.sums = torch.zeros(
             n_groups, n_layers, 2, len(STATS), n_keys, dtype=torch.float64
         )  # [.., random?]
-        # positions by [match or control, fires?, level]: the AUROCs
-        self.levels = torch.zeros(n_groups, n_layers, 2, 2, MAX_LEVEL + 1, n_keys, dtype=torch.float64)
+        # positions by [match or control, fires?, level]: the AUROCs (counts: int32, half float64's memory —
+        # 0.36 GB at SmolLM2's 30 × 1,536 memories with their 6 groups)
+        self.levels = torch.zeros(n_groups, n_layers, 2, 2, MAX_LEVEL + 1, n_keys, dtype=torch.int32)
 
     def update(
         self,
@@ -258,7 +259,7 @@ class ProtocolScores:
         for which, lev in enumerate((level, control_level)):
             at = (fires * (MAX_LEVEL + 1) + lev.long()) * n_keys + key  # [P]
             found = torch.bincount(at, minlength=2 * (MAX_LEVEL + 1) * n_keys)
-            self.levels[group, layer, which] += found.view(2, MAX_LEVEL + 1, n_keys).double().cpu()
+            self.levels[group, layer, which] += found.view(2, MAX_LEVEL + 1, n_keys).int().cpu()
 
     def scores(self, side: int, layer: int) -> list[ProtocolScore]:
         return self._scores(side, layer)
@@ -273,7 +274,7 @@ class ProtocolScores:
         pooled, random = sums.sum(0), sums[1]  # [stats, keys] each
         values = self.tables[group][layer].values.cpu()  # [levels, keys]
         control = self.control.cpu()
-        levels = self.levels[group, layer]  # [match or control, fires?, levels, keys]
+        levels = self.levels[group, layer].double()  # [match or control, fires?, levels, keys]
         auroc = auroc_of_levels(levels[0, 1], levels[0, 0], values)  # [keys]
         auroc_control = auroc_of_levels(levels[1, 1], levels[1, 0], values[:, control])  # [keys]
         has_control = len(control) > 1
