@@ -227,6 +227,14 @@ def test_the_key_page_gives_each_quadrant_its_description_and_scores(client, db,
             )
         ]
         assert page.index('id="explanation-polarities"') < page.index('id="explanation-quadrants"')
+        summary = section[section.index("<summary>") : section.index("</summary>")]  # one line, folded
+        assert re.sub(r"<[^>]+>", "", summary).endswith(
+            " · ".join(
+                f"{q['quadrant']} {number(s['pooled'], 3)} ({number(s['pooled_control'], 3)})"
+                for q in shown
+                for s in [q["scores"]]
+            )
+        )
         for q in shown:
             item = section[section.index(f'id="quadrant-explanation-{q["quadrant"]}"') :]
             item = item[: item.index("</li>")]
