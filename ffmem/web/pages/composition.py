@@ -110,8 +110,8 @@ class ExplanationView(BaseModel):
     )
     quadrants: list[QuadrantExplanationView] = Field(
         default_factory=list,
-        description="A gated memory's sign quadrants with examples (pp, pn, np, nn), each described and scored "
-        "on its own records; empty: an ungated memory, or explained before quadrants were.",
+        description="A gated memory's sign quadrants with examples (pp, pn, np, nn), each described and "
+        "scored on its own records; empty: an ungated memory, or explained before quadrants were.",
     )
 
 
