@@ -3,9 +3,10 @@ after bench.weight_graph (the default index is built first when it is missing).
 
 Describes both sides of every memory of the default run and scores each by the scoring protocol on the
 run's held-out sentences (`explain_sentences` of them: each side's top records and the random ones), as a
-finished run does (ffmem.worker.explanations.store_explanations), and reports the time of each part
-(target: all memories with their controls in ≤ 10 minutes), the medians overall and by depth third with
-their controls, per layer quartiles, and the key page's server time (TestClient, random keys). Figures
+finished run does (ffmem.worker.explanations.store_explanations; a gated model's sign quadrants too), and
+reports the time of each part (target: all memories with their controls in ≤ 10 minutes; wall and CPU
+seconds), the medians overall and by depth third with their controls (and per quadrant), per layer
+quartiles, and the key page's server time (TestClient, random keys). Figures
 go into bench-results.json under "explanations".
 """
 
@@ -52,18 +53,24 @@ def page_times(url: str, slug: str, n_layers: int, n_keys: int, samples: int) ->
 def main() -> None:
     parser = harness.parser(__doc__, db=True)
     parser.add_argument("--pages", type=int, default=100, help="key pages timed (0: none)")
+    parser.add_argument(
+        "--run",
+        type=int,
+        default=None,
+        help="the index run (default: the default run, built first if missing)",
+    )
     args = parser.parse_args()
     settings = get_settings()
     url = harness.database_url(args)
-    run_id = harness.default_run(url).id
+    run_id = args.run or harness.default_run(url).id
     sessions = make_sessionmaker(make_engine(url))
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
     options = (
         ExplanationOptions.from_settings(settings) if not settings.explainer_url else ExplanationOptions()
     )
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     summary = store_explanations(sessions, run_id, loaded, options)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     with sessions() as session:
         run = session.get(Run, run_id)
         slug, n_layers, n_keys = run.model.slug, run.model.n_layers, run.model.n_keys
@@ -85,6 +92,7 @@ def main() -> None:
         "memories": len(rows),
         "threads": torch.get_num_threads(),
         "seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu, 1),  # the process's CPU time (every thread's): the machine may be shared
         "parts_seconds": {k: round(v, 1) for k, v in summary.items() if k.endswith("_seconds")},
         "held_out_sentences": summary["held_out_sentences"],
         "top_records": summary["top_records"],
@@ -94,6 +102,8 @@ def main() -> None:
         "medians": summary["medians"],
         "pooled_above_0.3": round(sum(s > 0.3 for s in scores) / max(1, len(scores)), 3),
         "layers": summary["layers"],
+        # a gated model's: per sign quadrant, the medians of its memories' quadrant scores, by depth third
+        "quadrant_medians": summary.get("quadrant_medians"),
         "examples": examples,
         "target_seconds": 600,
     }

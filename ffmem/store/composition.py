@@ -320,6 +320,13 @@ def explanation_sides(explanation: Explanation) -> list[dict]:
     return [side | {"text": side.get("text", explanation.text)} for side in details.get("polarities", [])]
 
 
+def explanation_quadrants(explanation: Explanation) -> list[dict]:
+    """A gated memory's quadrants as its explanation stores them ({"quadrant", "sign", "text", "scores"},
+    in the order pp, pn, np, nn, those with examples); none for an ungated memory or a run explained before
+    quadrants were."""
+    return list((explanation.details or {}).get("quadrants", []))
+
+
 def protocol_of(details: dict | None) -> dict | None:
     """An explanation's details' scores of its stronger side by the scoring protocol (None: explained
     before the protocol, or unscored)."""

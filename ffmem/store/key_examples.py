@@ -350,14 +350,23 @@ def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> Stor
 
 
 def layer_shading(*, session: Session, run_id: int, layer: int) -> dict[int, StoredExamples]:
-    """A finished run's stored examples of every key of a layer, by key, without their quadrant examples
-    (the explanations fit on the shading: ffmem.worker.explanations); none for runs before 0011."""
+    """A finished run's stored examples of every key of a layer, by key, with a gated key's quadrant
+    examples (the explanations fit on them: ffmem.worker.explanations); none for runs before 0011."""
     query = select(
-        KeyExamples.key, KeyExamples.bands, KeyExamples.positive, KeyExamples.negative, KeyExamples.shading
+        KeyExamples.key,
+        KeyExamples.bands,
+        KeyExamples.positive,
+        KeyExamples.negative,
+        KeyExamples.shading,
+        KeyExamples.quadrants,
     ).where(KeyExamples.run_id == run_id, KeyExamples.layer == layer)
     return {
         key: StoredExamples(
-            samples=decode_bands(bands), positive=positive, negative=negative, data=shading, quadrants=None
+            samples=decode_bands(bands),
+            positive=positive,
+            negative=negative,
+            data=shading,
+            quadrants=None if quadrants is None else decode_quadrant_examples(quadrants),
         )
-        for key, bands, positive, negative, shading in session.execute(query)
+        for key, bands, positive, negative, shading, quadrants in session.execute(query)
     }

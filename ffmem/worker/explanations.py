@@ -26,6 +26,7 @@ from ffmem.engine.explanations.description import Description, describe
 from ffmem.engine.explanations.fitting import (
     START,
     CorpusCounts,
+    Pattern,
     dominant_sign,
     fit_patterns,
     previous_tokens,
@@ -33,6 +34,7 @@ from ffmem.engine.explanations.fitting import (
 from ffmem.engine.explanations.protocol import (
     POLARITIES,
 )
+from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS, QUADRANTS
 from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
 from ffmem.store.key_examples import StoredExamples, layer_shading
@@ -43,6 +45,7 @@ from ffmem.worker.explanation_scores import (
     HEURISTIC,
     median,
     protocol_summary,
+    quadrant_summary,
     score_patterns,
     simulation_scores,
 )
@@ -124,7 +127,7 @@ def store_explanations(
             client,
         )
     timings["describe_seconds"] = time.perf_counter() - start
-    descriptions, failures = _describe_layers(sessions, run, explainer, options, timings)
+    descriptions, quadrants, failures = _describe_layers(sessions, run, explainer, options, timings)
 
     start = time.perf_counter()
     with sessions() as session:
@@ -134,7 +137,16 @@ def store_explanations(
         [[descriptions[layer, key][side][1].pattern for key in range(n_keys)] for layer in range(n_layers)]
         for side in range(len(POLARITIES))
     ]
-    scores, top = score_patterns(loaded, patterns, run.fires_at, held, options)
+    in_quadrants = None
+    if quadrants:  # a gated model's: each quadrant's pattern (an empty one where it has no examples)
+        in_quadrants = [
+            [
+                [_quadrant_pattern(quadrants.get((layer, key)), number) for key in range(n_keys)]
+                for layer in range(n_layers)
+            ]
+            for number in range(len(QUADRANTS))
+        ]
+    scores, top, quadrant_scores = score_patterns(loaded, patterns, run.fires_at, held, options, in_quadrants)
     timings["score_seconds"] = time.perf_counter() - start
     simulated = {}
     if explainer is not None and options.simulated_records and held:
@@ -144,6 +156,8 @@ def store_explanations(
 
     start = time.perf_counter()
     rows = _rows(descriptions, scores, run.signs, simulated, scored=bool(held))
+    if quadrants:
+        _add_quadrants(rows, quadrants, quadrant_scores if held else None)
     with sessions() as session:
         composition.delete_explanations(session=session, run_id=run_id)
         composition.store_explanations(session=session, run_id=run_id, rows=rows)
@@ -165,7 +179,34 @@ def store_explanations(
             "median_simulation": median(np.array([r for r in simulated.values() if r is not None])),
         }
         | protocol_summary(scores, run.signs)
+        | quadrant_summary(quadrant_scores if held else None)
     )
+
+
+def _quadrant_pattern(found: list | None, number: int) -> Pattern:
+    """A memory's pattern of one quadrant, or an empty one (which matches nothing) where it has none."""
+    described = found[number] if found is not None else None
+    return described.pattern if described is not None else Pattern(sign=QUADRANT_SIGNS[number])
+
+
+def _add_quadrants(rows: list[tuple], quadrants: dict, scores: list | None) -> None:
+    """Each gated memory's row's details gain "quadrants": per quadrant with examples (as QUADRANTS), its
+    name, the sign of m there, its description and its scores (None: unscored), as
+    ffmem.store.composition.explanation_quadrants reads them back."""
+    for layer, key, *_, details in rows:
+        found = quadrants.get((layer, key))
+        if found is None:
+            continue
+        details["quadrants"] = [
+            {
+                "quadrant": QUADRANTS[number],
+                "sign": QUADRANT_SIGNS[number],
+                "text": described.text,
+                "scores": scores[number][layer][key].to_dict() if scores is not None else None,
+            }
+            for number, described in enumerate(found)
+            if described is not None
+        ]
 
 
 @dataclass
@@ -240,15 +281,17 @@ def _describe_layers(
     explainer: LocalExplainer | None,
     options: ExplanationOptions,
     timings: dict[str, float],
-) -> tuple[dict[tuple[int, int], list[tuple[str, Description]]], int]:
+) -> tuple[dict[tuple[int, int], list[tuple[str, Description]]], dict, int]:
     """Every memory's descriptions, a layer at a time: [(source, description) of each side, as
-    POLARITIES] by (layer, key), and how many the local explainer failed to write (those keep the
-    heuristic one)."""
-    descriptions, failures = {}, 0
+    POLARITIES] by (layer, key); a gated memory's quadrant descriptions ([Description or None] as
+    QUADRANTS) by (layer, key); and how many the local explainer failed to write (those keep the heuristic
+    one)."""
+    descriptions, quadrants, failures = {}, {}, 0
     n_layers, n_keys = run.signs.shape
     for layer in tqdm(range(n_layers), desc="describing", unit="layer", disable=not options.progress):
         start = time.perf_counter()
-        evidence = _layer_evidence(sessions, run, layer)
+        evidence, in_quadrants = _layer_evidence(sessions, run, layer)
+        quadrants.update({(layer, key): found for key, found in in_quadrants.items()})
         for found in evidence:
             descriptions.setdefault((found.layer, found.key), [None, None])[POLARITIES.index(found.sign)] = (
                 HEURISTIC,
@@ -265,13 +308,16 @@ def _describe_layers(
                     source = f"llm:{options.explainer_model or 'default'}"
                     descriptions[found.layer, found.key][POLARITIES.index(found.sign)] = (source, written)
             timings["explainer_seconds"] = timings.get("explainer_seconds", 0.0) + time.perf_counter() - start
-    return descriptions, failures
+    return descriptions, quadrants, failures
 
 
-def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list[Evidence]:
+def _layer_evidence(
+    sessions: sessionmaker, run: _RunInputs, layer: int
+) -> tuple[list[Evidence], dict[int, list[Description | None]]]:
     """What describes each side of each memory of one layer: its pattern fitted on its own records, the
     tokens its value writes on that side (the top tokens for m > 0, the bottom ones for m < 0), its
-    shallowness, the ends of its strongest trigger prefixes of that sign, the heuristic description."""
+    shallowness, the ends of its strongest trigger prefixes of that sign, the heuristic description; and
+    for a gated layer, key → each quadrant's heuristic description (None where it has no examples)."""
     n_keys = run.signs.shape[1]
     with sessions() as session:
         triggers = {
@@ -286,21 +332,23 @@ def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list
             for sign in POLARITIES
         }
     by_key = {sign: _by_key(found, n_keys) for sign, found in triggers.items()}
-    positions = [  # per key and side (POLARITIES): (tokens, previous tokens, coefficients)
-        by_side[sign]
-        for key in range(n_keys)
-        for by_side in [_fitting_positions(shaded.get(key), {s: by_key[s][key] for s in POLARITIES}, run)]
-        for sign in POLARITIES
-    ]
+    sides, in_quadrants = {}, {}  # key → sign or quadrant → (tokens, previous tokens, coefficients)
+    for key in range(n_keys):
+        found = {s: by_key[s][key] for s in POLARITIES}
+        sides[key], in_quadrants[key] = _fitting_positions(shaded.get(key), found, run)
+    positions, signs = [], []  # the patterns fitted, in order: per key its sides, then its quadrants
+    for key in range(n_keys):
+        positions += [sides[key][sign] for sign in POLARITIES] + list(in_quadrants[key].values())
+        signs += list(POLARITIES) + [QUADRANT_SIGNS[number] for number in in_quadrants[key]]
     patterns = iter(
         fit_patterns(
             *(np.concatenate([p[part] for p in positions]) for part in range(3)),
             [len(p[2]) for p in positions],
-            [sign for _ in range(n_keys) for sign in POLARITIES],
+            signs,
             run.counts,
         )
     )
-    evidence = []
+    evidence, quadrants = [], {}
     for key in range(n_keys):
         found = {s: by_key[s][key] for s in POLARITIES}
         shallow = run.shallowness.get((layer, key))
@@ -314,7 +362,13 @@ def _layer_evidence(sessions: sessionmaker, run: _RunInputs, layer: int) -> list
             heuristic = describe(pattern, values, shallow, run.names)
             suppressed = written[-sign][key].tolist() if key < len(written[-sign]) else []
             evidence.append(Evidence(layer, key, sign, prefixes, values, shallow, heuristic, suppressed))
-    return evidence
+        for number in in_quadrants[key]:
+            sign = QUADRANT_SIGNS[number]
+            values = written[sign][key].tolist() if key < len(written[sign]) else []
+            quadrants.setdefault(key, [None] * len(QUADRANTS))[number] = describe(
+                next(patterns), values, shallow, run.names
+            )
+    return evidence, quadrants
 
 
 def _rows(
@@ -367,20 +421,16 @@ def _by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
 
 def _fitting_positions(
     stored: StoredExamples | None, triggers: dict[int, list], run: _RunInputs
-) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+) -> tuple[dict[int, tuple[np.ndarray, ...]], dict[int, tuple[np.ndarray, ...]]]:
     """Per side (POLARITIES), (tokens, previous tokens, coefficients) of the mined positions its pattern is
     fitted on (its own records): every mined token of the shaded sentences of its first triggers of that
     sign and of its band samples (each sentence once), or — for a run stored before the shading — its top
-    triggers of that sign alone. The stored shading is decoded once for both."""
+    triggers of that sign alone. The stored shading is decoded once for both. Then, for a gated memory,
+    the same per quadrant that has examples (QUADRANTS' numbers): the position of each of its examples
+    (ffmem.store.key_examples.QuadrantExample), then every mined token of the band samples' sentences."""
     sentences = run.sentences
     if stored is None:
-        found = {}
-        for side in POLARITIES:
-            chosen = triggers[side]
-            tokens = np.array([sentences[s][p] for s, p, _ in chosen], dtype=np.int64)
-            previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in chosen], dtype=np.int64)
-            found[side] = (tokens, previous, np.array([c for _, _, c in chosen], dtype=np.float64))
-        return found
+        return {side: _trigger_positions(triggers[side], run) for side in POLARITIES}, {}
     positive = [s for s, _, _ in triggers[1][: stored.positive]]
     negative = [s for s, _, _ in triggers[-1][: stored.negative]]
     samples = [sample.sentence_index for sample in stored.samples]
@@ -391,7 +441,29 @@ def _fitting_positions(
         1: list(zip(positive, arrays[: len(positive)], strict=True)) + backdrop,
         -1: list(zip(negative, arrays[len(positive) : shown], strict=True)) + backdrop,
     }
-    return {side: _positions(chosen, run) for side, chosen in own.items()}
+    quadrants = {}
+    if stored.quadrants:
+        behind = _positions(backdrop, run)
+        for number in range(len(QUADRANTS)):
+            chosen = [
+                (e.sentence_index, e.position, e.coefficient)
+                for e in stored.quadrants
+                if e.quadrant == number
+            ]
+            if chosen:
+                examples = _trigger_positions(chosen, run)
+                quadrants[number] = tuple(
+                    np.concatenate(parts) for parts in zip(examples, behind, strict=True)
+                )
+    return {side: _positions(chosen, run) for side, chosen in own.items()}, quadrants
+
+
+def _trigger_positions(chosen: list, run: _RunInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, previous tokens, coefficients) of (sentence, position, coefficient) triples."""
+    sentences = run.sentences
+    tokens = np.array([sentences[s][p] for s, p, _ in chosen], dtype=np.int64)
+    previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in chosen], dtype=np.int64)
+    return tokens, previous, np.array([c for _, _, c in chosen], dtype=np.float64)
 
 
 def _positions(chosen: list, run: _RunInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

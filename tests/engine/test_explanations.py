@@ -20,6 +20,7 @@ from ffmem.engine.explanations.protocol import (
     random_records,
 )
 from ffmem.engine.explanations.scoring import LayerPatterns, PatternScores
+from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS
 
 TEXTS = ["<pad>", " the", " city", " of", " Paris", " capital", " France", ".", " is", " river", "\n", " a"]
 T = {text.strip() or text: i for i, text in enumerate(TEXTS)}
@@ -266,6 +267,44 @@ def test_a_patterns_dict_holds_its_fields_as_plain_lists():
         ), "a copy: changing the dict leaves the pattern as it was"
 
 
+def scores_of(score) -> tuple:
+    """A ProtocolScore's six scores, in reference_scores' order."""
+    names = ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")
+    return tuple(getattr(score, name) for name in names)
+
+
+def reference_scores(gather, pooled: list, random: list, key: int, control: int, threshold: float):
+    """The protocol's six scores by numpy — pooled, its control, random-only, its control, AUROC, its
+    control — from `gather(records, of_key)`: the match of `of_key`'s pattern and sign · m of `key` at the
+    positions scored; with the pooled and the random positions' counts."""
+
+    def pearson(x, y):
+        return (
+            None
+            if len(y) < 2 or x.std() < 1e-6 or y.std() < 1e-6
+            else round(float(np.corrcoef(x, y)[0, 1]), 4)
+        )
+
+    def auroc(x, fires):
+        pairs = (x[fires][:, None] > x[~fires][None]) + 0.5 * (x[fires][:, None] == x[~fires][None])
+        return round(float(pairs.mean()), 4) if pairs.size else None
+
+    p, y = gather(pooled, key)
+    c, _ = gather(pooled, control)
+    rp, ry = gather(random, key)
+    rc, _ = gather(random, control)
+    fires = y >= threshold
+    expected = (
+        pearson(p, y),
+        pearson(c, y),
+        pearson(rp, ry),
+        pearson(rc, ry),
+        auroc(p, fires),
+        auroc(c, fires),
+    )
+    return expected, len(y), len(ry)
+
+
 def test_the_protocol_equals_a_hand_recomputation():
     """Both sides of every key scored by the protocol against numpy over the records by hand: each side's
     top records (its highest sign · m peak among the records that are not random), the fixed random ones,
@@ -325,39 +364,14 @@ def test_the_protocol_equals_a_hand_recomputation():
                 ]
                 return np.concatenate(match), np.concatenate(coefficient)
 
-            def pearson(x, y):
-                return None if x.std() < 1e-6 or y.std() < 1e-6 else round(float(np.corrcoef(x, y)[0, 1]), 4)
-
-            threshold = fires_at[side, 0, key].item()
-
-            def auroc(x, y, threshold=threshold):
-                fires = y >= threshold
-                pairs = (x[fires][:, None] > x[~fires][None]) + 0.5 * (x[fires][:, None] == x[~fires][None])
-                return round(float(pairs.mean()), 4) if pairs.size else None
-
             pooled = sorted(best) + random.tolist()
-            p, y = gather(pooled, key)
-            c, _ = gather(pooled, control[key])
-            rp, ry = gather(random.tolist(), key)
-            rc, _ = gather(random.tolist(), control[key])
-            got = found[key]
-            expected = (
-                pearson(p, y),
-                pearson(c, y),
-                pearson(rp, ry),
-                pearson(rc, ry),
-                auroc(p, y),
-                auroc(c, y),
+            threshold = fires_at[side, 0, key].item()
+            expected, n, n_random = reference_scores(
+                gather, pooled, random.tolist(), key, control[key], threshold
             )
-            assert (
-                got.pooled,
-                got.pooled_control,
-                got.random,
-                got.random_control,
-                got.auroc,
-                got.auroc_control,
-            ) == pytest.approx(expected, abs=2e-4), (side, key)
-            assert got.top_positions + got.random_positions == len(y) and got.random_positions == len(ry)
+            got = found[key]
+            assert scores_of(got) == pytest.approx(expected, abs=2e-4), (side, key)
+            assert got.top_positions + got.random_positions == n and got.random_positions == n_random
             listed = sum(
                 bool(valid[i][at]) and (token in pattern.final or [before, token] in pattern.pairs)
                 for i in pooled
@@ -391,3 +405,90 @@ def test_auroc_of_levels_equals_every_pair_compared():
             continue
         pairs = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
         assert float(found[key]) == pytest.approx(pairs.mean(), abs=1e-12), key
+
+
+def test_the_quadrant_scores_equal_a_hand_recomputation():
+    """A gated memory's quadrant patterns scored by the protocol against numpy: each quadrant's pattern (and
+    its control key's of the same quadrant) over the positions of its side's top records and the random
+    records whose quadrant — 2·(gate < 0) + (input < 0), from the signs of m and x·u — is that one, against
+    the quadrant's sign · m: pooled and random-only Pearson and AUROC."""
+    rng = np.random.default_rng(5)
+    n_keys, n_records, top_count = len(PATTERNS), 16, 3
+    sides = [[p.__class__(**{**p.to_dict(), "sign": sign}) for p in PATTERNS] for sign in POLARITIES]
+    quadrants = [  # quadrant → its keys' patterns, a different order of PATTERNS each, with m's sign there
+        [p.__class__(**{**p.to_dict(), "sign": sign}) for p in np.roll(PATTERNS, shift)]
+        for shift, sign in zip(range(4), QUADRANT_SIGNS, strict=True)
+    ]
+    records = [rng.choice([*range(7), 1000], size=rng.integers(4, 10)).tolist() for _ in range(n_records)]
+    valid = [rng.random(len(r)) > 0.2 for r in records]
+    u = [rng.normal(size=(len(r), n_keys)) for r in records]
+    m = [rng.normal(size=(len(r), n_keys)) for r in records]
+    for i, r in enumerate(records):  # plant pp's match in the positive coefficients
+        m[i] += 2.0 * np.abs(reference_match(quadrants[0], [r], torch.ones(1, len(r), dtype=torch.bool)))
+    fires_at = torch.tensor([[[1.0] * n_keys], [[0.8] * n_keys]])  # [sides, layers, keys]
+    random = random_records(n_records, 5)
+    control = control_keys(n_keys)
+
+    def batch(chunk):
+        width = max(len(records[i]) for i in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mined = torch.zeros(len(chunk), width, dtype=torch.bool)
+        coefficients, inputs = torch.zeros(len(chunk), width, n_keys), torch.zeros(len(chunk), width, n_keys)
+        for row, i in enumerate(chunk):
+            ids[row, : len(records[i])] = torch.tensor(records[i])
+            mined[row, : len(records[i])] = torch.from_numpy(valid[i])
+            coefficients[row, : len(records[i])] = torch.from_numpy(m[i]).float()
+            inputs[row, : len(records[i])] = torch.from_numpy(u[i]).float()
+        return coefficients, ids, mined, torch.from_numpy(np.array(chunk)), inputs
+
+    top = TopRecords(1, n_keys, top_count, random, n_records)
+    for chunk in np.array_split(np.arange(n_records), 2):
+        coefficients, _, mined, chosen, _ = batch(chunk)
+        top.update(0, coefficients, mined, chosen)
+    scores = ProtocolScores(
+        [[side] for side in sides],
+        fires_at,
+        top.records(),
+        random,
+        n_records,
+        quadrants=[[q] for q in quadrants],
+    )
+    for chunk in np.array_split(rng.permutation(n_records), 3):
+        scores.update(0, *batch(chunk))
+
+    matches = {  # (quadrant, record) → [valid positions, keys] each key's match there
+        (number, i): reference_match(quadrants[number], [records[i]], valid[i][None])
+        for number in range(4)
+        for i in range(n_records)
+    }
+    scored = 0
+    for number, sign in enumerate(QUADRANT_SIGNS):
+        side = POLARITIES.index(sign)
+        found = scores.quadrant_scores(number, 0)
+        for key in range(n_keys):
+
+            def gather(chosen, of_key, key=key, number=number, sign=sign):
+                x, y = [], []
+                for i in chosen:
+                    c, v = m[i][valid[i], key].astype(np.float32), u[i][valid[i], key].astype(np.float32)
+                    gate_negative = ((c < 0) & (v > 0)) | ((c > 0) & (v < 0))
+                    inside = 2 * gate_negative + (v < 0) == number
+                    x.append(matches[number, i][inside, of_key])
+                    y.append(sign * c[inside].astype(np.float64))
+                return np.concatenate(x), np.concatenate(y)
+
+            pooled = sorted(r for r in top.records()[side, 0, :, key].tolist() if r >= 0) + random.tolist()
+            threshold = fires_at[side, 0, key].item()
+            expected, n, n_random = reference_scores(
+                gather, pooled, random.tolist(), key, control[key], threshold
+            )
+            got = found[key]
+            for a, b in zip(scores_of(got), expected, strict=True):
+                assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, abs=2e-4)), (
+                    number,
+                    key,
+                )
+            assert (got.top_positions + got.random_positions, got.random_positions) == (n, n_random)
+            scored += got.pooled is not None
+    assert scored >= 20
+    assert scores.quadrant_scores(0, 0)[0].pooled > 0.3  # pp's planted match predicts it

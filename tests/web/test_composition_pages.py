@@ -10,6 +10,7 @@ from html import unescape
 
 import numpy as np
 import pytest
+from markupsafe import escape
 from sqlalchemy import select
 
 from ffmem.store import composition, vocabularies
@@ -153,6 +154,10 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
             side | {"text": side.get("text", stored.text), "scores": side["scores"] | {"simulation": None}}
             for side in stored.details["polarities"]
         ],
+        "quadrants": [  # the tiny Llama's FF is gated: each quadrant with examples, described and scored
+            quadrant | {"scores": quadrant["scores"] | {"simulation": None}}
+            for quadrant in stored.details["quadrants"]
+        ],
         "table": {  # the pattern the score measured, its tokens' texts, in m's units, strongest first
             "sign": pattern["sign"],
             "tokens": strongest_first(
@@ -199,6 +204,48 @@ def test_the_explanation_shows_beside_the_label(client, db, run, slug):
             number(got[n], 3)
             for n in ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")
         ]
+
+
+def test_the_key_page_gives_each_quadrant_its_description_and_scores(client, db, run, slug):
+    """A gated memory's quadrants under its polarities: each one's description (escaped: the tiny corpus
+    holds markup) and its pooled, random-only and AUROC scores each beside its control, as the JSON twin
+    and the store give them."""
+    rows = db.scalars(select(Explanation).where(Explanation.run_id == run.id)).all()
+    assert all(row.details["quadrants"] for row in rows)  # every memory of the gated model has some
+    marked = [  # memories whose quadrant descriptions quote the corpus's markup
+        row for row in rows if any("<" in q["text"] or '"' in q["text"] for q in row.details["quadrants"])
+    ]
+    for stored in [*marked[:1], db.get(Explanation, (run.id, 2, 3))]:
+        url = f"/m/{slug}/layers/{stored.layer}/keys/{stored.key}"
+        shown = client.get(f"{url}.json").json()["explanation"]["quadrants"]
+        assert [q["quadrant"] for q in shown] == [q["quadrant"] for q in stored.details["quadrants"]]
+        assert {q["quadrant"] for q in shown} <= {"pp", "pn", "np", "nn"}
+        page = client.get(url).text
+        section = page[
+            page.index('id="explanation-quadrants"') : page.index(
+                "</ul>", page.index("explanation-quadrants")
+            )
+        ]
+        assert page.index('id="explanation-polarities"') < page.index('id="explanation-quadrants"')
+        summary = section[section.index("<summary>") : section.index("</summary>")]  # one line, folded
+        assert re.sub(r"<[^>]+>", "", summary).endswith(
+            " · ".join(
+                f"{q['quadrant']} {number(s['pooled'], 3)} ({number(s['pooled_control'], 3)})"
+                for q in shown
+                for s in [q["scores"]]
+            )
+        )
+        for q in shown:
+            item = section[section.index(f'id="quadrant-explanation-{q["quadrant"]}"') :]
+            item = item[: item.index("</li>")]
+            assert str(escape(q["text"])) in item and ("<" not in q["text"] or q["text"] not in item)
+            s = q["scores"]
+            assert (
+                f"pooled {number(s['pooled'], 3)} (control {number(s['pooled_control'], 3)})"
+                f" · random {number(s['random'], 3)} ({number(s['random_control'], 3)})"
+                f" · AUROC {number(s['auroc'], 3)} ({number(s['auroc_control'], 3)})"
+            ) in item
+    assert marked, "the tiny corpus's markup reaches some quadrant's description"
 
 
 def stronger(details: dict) -> dict:
@@ -275,6 +322,7 @@ def test_the_search_finds_memories_by_their_explanation(client, db, run, slug):
         "matches",
         "protocol",
         "polarities",
+        "quadrants",
     }
     page = client.get(f"/m/{slug}/search", params={"q": ngram, "run": run.id}).text
     assert 'id="explanation-matches"' in page and f'href="{urls.key_url(slug, *found[0])}"' in page

@@ -19,11 +19,14 @@ from sqlalchemy import delete, func, select
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ffmem.config import Settings
-from ffmem.engine.explanations.protocol import random_records
+from ffmem.engine.explanations.fitting import START, CorpusCounts, Pattern, fit_pattern
+from ffmem.engine.explanations.protocol import control_keys, random_records
+from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS, QUADRANTS
 from ffmem.engine.model.loading import load_model
 from ffmem.engine.relations.weight_graph import weight_graph
-from ffmem.store import composition, vocabularies
+from ffmem.store import composition, corpora, vocabularies
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
+from ffmem.store.key_examples import key_examples
 from ffmem.store.models import (
     Analysis,
     Explanation,
@@ -222,6 +225,123 @@ def test_the_stored_scores_equal_a_recomputation_from_the_stored_table(planted_r
     )
     assert scores["auroc"] == pytest.approx(wins.mean(), abs=2e-3)
     assert scores["pooled_control"] is not None and scores["pooled_control"] < scores["pooled"] - 0.5
+
+
+def test_the_quadrant_scores_equal_a_recomputation_from_the_stored_records(planted_run, planted):
+    """Each stored quadrant of some gated memories, recomputed here from the stored records: its pattern
+    fitted on the quadrant's stored examples and the band samples' shaded sentences (and its control's:
+    the same of the control key), then matched at every mined held-out position whose quadrant — the signs
+    of m and x·u, both read with forward hooks — is that one, against sign · m there: pooled (= random-only
+    here: the 18 records are all random) Pearson and AUROC, each with its control."""
+    sessions, run_id = planted_run
+    with sessions() as session:
+        run = session.get(Run, run_id)
+        held = held_out(session, run, 1000, planted)
+        corpus = corpora.load_sentence_tokens(session=session, corpus_id=run.corpus_id)
+        counts = CorpusCounts.of(corpus, len(planted.tokenizer))
+        control = control_keys(run.model.n_keys)
+
+        def pattern(layer: int, key: int, quadrant: int) -> Pattern:
+            stored = key_examples(session=session, run_id=run_id, layer=layer, key=key)
+            chosen = [
+                (e.sentence_index, e.position, e.coefficient)
+                for e in stored.quadrants
+                if e.quadrant == quadrant
+            ]
+            if not chosen:
+                return Pattern(sign=QUADRANT_SIGNS[quadrant])
+            samples = [s.sentence_index for s in stored.samples]
+            arrays = stored.sample_shading([len(corpus[s]) for s in samples])
+            shading = dict(zip(samples, arrays, strict=True))  # each sentence once
+            samples = list(dict.fromkeys(samples))
+            chosen += [(s, p, v) for s in samples for p, v in enumerate(shading[s]) if not np.isnan(v)]
+            tokens = [corpus[s][p] for s, p, _ in chosen]
+            previous = [corpus[s][p - 1] if p else START for s, p, _ in chosen]
+            m = [v for _, _, v in chosen]
+            return fit_pattern(
+                np.array(tokens), np.array(previous), np.array(m), QUADRANT_SIGNS[quadrant], counts
+            )
+
+        checked, (reads, ids) = 0, _layer_reads(planted, held)
+        for layer, key in ((0, PLANTED), (1, 0), (2, 5)):
+            found = composition.get_explanation(session=session, run_id=run_id, layer=layer, key=key)
+            stats = session.get(KeyStats, (run_id, layer, key))
+            m, u = reads[layer]
+            for stored in found.details["quadrants"]:
+                number = QUADRANTS.index(stored["quadrant"])
+                sign = QUADRANT_SIGNS[number]
+                assert stored["sign"] == sign
+                gate_negative = ((m < 0) & (u > 0)) | ((m > 0) & (u < 0))
+                inside = (2 * gate_negative + (u < 0) == number)[:, key]  # [positions]
+                y = sign * m[inside, key]
+                fires = y >= (stats.max_coefficient if sign > 0 else -stats.min_coefficient) / 2
+                expected = []
+                for of in (key, int(control[key])):
+                    table = pattern(layer, of, number)
+                    weights = dict(zip(table.final, table.weights, strict=True))
+                    pairs = {tuple(p): w for p, w in zip(table.pairs, table.pair_weights, strict=True)}
+                    x = np.array([pairs.get((b, t), weights.get(t, 0.0)) for b, t in ids[inside]])
+                    r = np.corrcoef(x, y)[0, 1] if len(y) > 1 and x.std() > 1e-9 and y.std() > 1e-9 else None
+                    wins = (x[fires][:, None] > x[~fires][None]) + 0.5 * (
+                        x[fires][:, None] == x[~fires][None]
+                    )
+                    expected.append((r, wins.mean() if wins.size else None))
+                scores = stored["scores"]
+                assert scores["random_positions"] == len(y) and scores["top_positions"] == 0
+                assert (
+                    scores["random"] == scores["pooled"]
+                    and scores["random_control"] == scores["pooled_control"]
+                )
+                got = [
+                    (scores["pooled"], scores["auroc"]),
+                    (scores["pooled_control"], scores["auroc_control"]),
+                ]
+                for have, want in zip(got, expected, strict=True):
+                    for a, b in zip(have, want, strict=True):
+                        assert (a is None) == (b is None), (layer, key, stored["quadrant"])
+                        assert a is None or a == pytest.approx(b, abs=2e-3), (layer, key, stored["quadrant"])
+                checked += 1
+        assert checked >= 6
+        planted_quadrants = composition.get_explanation(session=session, run_id=run_id, layer=0, key=PLANTED)
+        pp = planted_quadrants.details["quadrants"][0]
+        assert (
+            pp["quadrant"] == "pp"
+            and pp["text"].startswith("Fires on “Paris”")
+            and pp["scores"]["pooled"] > 0.9
+        )
+        medians = session.get(Analysis, (run_id, "explanations")).data["quadrant_medians"]
+        assert set(medians) == set(QUADRANTS) and len(medians["pp"]["pooled"]["thirds"]) == 3
+
+
+def _layer_reads(planted, held: list) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """Each layer's coefficients m (the input of its down projection) and inputs x·u (the output of its up
+    projection) at every mined position of the held-out sentences ([positions, keys] each), read with
+    forward hooks in one pass, and each position's (previous token, token) ([positions, 2])."""
+    m, u, ids, first = {}, {}, [], [1]
+    hooks = []
+    for layer, block in enumerate(planted.model.model.layers):
+        mlp = block.mlp
+        hooks += [
+            mlp.down_proj.register_forward_hook(
+                lambda module, args, out, layer=layer: m.setdefault(layer, []).append(args[0][0, first[0] :])
+            ),
+            mlp.up_proj.register_forward_hook(
+                lambda module, args, out, layer=layer: u.setdefault(layer, []).append(out[0, first[0] :])
+            ),
+        ]
+    try:
+        for sentence in held:
+            tokens, first[0] = sentence.token_ids, max(sentence.first_position, 1)
+            with torch.no_grad():
+                planted.model.model(input_ids=torch.tensor([tokens]))
+            ids += [(tokens[i - 1], tokens[i]) for i in range(first[0], len(tokens))]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    reads = {
+        layer: (torch.cat(m[layer]).double().numpy(), torch.cat(u[layer]).double().numpy()) for layer in m
+    }
+    return reads, np.array(ids)
 
 
 def test_explanations_are_deterministic(planted_run, planted):

@@ -21,6 +21,12 @@ Over them (`ProtocolScores`, a second pass), with the pattern's match as the sim
   memory's pattern of the same layer and side (`control_keys`: a fixed shuffle, never the memory
   itself), so a layer's distribution of scores can be read against chance.
 
+For a gated memory (m = act(x·g)·(x·u)) each of its four sign **quadrants** (pp, pn, np, nn: the
+gate's sign, then the input's; ffmem.engine.mining.mined_layer.QUADRANTS) has a pattern of its own, fitted
+on that quadrant's examples, and is scored the same way on the positions of its side's records (the side of
+its m's sign: + in pp and nn, − in pn and np) that lie in it: the input x·u captured with m gives each
+held-out position's quadrant (`quadrant_of`), as mining counts them.
+
 Every score is computed from running sums over (position, memory) pairs of the records a memory
 scores, never over a [positions, memories] matrix of matches.
 """
@@ -36,6 +42,7 @@ import torch
 
 from ffmem.engine.explanations.fitting import START, Pattern, pair_code
 from ffmem.engine.explanations.scoring import MAX_LEVEL, LayerPatterns, auroc_of_levels, lookup_rows
+from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS
 
 POLARITIES = (1, -1)  # the positive side (predicts m), the negative side (predicts −m)
 SEED = 0  # the fixed shuffles: the random records, the control memories
@@ -46,6 +53,13 @@ def random_records(n_sentences: int, count: int, seed: int = SEED) -> np.ndarray
     """[≤ count] the held-out records every memory is scored on at random, by a fixed shuffle, ascending."""
     chosen = np.random.default_rng(seed).permutation(n_sentences)[: max(count, 0)]
     return np.sort(chosen).astype(np.int64)
+
+
+def quadrant_of(m: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each position's sign quadrant (0 pp, 1 pn, 2 np, 3 nn) from its m and input x·u (like shapes), as
+    mining counts them: 2·(gate < 0) + (input < 0), the gate negative where m < 0 < u or u < 0 < m."""
+    gate_negative = ((m < 0) & (u > 0)) | ((m > 0) & (u < 0))
+    return gate_negative.long() * 2 + (u < 0).long()
 
 
 def control_keys(n_keys: int, seed: int = SEED) -> np.ndarray:
@@ -146,9 +160,11 @@ class _SideTables:
 
 class ProtocolScores:
     """The second pass (module docstring): running sums over the (position, key) pairs of each key's top
-    records and the random records, per side and layer. `update(layer, coefficients, input_ids, valid,
-    sentences)` with one batch's [batch, pos, keys] coefficients, [batch, pos] ids and mined positions and
-    [batch] record numbers; `scores(side, layer)` each key's ProtocolScore."""
+    records and the random records, per side (and quadrant) and layer. `update(layer, coefficients,
+    input_ids, valid, sentences, inputs)` with one batch's [batch, pos, keys] coefficients, [batch, pos] ids
+    and mined positions, [batch] record numbers and, where quadrants are scored, the inputs x·u [batch,
+    pos, keys]; `scores(side, layer)` each key's ProtocolScore, `quadrant_scores(quadrant, layer)` each
+    key's in that quadrant."""
 
     def __init__(
         self,
@@ -158,12 +174,16 @@ class ProtocolScores:
         random: np.ndarray,
         n_sentences: int,
         device="cpu",
+        quadrants: Sequence[Sequence[Sequence[Pattern]]] | None = None,
     ):
         """`patterns[side][layer][key]` (sides as POLARITIES); `fires_at` [sides, layers, keys]: the sign · m
-        from which each side fires (NaN: never); `top` [sides, layers, count, keys] (TopRecords.records)."""
+        from which each side fires (NaN: never); `top` [sides, layers, count, keys] (TopRecords.records);
+        `quadrants[quadrant][layer][key]` a gated model's quadrant patterns (None: not scored)."""
         n_sides, n_layers, n_keys = fires_at.shape
         self.device = device
-        self.tables = [[_SideTables(layer, device) for layer in side] for side in patterns]
+        self.n_sides = n_sides
+        groups = list(patterns) + list(quadrants or [])  # the sides, then the quadrants
+        self.tables = [[_SideTables(layer, device) for layer in group] for group in groups]
         self.fires_at = fires_at.to(device)
         self.control = torch.from_numpy(control_keys(n_keys)).to(device)  # [keys]
         self.random = torch.zeros(n_sentences, dtype=torch.bool)  # [sentences]
@@ -175,12 +195,13 @@ class ProtocolScores:
         for side, layer in np.ndindex(n_sides, n_layers):
             self.top[side, layer][top[side, layer], keys] = True
         self.top = self.top[:, :, :-1].to(device)  # [sides, layers, sentences, keys]
+        n_groups = len(groups)
         self.sums = torch.zeros(
-            n_sides, n_layers, 2, len(STATS), n_keys, dtype=torch.float64
+            n_groups, n_layers, 2, len(STATS), n_keys, dtype=torch.float64
         )  # [.., random?]
-        # positions by [match or control, fires?, level]: the AUROCs
-        self.levels = torch.zeros(n_sides, n_layers, 2, 2, MAX_LEVEL + 1, n_keys, dtype=torch.float64)
-        self.counted = torch.zeros(n_sides, n_layers, 2, n_keys, dtype=torch.float64)  # positions [random?]
+        # positions by [match or control, fires?, level]: the AUROCs (counts: int32, half float64's memory —
+        # 0.36 GB at SmolLM2's 30 × 1,536 memories with their 6 groups)
+        self.levels = torch.zeros(n_groups, n_layers, 2, 2, MAX_LEVEL + 1, n_keys, dtype=torch.int32)
 
     def update(
         self,
@@ -189,6 +210,7 @@ class ProtocolScores:
         input_ids: torch.Tensor,
         valid: torch.Tensor,
         sentences: torch.Tensor,
+        inputs: torch.Tensor | None = None,
     ):
         rows, positions = valid.nonzero(as_tuple=True)  # [Q] each
         token = input_ids[rows, positions]  # [Q]
@@ -196,40 +218,63 @@ class ProtocolScores:
         record = sentences.to(self.device)[rows]  # [Q]
         is_random = self.random[record]  # [Q]
         m_all = coefficients[rows, positions]  # [Q, keys]
-        n_keys = m_all.shape[1]
+        u_all = inputs[rows, positions] if inputs is not None else None  # [Q, keys]
+        codes = (token, pair_code(previous, token))  # [Q] each
         for side, sign in enumerate(POLARITIES):
-            tables = self.tables[side][layer]
             chosen = self.top[side, layer][record] | is_random[:, None]  # [Q, keys]
             q, key = chosen.nonzero(as_tuple=True)  # [P] each
             if not len(q):
                 continue
             m = (sign * m_all[q, key]).double()  # [P]
-            token_row = lookup_rows(tables.patterns.final.codes, token)  # [Q]
-            pair_row = lookup_rows(tables.patterns.pairs.codes, pair_code(previous, token))  # [Q]
-            control = self.control[key]  # [P]
-            level = tables.levels(token_row[q], pair_row[q], key)  # [P]
-            control_level = tables.levels(token_row[q], pair_row[q], control)  # [P]
-            p = tables.values[level.long(), key]  # [P]
-            c = tables.values[control_level.long(), control]  # [P]
-            kind = is_random[q].long()  # [P]
-            bins = kind * n_keys + key  # [P]
-            for i, weight in enumerate(
-                (None, p, p * p, m, m * m, p * m, c, c * c, c * m, (level > 0).double())
-            ):
-                found = torch.bincount(bins, weights=weight, minlength=2 * n_keys).view(2, n_keys)
-                self.sums[side, layer, :, i] += found.double().cpu()
-            fires = (m >= self.fires_at[side, layer][key]).long()  # [P] (NaN thresholds: never)
-            for which, lev in enumerate((level, control_level)):
-                at = (fires * (MAX_LEVEL + 1) + lev.long()) * n_keys + key  # [P]
-                found = torch.bincount(at, minlength=2 * (MAX_LEVEL + 1) * n_keys)
-                self.levels[side, layer, which] += found.view(2, MAX_LEVEL + 1, n_keys).double().cpu()
+            fires = m >= self.fires_at[side, layer][key]  # [P] (NaN thresholds: never)
+            self._add(side, layer, codes, q, key, m, fires, is_random[q])
+            if u_all is None or len(self.tables) == self.n_sides:
+                continue
+            quadrant = quadrant_of(m_all[q, key], u_all[q, key])  # [P]
+            for number, quadrant_sign in enumerate(QUADRANT_SIGNS):
+                inside = (quadrant == number).nonzero(as_tuple=True)[0] if quadrant_sign == sign else None
+                if inside is not None and len(inside):
+                    group = self.n_sides + number
+                    found = (q[inside], key[inside], m[inside], fires[inside], is_random[q[inside]])
+                    self._add(group, layer, codes, *found)
+
+    def _add(self, group, layer, codes, q, key, m, fires, is_random):
+        """Add (position, key) pairs to a group's running sums: `q` [P] their positions (rows of `codes`,
+        the positions' token and pair codes [Q] each), `key` [P], `m` [P] sign · m, `fires` [P] bool,
+        `is_random` [P] whether their record is a random one."""
+        tables = self.tables[group][layer]
+        n_keys = self.sums.shape[-1]
+        token_row = lookup_rows(tables.patterns.final.codes, codes[0])  # [Q]
+        pair_row = lookup_rows(tables.patterns.pairs.codes, codes[1])  # [Q]
+        control = self.control[key]  # [P]
+        level = tables.levels(token_row[q], pair_row[q], key)  # [P]
+        control_level = tables.levels(token_row[q], pair_row[q], control)  # [P]
+        p = tables.values[level.long(), key]  # [P]
+        c = tables.values[control_level.long(), control]  # [P]
+        bins = is_random.long() * n_keys + key  # [P]
+        for i, weight in enumerate((None, p, p * p, m, m * m, p * m, c, c * c, c * m, (level > 0).double())):
+            found = torch.bincount(bins, weights=weight, minlength=2 * n_keys).view(2, n_keys)
+            self.sums[group, layer, :, i] += found.double().cpu()
+        fires = fires.long()
+        for which, lev in enumerate((level, control_level)):
+            at = (fires * (MAX_LEVEL + 1) + lev.long()) * n_keys + key  # [P]
+            found = torch.bincount(at, minlength=2 * (MAX_LEVEL + 1) * n_keys)
+            self.levels[group, layer, which] += found.view(2, MAX_LEVEL + 1, n_keys).int().cpu()
 
     def scores(self, side: int, layer: int) -> list[ProtocolScore]:
-        sums = self.sums[side, layer]  # [random?, stats, keys]
+        return self._scores(side, layer)
+
+    def quadrant_scores(self, quadrant: int, layer: int) -> list[ProtocolScore]:
+        """Each key's scores in one quadrant (0 pp, 1 pn, 2 np, 3 nn): over the positions of its side's top
+        records and of the random records that lie in it."""
+        return self._scores(self.n_sides + quadrant, layer)
+
+    def _scores(self, group: int, layer: int) -> list[ProtocolScore]:
+        sums = self.sums[group, layer]  # [random?, stats, keys]
         pooled, random = sums.sum(0), sums[1]  # [stats, keys] each
-        values = self.tables[side][layer].values.cpu()  # [levels, keys]
+        values = self.tables[group][layer].values.cpu()  # [levels, keys]
         control = self.control.cpu()
-        levels = self.levels[side, layer]  # [match or control, fires?, levels, keys]
+        levels = self.levels[group, layer].double()  # [match or control, fires?, levels, keys]
         auroc = auroc_of_levels(levels[0, 1], levels[0, 0], values)  # [keys]
         auroc_control = auroc_of_levels(levels[1, 1], levels[1, 0], values[:, control])  # [keys]
         has_control = len(control) > 1

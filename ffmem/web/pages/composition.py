@@ -74,6 +74,18 @@ class PolarityView(BaseModel):
     scores: ProtocolView | None = Field(description="Its scores (null: the run has no held-out text).")
 
 
+class QuadrantExplanationView(BaseModel):
+    """One sign quadrant of a gated memory, described and scored on its own records."""
+
+    quadrant: str = Field(description="pp, pn, np or nn: the gate's sign, then the input's (p: ≥ 0, n: < 0).")
+    sign: int = Field(description="m's sign in it: +1 in pp and nn, −1 in pn and np.")
+    text: str = Field(description="Its one-line description, its pattern fitted on the quadrant's examples.")
+    scores: ProtocolView | None = Field(
+        description="Its scores by the protocol over the held-out positions in the quadrant of its side's "
+        "top records and the random records (null: the run has no held-out text)."
+    )
+
+
 class ExplanationView(BaseModel):
     """A memory's automatic description and how well its pattern predicts the key on held-out text."""
 
@@ -95,6 +107,11 @@ class ExplanationView(BaseModel):
         default_factory=list,
         description="Each side (m > 0, then m < 0) described and scored on its own records; empty: explained "
         "before sides were.",
+    )
+    quadrants: list[QuadrantExplanationView] = Field(
+        default_factory=list,
+        description="A gated memory's sign quadrants with examples (pp, pn, np, nn), each described and "
+        "scored on its own records; empty: an ungated memory, or explained before quadrants were.",
     )
 
 
@@ -208,6 +225,7 @@ def explanation_view(found: Explanation) -> ExplanationView:
         matches=details.get("matches", 0),
         protocol=composition.protocol_of(details),
         polarities=composition.explanation_sides(found),
+        quadrants=composition.explanation_quadrants(found),
     )
 
 
