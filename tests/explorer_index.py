@@ -38,6 +38,7 @@ def _build(url: str, corpus, folder, tiny, tiny_model_dir) -> None:
             batch_tokens=128,
             shard_sentences=8,
             value_tokens=8,
+            explain_quadrants=True,  # the tiny Llama is gated: its pages show each quadrant's explanation
             cache_dir=folder / "cache",
         ),
         progress=False,

@@ -17,7 +17,7 @@ from functools import cached_property
 from itertools import repeat
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import null, select
 from sqlalchemy.orm import Session
 
 from ffmem.engine.mining.mined_layer import QUADRANTS, MinedLayer
@@ -349,16 +349,19 @@ def key_examples(*, session: Session, run_id: int, layer: int, key: int) -> Stor
     )
 
 
-def layer_shading(*, session: Session, run_id: int, layer: int) -> dict[int, StoredExamples]:
+def layer_shading(
+    *, session: Session, run_id: int, layer: int, quadrants: bool = False
+) -> dict[int, StoredExamples]:
     """A finished run's stored examples of every key of a layer, by key, with a gated key's quadrant
-    examples (the explanations fit on them: ffmem.worker.explanations); none for runs before 0011."""
+    examples where `quadrants` asks (the explanations fit on them: ffmem.worker.explanations); none for
+    runs before 0011."""
     query = select(
         KeyExamples.key,
         KeyExamples.bands,
         KeyExamples.positive,
         KeyExamples.negative,
         KeyExamples.shading,
-        KeyExamples.quadrants,
+        KeyExamples.quadrants if quadrants else null(),
     ).where(KeyExamples.run_id == run_id, KeyExamples.layer == layer)
     return {
         key: StoredExamples(
@@ -366,7 +369,7 @@ def layer_shading(*, session: Session, run_id: int, layer: int) -> dict[int, Sto
             positive=positive,
             negative=negative,
             data=shading,
-            quadrants=None if quadrants is None else decode_quadrant_examples(quadrants),
+            quadrants=None if examples is None else decode_quadrant_examples(examples),
         )
-        for key, bands, positive, negative, shading, quadrants in session.execute(query)
+        for key, bands, positive, negative, shading, examples in session.execute(query)
     }

@@ -53,8 +53,8 @@ class RunSpec(Spec):
     queued before they existed lack; the default is what such a job did (mined position 0, held nothing
     out, shaded nothing, built no token → memories table, scored explanations on the setting's default of
     held-out sentences — every one a random record of the scoring protocol, none a top record — with no
-    explainer model named, measured no TokenChange). A new run's spec gives every field (`from_settings`).
-    Where the explainer is served (`explainer_url`) is each worker's own."""
+    explainer model named, no quadrant explained, measured no TokenChange). A new run's spec gives every
+    field (`from_settings`). Where the explainer is served (`explainer_url`) is each worker's own."""
 
     model: str
     corpus: str
@@ -72,6 +72,7 @@ class RunSpec(Spec):
     explain_sentences: int = 1000
     explain_top_records: int = 0
     explain_random_records: int = 0
+    explain_quadrants: bool = False
     explainer_model: str = ""
     token_change_memories: int = 0
     token_change_contexts: int = 8
@@ -108,6 +109,7 @@ class CompositionSpec(Spec):
     batch_tokens: int
     explain_top_records: int = 0
     explain_random_records: int = 0
+    explain_quadrants: bool = False
 
 
 class ComparisonSpec(Spec):

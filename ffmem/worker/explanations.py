@@ -65,6 +65,7 @@ class ExplanationOptions:
     explain_sentences: int = Settings.model_fields["explain_sentences"].default
     top_records: int = Settings.model_fields["explain_top_records"].default
     random_records: int = Settings.model_fields["explain_random_records"].default
+    quadrants: bool = Settings.model_fields["explain_quadrants"].default  # a gated model's, each described
     batch_tokens: int = Settings.model_fields["batch_tokens"].default
     explainer_url: str = ""
     explainer_model: str = ""
@@ -79,6 +80,7 @@ class ExplanationOptions:
             explain_sentences=spec.explain_sentences,
             top_records=spec.explain_top_records,
             random_records=spec.explain_random_records,
+            quadrants=spec.explain_quadrants,
             batch_tokens=spec.batch_tokens,
             explainer_url=worker.explainer_url,
             explainer_model=spec.explainer_model,
@@ -92,6 +94,7 @@ class ExplanationOptions:
             explain_sentences=settings.explain_sentences,
             top_records=settings.explain_top_records,
             random_records=settings.explain_random_records,
+            quadrants=settings.explain_quadrants,
             batch_tokens=settings.batch_tokens,
             explainer_url=settings.explainer_url,
             explainer_model=settings.explainer_model,
@@ -290,7 +293,7 @@ def _describe_layers(
     n_layers, n_keys = run.signs.shape
     for layer in tqdm(range(n_layers), desc="describing", unit="layer", disable=not options.progress):
         start = time.perf_counter()
-        evidence, in_quadrants = _layer_evidence(sessions, run, layer)
+        evidence, in_quadrants = _layer_evidence(sessions, run, layer, options.quadrants)
         quadrants.update({(layer, key): found for key, found in in_quadrants.items()})
         for found in evidence:
             descriptions.setdefault((found.layer, found.key), [None, None])[POLARITIES.index(found.sign)] = (
@@ -312,7 +315,7 @@ def _describe_layers(
 
 
 def _layer_evidence(
-    sessions: sessionmaker, run: _RunInputs, layer: int
+    sessions: sessionmaker, run: _RunInputs, layer: int, quadrants: bool
 ) -> tuple[list[Evidence], dict[int, list[Description | None]]]:
     """What describes each side of each memory of one layer: its pattern fitted on its own records, the
     tokens its value writes on that side (the top tokens for m > 0, the bottom ones for m < 0), its
@@ -324,7 +327,7 @@ def _layer_evidence(
             sign: memory_reads.layer_triggers(session=session, run_id=run.run_id, layer=layer, sign=sign)
             for sign in POLARITIES
         }
-        shaded = layer_shading(session=session, run_id=run.run_id, layer=layer)
+        shaded = layer_shading(session=session, run_id=run.run_id, layer=layer, quadrants=quadrants)
         written = {
             sign: memory_reads.layer_value_tokens(
                 session=session, run_id=run.run_id, layer=layer, readout="norm", direction=sign, n=5

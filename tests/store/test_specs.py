@@ -34,6 +34,7 @@ RUN = {
     "explain_sentences": 1000,
     "explain_top_records": 20,
     "explain_random_records": 20,
+    "explain_quadrants": False,
     "explainer_model": "",
     "token_change_memories": 2000,
     "token_change_contexts": 8,
@@ -42,7 +43,7 @@ RUN = {
 BEFORE = (
     "first_position", "shaded_triggers", "held_out_every", "token_memories", "explain_sentences",
     "explain_top_records", "explain_random_records", "explainer_model", "token_change_memories",
-    "token_change_contexts",
+    "token_change_contexts", "explain_quadrants",
 )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ import pytest
 from markupsafe import escape
 from sqlalchemy import select
 
-from ffmem.store import composition, vocabularies
+from ffmem.store import composition, key_examples, vocabularies
 from ffmem.store.models import Explanation
 from ffmem.web import urls
 from ffmem.web.display import number, visible
@@ -361,3 +361,11 @@ def test_the_model_page_gives_each_layers_explanation_quartiles_with_their_contr
             assert layer[name] == pytest.approx(expected, abs=1e-4), (layer["layer"], name)
     page = client.get(f"/m/{slug}").text
     assert 'id="explanation-score-table"' in page and "fewer than 0.4%" in page
+
+
+def test_the_quadrant_examples_are_read_for_the_explanations_only_when_asked(db, run):
+    """A run explained without `explain_quadrants` (the default) never decodes a key's quadrant examples."""
+    asked = key_examples.layer_shading(session=db, run_id=run.id, layer=2, quadrants=True)
+    unasked = key_examples.layer_shading(session=db, run_id=run.id, layer=2)
+    assert asked.keys() == unasked.keys() and any(stored.quadrants for stored in asked.values())
+    assert all(stored.quadrants is None for stored in unasked.values())

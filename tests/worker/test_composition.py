@@ -119,6 +119,7 @@ def planted_run(tmp_path_factory, planted, planted_dir):
             corpus=str(corpus),
             sentences=MINED,
             held_out_every=0,  # the held-out sentences are those after the mined ones
+            explain_quadrants=True,
             top_k=6,
             device="cpu",
             dtype="float32",
@@ -347,7 +348,7 @@ def _layer_reads(planted, held: list) -> tuple[dict[int, tuple[np.ndarray, np.nd
 def test_explanations_are_deterministic(planted_run, planted):
     sessions, run_id = planted_run
     before = _rows(sessions, run_id)
-    compose(sessions, run_id, planted, ExplanationOptions(batch_tokens=64))
+    compose(sessions, run_id, planted, ExplanationOptions(quadrants=True, batch_tokens=64))
     assert _rows(sessions, run_id) == before
 
 
@@ -401,7 +402,10 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
 
     client = httpx.Client(transport=httpx.MockTransport(server), base_url="http://explainer.test/v1")
     options = ExplanationOptions(
-        explainer_url="http://explainer.test/v1", explainer_model="tiny-explainer", simulated_records=0
+        quadrants=True,
+        explainer_url="http://explainer.test/v1",
+        explainer_model="tiny-explainer",
+        simulated_records=0,
     )
     try:
         compose(sessions, run_id, planted, options, client=client)
@@ -423,7 +427,7 @@ def test_a_local_model_writes_the_description_when_one_is_set(planted_run, plant
         assert "positive (m > 0)" in first and "its value promotes" in first and "suppresses" in first
         assert "negative (m < 0)" in asked[1]["messages"][0]["content"]
     finally:
-        compose(sessions, run_id, planted, ExplanationOptions())
+        compose(sessions, run_id, planted, ExplanationOptions(quadrants=True))
     assert _rows(sessions, run_id) == before
 
 
@@ -494,7 +498,12 @@ def test_a_local_server_simulates_what_it_described(planted_run, planted, fake_o
     sessions, run_id = planted_run
     before = _rows(sessions, run_id)
     options = ExplanationOptions(
-        explainer_url=fake_openai, top_records=4, random_records=6, simulated_records=2, explainer_timeout=30
+        quadrants=True,
+        explainer_url=fake_openai,
+        top_records=4,
+        random_records=6,
+        simulated_records=2,
+        explainer_timeout=30,
     )
     try:
         compose(sessions, run_id, planted, options)
@@ -539,7 +548,7 @@ def test_a_local_server_simulates_what_it_described(planted_run, planted, fake_o
         assert positive["scores"]["simulation"] == pytest.approx(expected, abs=1e-4) and expected > 0.9
         assert "simulation" not in found.details["polarities"][1]["scores"]  # not described: not simulated
     finally:
-        compose(sessions, run_id, planted, ExplanationOptions())
+        compose(sessions, run_id, planted, ExplanationOptions(quadrants=True))
     assert _rows(sessions, run_id) == before
 
 
@@ -547,7 +556,9 @@ def test_a_slow_server_leaves_the_token_tables_and_the_job_page_says_so(planted_
     sessions, run_id = planted_run
     before = _rows(sessions, run_id)
     _FakeOpenAI.slow = 0.5  # longer than the client waits
-    options = ExplanationOptions(explainer_url=fake_openai, explainer_timeout=0.1, simulated_records=2)
+    options = ExplanationOptions(
+        quadrants=True, explainer_url=fake_openai, explainer_timeout=0.1, simulated_records=2
+    )
     try:
         compose(sessions, run_id, planted, options)
         assert [row[2:4] for row in _rows(sessions, run_id)] == [row[2:4] for row in before]  # all heuristic
@@ -562,7 +573,7 @@ def test_a_slow_server_leaves_the_token_tables_and_the_job_page_says_so(planted_
         assert (report.sides, report.failures, report.gave_up) == (2 * 3 * 48, 2 * 3 * 48, True)
     finally:
         _FakeOpenAI.slow = 0.0
-        compose(sessions, run_id, planted, ExplanationOptions())
+        compose(sessions, run_id, planted, ExplanationOptions(quadrants=True))
     assert _rows(sessions, run_id) == before
 
 
@@ -573,7 +584,7 @@ def test_nothing_is_sent_without_a_url(planted_run, planted, monkeypatch):
         raise AssertionError("an HTTP request was made without explainer_url")
 
     monkeypatch.setattr(httpx.Client, "send", refuse)
-    compose(sessions, run_id, planted, ExplanationOptions())
+    compose(sessions, run_id, planted, ExplanationOptions(quadrants=True))
     assert {row[2] for row in _rows(sessions, run_id)} == {"heuristic"}
 
 
@@ -589,7 +600,8 @@ def test_ffmem_compose_fills_in_a_run(planted_run):
         composition.delete_explanations(session=session, run_id=run_id)
         session.commit()
     url = sessions.kw["bind"].url.render_as_string(hide_password=False)
-    result = CliRunner().invoke(cli, ["compose", "--run", str(run_id), "--db", url, "--device", "cpu"])
+    command = ["compose", "--run", str(run_id), "--db", url, "--device", "cpu"]
+    result = CliRunner().invoke(cli, command, env={"FFMEM_EXPLAIN_QUADRANTS": "true"})  # as the run was
     assert result.exit_code == 0, result.output
     assert f"stored the weight graph and explanations of run {run_id}" in result.output
     assert _rows(sessions, run_id) == before
@@ -638,7 +650,9 @@ def test_a_step_that_lost_its_lease_commits_nothing(planted_run, planted):
         analyses_before = {a.name: a.seconds for a in session.scalars(select(Analysis))}
         links_before = session.scalar(select(func.count()).select_from(MemoryLinks))
     with pytest.raises(LostLease):
-        explanations_step(sessions, run_id, planted, ExplanationOptions(explain_sentences=3), lease=_Lost())
+        explanations_step(
+            sessions, run_id, planted, ExplanationOptions(quadrants=True, explain_sentences=3), lease=_Lost()
+        )
     with pytest.raises(LostLease):
         weight_graph_step(sessions, run_id, planted, lease=_Lost())
     assert _rows(sessions, run_id) == before  # not deleted, not replaced
@@ -683,12 +697,14 @@ def test_ffmem_compose_queues_a_composition_job_that_a_worker_takes(planted_run,
     before = _rows(sessions, run_id)
     url = sessions.kw["bind"].url.render_as_string(hide_password=False)
     command = ["compose", "--run", str(run_id), "--db", url, "--queue", "--explain-sentences", "4"]
-    result = CliRunner().invoke(cli, command)
+    result = CliRunner().invoke(cli, command, env={"FFMEM_EXPLAIN_QUADRANTS": "true"})  # as the run was
     assert result.exit_code == 0, result.output
     with sessions() as session:
         job = session.scalars(select(Job).order_by(Job.id.desc()).limit(1)).one()
         assert (job.kind, job.status, job.run_id) == (JobKind.composition, JobStatus.queued, run_id)
-        assert job.spec == CompositionSpec.from_settings(Settings(), explain_sentences=4)
+        assert job.spec == CompositionSpec.from_settings(
+            Settings(explain_quadrants=True), explain_sentences=4
+        )
     assert f"job {job.id}: run {run_id}'s composition queued" in result.output
     options = IndexOptions.from_settings(Settings(device="cpu"), progress=False)
     Worker(sessions, options, loaded=planted).work(job_id=job.id)
