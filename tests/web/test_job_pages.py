@@ -76,6 +76,7 @@ def test_start_a_run_from_the_browser(client, tmp_path):
         "explain_sentences": 1000,
         "explain_top_records": 20,
         "explain_random_records": 20,
+        "explain_quadrants": False,
         "explainer_model": "",
         "token_change_memories": 2000,
         "token_change_contexts": 8,
