@@ -363,6 +363,44 @@ def test_the_model_page_gives_each_layers_explanation_quartiles_with_their_contr
     assert 'id="explanation-score-table"' in page and "fewer than 0.4%" in page
 
 
+def test_the_model_page_gives_each_quadrants_medians_with_their_controls(client, db, run, slug):
+    """A gated run explained per quadrant: each quadrant's medians over the memories scored in it, all
+    layers and per depth third, recomputed here from the stored rows' quadrants, and drawn as a table."""
+    body = client.get(f"/m/{slug}.json").json()["explanations"]
+    rows = db.scalars(select(Explanation).where(Explanation.run_id == run.id)).all()
+    n_layers = len(body["layers"])
+    thirds = [set(part.tolist()) for part in np.array_split(np.arange(n_layers), 3)]
+
+    def expected(quadrant: str, name: str, layers) -> float | None:
+        values = np.array(
+            [
+                q["scores"][name]
+                for e in rows
+                if e.layer in layers
+                for q in e.details.get("quadrants", [])
+                if q["quadrant"] == quadrant and q["scores"][name] is not None
+            ]
+        )
+        return round(float(np.median(values)), 4) if values.size else None
+
+    assert [q["quadrant"] for q in body["quadrants"]] == ["pp", "pn", "np", "nn"]
+    for shown in body["quadrants"]:
+        for name in ("pooled", "random", "auroc"):
+            want = expected(shown["quadrant"], name, set(range(n_layers)))
+            assert shown[name]["all"] == pytest.approx(want, abs=1e-4), (shown["quadrant"], name)
+            assert shown[name]["thirds"] == pytest.approx(
+                [expected(shown["quadrant"], name, part) for part in thirds], abs=1e-4
+            )
+    assert body["quadrants"][0]["pooled"]["all"] is not None, "the tiny index scores its pp quadrants"
+    page = client.get(f"/m/{slug}").text
+    table = page[page.index('id="quadrant-score-table"') :]
+    table = table[: table.index("</table>")]
+    pp = body["quadrants"][0]
+    first_row = table[table.index("<td>pp</td>") :]
+    assert f"<strong>{number(pp['pooled']['all'], 2)}</strong>" in first_row.split("</tr>")[0]
+    assert table.count("<tr>") == 1 + 4  # the header and a row per quadrant
+
+
 def test_the_quadrant_examples_are_read_for_the_explanations_only_when_asked(db, run):
     """A run explained without `explain_quadrants` (the default) never decodes a key's quadrant examples."""
     asked = key_examples.layer_shading(session=db, run_id=run.id, layer=2, quadrants=True)

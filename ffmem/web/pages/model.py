@@ -29,6 +29,26 @@ class LayerExplanationScores(BaseModel):
     auroc_control: Quartiles
 
 
+class QuadrantMedian(BaseModel):
+    """One score's median over the memories scored in a quadrant: all layers, then each depth third."""
+
+    all: float | None = Field(description="Over every layer (null: no memory scored).")
+    thirds: list[float | None] = Field(description="Over the lower, middle and upper third of the layers.")
+
+
+class QuadrantExplanationScores(BaseModel):
+    """A gated run's explanations of one sign quadrant (each memory's quadrant described and scored on its
+    own records), each score beside its control."""
+
+    quadrant: str = Field(description="pp, pn, np or nn: the gate's sign, then the input's (p: ≥ 0, n: < 0).")
+    pooled: QuadrantMedian
+    pooled_control: QuadrantMedian
+    random: QuadrantMedian
+    random_control: QuadrantMedian
+    auroc: QuadrantMedian
+    auroc_control: QuadrantMedian
+
+
 class ExplanationScores(BaseModel):
     """How well the run's automatic explanations predict their memories (ffmem.worker.explanations)."""
 
@@ -36,6 +56,11 @@ class ExplanationScores(BaseModel):
     random_records: int = Field(description="Random held-out records, the same for every memory.")
     held_out_sentences: int
     layers: list[LayerExplanationScores]
+    quadrants: list[QuadrantExplanationScores] | None = Field(
+        None,
+        description="A gated run explained per quadrant: each quadrant's medians with their controls "
+        "(null: an ungated model, or a run explained without quadrants).",
+    )
 
 
 class DepthThird(BaseModel):
@@ -100,6 +125,11 @@ def explanation_scores(session: Session, run: Run) -> ExplanationScores | None:
         random_records=data["random_records"],
         held_out_sentences=data["held_out_sentences"],
         layers=data["layers"],
+        quadrants=[
+            QuadrantExplanationScores(quadrant=quadrant, **medians)
+            for quadrant, medians in data.get("quadrant_medians", {}).items()
+        ]
+        or None,
     )
 
 
