@@ -5,8 +5,8 @@ PIP := $(PY) -m pip
 # uv installs the packages (in a third of pip's time here), looking also where pip is configured to find
 # wheels (find-links: a machine's own build of torch), and compiles their bytecode as pip does: where
 # PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile torch anew.
-FIND_LINKS := $(foreach folder,$(shell python3 -m pip config get global.find-links 2>/dev/null),--find-links $(folder))
-UV_INSTALL := $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode $(FIND_LINKS)
+FIND_LINKS = $(foreach folder,$(shell python3 -m pip config get global.find-links 2>/dev/null),--find-links $(folder))
+UV_INSTALL = $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode $(FIND_LINKS)
 # A CPU build of torch on machines without a GPU; GPU users may install any recent torch first.
 TORCH ?= torch==2.13.0
 
