@@ -4,6 +4,7 @@ processes sharing one Postgres — each ending exactly where an uninterrupted si
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 from click.testing import Result
-from sqlalchemy import select
+from sqlalchemy import make_url, select
 from test_index import SENTENCES, options, stored_rows
 from typer.testing import CliRunner
 
@@ -222,20 +223,27 @@ def test_two_workers_on_postgres_equal_one(postgres_url, tmp_path, tiny, tiny_mo
     same_result(result, reference(tmp_path, tiny, tiny_model_dir, big_corpus))
 
 
-def test_sqlite_runs_one_worker(tmp_path):
+def test_sqlite_runs_one_worker(tmp_path, migrated_template, monkeypatch):
     url = f"sqlite:///{tmp_path / 'one.db'}"
-    upgrade(url)
-    sessions = make_sessionmaker(make_engine(url))
+    shutil.copyfile(make_url(migrated_template("sqlite")).database, tmp_path / "one.db")  # migrated
+    engine = make_engine(url)
+    sessions = make_sessionmaker(engine)
     with sessions() as session:
         job, _ = jobs.enqueue(session=session, spec=RunSpec.from_settings(Settings(), model="x"))
         jobs.claim_job(
             session=session, worker="elsewhere:1:abc", lease=timedelta(seconds=600), max_attempts=3
         )
         session.commit()
-    refused = subprocess.run(
-        [*FFMEM, "worker", "--once", "--db", url], capture_output=True, text=True, timeout=120
-    )
-    assert refused.returncode == 2
+    engine.dispose()
+    # The command in this process (the refusal comes before any model is loaded), leaving its allocator
+    # as it was: the worker's process-wide malloc settings are no part of the refusal.
+    monkeypatch.setattr("ffmem.engine.allocator.keep_freed_memory", lambda: False)
+    get_settings.cache_clear()
+    try:
+        refused = CliRunner().invoke(app, ["worker", "--once", "--db", url])
+    finally:
+        get_settings.cache_clear()
+    assert refused.exit_code == 2, refused.output
     assert refused.stderr.strip() == (
         f"error: SQLite runs one worker at a time and elsewhere:1:abc is working on {url}; "
         "use Postgres (--db postgresql+psycopg://…) for several workers"
