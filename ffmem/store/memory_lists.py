@@ -69,10 +69,27 @@ def pack_columns(columns: Sequence[np.ndarray], widths: Sequence[int]) -> np.nda
         if width == FLOAT:
             values = np.ascontiguousarray(values, "<f4")
             parts.append(values.reshape(*values.shape, 1).view(np.uint8))  # [..., 4]
-        else:
-            values = np.ascontiguousarray(values, "<i8")
+        else:  # an integer's low 4 bytes (a width is ≤ 4) are those of its int32 cast: half int64's bytes
+            values = np.asarray(values)
+            wide = "<i8" if values.dtype.kind not in "biu" else "<i4"
+            values = np.ascontiguousarray(values, wide)
             parts.append(values.reshape(*values.shape, 1).view(np.uint8)[..., :width])  # [..., width]
     return np.concatenate(parts, axis=-1)  # [..., entry bytes]
+
+
+def row_bytes(header: bytes, entries: np.ndarray, *, odd: bool = False) -> list[bytes]:
+    """Each row of `entries` [rows, ...] uint8 as bytes after `header`, in one pass (no Python loop over
+    the rows); with `odd`, a zero byte after where that would be even (packed_blob's padding)."""
+    rows = len(entries)
+    entries = entries.reshape(rows, -1)  # [rows, entry bytes]
+    size = len(header) + entries.shape[1]
+    pad = 1 if odd and size % 2 == 0 else 0
+    if size + pad == 0:
+        return [b""] * rows
+    table = np.zeros((rows, size + pad), np.uint8)  # [rows, bytes]
+    table[:, : len(header)] = np.frombuffer(header, np.uint8)
+    table[:, len(header) : size] = entries
+    return table.view(np.dtype((np.void, size + pad))).ravel().tolist()
 
 
 def unpack_columns(raw: np.ndarray, widths: Sequence[int], none: Sequence[bool]) -> list[np.ndarray]:
@@ -177,7 +194,7 @@ def encode_triggers(sentence_index: np.ndarray, position: np.ndarray, coefficien
     header = bytes(widths)
     packed = pack_columns((sentence_index, position, coefficient), (*widths, FLOAT))  # [keys, T, entry]
     if kept.all():
-        return [packed_blob(header, row) for row in packed]
+        return row_bytes(header, packed, odd=True)
     return [
         packed_blob(header, row[keep]) if keep.any() else b"" for row, keep in zip(packed, kept, strict=True)
     ]
@@ -228,7 +245,8 @@ def encode_value_tokens(token_ids: np.ndarray, logits: np.ndarray, log_z: np.nda
     header = np.empty((len(log_z), 1), VALUE_HEADER)  # [keys, 1]
     header["token_bytes"], header["log_z"] = width, np.asarray(log_z).reshape(-1, 1)
     entries = pack_columns((token_ids, logits), (width, FLOAT))  # [keys, n, width + 4]
-    return [h.tobytes() + e.tobytes() for h, e in zip(header, entries, strict=True)]
+    both = np.concatenate([header.view(np.uint8).reshape(len(header), -1), entries.reshape(len(header), -1)], 1)
+    return row_bytes(b"", both)  # [keys]: header, entries
 
 
 def decode_value_tokens(data: bytes) -> tuple[np.ndarray, float]:
@@ -273,8 +291,7 @@ def encode_token_memories(memories: np.ndarray, scores: np.ndarray) -> list[byte
     as wide as the table's largest needs."""
     width = int_width(memories[memories >= 0], none=True)
     packed = pack_columns((memories, scores), (width, FLOAT))  # [vocab, lists, depth, width + 4]
-    header = bytes([width])
-    return [packed_blob(header, row) for row in packed]
+    return row_bytes(bytes([width]), packed, odd=True)
 
 
 def decode_token_memories(data: bytes) -> np.ndarray:

@@ -9,7 +9,7 @@ chunk on SQLite, always inside the session's transaction.
 from __future__ import annotations
 
 import math
-from itertools import repeat
+from itertools import compress, repeat
 
 import numpy as np
 from sqlalchemy.orm import Session
@@ -37,9 +37,19 @@ def store_triggers(
         2, sentence_index=sentence_index, position=position, coefficients=coefficients
     )
     blobs = memory_lists.encode_triggers(sentence_index, position, coefficients)
-    rows = ((run_id, TRIGGERS, int(sign), int(layer), key, blob) for key, blob in enumerate(blobs) if blob)
-    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    kept = (sentence_index >= 0).any(axis=1)  # [keys]: a key with no trigger stores no list
+    rows = zip(range(len(blobs)), blobs) if kept.all() else zip(np.flatnonzero(kept).tolist(), compress(blobs, kept))
+    _store_lists(session, run_id, TRIGGERS, sign, layer, rows)
     return int((sentence_index >= 0).sum())
+
+
+LIST_COLUMNS = ("run_id", "kind", "sign", "layer", "key", "data")
+
+
+def _store_lists(session: Session, run_id: int, kind: str, sign: int, layer: int, rows) -> None:
+    """One layer's lists of a kind and sign: rows of (key, blob)."""
+    fixed = {"run_id": run_id, "kind": kind, "sign": int(sign), "layer": int(layer)}
+    bulk_insert(session, MemoryList.__table__, ("key", "data"), rows, fixed=fixed)
 
 
 def store_value_tokens(
@@ -63,12 +73,8 @@ def store_value_tokens(
     if log_z.shape[0] != token_ids.shape[0]:
         raise ValueError(f"log_z has {log_z.shape[0]} values for {token_ids.shape[0]} keys")
     blobs = memory_lists.encode_value_tokens(token_ids, logits, log_z)
-    rows = ((run_id, readout, int(direction), int(layer), key, blob) for key, blob in enumerate(blobs))
-    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    _store_lists(session, run_id, readout, direction, layer, zip(range(len(blobs)), blobs))
     return token_ids.size
-
-
-LIST_COLUMNS = ("run_id", "kind", "sign", "layer", "key", "data")
 
 
 def _quadrant_columns(shares: np.ndarray | None, n_keys: int) -> list[list]:
