@@ -116,9 +116,9 @@ def entry_bytes(widths: Sequence[int]) -> int:
     return sum(4 if width == FLOAT else width for width in widths)
 
 
-def packed_blob(header: bytes, entries: np.ndarray) -> bytes:
+def packed_blob(header: bytes, entries: np.ndarray | bytes) -> bytes:
     """A blob of the packed format: the header, the entries' bytes, and a zero byte when that is even."""
-    data = header + entries.tobytes()
+    data = header + (entries if isinstance(entries, bytes) else entries.tobytes())
     return data if len(data) % 2 else data + b"\0"
 
 
@@ -268,17 +268,45 @@ def encode_sentence_triggers(
     entries by memory (then position), its integers as wide as the run's largest need. Entries with
     sentence index −1 (empty slots) are left out."""
     real = sentence_index >= 0
-    memory, sentence_index, position, coefficient = (
-        a[real] for a in (memory, sentence_index, position, coefficient)
-    )
-    order = np.lexsort((position, memory, sentence_index))  # [triggers]: by sentence, then memory
+    if not real.all():
+        memory, sentence_index, position, coefficient = (
+            a[real] for a in (memory, sentence_index, position, coefficient)
+        )
+    order = _by_sentence(sentence_index, memory, position)  # [triggers]: by sentence, then memory
     widths = (int_width(memory), int_width(position))
     packed = pack_columns(
         (memory[order], position[order], coefficient[order]), (*widths, FLOAT)
     )  # [triggers, entry]
-    sentences, starts = np.unique(sentence_index[order], return_index=True)  # [sentences] each
+    ordered = sentence_index[order]  # [triggers], ascending
+    starts = np.flatnonzero(np.diff(ordered, prepend=-1))  # [sentences]: each one's first trigger
+    sentences = ordered[starts]  # [sentences]
     header = bytes(widths)
-    return sentences.tolist(), [packed_blob(header, part) for part in np.split(packed, starts[1:])]
+    data = packed.tobytes()  # [triggers · entry]: each sentence's part a slice
+    size = packed.shape[1] if packed.ndim == 2 else 0
+    ends = np.append(starts[1:], len(packed))[: len(starts)] * size  # [sentences]
+    pads = (b"", b"\0")  # packed_blob's: the header and entries in one copy, a zero byte where even
+    return sentences.tolist(), [
+        b"".join((header, data[a:b], pads[(len(header) + b - a + 1) % 2]))
+        for a, b in zip((starts * size).tolist(), ends.tolist(), strict=True)
+    ]
+
+
+def _by_sentence(sentence: np.ndarray, memory: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """np.lexsort((position, memory, sentence)), its ties in input order too, by stable sorts (a radix sort
+    of the sentences where every index fits 16 bits): with the memories in order (as the writers give
+    them) and no memory twice in a sentence, the sentences' sort alone, checked; else first by one key of
+    memory and position. A fifth to a third of lexsort's time on an 8B run's 23 million triggers."""
+    if len(sentence) == 0 or memory.min() < 0 or position.min() < 0 or position.max() >= 2**16:
+        return np.lexsort((position, memory, sentence))
+    narrow = np.uint16 if 0 <= sentence.min() and sentence.max() < 2**16 else sentence.dtype
+    if (memory[1:] >= memory[:-1]).all():
+        order = np.argsort(sentence.astype(narrow), kind="stable")  # [triggers]: by sentence, then memory
+        by, of = sentence[order], memory[order]  # [triggers] each
+        if not ((by[1:] == by[:-1]) & (of[1:] == of[:-1])).any():  # no tie left to the position
+            return order
+    inner = memory.astype(np.int64) << 16 | position.astype(np.int64)  # [triggers]
+    order = np.argsort(inner, kind="stable")  # [triggers]
+    return order[np.argsort(sentence[order].astype(narrow), kind="stable")]
 
 
 def decode_sentence_triggers(data: bytes) -> np.ndarray:
