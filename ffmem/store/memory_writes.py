@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from ffmem.store import layer_table, memory_lists
 from ffmem.store.bulk import bulk_insert
+from ffmem.store.db import json_dumps
 from ffmem.store.memory_lists import TRIGGERS
 from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, MemoryList, SentenceTriggers
 
@@ -127,15 +128,13 @@ def store_key_stats(
     if histogram.ndim != 2 or histogram.shape[0] != mean.shape[0]:
         raise ValueError(f"histogram has shape {histogram.shape}; expected [{mean.shape[0]}, n_bins]")
     rows = zip(
-        repeat(run_id),
-        repeat(int(layer)),
         range(mean.shape[0]),
         mean.tolist(),
         positive_share.tolist(),
         map(_finite_or_none, max_coefficient.tolist()),
         map(_finite_or_none, min_coefficient.tolist()),
         value_norm.tolist(),
-        histogram.tolist(),
+        json_rows(histogram),
         density.tolist(),
         max_prob.tolist(),
         agreement.astype(int).tolist(),
@@ -143,8 +142,6 @@ def store_key_stats(
         *_quadrant_columns(quadrant_shares, mean.shape[0]),
     )
     columns = (
-        "run_id",
-        "layer",
         "key",
         "mean",
         "positive_share",
@@ -159,7 +156,8 @@ def store_key_stats(
         *QUADRANT_COLUMNS,
         "dominant_quadrant",
     )
-    bulk_insert(session, KeyStats.__table__, columns, rows)
+    fixed = {"run_id": run_id, "layer": int(layer)}
+    bulk_insert(session, KeyStats.__table__, columns, rows, fixed=fixed, json_text=("histogram",))
     as_stored = {
         "max_coefficient": max_coefficient,
         "min_coefficient": min_coefficient,
@@ -177,6 +175,14 @@ def store_key_stats(
     for name, values in zip((*QUADRANT_COLUMNS, "dominant_quadrant"), quadrants, strict=True):
         as_stored[name] = np.array(values, stored)  # [keys]; None → NaN
     layer_table.store_key_orders(session=session, run_id=run_id, layer=layer, statistics=as_stored)
+
+
+def json_rows(array: np.ndarray) -> list[str]:
+    """Each row of a 2-d numeric array as db.json_dumps writes its list, the array encoded at once and cut
+    at its rows' brackets (numbers hold none)."""
+    if len(array) == 0:
+        return []
+    return ["[" + row + "]" for row in json_dumps(np.asarray(array).tolist())[2:-2].split("],[")]
 
 
 def same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:
