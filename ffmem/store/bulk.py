@@ -67,7 +67,12 @@ def collector_paused() -> Iterator[None]:
 
 
 def _converted(
-    table: Table, columns: Sequence[str], rows: Iterable[tuple], dialect, done: int = 0, text: set = frozenset()
+    table: Table,
+    columns: Sequence[str],
+    rows: Iterable[tuple],
+    dialect,
+    done: int = 0,
+    text: set = frozenset(),
 ):
     """The rows with their JSON columns as text and their Coded ones as numbers (models.Coded), as the
     engine writes them; the first `done` columns, and the JSON ones named in `text`, are already so."""

@@ -63,10 +63,11 @@ def store_links(
         linked |= either.any(axis=2)
     layers, keys = (part.tolist() for part in np.nonzero(linked))  # [linked] each, in memory order
     if linked.all():
-        rows = zip(layers, keys, *found)  # a missing direction: repeat(None)
+        rows = zip(layers, keys, *found, strict=False)  # a missing direction: repeat(None)
     else:
         at = np.flatnonzero(linked).tolist()
-        rows = zip(layers, keys, *(map(part.__getitem__, at) if isinstance(part, list) else part for part in found))
+        picked = (map(part.__getitem__, at) if isinstance(part, list) else part for part in found)
+        rows = zip(layers, keys, *picked, strict=False)
     columns = ("layer", "key", "inbound", "outbound")
     bulk_insert(session, MemoryLinks.__table__, columns, rows, fixed={"run_id": run_id})
     return {d: int(kept[d].any(axis=2).sum()) for d in kept}

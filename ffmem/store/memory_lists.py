@@ -245,7 +245,9 @@ def encode_value_tokens(token_ids: np.ndarray, logits: np.ndarray, log_z: np.nda
     header = np.empty((len(log_z), 1), VALUE_HEADER)  # [keys, 1]
     header["token_bytes"], header["log_z"] = width, np.asarray(log_z).reshape(-1, 1)
     entries = pack_columns((token_ids, logits), (width, FLOAT))  # [keys, n, width + 4]
-    both = np.concatenate([header.view(np.uint8).reshape(len(header), -1), entries.reshape(len(header), -1)], 1)
+    both = np.concatenate(
+        [header.view(np.uint8).reshape(len(header), -1), entries.reshape(len(header), -1)], 1
+    )
     return row_bytes(b"", both)  # [keys]: header, entries
 
 

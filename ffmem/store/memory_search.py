@@ -36,7 +36,7 @@ def store_token_memories(
     session.execute(delete(table).where(table.c.run_id == run_id, table.c.readout == readout))
     blobs = memory_lists.encode_token_memories(memories, scores)
     fixed = {"run_id": run_id, "readout": readout}
-    bulk_insert(session, table, ("token_id", "data"), zip(range(len(blobs)), blobs), fixed=fixed)
+    bulk_insert(session, table, ("token_id", "data"), zip(range(len(blobs)), blobs, strict=True), fixed=fixed)
     return len(blobs)
 
 
@@ -107,7 +107,7 @@ def store_neighbours(
     memories = max((len(p) for p in packed.values()), default=0)
     layers, keys = divmod(np.arange(memories), n_keys)  # [memories] each
     blobs = [_records(packed.get(kind), memories) for kind in NEIGHBOUR_KINDS]
-    rows = zip(layers.tolist(), keys.tolist(), *blobs)
+    rows = zip(layers.tolist(), keys.tolist(), *blobs, strict=True)
     columns = ("layer", "key", "by_key", "by_value")
     bulk_insert(session, Neighbours.__table__, columns, rows, fixed={"run_id": run_id})
     return memories

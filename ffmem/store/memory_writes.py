@@ -39,7 +39,10 @@ def store_triggers(
     )
     blobs = memory_lists.encode_triggers(sentence_index, position, coefficients)
     kept = (sentence_index >= 0).any(axis=1)  # [keys]: a key with no trigger stores no list
-    rows = zip(range(len(blobs)), blobs) if kept.all() else zip(np.flatnonzero(kept).tolist(), compress(blobs, kept))
+    if kept.all():
+        rows = zip(range(len(blobs)), blobs, strict=True)
+    else:
+        rows = zip(np.flatnonzero(kept).tolist(), compress(blobs, kept), strict=True)
     _store_lists(session, run_id, TRIGGERS, sign, layer, rows)
     return int((sentence_index >= 0).sum())
 
@@ -74,7 +77,8 @@ def store_value_tokens(
     if log_z.shape[0] != token_ids.shape[0]:
         raise ValueError(f"log_z has {log_z.shape[0]} values for {token_ids.shape[0]} keys")
     blobs = memory_lists.encode_value_tokens(token_ids, logits, log_z)
-    _store_lists(session, run_id, readout, direction, layer, zip(range(len(blobs)), blobs))
+    rows = zip(range(len(blobs)), blobs, strict=True)
+    _store_lists(session, run_id, readout, direction, layer, rows)
     return token_ids.size
 
 
@@ -140,6 +144,7 @@ def store_key_stats(
         agreement.astype(int).tolist(),
         [None if rank < 0 else rank for rank in next_token_rank.astype(int).tolist()],
         *_quadrant_columns(quadrant_shares, mean.shape[0]),
+        strict=True,
     )
     columns = (
         "key",

@@ -26,8 +26,8 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ffmem.store.bulk import bulk_insert
 from ffmem.store import memory_lists
+from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import ValueHistogram
 
@@ -103,7 +103,13 @@ def store_value_histograms(
     low, high, counts = (np.stack(parts) for parts in zip(*(histograms[r] for r in READOUTS), strict=True))
     blobs = encode(low, high, counts)
     fixed = {"run_id": run_id, "layer": int(layer)}
-    bulk_insert(session, ValueHistogram.__table__, COLUMNS[2:], zip(range(len(blobs)), blobs), fixed=fixed)
+    bulk_insert(
+        session,
+        ValueHistogram.__table__,
+        COLUMNS[2:],
+        zip(range(len(blobs)), blobs, strict=True),
+        fixed=fixed,
+    )
     return len(blobs)
 
 
