@@ -6,6 +6,7 @@ rows), Core's portable insert on any other backend."""
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import islice
@@ -19,11 +20,35 @@ from ffmem.store.models import Coded
 CHUNK_ROWS = 50_000  # rows per executemany
 
 
-def bulk_insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
+def bulk_insert(
+    session: Session,
+    table: Table,
+    columns: Sequence[str],
+    rows: Iterable[tuple],
+    *,
+    fixed: dict[str, object] | None = None,
+    json_text: Sequence[str] = (),
+) -> None:
     """Insert tuples of `columns` in the session's transaction: COPY on Postgres, executemany on SQLite;
-    the cycle collector paused meanwhile (`collector_paused`)."""
+    the cycle collector paused meanwhile (`collector_paused`). `fixed` gives columns of one value for
+    every row (a run's id, a layer), written before the rows' own and converted once, not a row at a time;
+    the JSON columns named in `json_text` come as the JSON text db.json_dumps writes (made in bulk)."""
     with collector_paused():
-        _insert(session, table, columns, rows)
+        done, values = 0, tuple((fixed or {}).values())
+        dialect = session.connection().dialect
+        if json_text and dialect.name not in BULK_DIALECTS:  # Core encodes JSON itself: the values back
+            at = [columns.index(name) for name in json_text]
+            rows = (tuple(json.loads(v) if i in at else v for i, v in enumerate(row)) for row in rows)
+            json_text = ()
+        if values:
+            if dialect.name in BULK_DIALECTS:  # converted here once (Core converts any other's itself)
+                values, done = next(iter(_converted(table, list(fixed), [values], dialect))), len(values)
+            rows = map(values.__add__, rows)  # each row: the fixed values, then its own
+            columns = (*fixed, *columns)
+        _insert(session, table, columns, rows, done, set(json_text))
+
+
+BULK_DIALECTS = ("postgresql", "sqlite")  # COPY and executemany; any other takes Core's portable insert
 
 
 @contextmanager
@@ -41,19 +66,42 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _insert(session: Session, table: Table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
+def _converted(
+    table: Table,
+    columns: Sequence[str],
+    rows: Iterable[tuple],
+    dialect,
+    done: int = 0,
+    text: set = frozenset(),
+):
+    """The rows with their JSON columns as text and their Coded ones as numbers (models.Coded), as the
+    engine writes them; the first `done` columns, and the JSON ones named in `text`, are already so."""
+    json_columns = [
+        i for i, c in enumerate(columns) if i >= done and c not in text and isinstance(table.c[c].type, JSON)
+    ]
+    if json_columns:
+        rows = (_json_encoded(row, json_columns) for row in rows)
+    coded = [i for i, c in enumerate(columns) if i >= done and isinstance(table.c[c].type, Coded)]
+    if coded:  # a name as its number (models.Coded), as the engine writes it
+        rows = _numbered(rows, {i: table.c[columns[i]].type for i in coded}, dialect)
+    return rows
+
+
+def _insert(
+    session: Session,
+    table: Table,
+    columns: Sequence[str],
+    rows: Iterable[tuple],
+    done: int = 0,
+    json_text: set = frozenset(),
+) -> None:
     connection = session.connection()
     dialect = connection.dialect.name
-    if dialect not in ("postgresql", "sqlite"):  # any other backend: the portable, slower Core path
+    if dialect not in BULK_DIALECTS:  # any other backend: the portable, slower Core path
         for chunk in chunks(rows, CHUNK_ROWS):
             connection.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in chunk])
         return
-    json_columns = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, JSON)]
-    if json_columns:
-        rows = (_json_encoded(row, json_columns) for row in rows)
-    coded = [i for i, column in enumerate(columns) if isinstance(table.c[column].type, Coded)]
-    if coded:  # a name as its number (models.Coded), as the engine writes it
-        rows = _numbered(rows, {i: table.c[columns[i]].type for i in coded}, connection.dialect)
+    rows = _converted(table, columns, rows, connection.dialect, done, json_text)
     quote = connection.dialect.identifier_preparer
     target = f"{quote.format_table(table)} ({', '.join(quote.quote(column) for column in columns)})"
     if dialect == "postgresql":

@@ -58,13 +58,18 @@ def store_links(
         blobs[direction] = _memory_blobs(packed, kept[direction])  # [n_layers · d_ff]
     shape = next(iter(kept.values())).shape[:2] if kept else (0, 0)
     found = [blobs.get(d, repeat(None)) for d in DIRECTIONS]
-    memories = zip(range(shape[0] * shape[1]), *found, strict=False)  # a missing direction: repeat(None)
-    rows = (
-        (run_id, *divmod(memory, shape[1]), inbound, outbound)
-        for memory, inbound, outbound in memories
-        if inbound is not None or outbound is not None
-    )
-    bulk_insert(session, MemoryLinks.__table__, ("run_id", "layer", "key", "inbound", "outbound"), rows)
+    linked = np.zeros(shape, bool)  # [n_layers, d_ff]: a memory with a link either way
+    for either in kept.values():
+        linked |= either.any(axis=2)
+    layers, keys = (part.tolist() for part in np.nonzero(linked))  # [linked] each, in memory order
+    if linked.all():
+        rows = zip(layers, keys, *found, strict=False)  # a missing direction: repeat(None)
+    else:
+        at = np.flatnonzero(linked).tolist()
+        picked = (map(part.__getitem__, at) if isinstance(part, list) else part for part in found)
+        rows = zip(layers, keys, *picked, strict=False)
+    columns = ("layer", "key", "inbound", "outbound")
+    bulk_insert(session, MemoryLinks.__table__, columns, rows, fixed={"run_id": run_id})
     return {d: int(kept[d].any(axis=2).sum()) for d in kept}
 
 

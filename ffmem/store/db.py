@@ -107,8 +107,12 @@ def upgrade(url: str, retry: Retry | None = None) -> None:
 
 def json_dumps(value) -> str:
     """JSON columns as written: without the spaces after separators (a key's histogram, a sentence's token
-    ids and offsets, an explanation's token table: 10–20 % of their bytes), NaN and Infinity kept."""
-    return json.dumps(value, separators=(",", ":"))
+    ids and offsets, an explanation's token table: 10–20 % of their bytes), NaN and Infinity kept. One
+    encoder for all (json.dumps with separators makes one a call: a third of a small value's time)."""
+    return _ENCODER.encode(value)
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps(value, separators=(",", ":"))
 
 
 def _json_loads(text: str | bytes):

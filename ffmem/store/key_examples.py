@@ -93,9 +93,11 @@ def _pack(columns: Sequence[np.ndarray], floats: int, counts: np.ndarray) -> lis
     widths = (1, memory_lists.int_width(columns[1]), memory_lists.int_width(columns[2]))
     header = bytes([PACKED, *widths[1:]])
     packed = memory_lists.pack_columns(columns, (*widths, *[memory_lists.FLOAT] * floats))  # [entries, size]
-    return [
-        header + part.tobytes() if len(part) else b"" for part in np.split(packed, np.cumsum(counts)[:-1])
-    ]
+    data = packed.tobytes()  # each key's entries a slice
+    size = memory_lists.entry_bytes((*widths, *[memory_lists.FLOAT] * floats))
+    ends = np.cumsum(counts) * size  # [keys]
+    starts = ends - np.asarray(counts) * size  # [keys]
+    return [header + data[a:b] if a < b else b"" for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 
 def _unpack_entries(data: bytes, floats: int) -> list[tuple]:
@@ -191,16 +193,21 @@ def _steps_and_codes(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarra
     (each sentence's own: a layer's together give each key's)."""
     lengths = np.asarray(lengths, np.int64)  # [sentences]
     values = np.asarray(values, np.float32)  # [tokens]
-    mined = ~np.isnan(values)  # [tokens]
     peaks = np.zeros(len(lengths), np.float32)  # [sentences]: largest |m| (0 where nothing is mined)
     filled = lengths > 0
-    if filled.any():
-        magnitude = np.where(mined, np.abs(values), np.float32(0))  # [tokens]
-        peaks[filled] = np.maximum.reduceat(magnitude, (np.cumsum(lengths) - lengths)[filled])
+    if filled.any():  # fmax passes NaN (not mined) over; a sentence of NaN alone stays NaN: 0
+        found = np.fmax.reduceat(np.abs(values), (np.cumsum(lengths) - lengths)[filled])
+        peaks[filled] = np.where(np.isnan(found), np.float32(0), found)
     steps = (peaks.astype(np.float64) / STEPS).astype(np.float32)  # [sentences]
-    step = np.repeat(steps, lengths)  # [tokens]
-    scaled = np.rint(np.divide(values, step, out=np.zeros_like(values), where=mined & (step > 0)))  # [tokens]
-    codes = np.where(mined, np.clip(scaled, -STEPS, STEPS), NOT_MINED).astype(np.int8)  # [tokens]
+    scaled = np.repeat(steps, lengths)  # [tokens]: each token's step, then its value over it, in place
+    with np.errstate(divide="ignore", invalid="ignore"):  # a step of 0 and NaN: set below
+        np.divide(values, scaled, out=scaled)
+        np.rint(scaled, out=scaled)
+        np.clip(scaled, -STEPS, STEPS, out=scaled)
+        codes = scaled.astype(np.int8)  # [tokens]
+    if not steps.all():  # a sentence whose mined values are all 0: its codes 0
+        codes[np.repeat(steps == 0, lengths)] = 0
+    codes[np.isnan(values)] = NOT_MINED
     return steps, codes
 
 

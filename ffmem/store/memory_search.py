@@ -7,6 +7,7 @@ is (ffmem.engine.relations.neighbours). No torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 from sqlalchemy import delete, exists, insert, select
@@ -34,8 +35,8 @@ def store_token_memories(
     table = TokenMemoryList.__table__
     session.execute(delete(table).where(table.c.run_id == run_id, table.c.readout == readout))
     blobs = memory_lists.encode_token_memories(memories, scores)
-    rows = ((run_id, readout, token_id, blob) for token_id, blob in enumerate(blobs))
-    bulk_insert(session, table, ("run_id", "readout", "token_id", "data"), rows)
+    fixed = {"run_id": run_id, "readout": readout}
+    bulk_insert(session, table, ("token_id", "data"), zip(range(len(blobs)), blobs, strict=True), fixed=fixed)
     return len(blobs)
 
 
@@ -104,22 +105,19 @@ def store_neighbours(
         packed[kind]["layer"], packed[kind]["key"] = np.divmod(np.asarray(indices, dtype=np.int64), n_keys)
         packed[kind]["score"] = cosines
     memories = max((len(p) for p in packed.values()), default=0)
-    rows = (
-        (
-            run_id,
-            memory // n_keys,
-            memory % n_keys,
-            *(_record(packed.get(k), memory) for k in NEIGHBOUR_KINDS),
-        )
-        for memory in range(memories)
-    )
-    bulk_insert(session, Neighbours.__table__, ("run_id", "layer", "key", "by_key", "by_value"), rows)
+    layers, keys = divmod(np.arange(memories), n_keys)  # [memories] each
+    blobs = [_records(packed.get(kind), memories) for kind in NEIGHBOUR_KINDS]
+    rows = zip(layers.tolist(), keys.tolist(), *blobs, strict=True)
+    columns = ("layer", "key", "by_key", "by_value")
+    bulk_insert(session, Neighbours.__table__, columns, rows, fixed={"run_id": run_id})
     return memories
 
 
-def _record(packed: np.ndarray | None, memory: int) -> bytes | None:
-    """One memory's packed neighbours of one kind; None where the kind was not computed."""
-    return None if packed is None else packed[memory].tobytes()
+def _records(packed: np.ndarray | None, memories: int) -> list[bytes] | repeat:
+    """Each memory's packed neighbours of one kind; None where the kind was not computed."""
+    if packed is None:
+        return repeat(None, memories)
+    return memory_lists.row_bytes(b"", packed.view(np.uint8).reshape(len(packed), -1))
 
 
 def get_neighbour_baselines(*, session: Session, run_id: int, layer: int) -> dict[str, NeighbourBaseline]:

@@ -9,13 +9,14 @@ chunk on SQLite, always inside the session's transaction.
 from __future__ import annotations
 
 import math
-from itertools import repeat
+from itertools import compress, repeat
 
 import numpy as np
 from sqlalchemy.orm import Session
 
 from ffmem.store import layer_table, memory_lists
 from ffmem.store.bulk import bulk_insert
+from ffmem.store.db import json_dumps
 from ffmem.store.memory_lists import TRIGGERS
 from ffmem.store.models import QUADRANT_COLUMNS, KeyStats, MemoryList, SentenceTriggers
 
@@ -37,9 +38,22 @@ def store_triggers(
         2, sentence_index=sentence_index, position=position, coefficients=coefficients
     )
     blobs = memory_lists.encode_triggers(sentence_index, position, coefficients)
-    rows = ((run_id, TRIGGERS, int(sign), int(layer), key, blob) for key, blob in enumerate(blobs) if blob)
-    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    kept = (sentence_index >= 0).any(axis=1)  # [keys]: a key with no trigger stores no list
+    if kept.all():
+        rows = zip(range(len(blobs)), blobs, strict=True)
+    else:
+        rows = zip(np.flatnonzero(kept).tolist(), compress(blobs, kept), strict=True)
+    _store_lists(session, run_id, TRIGGERS, sign, layer, rows)
     return int((sentence_index >= 0).sum())
+
+
+LIST_COLUMNS = ("run_id", "kind", "sign", "layer", "key", "data")
+
+
+def _store_lists(session: Session, run_id: int, kind: str, sign: int, layer: int, rows) -> None:
+    """One layer's lists of a kind and sign: rows of (key, blob)."""
+    fixed = {"run_id": run_id, "kind": kind, "sign": int(sign), "layer": int(layer)}
+    bulk_insert(session, MemoryList.__table__, ("key", "data"), rows, fixed=fixed)
 
 
 def store_value_tokens(
@@ -63,12 +77,9 @@ def store_value_tokens(
     if log_z.shape[0] != token_ids.shape[0]:
         raise ValueError(f"log_z has {log_z.shape[0]} values for {token_ids.shape[0]} keys")
     blobs = memory_lists.encode_value_tokens(token_ids, logits, log_z)
-    rows = ((run_id, readout, int(direction), int(layer), key, blob) for key, blob in enumerate(blobs))
-    bulk_insert(session, MemoryList.__table__, LIST_COLUMNS, rows)
+    rows = zip(range(len(blobs)), blobs, strict=True)
+    _store_lists(session, run_id, readout, direction, layer, rows)
     return token_ids.size
-
-
-LIST_COLUMNS = ("run_id", "kind", "sign", "layer", "key", "data")
 
 
 def _quadrant_columns(shares: np.ndarray | None, n_keys: int) -> list[list]:
@@ -121,24 +132,21 @@ def store_key_stats(
     if histogram.ndim != 2 or histogram.shape[0] != mean.shape[0]:
         raise ValueError(f"histogram has shape {histogram.shape}; expected [{mean.shape[0]}, n_bins]")
     rows = zip(
-        repeat(run_id),
-        repeat(int(layer)),
         range(mean.shape[0]),
         mean.tolist(),
         positive_share.tolist(),
         map(_finite_or_none, max_coefficient.tolist()),
         map(_finite_or_none, min_coefficient.tolist()),
         value_norm.tolist(),
-        histogram.tolist(),
+        json_rows(histogram),
         density.tolist(),
         max_prob.tolist(),
         agreement.astype(int).tolist(),
         [None if rank < 0 else rank for rank in next_token_rank.astype(int).tolist()],
         *_quadrant_columns(quadrant_shares, mean.shape[0]),
+        strict=True,
     )
     columns = (
-        "run_id",
-        "layer",
         "key",
         "mean",
         "positive_share",
@@ -153,7 +161,8 @@ def store_key_stats(
         *QUADRANT_COLUMNS,
         "dominant_quadrant",
     )
-    bulk_insert(session, KeyStats.__table__, columns, rows)
+    fixed = {"run_id": run_id, "layer": int(layer)}
+    bulk_insert(session, KeyStats.__table__, columns, rows, fixed=fixed, json_text=("histogram",))
     as_stored = {
         "max_coefficient": max_coefficient,
         "min_coefficient": min_coefficient,
@@ -171,6 +180,14 @@ def store_key_stats(
     for name, values in zip((*QUADRANT_COLUMNS, "dominant_quadrant"), quadrants, strict=True):
         as_stored[name] = np.array(values, stored)  # [keys]; None → NaN
     layer_table.store_key_orders(session=session, run_id=run_id, layer=layer, statistics=as_stored)
+
+
+def json_rows(array: np.ndarray) -> list[str]:
+    """Each row of a 2-d numeric array as db.json_dumps writes its list, the array encoded at once and cut
+    at its rows' brackets (numbers hold none)."""
+    if len(array) == 0:
+        return []
+    return ["[" + row + "]" for row in json_dumps(np.asarray(array).tolist())[2:-2].split("],[")]
 
 
 def same_shape(ndim: int, **arrays: np.ndarray) -> list[np.ndarray]:

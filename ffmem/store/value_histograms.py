@@ -26,6 +26,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ffmem.store import memory_lists
 from ffmem.store.bulk import bulk_insert
 from ffmem.store.memory_lists import READOUTS
 from ffmem.store.models import ValueHistogram
@@ -74,8 +75,7 @@ def encode(low: np.ndarray, high: np.ndarray, counts: np.ndarray) -> list[bytes]
         np.asarray(high).T,
         counts.transpose(1, 0, 2),
     )
-    header = bytes([width])
-    return [header + row.tobytes() for row in records]
+    return memory_lists.row_bytes(bytes([width]), records.view(np.uint8).reshape(len(records), -1))
 
 
 def decode(data: bytes) -> dict[str, LogitHistogram]:
@@ -102,8 +102,13 @@ def store_value_histograms(
         raise ValueError(f"value histograms need every readout {READOUTS}; got {sorted(histograms)}")
     low, high, counts = (np.stack(parts) for parts in zip(*(histograms[r] for r in READOUTS), strict=True))
     blobs = encode(low, high, counts)
+    fixed = {"run_id": run_id, "layer": int(layer)}
     bulk_insert(
-        session, ValueHistogram.__table__, COLUMNS, ((run_id, layer, k, b) for k, b in enumerate(blobs))
+        session,
+        ValueHistogram.__table__,
+        COLUMNS[2:],
+        zip(range(len(blobs)), blobs, strict=True),
+        fixed=fixed,
     )
     return len(blobs)
 
