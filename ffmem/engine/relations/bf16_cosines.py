@@ -46,6 +46,14 @@ LOW = np.float32(-3.0e38)  # below every similarity: an empty pool slot (finite,
 MARGIN = 2.0**-20  # ŝ's float32 roundings (a few, of numbers ≤ 1.1) and the exact sums' float64 ones
 
 
+def row_norms(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Each row's norm as torch.nn.functional.normalize divides by it, `chunk` rows at a time in float32:
+    [n, d] → [n] float32."""
+    return torch.cat(
+        [torch.linalg.vector_norm(rows[i : i + chunk].float(), dim=1) for i in range(0, rows.shape[0], chunk)]
+    ).clamp_min(1e-12)
+
+
 class Factor:
     """One factor's rows prepared for the search: float32 rows [n, d] and their norms (the exact unit
     row is row / norm, in float32), bf16 unit rows [n, d], and per row ‖δa‖ (`rounding`), ‖ã‖ (`size`) and
@@ -54,9 +62,7 @@ class Factor:
     def __init__(self, rows: torch.Tensor, block: int, fast: bool) -> None:
         n, d = rows.shape
         self.rows = rows.detach().float().contiguous()  # [n, d] (the model's own weight where float32)
-        self.norm = torch.cat(  # [n], as torch.nn.functional.normalize divides by them
-            [torch.linalg.vector_norm(self.rows[i : i + block], dim=1) for i in range(0, n, block)]
-        ).clamp_min(1e-12)
+        self.norm = row_norms(self.rows, block)  # [n]
         self.fast = fast
         self.units = torch.empty(n, d, dtype=torch.bfloat16 if fast else torch.float32)  # [n, d]
         self.rounding, self.size, self.length = (torch.empty(n, dtype=torch.float64) for _ in range(3))
