@@ -74,6 +74,7 @@ class Factor:
             self.size[i : i + block] = rounded.double().norm(dim=1) * SLACK
             self.length[i : i + block] = unit.double().norm(dim=1) * SLACK
         self.gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
+        self.out = torch.empty(0, dtype=torch.bfloat16)  # a block's products, reused (`product`)
 
     def error(self) -> np.ndarray:
         """Per row, ε of its pairs with any row (module docstring: the largest of the others' norms):
@@ -84,8 +85,16 @@ class Factor:
 
     def product(self, rows: slice, columns: slice) -> np.ndarray:
         """c̃ of a block: [rows, columns] as the bits of bfloat16 (int16)."""
-        product = self.units[rows] @ self.units[columns].T  # [bi, bj]
-        return product.bfloat16().view(torch.int16).numpy()
+        left, right = self.units[rows], self.units[columns]  # [bi, d], [bj, d]
+        if not self.fast:
+            return (left @ right.T).bfloat16().view(torch.int16).numpy()  # [bi, bj]
+        # Into one buffer, valid until the next pair: a fresh 32 MiB product would be faulted in page
+        # by page at every block pair.
+        if len(self.out) < len(left) * len(right):
+            self.out = torch.empty(len(left) * len(right), dtype=torch.bfloat16)
+        product = self.out[: len(left) * len(right)].view(len(left), len(right))  # [bi, bj]
+        torch.matmul(left, right.T, out=product)
+        return product.view(torch.int16).numpy()
 
 
 def nearest_pools(
