@@ -130,21 +130,6 @@ def top_per_column(magnitude: torch.Tensor, n: int, group: int = 16) -> torch.Te
     return candidates.gather(0, best)
 
 
-def top_per_row(magnitude: torch.Tensor, n: int, group: int = 16) -> torch.Tensor:
-    """Columns of the `n` largest entries of each row, largest first: [rows, cols] → [rows, n]; as
-    `top_per_column` (the same as `magnitude.topk(n, dim=1).indices`), a row's groups of `group` columns
-    first: one pass for their maxima, then topk over a sixteenth of the entries and its n·group candidates."""
-    rows, cols = magnitude.shape
-    if cols % group or cols < n * group:
-        return magnitude.topk(min(n, cols), dim=1).indices
-    maxima = magnitude.view(rows, cols // group, group).amax(dim=2)  # [rows, cols / group]
-    groups = maxima.topk(n, dim=1).indices  # [rows, n]
-    offsets = torch.arange(group, device=magnitude.device)[None, None, :]  # [1, 1, group]
-    candidates = (groups[:, :, None] * group + offsets).reshape(rows, n * group)  # [rows, n·group]
-    best = magnitude.gather(1, candidates).topk(n, dim=1).indices  # [rows, n]
-    return candidates.gather(1, best)
-
-
 def weight_graph(
     loaded: LoadedModel,
     n: int = TOP,
@@ -185,7 +170,7 @@ def weight_graph(
                 found = (scores.gather(0, top).T, (first + top).T)  # [d_ff, n] each
                 best_in = _merge(best_in, found, n)
                 # outbound: per writer (a row), the reader keys with the largest |score|
-                columns = top_per_row(magnitude, n)  # [writers, n]
+                columns = magnitude.topk(min(n, d_ff), dim=1).indices  # [writers, n]
                 found = (scores.gather(1, columns), reader * d_ff + columns)  # [writers, n] each
                 for offset, layer in enumerate(range(start, stop)):
                     kept = slice(offset * d_ff, (offset + 1) * d_ff)
