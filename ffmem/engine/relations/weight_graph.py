@@ -156,15 +156,12 @@ def weight_graph(
         # ones would be mapped from the system and faulted in page by page at every block.
         rows = min(block_layers, n_layers - 1) * d_ff
         buffers = _Buffers(rows, values[0].shape[1], d_ff, device)
-        # Several layers a block (small layers: d_ff ≤ 5,792): every value once in float32 (106 MiB at
-        # SmolLM2), a block's writers a view of it, not copied at each of the reader layers after it.
-        stacked = torch.cat(values).float() if block_layers > 1 else None  # [L · d_ff, d]
         for reader in range(1, n_layers):
             reads = read_vectors(loaded, reader).to(device)  # [d_ff, d]
             best_in = _no_links(d_ff, device)
             for start in range(0, reader, block_layers):
                 stop = min(start + block_layers, reader)
-                writers, scores, magnitude = buffers.block(values[start:stop], stacked, start * d_ff)
+                writers, scores, magnitude = buffers.block(values[start:stop])  # [w, d], [w, d_ff] ×2
                 torch.matmul(writers, reads.T, out=scores)  # [writers, d_ff]
                 torch.abs(scores, out=magnitude)  # [writers, d_ff]
                 first = start * d_ff
@@ -190,15 +187,9 @@ class _Buffers:
         self.scores = torch.empty(rows, d_ff, device=device)
         self.magnitude = torch.empty(rows, d_ff, device=device)
 
-    def block(
-        self, values: list[torch.Tensor], stacked: torch.Tensor | None = None, first: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The writers `values` (each [d_ff, d]) in float32 — rows `first` on of `stacked` (every value,
-        float32) where given, else copied into the first rows — and as many rows of the score buffers:
-        [w, d], [w, d_ff], [w, d_ff]."""
-        if stacked is not None:
-            rows = sum(map(len, values))
-            return stacked[first : first + rows], self.scores[:rows], self.magnitude[:rows]
+    def block(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The writers `values` (each [d_ff, d]) copied in float32 into the first rows, and those rows of
+        the score buffers."""
         rows = 0
         for value in values:
             self.writers[rows : rows + len(value)].copy_(value)  # [d_ff, d], in float32
