@@ -46,6 +46,14 @@ LOW = np.float32(-3.0e38)  # below every similarity: an empty pool slot (finite,
 MARGIN = 2.0**-20  # ŝ's float32 roundings (a few, of numbers ≤ 1.1) and the exact sums' float64 ones
 
 
+def row_norms(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Each row's norm as torch.nn.functional.normalize divides by it, `chunk` rows at a time in float32:
+    [n, d] → [n] float32."""
+    return torch.cat(
+        [torch.linalg.vector_norm(rows[i : i + chunk].float(), dim=1) for i in range(0, rows.shape[0], chunk)]
+    ).clamp_min(1e-12)
+
+
 class Factor:
     """One factor's rows prepared for the search: float32 rows [n, d] and their norms (the exact unit
     row is row / norm, in float32), bf16 unit rows [n, d], and per row ‖δa‖ (`rounding`), ‖ã‖ (`size`) and
@@ -54,9 +62,7 @@ class Factor:
     def __init__(self, rows: torch.Tensor, block: int, fast: bool) -> None:
         n, d = rows.shape
         self.rows = rows.detach().float().contiguous()  # [n, d] (the model's own weight where float32)
-        self.norm = torch.cat(  # [n], as torch.nn.functional.normalize divides by them
-            [torch.linalg.vector_norm(self.rows[i : i + block], dim=1) for i in range(0, n, block)]
-        ).clamp_min(1e-12)
+        self.norm = row_norms(self.rows, block)  # [n]
         self.fast = fast
         self.units = torch.empty(n, d, dtype=torch.bfloat16 if fast else torch.float32)  # [n, d]
         self.rounding, self.size, self.length = (torch.empty(n, dtype=torch.float64) for _ in range(3))
@@ -68,6 +74,7 @@ class Factor:
             self.size[i : i + block] = rounded.double().norm(dim=1) * SLACK
             self.length[i : i + block] = unit.double().norm(dim=1) * SLACK
         self.gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
+        self.out = torch.empty(0, dtype=torch.bfloat16)  # a block's products, reused (`product`)
 
     def error(self) -> np.ndarray:
         """Per row, ε of its pairs with any row (module docstring: the largest of the others' norms):
@@ -78,8 +85,16 @@ class Factor:
 
     def product(self, rows: slice, columns: slice) -> np.ndarray:
         """c̃ of a block: [rows, columns] as the bits of bfloat16 (int16)."""
-        product = self.units[rows] @ self.units[columns].T  # [bi, bj]
-        return product.bfloat16().view(torch.int16).numpy()
+        left, right = self.units[rows], self.units[columns]  # [bi, d], [bj, d]
+        if not self.fast:
+            return (left @ right.T).bfloat16().view(torch.int16).numpy()  # [bi, bj]
+        # Into one buffer, valid until the next pair: a fresh 32 MiB product would be faulted in page
+        # by page at every block pair.
+        if len(self.out) < len(left) * len(right):
+            self.out = torch.empty(len(left) * len(right), dtype=torch.bfloat16)
+        product = self.out[: len(left) * len(right)].view(len(left), len(right))  # [bi, bj]
+        torch.matmul(left, right.T, out=product)
+        return product.view(torch.int16).numpy()
 
 
 def nearest_pools(
