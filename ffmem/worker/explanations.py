@@ -49,6 +49,7 @@ from ffmem.worker.explanation_scores import (
     score_patterns,
     simulation_scores,
 )
+from ffmem.worker.fitting_positions import layer_positions
 from ffmem.worker.held_out import held_out
 from ffmem.worker.leases import Heartbeat, checked_commit
 
@@ -335,22 +336,13 @@ def _layer_evidence(
             for sign in POLARITIES
         }
     by_key = {sign: _by_key(found, n_keys) for sign, found in triggers.items()}
-    sides, in_quadrants = {}, {}  # key → sign or quadrant → (tokens, previous tokens, coefficients)
-    for key in range(n_keys):
-        found = {s: by_key[s][key] for s in POLARITIES}
-        sides[key], in_quadrants[key] = _fitting_positions(shaded.get(key), found, run)
-    positions, signs = [], []  # the patterns fitted, in order: per key its sides, then its quadrants
-    for key in range(n_keys):
-        positions += [sides[key][sign] for sign in POLARITIES] + list(in_quadrants[key].values())
-        signs += list(POLARITIES) + [QUADRANT_SIGNS[number] for number in in_quadrants[key]]
-    patterns = iter(
-        fit_patterns(
-            *(np.concatenate([p[part] for p in positions]) for part in range(3)),
-            [len(p[2]) for p in positions],
-            signs,
-            run.counts,
-        )
-    )
+    if all(key in shaded for key in range(n_keys)):
+        found = layer_positions(shaded, triggers, run, n_keys)
+        fitted = (found.tokens, found.previous, found.m, found.lengths, found.signs)
+        in_quadrants = found.quadrants  # [keys] the quadrants each key has a pattern of
+    else:  # a run stored before the shading (or a key without it): key by key
+        fitted, in_quadrants = _key_positions(shaded, by_key, run, n_keys)
+    patterns = iter(fit_patterns(*fitted, run.counts))
     evidence, quadrants = [], {}
     for key in range(n_keys):
         found = {s: by_key[s][key] for s in POLARITIES}
@@ -372,6 +364,20 @@ def _layer_evidence(
                 next(patterns), values, shallow, run.names
             )
     return evidence, quadrants
+
+
+def _key_positions(shaded: dict, by_key: dict, run: _RunInputs, n_keys: int) -> tuple[tuple, list[list[int]]]:
+    """fit_patterns' positions, lengths and signs of a layer's patterns gathered key by key (a key's
+    stored examples, or its triggers where it has none), and the quadrants each key has a pattern of."""
+    positions, signs, in_quadrants = [], [], []  # per key its sides, then its quadrants
+    for key in range(n_keys):
+        found = {s: by_key[s][key] for s in POLARITIES}
+        sides, quadrants = _fitting_positions(shaded.get(key), found, run)
+        positions += [sides[sign] for sign in POLARITIES] + list(quadrants.values())
+        signs += list(POLARITIES) + [QUADRANT_SIGNS[number] for number in quadrants]
+        in_quadrants.append(list(quadrants))
+    arrays = tuple(np.concatenate([p[part] for p in positions]) for part in range(3))
+    return (*arrays, [len(p[2]) for p in positions], signs), in_quadrants
 
 
 def _rows(

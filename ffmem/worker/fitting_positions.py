@@ -1,0 +1,148 @@
+"""The mined positions each pattern of a layer is fitted on (ffmem.worker.explanations), the layer's keys at
+once: per key, each side's (POLARITIES) — every mined token of the shaded sentences of its first triggers
+of that sign and of its band samples, each sentence once — then, for a gated key, each quadrant's that has
+examples (QUADRANTS' numbers) — the position of each of its examples, then every mined token of its band
+samples' sentences (each once). Flat arrays, one pattern after another, as
+ffmem.engine.explanations.fitting.fit_patterns takes them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ffmem.engine.explanations.protocol import POLARITIES
+from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS, QUADRANTS
+from ffmem.store.key_examples import NOT_MINED, StoredExamples, shading_codes
+
+if TYPE_CHECKING:
+    from ffmem.store.memory_lists import Lists
+    from ffmem.worker.explanations import _RunInputs
+
+GROUPS = len(POLARITIES) + len(QUADRANTS)  # a key's patterns: its sides, then its quadrants
+
+
+@dataclass
+class LayerPositions:
+    """A layer's patterns' positions, pattern after pattern (per key: its sides, then its quadrants that
+    have examples)."""
+
+    tokens: np.ndarray  # [positions] int64
+    previous: np.ndarray  # [positions] int64: START at a sentence's first
+    m: np.ndarray  # [positions] float64: the coefficient there
+    lengths: np.ndarray  # [patterns] int64
+    signs: np.ndarray  # [patterns] int64
+    quadrants: list[list[int]]  # [keys] the quadrants each key has a pattern of, ascending
+
+
+def layer_positions(
+    shaded: Mapping[int, StoredExamples], triggers: Mapping[int, Lists], run: _RunInputs, n_keys: int
+) -> LayerPositions:
+    """Every key's patterns' positions (module docstring) from its stored examples (`shaded`: key → them,
+    every key of the layer) and the layer's triggers of each sign."""
+    stored = [shaded[key] for key in range(n_keys)]
+    counts = np.array([(s.positive, s.negative, len(s.samples)) for s in stored], np.int64).reshape(-1, 3)
+    # the shaded sentences ("slots"), key after key: its positive triggers', negative's, samples'
+    parts = [_first_triggers(triggers[sign], counts[:, kind], n_keys) for kind, sign in enumerate(POLARITIES)]
+    samples = np.array([e.sentence_index for s in stored for e in s.samples], np.int64)  # [samples]
+    parts.append((np.repeat(np.arange(n_keys), counts[:, 2]), samples))
+    slot_key = np.concatenate([key for key, _ in parts])  # [slots]
+    slot_kind = np.repeat(np.arange(3), [len(key) for key, _ in parts])  # [slots]
+    order = np.lexsort((slot_kind, slot_key))  # stable: each kind's sentences in their order
+    slot_key, slot_kind = slot_key[order], slot_kind[order]  # [slots] each
+    slot_sentence = np.concatenate([sentence for _, sentence in parts])[order]  # [slots]
+    begins = run.starts[slot_sentence]  # [slots] where each sentence begins in the corpus's tokens
+    lengths = run.starts[slot_sentence + 1] - begins  # [slots]
+    values = _shading(stored, counts.sum(axis=1), lengths, np.bincount(slot_key, lengths, n_keys))
+    offsets = np.cumsum(lengths) - lengths  # [slots] where each begins in `values`
+    token_slot = np.repeat(np.arange(len(lengths)), lengths)  # [tokens]
+    corpus = begins[token_slot] + np.arange(len(values)) - offsets[token_slot]  # [tokens] corpus index
+    mined = ~np.isnan(values)  # [tokens]
+    # each group's tokens: (pattern group, its order inside the pattern, token), one array each
+    found = []
+    for side in range(len(POLARITIES)):
+        kept = _first_each(slot_key, slot_sentence, (slot_kind == side) | (slot_kind == 2))  # [slots]
+        at = np.flatnonzero(kept[token_slot] & mined)  # [its tokens]
+        found.append((slot_key[token_slot[at]] * GROUPS + side, at))
+    quadrants = [[] for _ in range(n_keys)]
+    examples = [(k, e) for k, s in enumerate(stored) for e in (s.quadrants or [])]
+    if examples:
+        behind = np.flatnonzero(_first_each(slot_key, slot_sentence, slot_kind == 2)[token_slot] & mined)
+        found += _quadrant_positions(examples, slot_key[token_slot[behind]], behind, quadrants, run)
+    group = np.concatenate([g for g, _ in found])  # [positions] key · GROUPS + its pattern's group
+    where = np.concatenate([at for _, at in found])  # [positions] a token (≥ 0) or an example (< 0)
+    order = np.argsort(group, kind="stable")  # each pattern's positions in their order
+    group, where = group[order], where[order]
+    token = where >= 0  # [positions]
+    tokens, previous = np.empty(len(where), np.int64), np.empty(len(where), np.int64)  # [positions] each
+    m = np.empty(len(where), np.float64)  # [positions]
+    tokens[token], previous[token] = run.tokens[corpus[where[token]]], run.previous[corpus[where[token]]]
+    m[token] = values[where[token]]
+    if examples:
+        chosen = -1 - where[~token]  # [examples]
+        e_corpus = np.array([run.starts[e.sentence_index] + e.position for _, e in examples], np.int64)
+        tokens[~token], previous[~token] = run.tokens[e_corpus[chosen]], run.previous[e_corpus[chosen]]
+        m[~token] = np.array([e.coefficient for _, e in examples], np.float64)[chosen]
+    present = np.zeros((n_keys, GROUPS), bool)  # [keys, groups]: the patterns fitted
+    present[:, : len(POLARITIES)] = True
+    for key, numbers in enumerate(quadrants):
+        present[key, [len(POLARITIES) + n for n in numbers]] = True
+    sizes = np.bincount(group, minlength=n_keys * GROUPS)[present.reshape(-1)]  # [patterns]
+    signs = np.array([*POLARITIES, *QUADRANT_SIGNS], np.int64)[np.nonzero(present)[1]]  # [patterns]
+    return LayerPositions(tokens, previous, m, sizes, signs, quadrants)
+
+
+def _first_triggers(found: Lists, counts: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """(key, sentence) [chosen] of each key's first `counts[key]` triggers (in their stored order)."""
+    key = found.key.astype(np.int64)  # [entries]
+    order = np.argsort(key, kind="stable")  # [entries]
+    key = key[order]
+    rank = np.arange(len(key)) - np.searchsorted(key, key)  # [entries] within its key
+    chosen = order[rank < counts[key]]
+    if (np.bincount(key[rank < counts[key]], minlength=n_keys) != counts).any():
+        raise ValueError("the stored shading does not match these sentences")
+    return key[rank < counts[key]], found.entries["sentence_index"][chosen].astype(np.int64)
+
+
+def _shading(stored: list[StoredExamples], sentences: np.ndarray, lengths: np.ndarray, tokens: np.ndarray):
+    """[tokens] float32 every key's stored shading one after another (NaN where not mined), as
+    StoredExamples.shading decodes each: `sentences` [keys] and `tokens` [keys] each one's counts,
+    `lengths` [slots] its sentences' lengths."""
+    parts = [shading_codes(s.data, n) for s, n in zip(stored, sentences.tolist(), strict=True)]
+    if [len(codes) for _, codes in parts] != tokens.tolist():
+        raise ValueError("the stored shading does not match these sentences")
+    steps = np.concatenate([steps for steps, _ in parts] or [np.zeros(0, np.float32)])  # [slots]
+    codes = np.concatenate([codes for _, codes in parts] or [np.zeros(0, np.int8)])  # [tokens]
+    values = codes.astype(np.float32) * np.repeat(steps, lengths)  # [tokens]
+    values[codes == NOT_MINED] = np.nan
+    return values
+
+
+def _first_each(key: np.ndarray, sentence: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """[slots] bool: the chosen slots whose sentence is the key's first chosen one of that sentence."""
+    at = np.flatnonzero(chosen)  # [c]
+    _, first = np.unique(key[at] * (int(sentence.max(initial=0)) + 1) + sentence[at], return_index=True)
+    kept = np.zeros(len(key), bool)
+    kept[at[first]] = True
+    return kept
+
+
+def _quadrant_positions(examples: list, behind_key: np.ndarray, behind: np.ndarray, quadrants, run):
+    """Each quadrant pattern's (group, where) parts: its examples (where −1 − their index among
+    `examples`, (key, QuadrantExample) pairs), then its key's band samples' tokens (`behind` [b] token
+    indices, `behind_key` [b] theirs), appending to `quadrants` [keys] the numbers that have examples."""
+    key = np.array([k for k, _ in examples], np.int64)  # [examples]
+    number = np.array([e.quadrant for _, e in examples], np.int64)  # [examples]
+    group = key * GROUPS + len(POLARITIES) + number  # [examples]
+    # every (key, quadrant) with examples gets its key's band samples' tokens after them
+    patterns = np.unique(group)  # [quadrant patterns]
+    for g in patterns.tolist():
+        quadrants[g // GROUPS].append(g % GROUPS - len(POLARITIES))
+    start = np.searchsorted(behind_key, patterns // GROUPS)  # [quadrant patterns]
+    size = np.searchsorted(behind_key, patterns // GROUPS, side="right") - start  # [quadrant patterns]
+    offsets = np.cumsum(size) - size  # [quadrant patterns]
+    picked = np.repeat(start - offsets, size) + np.arange(size.sum())  # [their tokens]
+    # the examples sort first within a pattern: the stable sort keeps them before the tokens (added later)
+    return [(group, -1 - np.arange(len(examples))), (np.repeat(patterns, size), behind[picked])]
