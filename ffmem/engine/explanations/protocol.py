@@ -46,6 +46,7 @@ from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS
 
 POLARITIES = (1, -1)  # the positive side (predicts m), the negative side (predicts −m)
 SEED = 0  # the fixed shuffles: the random records, the control memories
+SCORE_ORDER = ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")  # as fields
 STATS = ("n", "p", "pp", "m", "mm", "pm", "c", "cc", "cm", "hit")  # running sums; c: the control's match
 
 
@@ -265,21 +266,14 @@ class ProtocolScores:
             "random": _pearson(random, "p"),
             "random_control": _pearson(random, "c"),
         }
-        n_top, n_random = sums[0, 0], sums[1, 0]  # [keys] each
-        return [
-            ProtocolScore(
-                pooled=_number(found["pooled"][k]),
-                pooled_control=_number(found["pooled_control"][k]) if has_control else None,
-                random=_number(found["random"][k]),
-                random_control=_number(found["random_control"][k]) if has_control else None,
-                auroc=_number(auroc[k]),
-                auroc_control=_number(auroc_control[k]) if has_control else None,
-                top_positions=int(n_top[k]),
-                random_positions=int(n_random[k]),
-                matches=int(pooled[-1, k]),
-            )
-            for k in range(values.shape[1])
-        ]
+        found |= {"auroc": auroc, "auroc_control": auroc_control}
+        numbers = {name: list(map(_rounded, value.tolist())) for name, value in found.items()}  # [keys] each
+        if not has_control:
+            for name in ("pooled_control", "random_control", "auroc_control"):
+                numbers[name] = [None] * values.shape[1]
+        counts = (sums[0, 0], sums[1, 0], pooled[-1])  # [keys] each: top and random positions, matches
+        columns = [numbers[name] for name in SCORE_ORDER] + [list(map(int, c.tolist())) for c in counts]
+        return [ProtocolScore(*fields) for fields in zip(*columns, strict=True)]
 
 
 def _pearson(sums: torch.Tensor, of: str) -> torch.Tensor:
@@ -294,6 +288,5 @@ def _pearson(sums: torch.Tensor, of: str) -> torch.Tensor:
     return torch.where(defined, (xm - x * m) / (var_x * var_m).sqrt().clamp(min=1e-30), torch.nan)
 
 
-def _number(value: torch.Tensor) -> float | None:
-    value = float(value)
+def _rounded(value: float) -> float | None:
     return None if math.isnan(value) else round(value, 4)
