@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ffmem.engine.explanations.fitting import START
 from ffmem.engine.explanations.protocol import POLARITIES
 from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS, QUADRANTS
 from ffmem.store.key_examples import NOT_MINED, StoredExamples, shading_codes
@@ -146,3 +147,98 @@ def _quadrant_positions(examples: list, behind_key: np.ndarray, behind: np.ndarr
     picked = np.repeat(start - offsets, size) + np.arange(size.sum())  # [their tokens]
     # the examples sort first within a pattern: the stable sort keeps them before the tokens (added later)
     return [(group, -1 - np.arange(len(examples))), (np.repeat(patterns, size), behind[picked])]
+
+
+def key_positions(shaded: dict, by_key: dict, run: _RunInputs, n_keys: int) -> tuple[tuple, list[list[int]]]:
+    """fit_patterns' positions, lengths and signs of a layer's patterns gathered key by key (a key's
+    stored examples, or its triggers where it has none), and the quadrants each key has a pattern of."""
+    positions, signs, in_quadrants = [], [], []  # per key its sides, then its quadrants
+    for key in range(n_keys):
+        found = {s: by_key[s][key] for s in POLARITIES}
+        sides, quadrants = _fitting_positions(shaded.get(key), found, run)
+        positions += [sides[sign] for sign in POLARITIES] + list(quadrants.values())
+        signs += list(POLARITIES) + [QUADRANT_SIGNS[number] for number in quadrants]
+        in_quadrants.append(list(quadrants))
+    arrays = tuple(np.concatenate([p[part] for p in positions]) for part in range(3))
+    return (*arrays, [len(p[2]) for p in positions], signs), in_quadrants
+
+
+def by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
+    """A layer's triggers of one sign as (sentence, position, coefficient) per key, the strongest first."""
+    triggers: list[list[tuple[int, int, float]]] = [[] for _ in range(n_keys)]
+    for key, sentence, position, coefficient in zip(
+        found.key.tolist(),
+        found.entries["sentence_index"].tolist(),
+        found.entries["position"].tolist(),
+        found.entries["coefficient"].tolist(),
+        strict=True,
+    ):
+        triggers[key].append((sentence, position, coefficient))
+    return triggers
+
+
+def _fitting_positions(
+    stored: StoredExamples | None, triggers: dict[int, list], run: _RunInputs
+) -> tuple[dict[int, tuple[np.ndarray, ...]], dict[int, tuple[np.ndarray, ...]]]:
+    """Per side (POLARITIES), (tokens, previous tokens, coefficients) of the mined positions its pattern is
+    fitted on (its own records): every mined token of the shaded sentences of its first triggers of that
+    sign and of its band samples (each sentence once), or — for a run stored before the shading — its top
+    triggers of that sign alone. The stored shading is decoded once for both. Then, for a gated memory,
+    the same per quadrant that has examples (QUADRANTS' numbers): the position of each of its examples
+    (ffmem.store.key_examples.QuadrantExample), then every mined token of the band samples' sentences."""
+    sentences = run.sentences
+    if stored is None:
+        return {side: _trigger_positions(triggers[side], run) for side in POLARITIES}, {}
+    positive = [s for s, _, _ in triggers[1][: stored.positive]]
+    negative = [s for s, _, _ in triggers[-1][: stored.negative]]
+    samples = [sample.sentence_index for sample in stored.samples]
+    arrays = stored.shading([len(sentences[s]) for s in positive + negative + samples])
+    shown = len(positive) + len(negative)
+    backdrop = list(zip(samples, arrays[shown:], strict=True))
+    own = {
+        1: list(zip(positive, arrays[: len(positive)], strict=True)) + backdrop,
+        -1: list(zip(negative, arrays[len(positive) : shown], strict=True)) + backdrop,
+    }
+    quadrants = {}
+    if stored.quadrants:
+        behind = _positions(backdrop, run)
+        for number in range(len(QUADRANTS)):
+            chosen = [
+                (e.sentence_index, e.position, e.coefficient)
+                for e in stored.quadrants
+                if e.quadrant == number
+            ]
+            if chosen:
+                examples = _trigger_positions(chosen, run)
+                quadrants[number] = tuple(
+                    np.concatenate(parts) for parts in zip(examples, behind, strict=True)
+                )
+    return {side: _positions(chosen, run) for side, chosen in own.items()}, quadrants
+
+
+def _trigger_positions(chosen: list, run: _RunInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, previous tokens, coefficients) of (sentence, position, coefficient) triples."""
+    sentences = run.sentences
+    tokens = np.array([sentences[s][p] for s, p, _ in chosen], dtype=np.int64)
+    previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in chosen], dtype=np.int64)
+    return tokens, previous, np.array([c for _, _, c in chosen], dtype=np.float64)
+
+
+def _positions(chosen: list, run: _RunInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, previous tokens, coefficients) of the mined positions of (sentence, shading) pairs, each
+    sentence once."""
+    sentences, arrays, seen = [], [], set()
+    for sentence, values in chosen:
+        if sentence not in seen:
+            seen.add(sentence)
+            sentences.append(sentence)
+            arrays.append(values)
+    if not sentences:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    values = np.concatenate(arrays)  # [positions] the sentences' shading, one after another
+    starts = run.starts[sentences]  # [sentences] where each begins in the corpus's tokens
+    lengths = run.starts[np.asarray(sentences) + 1] - starts  # [sentences]
+    index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(len(values))  # [positions]
+    mined = ~np.isnan(values)  # [positions]
+    index = index[mined]
+    return run.tokens[index], run.previous[index], values[mined].astype(np.float64)
