@@ -350,17 +350,17 @@ def _layer_evidence(
             )[0]
             for sign in POLARITIES
         }
-    by_key = {sign: by_key(found, n_keys) for sign, found in triggers.items()}
+    keyed = {sign: by_key(found, n_keys) for sign, found in triggers.items()}
     if all(key in shaded for key in range(n_keys)):
         found = layer_positions(shaded, triggers, run, n_keys)
         fitted = (found.tokens, found.previous, found.m, found.lengths, found.signs)
         in_quadrants = found.quadrants  # [keys] the quadrants each key has a pattern of
     else:  # a run stored before the shading (or a key without it): key by key
-        fitted, in_quadrants = key_positions(shaded, by_key, run, n_keys)
+        fitted, in_quadrants = key_positions(shaded, keyed, run, n_keys)
     patterns = iter(fit_patterns(*fitted, run.counts))
     evidence, quadrants = [], {}
     for key in range(n_keys):
-        found = {s: by_key[s][key] for s in POLARITIES}
+        found = {s: keyed[s][key] for s in POLARITIES}
         shallow = run.shallowness.get((layer, key))
         for sign in POLARITIES:
             pattern = next(patterns)
