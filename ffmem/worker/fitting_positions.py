@@ -72,10 +72,7 @@ def layer_positions(
     if examples:
         behind = np.flatnonzero(_first_each(slot_key, slot_sentence, slot_kind == 2)[token_slot] & mined)
         found += _quadrant_positions(examples, slot_key[token_slot[behind]], behind, quadrants, run)
-    group = np.concatenate([g for g, _ in found])  # [positions] key · GROUPS + its pattern's group
-    where = np.concatenate([at for _, at in found])  # [positions] a token (≥ 0) or an example (< 0)
-    order = np.argsort(group, kind="stable")  # each pattern's positions in their order
-    group, where = group[order], where[order]
+    group, where = _in_patterns(found, n_keys * GROUPS)  # [positions] each
     token = where >= 0  # [positions]
     tokens, previous = np.empty(len(where), np.int64), np.empty(len(where), np.int64)  # [positions] each
     m = np.empty(len(where), np.float64)  # [positions]
@@ -93,6 +90,22 @@ def layer_positions(
     sizes = np.bincount(group, minlength=n_keys * GROUPS)[present.reshape(-1)]  # [patterns]
     signs = np.array([*POLARITIES, *QUADRANT_SIGNS], np.int64)[np.nonzero(present)[1]]  # [patterns]
     return LayerPositions(tokens, previous, m, sizes, signs, quadrants)
+
+
+def _in_patterns(parts: list[tuple[np.ndarray, np.ndarray]], n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parts (group [n] ascending, where [n]) laid out group after group, each group's entries part after
+    part in their order: (group, where) [positions] each, as a stable sort by group would give them."""
+    sizes = [np.bincount(group, minlength=n_groups) for group, _ in parts]  # [parts][groups]
+    total = np.sum(sizes, axis=0) if parts else np.zeros(n_groups, np.int64)  # [groups]
+    placed = np.cumsum(total) - total  # [groups] where each group's next entry goes
+    group, where = np.empty(int(total.sum()), np.int64), np.empty(int(total.sum()), np.int64)
+    for (part, at), size in zip(parts, sizes, strict=True):
+        index = np.arange(len(part))  # [n]
+        begins = np.r_[True, part[1:] != part[:-1]] if len(part) else np.zeros(0, bool)  # [n] a group's first
+        into = placed[part] + index - np.maximum.accumulate(np.where(begins, index, 0))  # [n]
+        group[into], where[into] = part, at
+        placed = placed + size
+    return group, where
 
 
 def _first_triggers(found: Lists, counts: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,8 +158,8 @@ def _quadrant_positions(examples: list, behind_key: np.ndarray, behind: np.ndarr
     size = np.searchsorted(behind_key, patterns // GROUPS, side="right") - start  # [quadrant patterns]
     offsets = np.cumsum(size) - size  # [quadrant patterns]
     picked = np.repeat(start - offsets, size) + np.arange(size.sum())  # [their tokens]
-    # the examples sort first within a pattern: the stable sort keeps them before the tokens (added later)
-    return [(group, -1 - np.arange(len(examples))), (np.repeat(patterns, size), behind[picked])]
+    order = np.argsort(group, kind="stable")  # [examples] by pattern, each one's in their order
+    return [(group[order], -1 - order), (np.repeat(patterns, size), behind[picked])]
 
 
 def key_positions(shaded: dict, by_key: dict, run: _RunInputs, n_keys: int) -> tuple[tuple, list[list[int]]]:

@@ -267,6 +267,8 @@ def _most_important(
     candidates = np.flatnonzero((largest > 0) & (importance >= LEAST_IMPORTANCE * largest))  # [c]
     ties = candidates if tie is None else tie[candidates]  # [c]
     order = candidates[np.lexsort((ties, -importance[candidates], pattern[candidates]))]  # [c]
-    ordered = pattern[order]  # [c]
-    rank = np.arange(len(order)) - np.searchsorted(ordered, ordered)  # [c] within its pattern
+    ordered = pattern[order]  # [c] ascending
+    index = np.arange(len(order))  # [c]
+    begins = np.r_[True, ordered[1:] != ordered[:-1]][: len(order)]  # [c]: a pattern's first
+    rank = index - np.maximum.accumulate(np.where(begins, index, 0))  # [c] within its pattern
     return order[rank < most]
