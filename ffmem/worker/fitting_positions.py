@@ -3,7 +3,8 @@ once: per key, each side's (POLARITIES) — every mined token of the shaded sent
 of that sign and of its band samples, each sentence once — then, for a gated key, each quadrant's that has
 examples (QUADRANTS' numbers) — the position of each of its examples, then every mined token of its band
 samples' sentences (each once). Flat arrays, one pattern after another, as
-ffmem.engine.explanations.fitting.fit_patterns takes them."""
+ffmem.engine.explanations.fitting.fit_patterns takes them (`layer_positions`). A run stored before the
+shading has its patterns fitted on its top triggers alone, gathered key by key (`key_positions`)."""
 
 from __future__ import annotations
 
