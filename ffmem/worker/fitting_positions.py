@@ -60,7 +60,7 @@ def layer_positions(
     values = _shading(stored, counts.sum(axis=1), lengths, np.bincount(slot_key, lengths, n_keys))
     offsets = np.cumsum(lengths) - lengths  # [slots] where each begins in `values`
     token_slot = np.repeat(np.arange(len(lengths)), lengths)  # [tokens]
-    corpus = begins[token_slot] + np.arange(len(values)) - offsets[token_slot]  # [tokens] corpus index
+    corpus = np.repeat(begins - offsets, lengths) + np.arange(len(values))  # [tokens] corpus index
     mined = ~np.isnan(values)  # [tokens]
     # each group's tokens: (pattern group, its order inside the pattern, token), one array each
     found = []
@@ -74,16 +74,15 @@ def layer_positions(
         behind = np.flatnonzero(_first_each(slot_key, slot_sentence, slot_kind == 2)[token_slot] & mined)
         found += _quadrant_positions(examples, slot_key[token_slot[behind]], behind, quadrants, run)
     group, where = _in_patterns(found, n_keys * GROUPS)  # [positions] each
-    token = where >= 0  # [positions]
-    tokens, previous = np.empty(len(where), np.int64), np.empty(len(where), np.int64)  # [positions] each
-    m = np.empty(len(where), np.float64)  # [positions]
-    tokens[token], previous[token] = run.tokens[corpus[where[token]]], run.previous[corpus[where[token]]]
-    m[token] = values[where[token]]
-    if examples:
-        chosen = -1 - where[~token]  # [examples]
-        e_corpus = np.array([run.starts[e.sentence_index] + e.position for _, e in examples], np.int64)
-        tokens[~token], previous[~token] = run.tokens[e_corpus[chosen]], run.previous[e_corpus[chosen]]
-        m[~token] = np.array([e.coefficient for _, e in examples], np.float64)[chosen]
+    source = values  # [tokens (+ examples)] the coefficient at each
+    if examples:  # an example's `where` (−1 − its index) points past the tokens
+        corpus = np.concatenate(
+            [corpus, np.array([run.starts[e.sentence_index] + e.position for _, e in examples], np.int64)]
+        )
+        source = np.concatenate([values, np.array([e.coefficient for _, e in examples])])  # float64
+        where = np.where(where >= 0, where, len(values) - 1 - where)
+    at = corpus[where]  # [positions] corpus index
+    tokens, previous, m = run.tokens[at], run.previous[at], source[where].astype(np.float64)
     present = np.zeros((n_keys, GROUPS), bool)  # [keys, groups]: the patterns fitted
     present[:, : len(POLARITIES)] = True
     for key, numbers in enumerate(quadrants):
