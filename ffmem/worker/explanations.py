@@ -350,12 +350,13 @@ def _layer_evidence(
             )[0]
             for sign in POLARITIES
         }
-    keyed = {sign: by_key(found, n_keys) for sign, found in triggers.items()}
     if all(key in shaded for key in range(n_keys)):
-        found = layer_positions(shaded, triggers, run, n_keys)
-        fitted = (found.tokens, found.previous, found.m, found.lengths, found.signs)
-        in_quadrants = found.quadrants  # [keys] the quadrants each key has a pattern of
+        laid = layer_positions(shaded, triggers, run, n_keys)
+        fitted = (laid.tokens, laid.previous, laid.m, laid.lengths, laid.signs)
+        in_quadrants = laid.quadrants  # [keys] the quadrants each key has a pattern of
+        keyed = {sign: by_key(found, n_keys, PROMPT_PREFIXES) for sign, found in triggers.items()}
     else:  # a run stored before the shading (or a key without it): key by key
+        keyed = {sign: by_key(found, n_keys) for sign, found in triggers.items()}
         fitted, in_quadrants = key_positions(shaded, keyed, run, n_keys)
     patterns = iter(fit_patterns(*fitted, run.counts))
     evidence, quadrants = [], {}

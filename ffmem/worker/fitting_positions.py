@@ -176,14 +176,23 @@ def key_positions(shaded: dict, by_key: dict, run: _RunInputs, n_keys: int) -> t
     return (*arrays, [len(p[2]) for p in positions], signs), in_quadrants
 
 
-def by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
-    """A layer's triggers of one sign as (sentence, position, coefficient) per key, the strongest first."""
+def by_key(found, n_keys: int, first: int | None = None) -> list[list[tuple[int, int, float]]]:
+    """A layer's triggers of one sign as (sentence, position, coefficient) per key, the strongest first
+    (each key's `first` alone, where given)."""
+    chosen = slice(None)
+    if first is not None:
+        key = found.key.astype(np.int64)  # [entries]
+        order = np.argsort(key, kind="stable")  # [entries]
+        rank = np.empty(len(key), np.int64)  # [entries] within its key, in their order
+        rank[order] = np.arange(len(key)) - np.searchsorted(key[order], key[order])
+        chosen = rank < first
     triggers: list[list[tuple[int, int, float]]] = [[] for _ in range(n_keys)]
+    entries = found.entries[chosen]
     for key, sentence, position, coefficient in zip(
-        found.key.tolist(),
-        found.entries["sentence_index"].tolist(),
-        found.entries["position"].tolist(),
-        found.entries["coefficient"].tolist(),
+        found.key[chosen].tolist(),
+        entries["sentence_index"].tolist(),
+        entries["position"].tolist(),
+        entries["coefficient"].tolist(),
         strict=True,
     ):
         triggers[key].append((sentence, position, coefficient))

@@ -267,7 +267,7 @@ class ProtocolScores:
             "random_control": _pearson(random, "c"),
         }
         found |= {"auroc": auroc, "auroc_control": auroc_control}
-        numbers = {name: list(map(_rounded, value.tolist())) for name, value in found.items()}  # [keys] each
+        numbers = {name: _rounded(value.tolist()) for name, value in found.items()}  # [keys] each
         if not has_control:
             for name in ("pooled_control", "random_control", "auroc_control"):
                 numbers[name] = [None] * values.shape[1]
@@ -288,5 +288,6 @@ def _pearson(sums: torch.Tensor, of: str) -> torch.Tensor:
     return torch.where(defined, (xm - x * m) / (var_x * var_m).sqrt().clamp(min=1e-30), torch.nan)
 
 
-def _rounded(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 4)
+def _rounded(values: list[float]) -> list[float | None]:
+    """Each value to 4 decimals, None where NaN (the only value unequal to itself)."""
+    return [None if value != value else round(value, 4) for value in values]

@@ -113,13 +113,14 @@ class LayerPatterns:
         self.values = torch.zeros(MAX_LEVEL + 1, len(patterns), dtype=torch.float64)  # [levels, keys], CPU
         tables = []
         for first, listed, weights in ((1, "final", "weights"), (1 + MAX_TOKENS, "pairs", "pair_weights")):
-            sizes = np.array([len(getattr(p, listed)) for p in patterns], np.int64)  # [keys]
-            entries = list(chain.from_iterable(getattr(p, listed) for p in patterns))  # [entries]
+            lists = [getattr(p, listed) for p in patterns]  # [keys]
+            sizes = np.fromiter(map(len, lists), np.int64, len(lists))  # [keys]
+            entries = list(chain.from_iterable(lists))  # [entries]
             codes = np.array(entries, np.int64).reshape(len(entries), 1 if listed == "final" else 2)
             codes = codes[:, 0] if listed == "final" else pair_code(codes[:, 0], codes[:, 1])  # [entries]
             level = first + np.arange(len(codes)) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [entries]
             tables.append(_LevelTable.of_entries(codes, level.astype(np.uint8), sizes, device))
-            found = np.fromiter(chain.from_iterable(getattr(p, weights) for p in patterns), np.float64)
+            found = np.fromiter(chain.from_iterable([getattr(p, weights) for p in patterns]), np.float64)
             keys = np.repeat(np.arange(len(patterns)), sizes)  # [entries]
             self.values[torch.from_numpy(level), torch.from_numpy(keys)] = torch.from_numpy(found)
         self.final, self.pairs = tables
