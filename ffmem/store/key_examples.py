@@ -241,6 +241,12 @@ def decode_shading(data: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
     return _values(steps, codes, lengths)
 
 
+def shading_codes(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """encode_shading's bytes of `count` sentences as (steps [count] float32, codes [tokens] int8): a value
+    is its code times its sentence's step, NaN where the code is NOT_MINED (decode_shading)."""
+    return _unpack(data, count)
+
+
 def _unpack(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
     """encode_shading's bytes of `count` sentences as (steps [count] float32, codes [tokens] int8)."""
     data = zlib.decompress(data)

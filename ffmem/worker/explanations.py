@@ -24,7 +24,6 @@ from ffmem.config import Settings
 from ffmem.engine.errors import FfmemError
 from ffmem.engine.explanations.description import Description, describe
 from ffmem.engine.explanations.fitting import (
-    START,
     CorpusCounts,
     Pattern,
     dominant_sign,
@@ -37,7 +36,8 @@ from ffmem.engine.explanations.protocol import (
 from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS, QUADRANTS
 from ffmem.engine.model.loaded import LoadedModel
 from ffmem.store import composition, corpora, memory_reads, vocabularies
-from ffmem.store.key_examples import StoredExamples, layer_shading
+from ffmem.store.bulk import collector_paused
+from ffmem.store.key_examples import layer_shading
 from ffmem.store.models import Run
 from ffmem.store.specs import CompositionSpec, RunSpec
 from ffmem.worker.explainer import PROMPT_PREFIXES, PROMPT_TOKENS, Evidence, LocalExplainer
@@ -49,6 +49,7 @@ from ffmem.worker.explanation_scores import (
     score_patterns,
     simulation_scores,
 )
+from ffmem.worker.fitting_positions import by_key, key_positions, layer_positions
 from ffmem.worker.held_out import held_out
 from ffmem.worker.leases import Heartbeat, checked_commit
 
@@ -115,7 +116,22 @@ def store_explanations(
     """Describe both sides of every memory of the run, score each by the protocol on held-out sentences
     and store them (committed after `lease` is checked, when there is one); what was stored, with each
     part's seconds. A layer at a time: its memories' evidence is gathered, described (and, with a local
-    explainer, sent to it) and let go, so that what stays for every memory is its descriptions."""
+    explainer, sent to it) and let go, so that what stays for every memory is its descriptions. The
+    cycle collector is paused meanwhile: the step's hundreds of thousands of patterns, descriptions and
+    scores make no cycles, but their allocations would run it again and again over every object the
+    process holds (a sixth of the step)."""
+    with collector_paused():
+        return _explain(sessions, run_id, loaded, options, client, lease)
+
+
+def _explain(
+    sessions: sessionmaker,
+    run_id: int,
+    loaded: LoadedModel,
+    options: ExplanationOptions,
+    client: httpx.Client | None,
+    lease: Heartbeat | None,
+) -> dict:
     timings = {}
     start = time.perf_counter()
     run = _RunInputs.read(sessions, run_id, loaded)
@@ -334,26 +350,18 @@ def _layer_evidence(
             )[0]
             for sign in POLARITIES
         }
-    by_key = {sign: _by_key(found, n_keys) for sign, found in triggers.items()}
-    sides, in_quadrants = {}, {}  # key → sign or quadrant → (tokens, previous tokens, coefficients)
-    for key in range(n_keys):
-        found = {s: by_key[s][key] for s in POLARITIES}
-        sides[key], in_quadrants[key] = _fitting_positions(shaded.get(key), found, run)
-    positions, signs = [], []  # the patterns fitted, in order: per key its sides, then its quadrants
-    for key in range(n_keys):
-        positions += [sides[key][sign] for sign in POLARITIES] + list(in_quadrants[key].values())
-        signs += list(POLARITIES) + [QUADRANT_SIGNS[number] for number in in_quadrants[key]]
-    patterns = iter(
-        fit_patterns(
-            *(np.concatenate([p[part] for p in positions]) for part in range(3)),
-            [len(p[2]) for p in positions],
-            signs,
-            run.counts,
-        )
-    )
+    if all(key in shaded for key in range(n_keys)):
+        laid = layer_positions(shaded, triggers, run, n_keys)
+        fitted = (laid.tokens, laid.previous, laid.m, laid.lengths, laid.signs)
+        in_quadrants = laid.quadrants  # [keys] the quadrants each key has a pattern of
+        keyed = {sign: by_key(found, n_keys, PROMPT_PREFIXES) for sign, found in triggers.items()}
+    else:  # a run stored before the shading (or a key without it): key by key
+        keyed = {sign: by_key(found, n_keys) for sign, found in triggers.items()}
+        fitted, in_quadrants = key_positions(shaded, keyed, run, n_keys)
+    patterns = iter(fit_patterns(*fitted, run.counts))
     evidence, quadrants = [], {}
     for key in range(n_keys):
-        found = {s: by_key[s][key] for s in POLARITIES}
+        found = {s: keyed[s][key] for s in POLARITIES}
         shallow = run.shallowness.get((layer, key))
         for sign in POLARITIES:
             pattern = next(patterns)
@@ -406,84 +414,3 @@ def _rows(
             score = protocol["pooled"] if protocol else None
             rows.append((layer, key, source, description.text, score, description.pattern.to_dict(), details))
     return rows
-
-
-def _by_key(found, n_keys: int) -> list[list[tuple[int, int, float]]]:
-    """A layer's triggers of one sign as (sentence, position, coefficient) per key, the strongest first."""
-    triggers: list[list[tuple[int, int, float]]] = [[] for _ in range(n_keys)]
-    for key, sentence, position, coefficient in zip(
-        found.key.tolist(),
-        found.entries["sentence_index"].tolist(),
-        found.entries["position"].tolist(),
-        found.entries["coefficient"].tolist(),
-        strict=True,
-    ):
-        triggers[key].append((sentence, position, coefficient))
-    return triggers
-
-
-def _fitting_positions(
-    stored: StoredExamples | None, triggers: dict[int, list], run: _RunInputs
-) -> tuple[dict[int, tuple[np.ndarray, ...]], dict[int, tuple[np.ndarray, ...]]]:
-    """Per side (POLARITIES), (tokens, previous tokens, coefficients) of the mined positions its pattern is
-    fitted on (its own records): every mined token of the shaded sentences of its first triggers of that
-    sign and of its band samples (each sentence once), or — for a run stored before the shading — its top
-    triggers of that sign alone. The stored shading is decoded once for both. Then, for a gated memory,
-    the same per quadrant that has examples (QUADRANTS' numbers): the position of each of its examples
-    (ffmem.store.key_examples.QuadrantExample), then every mined token of the band samples' sentences."""
-    sentences = run.sentences
-    if stored is None:
-        return {side: _trigger_positions(triggers[side], run) for side in POLARITIES}, {}
-    positive = [s for s, _, _ in triggers[1][: stored.positive]]
-    negative = [s for s, _, _ in triggers[-1][: stored.negative]]
-    samples = [sample.sentence_index for sample in stored.samples]
-    arrays = stored.shading([len(sentences[s]) for s in positive + negative + samples])
-    shown = len(positive) + len(negative)
-    backdrop = list(zip(samples, arrays[shown:], strict=True))
-    own = {
-        1: list(zip(positive, arrays[: len(positive)], strict=True)) + backdrop,
-        -1: list(zip(negative, arrays[len(positive) : shown], strict=True)) + backdrop,
-    }
-    quadrants = {}
-    if stored.quadrants:
-        behind = _positions(backdrop, run)
-        for number in range(len(QUADRANTS)):
-            chosen = [
-                (e.sentence_index, e.position, e.coefficient)
-                for e in stored.quadrants
-                if e.quadrant == number
-            ]
-            if chosen:
-                examples = _trigger_positions(chosen, run)
-                quadrants[number] = tuple(
-                    np.concatenate(parts) for parts in zip(examples, behind, strict=True)
-                )
-    return {side: _positions(chosen, run) for side, chosen in own.items()}, quadrants
-
-
-def _trigger_positions(chosen: list, run: _RunInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, previous tokens, coefficients) of (sentence, position, coefficient) triples."""
-    sentences = run.sentences
-    tokens = np.array([sentences[s][p] for s, p, _ in chosen], dtype=np.int64)
-    previous = np.array([sentences[s][p - 1] if p else START for s, p, _ in chosen], dtype=np.int64)
-    return tokens, previous, np.array([c for _, _, c in chosen], dtype=np.float64)
-
-
-def _positions(chosen: list, run: _RunInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, previous tokens, coefficients) of the mined positions of (sentence, shading) pairs, each
-    sentence once."""
-    sentences, arrays, seen = [], [], set()
-    for sentence, values in chosen:
-        if sentence not in seen:
-            seen.add(sentence)
-            sentences.append(sentence)
-            arrays.append(values)
-    if not sentences:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-    values = np.concatenate(arrays)  # [positions] the sentences' shading, one after another
-    starts = run.starts[sentences]  # [sentences] where each begins in the corpus's tokens
-    lengths = run.starts[np.asarray(sentences) + 1] - starts  # [sentences]
-    index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(len(values))  # [positions]
-    mined = ~np.isnan(values)  # [positions]
-    index = index[mined]
-    return run.tokens[index], run.previous[index], values[mined].astype(np.float64)

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from ffmem.engine.explanations.description import describe
-from ffmem.engine.explanations.fitting import START, CorpusCounts, Pattern, dominant_sign, fit_pattern
+from ffmem.engine.explanations.fitting import (
+    START,
+    CorpusCounts,
+    Pattern,
+    _significant,
+    dominant_sign,
+    fit_pattern,
+)
 from ffmem.engine.explanations.protocol import (
     POLARITIES,
     ProtocolScores,
@@ -82,6 +89,20 @@ def test_the_fitted_pattern_equals_a_hand_computation():
     negative = fit_pattern(np.array(tokens), np.array(previous), np.array(m), -1, counts)
     assert negative.weights == [-w for w in positive.weights]  # −m: the same tokens, weights negated
     assert fit_pattern(np.zeros(0, int), np.zeros(0, int), np.zeros(0), 1, counts) == Pattern()
+
+
+def test_a_weight_keeps_three_significant_digits_as_its_decimal_text_does():
+    """_significant rounds as float(f"{w:.3g}") does: halves of the exact decimal to even, powers of ten
+    at the edge of log10, signed zeros, values too small or large for an exact power of ten, NaN."""
+    edges = [0.1235, 1.005, 2.675, 999.5, 999.4999, 99.95, 0.001, 1e3, 124.5, -124.5, 0.1255, 1e-30, 1e30]
+    edges += [0.0, -0.0, 5e-324, 1.7e308, math.inf, -math.inf, 1.0, -2.5e-7]
+    rng = np.random.default_rng(0)
+    values = np.concatenate([edges, rng.standard_normal(20_000) * 10.0 ** rng.integers(-9, 9, 20_000)])
+    values = np.concatenate([values, (np.arange(2_000) + 0.5) / 10.0 ** rng.integers(0, 8, 2_000)])
+    got = _significant(values)
+    expected = np.array([float(f"{value:.3g}") for value in values.tolist()])
+    assert np.array_equal(got, expected) and np.array_equal(np.signbit(got), np.signbit(expected))
+    assert np.isnan(_significant(np.array([math.nan])))[0]
 
 
 def test_the_description_names_the_pattern():

@@ -92,8 +92,42 @@ def dominant_sign(largest: float | None, smallest: float | None) -> int:
 
 
 def _significant(values: np.ndarray) -> np.ndarray:
-    """Each value to 3 significant digits (as a person reads it: decimal rounding of the float)."""
-    return np.array([float(f"{value:.3g}") for value in values.tolist()], dtype=np.float64)
+    """Each value to 3 significant digits (as a person reads it: decimal rounding of the float), exactly
+    float(f"{value:.3g}"): the value scaled to [100, 1000) by a power of ten (one correctly rounded product
+    or quotient), rounded half to even, scaled back (one more: the nearest float to the decimal, as the
+    text's parse gives it). A value whose scaled form lies within `_TIE` of a half (its rounding could
+    differ from the exact decimal's), or too large or small for an exact power of ten, goes through the
+    text."""
+    values = np.asarray(values, dtype=np.float64)  # [n]
+    found = values.copy()  # [n]: 0, ±inf and NaN as they are
+    regular = np.isfinite(values) & (values != 0)  # [n]
+    size = np.abs(values[regular])  # [r]
+    k = 2 - np.floor(np.log10(size)).astype(np.int64)  # [r] the power of ten that scales to [100, 1000)
+    k = k.clip(-_EXACT, _EXACT)
+    scaled = _scaled(size, k)  # [r]
+    k += (scaled < 100).astype(np.int64) - (scaled >= 1000)  # log10's last bit off at a power of ten
+    exact = np.abs(k) <= _EXACT
+    k = k.clip(-_EXACT, _EXACT)
+    scaled = _scaled(size, k)  # [r]
+    digits = np.rint(scaled)  # [r] half to even
+    power = 10.0 ** np.abs(k)  # [r] exact
+    rounded = np.where(k >= 0, digits / power, digits * power)  # [r]
+    found[regular] = np.copysign(rounded, values[regular])
+    doubtful = ~exact | (scaled < 100) | (scaled >= 1000) | (np.abs(scaled - np.floor(scaled) - 0.5) < _TIE)
+    for at in np.flatnonzero(regular)[doubtful].tolist():
+        found[at] = float(f"{values[at]:.3g}")
+    return found
+
+
+_EXACT = 22  # 10**22 is the largest power of ten a float64 holds exactly
+_TIE = 1e-6  # a scaled value this near a half goes through the text (its error is below 1e-13)
+
+
+def _scaled(size: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """size · 10**k, one correctly rounded operation (10**|k| is exact for |k| ≤ 22)."""
+    power = 10.0 ** np.abs(k)
+    with np.errstate(over="ignore", under="ignore"):  # out of range: sent through the text
+        return np.where(k >= 0, size * power, size / power)
 
 
 def fit_pattern(
@@ -233,6 +267,8 @@ def _most_important(
     candidates = np.flatnonzero((largest > 0) & (importance >= LEAST_IMPORTANCE * largest))  # [c]
     ties = candidates if tie is None else tie[candidates]  # [c]
     order = candidates[np.lexsort((ties, -importance[candidates], pattern[candidates]))]  # [c]
-    ordered = pattern[order]  # [c]
-    rank = np.arange(len(order)) - np.searchsorted(ordered, ordered)  # [c] within its pattern
+    ordered = pattern[order]  # [c] ascending
+    index = np.arange(len(order))  # [c]
+    begins = np.r_[True, ordered[1:] != ordered[:-1]][: len(order)]  # [c]: a pattern's first
+    rank = index - np.maximum.accumulate(np.where(begins, index, 0))  # [c] within its pattern
     return order[rank < most]

@@ -41,11 +41,12 @@ import numpy as np
 import torch
 
 from ffmem.engine.explanations.fitting import START, Pattern, pair_code
-from ffmem.engine.explanations.scoring import MAX_LEVEL, LayerPatterns, auroc_of_levels, lookup_rows
+from ffmem.engine.explanations.scoring import MAX_LEVEL, LayerPatterns, auroc_of_levels
 from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS
 
 POLARITIES = (1, -1)  # the positive side (predicts m), the negative side (predicts −m)
 SEED = 0  # the fixed shuffles: the random records, the control memories
+SCORE_ORDER = ("pooled", "pooled_control", "random", "random_control", "auroc", "auroc_control")  # as fields
 STATS = ("n", "p", "pp", "m", "mm", "pm", "c", "cc", "cm", "hit")  # running sums; c: the control's match
 
 
@@ -124,38 +125,21 @@ class TopRecords:
         return torch.where(self.peaks > -math.inf, self.sentences, -1)
 
 
-def _entry_codes(table) -> torch.Tensor:
-    """A ffmem.engine.explanations.scoring level table's entries as sorted codes row · keys + key (its rows
-    list their keys in order), for looking up one (code, key) pair at a time."""
-    counts = table.starts[1:] - table.starts[:-1]  # [rows]
-    rows = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)  # [entries]
-    return rows * table.n_keys + table.keys
-
-
-def _pair_levels(table, codes: torch.Tensor, row_of: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """[P] uint8 the level table gives key `key[i]` at code `row_of[i]` (an index into the positions'
-    `codes` rows, already looked up), 0 where its pattern does not hold it."""
-    if not len(codes):
-        return torch.zeros(len(key), dtype=torch.uint8, device=key.device)
-    wanted = row_of * table.n_keys + key  # [P]
-    at = torch.searchsorted(codes, wanted).clamp_(max=len(codes) - 1)  # [P]
-    return table.levels[at].mul_(codes[at] == wanted)  # 0 where the entry found is another
-
-
 class _SideTables:
     """One side and layer: its patterns as lookups by (position, key) pair."""
 
     def __init__(self, patterns: Sequence[Pattern], device):
         self.patterns = LayerPatterns(patterns, device)
-        self.final_codes = _entry_codes(self.patterns.final)
-        self.pair_codes = _entry_codes(self.patterns.pairs)
         self.values = self.patterns.values.to(device)  # [levels, keys]
 
-    def levels(self, token_row: torch.Tensor, pair_row: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """[P] each pair's level: its pair's where the pattern lists the pair, else its token's."""
-        level = _pair_levels(self.patterns.final, self.final_codes, token_row, key)
-        pair = _pair_levels(self.patterns.pairs, self.pair_codes, pair_row, key)
-        return torch.where(pair > 0, pair, level)
+    def dense_levels(self, token: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+        """[Q, keys] uint8 every key's level at each position of tokens and pair codes [Q] each: its pair's
+        where the pattern lists the pair, else its token's."""
+        level = self.patterns.final.level(token)  # [Q, keys]
+        if len(self.patterns.pairs) > 1:
+            pairs = self.patterns.pairs.level(pair)  # [Q, keys]
+            level = torch.where(pairs > 0, pairs, level)
+        return level
 
 
 class ProtocolScores:
@@ -244,11 +228,9 @@ class ProtocolScores:
         `is_random` [P] whether their record is a random one."""
         tables = self.tables[group][layer]
         n_keys = self.sums.shape[-1]
-        token_row = lookup_rows(tables.patterns.final.codes, codes[0])  # [Q]
-        pair_row = lookup_rows(tables.patterns.pairs.codes, codes[1])  # [Q]
         control = self.control[key]  # [P]
-        level = tables.levels(token_row[q], pair_row[q], key)  # [P]
-        control_level = tables.levels(token_row[q], pair_row[q], control)  # [P]
+        every = tables.dense_levels(*codes)  # [Q, keys]
+        level, control_level = every[q, key], every[q, control]  # [P] each
         p = tables.values[level.long(), key]  # [P]
         c = tables.values[control_level.long(), control]  # [P]
         bins = is_random.long() * n_keys + key  # [P]
@@ -284,21 +266,14 @@ class ProtocolScores:
             "random": _pearson(random, "p"),
             "random_control": _pearson(random, "c"),
         }
-        n_top, n_random = sums[0, 0], sums[1, 0]  # [keys] each
-        return [
-            ProtocolScore(
-                pooled=_number(found["pooled"][k]),
-                pooled_control=_number(found["pooled_control"][k]) if has_control else None,
-                random=_number(found["random"][k]),
-                random_control=_number(found["random_control"][k]) if has_control else None,
-                auroc=_number(auroc[k]),
-                auroc_control=_number(auroc_control[k]) if has_control else None,
-                top_positions=int(n_top[k]),
-                random_positions=int(n_random[k]),
-                matches=int(pooled[-1, k]),
-            )
-            for k in range(values.shape[1])
-        ]
+        found |= {"auroc": auroc, "auroc_control": auroc_control}
+        numbers = {name: _rounded(value.tolist()) for name, value in found.items()}  # [keys] each
+        if not has_control:
+            for name in ("pooled_control", "random_control", "auroc_control"):
+                numbers[name] = [None] * values.shape[1]
+        counts = (sums[0, 0], sums[1, 0], pooled[-1])  # [keys] each: top and random positions, matches
+        columns = [numbers[name] for name in SCORE_ORDER] + [list(map(int, c.tolist())) for c in counts]
+        return [ProtocolScore(*fields) for fields in zip(*columns, strict=True)]
 
 
 def _pearson(sums: torch.Tensor, of: str) -> torch.Tensor:
@@ -313,6 +288,6 @@ def _pearson(sums: torch.Tensor, of: str) -> torch.Tensor:
     return torch.where(defined, (xm - x * m) / (var_x * var_m).sqrt().clamp(min=1e-30), torch.nan)
 
 
-def _number(value: torch.Tensor) -> float | None:
-    value = float(value)
-    return None if math.isnan(value) else round(value, 4)
+def _rounded(values: list[float]) -> list[float | None]:
+    """Each value to 4 decimals, None where NaN (the only value unequal to itself)."""
+    return [None if value != value else round(value, 4) for value in values]

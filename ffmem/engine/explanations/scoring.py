@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -64,7 +65,13 @@ class _LevelTable:
         """The table of `levels[key]` (code → level)."""
         codes = np.array([code for given in levels for code in given], dtype=np.int64)  # [entries]
         found = np.array([level for given in levels for level in given.values()], dtype=np.uint8)  # [entries]
-        keys = np.repeat(np.arange(len(levels)), [len(given) for given in levels])  # [entries]
+        return cls.of_entries(codes, found, np.array([len(given) for given in levels], np.int64), device)
+
+    @classmethod
+    def of_entries(cls, codes: np.ndarray, found: np.ndarray, sizes: np.ndarray, device) -> _LevelTable:
+        """The table of entries key after key: `codes` [entries] int64 and their levels `found` [entries]
+        uint8, `sizes` [keys] how many each key has."""
+        keys = np.repeat(np.arange(len(sizes)), sizes)  # [entries]
         order = np.argsort(codes, kind="stable")  # row after row, each row's keys in order
         distinct, counts = np.unique(codes, return_counts=True)  # [codes] each
         starts = np.concatenate([[0], np.cumsum(counts), [len(codes)]])  # the _ABSENT row is empty
@@ -73,7 +80,7 @@ class _LevelTable:
             torch.from_numpy(starts.astype(np.int64)).to(device),
             torch.from_numpy(keys[order].astype(np.int64)).to(device),
             torch.from_numpy(found[order]).to(device),
-            len(levels),
+            len(sizes),
         )
 
     def __len__(self) -> int:
@@ -103,18 +110,20 @@ class LayerPatterns:
     """
 
     def __init__(self, patterns: Sequence[Pattern], device: torch.device | str = "cpu"):
-        self.final = _LevelTable.of(
-            [{token: 1 + i for i, token in enumerate(p.final)} for p in patterns], device
-        )
-        self.pairs = _LevelTable.of(
-            [{pair_code(*pair): 1 + MAX_TOKENS + i for i, pair in enumerate(p.pairs)} for p in patterns],
-            device,
-        )
         self.values = torch.zeros(MAX_LEVEL + 1, len(patterns), dtype=torch.float64)  # [levels, keys], CPU
-        for key, p in enumerate(patterns):
-            self.values[1 : 1 + len(p.weights), key] = torch.tensor(p.weights, dtype=torch.float64)
-            pairs = slice(1 + MAX_TOKENS, 1 + MAX_TOKENS + len(p.pair_weights))
-            self.values[pairs, key] = torch.tensor(p.pair_weights, dtype=torch.float64)
+        tables = []
+        for first, listed, weights in ((1, "final", "weights"), (1 + MAX_TOKENS, "pairs", "pair_weights")):
+            lists = [getattr(p, listed) for p in patterns]  # [keys]
+            sizes = np.fromiter(map(len, lists), np.int64, len(lists))  # [keys]
+            entries = list(chain.from_iterable(lists))  # [entries]
+            codes = np.array(entries, np.int64).reshape(len(entries), 1 if listed == "final" else 2)
+            codes = codes[:, 0] if listed == "final" else pair_code(codes[:, 0], codes[:, 1])  # [entries]
+            level = first + np.arange(len(codes)) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [entries]
+            tables.append(_LevelTable.of_entries(codes, level.astype(np.uint8), sizes, device))
+            found = np.fromiter(chain.from_iterable([getattr(p, weights) for p in patterns]), np.float64)
+            keys = np.repeat(np.arange(len(patterns)), sizes)  # [entries]
+            self.values[torch.from_numpy(level), torch.from_numpy(keys)] = torch.from_numpy(found)
+        self.final, self.pairs = tables
         self.sign = torch.tensor([float(p.sign) for p in patterns], device=device)  # [keys]
 
     def match(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
