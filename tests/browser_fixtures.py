@@ -1,7 +1,7 @@
 """Browser fixtures (tests/conftest.py exposes browser, dialogs and page): Playwright driving
 Debian's Chromium (never a downloaded one), an app served by uvicorn on a thread (`serving`), and a
-page that fails its test on any page error or dialog (a dialog would be XSS). Screenshots go to
-FFMEM_ARTIFACTS (default test-artifacts/).
+page that fails its test on any page error or dialog (a dialog would be XSS). A failed test's page is
+screenshot whole into FFMEM_ARTIFACTS (default test-artifacts/); every test's with FFMEM_SCREENSHOTS=all.
 
 Skipped when Chromium is not installed, except on CI (env CI set), where that is a failure.
 """
@@ -23,6 +23,25 @@ import uvicorn
 
 CHROMIUM = os.environ.get("FFMEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(os.environ.get("FFMEM_ARTIFACTS", "test-artifacts"))
+CALL_FAILED = pytest.StashKey[bool]()  # a test's outcome, for its fixtures' teardown
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
+def screenshot(page, request) -> None:
+    """The whole page into ARTIFACTS, named after the test, where the test failed (or did not run its body)
+    or FFMEM_SCREENSHOTS=all: a full-page PNG of a tall page costs ~0.3 s."""
+    if not request.node.stash.get(CALL_FAILED, True) and os.environ.get("FFMEM_SCREENSHOTS") != "all":
+        return
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "_")
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
 @contextmanager
@@ -87,9 +106,7 @@ def page(browser, request, dialogs):
 
     page.on("dialog", on_dialog)
     yield page
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    name = request.node.name.replace("[", "-").replace("]", "")
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    screenshot(page, request)
     context.close()
     assert errors == [], errors
     assert dialogs == [], dialogs

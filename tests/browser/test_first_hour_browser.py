@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from browser_fixtures import ARTIFACTS, serving
+from browser_fixtures import screenshot, serving
 from sqlalchemy import delete, select
 
 from bench.tiny_tokenizer import TRAINING_TEXT
@@ -115,9 +115,7 @@ def phone(browser, request, dialogs):
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     yield page
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "_")
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    screenshot(page, request)
     context.close()
     assert errors == [], errors
 
