@@ -20,13 +20,13 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ffmem.config import Settings
 from ffmem.engine.explanations.fitting import START, CorpusCounts, Pattern, fit_pattern
-from ffmem.engine.explanations.protocol import control_keys, random_records
+from ffmem.engine.explanations.protocol import POLARITIES, control_keys, random_records
 from ffmem.engine.mining.mined_layer import QUADRANT_SIGNS, QUADRANTS
 from ffmem.engine.model.loading import load_model
 from ffmem.engine.relations.weight_graph import weight_graph
-from ffmem.store import composition, corpora, vocabularies
+from ffmem.store import composition, corpora, memory_reads, vocabularies
 from ffmem.store.db import make_engine, make_sessionmaker, upgrade
-from ffmem.store.key_examples import key_examples
+from ffmem.store.key_examples import key_examples, layer_shading
 from ffmem.store.models import (
     Analysis,
     Explanation,
@@ -43,7 +43,8 @@ from ffmem.store.specs import CompositionSpec, fingerprint
 from ffmem.web.pages.jobs import explainer_report
 from ffmem.worker.composition import compose, explanations_step, weight_graph_step
 from ffmem.worker.explainer import GIVE_UP
-from ffmem.worker.explanations import ExplanationOptions
+from ffmem.worker.explanations import ExplanationOptions, _RunInputs
+from ffmem.worker.fitting_positions import by_key, key_positions, layer_positions
 from ffmem.worker.held_out import held_out
 from ffmem.worker.index import IndexOptions
 from ffmem.worker.leases import LostLease
@@ -714,3 +715,29 @@ def test_ffmem_compose_queues_a_composition_job_that_a_worker_takes(planted_run,
         assert stored["explanations"].data["held_out_sentences"] == 4
     kept = [row[:4] + row[5:6] for row in _rows(sessions, run_id)]  # the scores: on 4 sentences now
     assert kept == [row[:4] + row[5:6] for row in before]
+
+
+def test_a_layers_fitting_positions_at_once_are_those_gathered_key_by_key(planted_run, planted):
+    """fit_patterns' positions of every pattern of a layer (sides, then quadrants), gathered for the layer at
+    once, are exactly those the key-by-key path gathers from the same stored examples."""
+    sessions, run_id = planted_run
+    run = _RunInputs.read(sessions, run_id, planted)
+    n_layers, n_keys = run.signs.shape
+    compared = 0
+    for layer in range(n_layers):
+        with sessions() as session:
+            triggers = {
+                sign: memory_reads.layer_triggers(session=session, run_id=run_id, layer=layer, sign=sign)
+                for sign in POLARITIES
+            }
+            shaded = layer_shading(session=session, run_id=run_id, layer=layer, quadrants=True)
+        laid = layer_positions(shaded, triggers, run, n_keys)
+        keyed = {sign: by_key(found, n_keys) for sign, found in triggers.items()}
+        (tokens, previous, m, lengths, signs), quadrants = key_positions(shaded, keyed, run, n_keys)
+        np.testing.assert_array_equal(laid.tokens, tokens)
+        np.testing.assert_array_equal(laid.previous, previous)
+        np.testing.assert_array_equal(laid.m, m)
+        assert laid.lengths.tolist() == list(lengths) and laid.signs.tolist() == list(signs)
+        assert laid.quadrants == quadrants
+        compared += sum(map(len, quadrants))
+    assert compared > 0, "the planted run's gated keys have quadrant patterns"
