@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -245,3 +247,33 @@ def test_worker_answers_live_traces_over_http(tmp_path, tiny_model_dir):
     finally:
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=30) is not None
+
+
+def test_a_sigterm_landing_in_a_weakref_callback_still_stops_the_process():
+    """Python ignores an exception raised inside a weakref callback: `ffmem serve`'s and `ffmem worker`'s
+    SIGTERM handler raises SystemExit, so a SIGTERM landing there would leave the process running (a demo's
+    worker once ran on for minutes after its explorer stopped). It is raised again outside the callback."""
+    script = """
+import signal, time, weakref
+from ffmem.cli.serve import _stop_on_sigterm
+_stop_on_sigterm()
+class Thing:
+    pass
+def callback(ref):
+    signal.raise_signal(signal.SIGTERM)  # its handler runs at the callback's next bytecode
+    for _ in range(3):
+        pass
+thing = Thing()
+ref = weakref.ref(thing, callback)
+try:
+    del thing
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pass
+    print("ran on")
+except SystemExit as stopped:
+    print("stopped", stopped.code)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "stopped 143", done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

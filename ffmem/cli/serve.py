@@ -76,7 +76,7 @@ def worker(
             + (" (one worker: SQLite)" if engine.dialect.name == "sqlite" else "")
             + (f"; live traces on http://{server.config.host}:{server.config.port}" if server else "")
         )
-        signal.signal(signal.SIGTERM, _stop)  # like Ctrl-C: release the leases on the way out
+        _stop_on_sigterm()  # like Ctrl-C: release the leases on the way out
         try:
             worker.work(once=once, poll_seconds=poll)
         finally:
@@ -111,9 +111,15 @@ class _LocalWorker:
             self.process = subprocess.Popen(self.command)
 
     def stop(self) -> None:
+        import subprocess
+
         self.stopping.set()
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # it did not stop: its leases lapse, the next start resumes it
+            self.process.kill()
+            self.process.wait()
 
 
 def _serve_live(settings, device: str, preload: str, host: str, port: int):
@@ -192,7 +198,7 @@ def serve(
         command = [sys.executable, "-c", "from ffmem.cli import main; main()", "worker", "--db", url]
         command += ["--host", address.hostname or "127.0.0.1", "--port", str(address.port or 8001)]
         worker_process = _LocalWorker(command)
-    signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down: stop the worker too
+    _stop_on_sigterm()  # uvicorn re-raises it after shutting down: stop the worker too
     typer.echo(f"serving {url} on http://{host}:{port}; live worker {live_url}")
     if configured.read_only:
         typer.echo("read-only: every write is refused and no write control is shown")
@@ -267,6 +273,29 @@ def demo(
     else:
         typer.echo(f"building the default index in the background: http://127.0.0.1:{port}/jobs/{number}")
     serve(db=url, host="127.0.0.1", port=port, worker_url=None)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops this process as Ctrl-C does (`_stop`), even where it lands in a weakref callback or a
+    `__del__`, whose exceptions Python ignores (`_stop_lost`)."""
+    import sys
+
+    signal.signal(signal.SIGTERM, _stop)
+    sys.unraisablehook = _stop_lost
+
+
+def _stop_lost(unraisable) -> None:
+    """sys.unraisablehook: `_stop`'s SystemExit raised inside a weakref callback or a `__del__` (ignored
+    there: the process would run on) is raised again: the signal is sent anew from a thread, so that `_stop`
+    runs in the main thread once it is out of the callback; anything else as Python reports it."""
+    import sys
+    import threading
+
+    stopped = unraisable.exc_value
+    if isinstance(stopped, SystemExit) and stopped.code == 128 + signal.SIGTERM:
+        threading.Timer(0.01, signal.raise_signal, (signal.SIGTERM,)).start()
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _stop(signum, frame) -> None:
